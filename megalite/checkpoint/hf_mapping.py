@@ -1,0 +1,140 @@
+"""One-to-one weight mapping between megalite and Hugging Face GPT2LMHeadModel / LlamaForCausalLM.
+
+Works on full (unsharded) state dicts. Two layout differences are handled here and
+nowhere else: megalite's fused QKV is ordered by query group (see model/attention.py)
+and its vocabulary is padded; GPT-2's HF Conv1D stores weights transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.config import ModelConfig
+
+StateDict = dict[str, torch.Tensor]
+
+
+def hf_config(cfg: ModelConfig):
+    """The transformers config describing the same network as `cfg`."""
+    from transformers import GPT2Config, LlamaConfig
+
+    if cfg.family == "gpt2":
+        return GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.positions, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
+            n_head=cfg.num_attention_heads, n_inner=cfg.ffn_size, activation_function="gelu_new",
+            layer_norm_epsilon=cfg.norm_epsilon, resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
+            attn_pdrop=cfg.attention_dropout, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied,
+        )
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.positions,
+        rms_norm_eps=cfg.norm_epsilon, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied,
+        attention_bias=False, mlp_bias=False, hidden_act="silu",
+    )
+
+
+def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[all q][all k][all v] rows -> [g: q.. k v] rows (weights or biases)."""
+    rest = q.shape[1:]
+    q, k, v = q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)
+    return torch.cat((q, k, v), dim=1).reshape(-1, *rest)
+
+
+def _ungroup_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rest, d = w.shape[1:], cfg.head_dim
+    per_group = cfg.num_attention_heads // cfg.kv_heads
+    w = w.reshape(cfg.kv_heads, (per_group + 2) * d, *rest)
+    q, k, v = w.split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _pad_vocab(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return torch.cat((w, w.new_zeros(cfg.padded_vocab_size - w.shape[0], *w.shape[1:])))
+
+
+def _gpt2_layer_names(i: int) -> dict[str, str]:
+    """megalite name -> HF name, for the tensors that map without reshaping (Conv1D ones are transposed)."""
+    hf, ml = f"transformer.h.{i}.", f"layers.{i}."
+    names = {f"{ml}input_norm.{p}": f"{hf}ln_1.{p}" for p in ("weight", "bias")}
+    names |= {f"{ml}pre_mlp_norm.{p}": f"{hf}ln_2.{p}" for p in ("weight", "bias")}
+    for ours, theirs in (("attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
+        names |= {f"{ml}{ours}.{p}": f"{hf}{theirs}.{p}" for p in ("weight", "bias")}
+    return names
+
+
+def _llama_layer_names(i: int) -> dict[str, str]:
+    hf, ml = f"model.layers.{i}.", f"layers.{i}."
+    return {
+        f"{ml}input_norm.weight": f"{hf}input_layernorm.weight",
+        f"{ml}pre_mlp_norm.weight": f"{hf}post_attention_layernorm.weight",
+        f"{ml}attention.linear_proj.weight": f"{hf}self_attn.o_proj.weight",
+        f"{ml}mlp.linear_fc2.weight": f"{hf}mlp.down_proj.weight",
+    }
+
+
+def _plain_names(cfg: ModelConfig) -> dict[str, str]:
+    if cfg.family == "gpt2":
+        names = {"embedding.position_embeddings.weight": "transformer.wpe.weight"}
+        names |= {f"final_norm.{p}": f"transformer.ln_f.{p}" for p in ("weight", "bias")}
+        for i in range(cfg.num_layers):
+            names |= _gpt2_layer_names(i)
+        return names
+    names = {"final_norm.weight": "model.norm.weight"}
+    for i in range(cfg.num_layers):
+        names |= _llama_layer_names(i)
+    return names
+
+
+def _embedding_name(cfg: ModelConfig) -> str:
+    return "transformer.wte.weight" if cfg.family == "gpt2" else "model.embed_tokens.weight"
+
+
+def _is_conv1d(hf_name: str) -> bool:
+    return hf_name.startswith("transformer.h.") and hf_name.endswith("weight") and ".ln_" not in hf_name
+
+
+def to_hf(state: StateDict, cfg: ModelConfig) -> StateDict:
+    """megalite full state dict -> HF state dict."""
+    out = {}
+    for ours, theirs in _plain_names(cfg).items():
+        out[theirs] = state[ours].t() if _is_conv1d(theirs) else state[ours]
+    out[_embedding_name(cfg)] = state["embedding.word_embeddings.weight"][: cfg.vocab_size]
+    if not cfg.tied:
+        out["lm_head.weight"] = state["lm_head.weight"][: cfg.vocab_size]
+    for i in range(cfg.num_layers):
+        q, k, v = _ungroup_qkv(state[f"layers.{i}.attention.linear_qkv.weight"], cfg)
+        if cfg.family == "gpt2":
+            qb, kb, vb = _ungroup_qkv(state[f"layers.{i}.attention.linear_qkv.bias"], cfg)
+            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat((q, k, v)).t()
+            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat((qb, kb, vb))
+        else:
+            attn = f"model.layers.{i}.self_attn."
+            out |= {f"{attn}q_proj.weight": q, f"{attn}k_proj.weight": k, f"{attn}v_proj.weight": v}
+            gate, up = state[f"layers.{i}.mlp.linear_fc1.weight"].chunk(2)
+            out |= {f"model.layers.{i}.mlp.gate_proj.weight": gate, f"model.layers.{i}.mlp.up_proj.weight": up}
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf(hf: StateDict, cfg: ModelConfig) -> StateDict:
+    """HF state dict -> megalite full state dict (padded vocabulary rows are zero)."""
+    out = {}
+    for ours, theirs in _plain_names(cfg).items():
+        out[ours] = hf[theirs].t() if _is_conv1d(theirs) else hf[theirs]
+    out["embedding.word_embeddings.weight"] = _pad_vocab(hf[_embedding_name(cfg)], cfg)
+    if not cfg.tied:
+        out["lm_head.weight"] = _pad_vocab(hf["lm_head.weight"], cfg)
+    h, kv = cfg.hidden_size, cfg.kv_heads * cfg.head_dim
+    for i in range(cfg.num_layers):
+        qkv = f"layers.{i}.attention.linear_qkv."
+        if cfg.family == "gpt2":
+            w, b = hf[f"transformer.h.{i}.attn.c_attn.weight"].t(), hf[f"transformer.h.{i}.attn.c_attn.bias"]
+            out[f"{qkv}weight"] = _group_qkv(*w.split([h, kv, kv]), cfg.kv_heads)
+            out[f"{qkv}bias"] = _group_qkv(*b.split([h, kv, kv]), cfg.kv_heads)
+        else:
+            attn = f"model.layers.{i}.self_attn."
+            out[f"{qkv}weight"] = _group_qkv(*(hf[f"{attn}{p}_proj.weight"] for p in "qkv"), cfg.kv_heads)
+            mlp = f"model.layers.{i}.mlp."
+            out[f"layers.{i}.mlp.linear_fc1.weight"] = torch.cat((hf[f"{mlp}gate_proj.weight"], hf[f"{mlp}up_proj.weight"]))
+    return {k: v.contiguous() for k, v in out.items()}

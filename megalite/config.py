@@ -1,0 +1,270 @@
+"""One typed configuration for a training run.
+
+Every knob lives in a dataclass section below, with its default and a one-line doc
+(`pretrain_gpt.py --help` prints them). A run's config is built once from a YAML file
+plus `--section.field=value` overrides (see `megalite.config_cli`) and validated once
+by `validate()`, which reports every problem together with the fix, so a bad job fails
+in the first second instead of after queueing on a cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message says which field and how."""
+
+
+def _f(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["gpt2", "llama"] = _f("gpt2", "gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings; llama: RoPE, RMSNorm, SwiGLU, GQA, no biases")
+    num_layers: int = _f(2, "number of transformer layers")
+    hidden_size: int = _f(128, "model width")
+    num_attention_heads: int = _f(4, "query heads")
+    num_query_groups: Optional[int] = _f(None, "key/value heads for grouped-query attention (default: num_attention_heads)")
+    ffn_hidden_size: Optional[int] = _f(None, "MLP width (default: 4*hidden for gpt2, 8/3*hidden rounded up to 64 for llama)")
+    seq_length: int = _f(128, "tokens per sample")
+    max_position_embeddings: Optional[int] = _f(None, "size of the learned position table for gpt2 (default: seq_length)")
+    vocab_size: int = _f(50257, "vocabulary size, used with mock data (a tokenizer sets it otherwise)")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this; padded entries never take probability mass")
+    tie_embeddings: Optional[bool] = _f(None, "share input embedding and LM head (default: true for gpt2, false for llama)")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
+    norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm / RMSNorm")
+    init_std: float = _f(0.02, "std of the normal init; output projections use init_std/sqrt(2*num_layers)")
+    hidden_dropout: float = _f(0.0, "dropout after attention and MLP (and on embeddings)")
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.family == "gpt2":
+            return 4 * self.hidden_size
+        return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+
+    @property
+    def tied(self) -> bool:
+        return self.family == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return m * math.ceil(self.vocab_size / m)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = _f(1, "tensor-parallel size")
+    pp: int = _f(1, "pipeline-parallel size")
+    vp: int = _f(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)")
+    sequence_parallel: bool = _f(False, "shard norm/dropout activations along the sequence inside the tensor-parallel group")
+    distributed_optimizer: bool = _f(False, "shard optimizer state across data-parallel ranks (ZeRO-1)")
+    timeout_minutes: int = _f(10, "collective timeout before a hung rank aborts the job")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = _f(1, "samples per micro batch per data-parallel rank")
+    global_batch_size: Optional[int] = _f(None, "samples per optimizer step (default: micro_batch_size * dp); must be a multiple of micro_batch_size * dp")
+    train_iters: int = _f(100, "optimizer steps to train for")
+    exit_interval: Optional[int] = _f(None, "stop cleanly after this many steps of this launch (saving a checkpoint when checkpoint.save is set)")
+    seed: int = _f(1234, "seed of init, data order and dropout")
+    precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32; bf16 autocast; fp16 autocast with dynamic loss scaling")
+    recompute: Literal["none", "selective", "full"] = _f("none", "activation recompute: selective = core attention, full = whole layers")
+    eval_interval: Optional[int] = _f(None, "evaluate on the validation set every this many steps (and at the end); none disables")
+    eval_iters: int = _f(10, "global batches per evaluation")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: cuda when available (one GPU per LOCAL_RANK), else cpu")
+    compile: bool = _f(False, "torch.compile each transformer layer")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(3e-5, "learning rate at the end of decay")
+    warmup_iters: int = _f(0, "linear warmup steps")
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = _f("cosine", "decay after warmup; wsd = constant then decay over optim.wsd_decay_iters")
+    decay_iters: Optional[int] = _f(None, "steps from start to the end of decay (default: train.train_iters)")
+    wsd_decay_iters: Optional[int] = _f(None, "length of the final decay phase of wsd (default: 20% of decay_iters)")
+    weight_decay: float = _f(0.1, "decoupled weight decay (not applied to biases and norms)")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.95, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this; 0 disables")
+    initial_loss_scale: float = _f(2.0**32, "fp16: starting loss scale")
+    min_loss_scale: float = _f(1.0, "fp16: the scale never drops below this")
+    loss_scale_window: int = _f(1000, "fp16: double the scale after this many steps without overflow")
+    hysteresis: int = _f(2, "fp16: overflows tolerated before the scale is halved")
+
+
+@dataclass
+class DataConfig:
+    mock: bool = _f(True, "synthetic tokens, a deterministic function of train.seed and the global sample index")
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = _f(None, "directory to save checkpoints into (iter_XXXXXXX/ and a latest file)")
+    load: Optional[str] = _f(None, "directory to resume from (its latest checkpoint); may equal save")
+    save_interval: Optional[int] = _f(None, "save every this many steps (and at the end of training)")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = _f(10, "steps between metric lines")
+    metrics_file: Optional[str] = _f(None, "append one JSON object per logged step to this file")
+    progress_bar: bool = _f(True, "show a progress bar on the logging rank")
+    peak_tflops: Optional[float] = _f(None, "per-device peak TFLOP/s for MFU (default: table lookup by device; n/a when unknown)")
+    wandb_project: Optional[str] = _f(None, "Weights & Biases project; none disables W&B")
+    wandb_entity: Optional[str] = _f(None, "W&B entity (team or user)")
+    wandb_name: Optional[str] = _f(None, "W&B run name")
+    wandb_mode: Literal["online", "offline", "disabled"] = _f("online", "offline writes the run locally for a later `wandb sync`")
+    wandb_dir: Optional[str] = _f(None, "where W&B writes its files (default: checkpoint.save, else ./wandb)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.parallel.tp * self.parallel.pp)
+
+    def batch_size(self, world_size: int) -> int:
+        return self.train.global_batch_size or self.train.micro_batch_size * self.data_parallel_size(world_size)
+
+    def num_microbatches(self, world_size: int) -> int:
+        return self.batch_size(world_size) // (self.train.micro_batch_size * self.data_parallel_size(world_size))
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Raise ConfigError listing every problem at once, each with its fix."""
+    errors = [e for check in _CHECKS for e in check(cfg, world_size)]
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _check_model(cfg: Config, world_size: int) -> list[str]:
+    m, errors = cfg.model, []
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "make_vocab_size_divisible_by"):
+        if getattr(m, name) < 1:
+            errors.append(f"model.{name}={getattr(m, name)} must be >= 1")
+    if errors:
+        return errors
+    if m.hidden_size % m.num_attention_heads:
+        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}; pick heads that divide the width")
+    if m.num_attention_heads % m.kv_heads:
+        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={m.kv_heads}; use a divisor of the head count")
+    if m.family == "llama" and m.head_dim % 2:
+        errors.append(f"RoPE needs an even head dim, got hidden_size/heads={m.head_dim}")
+    if m.positions < m.seq_length:
+        errors.append(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}; raise it or leave it unset")
+    if m.make_vocab_size_divisible_by % cfg.parallel.tp:
+        errors.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be divisible by parallel.tp={cfg.parallel.tp} so the padded vocabulary does not depend on the layout")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            errors.append(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    return errors
+
+
+def _check_parallel(cfg: Config, world_size: int) -> list[str]:
+    p, errors = cfg.parallel, []
+    for name in ("tp", "pp", "vp"):
+        if getattr(p, name) < 1:
+            errors.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if errors:
+        return errors
+    if world_size % (p.tp * p.pp):
+        errors.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={p.tp * p.pp}; launch a multiple of tp*pp processes (dp = world/(tp*pp))")
+    for name, feature in (("tp", "tensor"), ("pp", "pipeline"), ("vp", "virtual-pipeline")):
+        if getattr(p, name) > 1:
+            errors.append(f"parallel.{name}={getattr(p, name)}: {feature} parallelism is not available in this version; set parallel.{name}=1")
+    if p.sequence_parallel:
+        errors.append("parallel.sequence_parallel=true is not available in this version; set it to false")
+    if p.distributed_optimizer:
+        errors.append("parallel.distributed_optimizer=true is not available in this version; set it to false")
+    return errors
+
+
+def _check_train(cfg: Config, world_size: int) -> list[str]:
+    t, errors = cfg.train, []
+    if t.micro_batch_size < 1 or t.train_iters < 1:
+        return [f"train.micro_batch_size={t.micro_batch_size} and train.train_iters={t.train_iters} must be >= 1"]
+    if world_size % (cfg.parallel.tp * cfg.parallel.pp) == 0:
+        dp = cfg.data_parallel_size(world_size)
+        per_step = t.micro_batch_size * dp
+        gbs = cfg.batch_size(world_size)
+        if gbs % per_step:
+            errors.append(f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size*dp={t.micro_batch_size}*{dp}={per_step}; use a multiple of {per_step}")
+    for name in ("exit_interval", "eval_interval"):
+        if getattr(t, name) is not None and getattr(t, name) < 1:
+            errors.append(f"train.{name}={getattr(t, name)} must be >= 1 or unset")
+    return errors
+
+
+def _check_optim(cfg: Config, world_size: int) -> list[str]:
+    o, errors = cfg.optim, []
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        errors.append(f"need 0 <= optim.min_lr <= optim.lr and optim.lr > 0, got lr={o.lr} min_lr={o.min_lr}")
+    decay = o.decay_iters or cfg.train.train_iters
+    if o.warmup_iters < 0 or o.warmup_iters > decay:
+        errors.append(f"optim.warmup_iters={o.warmup_iters} must be in [0, decay_iters={decay}]")
+    if o.wsd_decay_iters is not None and not 0 <= o.wsd_decay_iters <= decay - o.warmup_iters:
+        errors.append(f"optim.wsd_decay_iters={o.wsd_decay_iters} must be in [0, decay_iters - warmup_iters = {decay - o.warmup_iters}]")
+    if o.clip_grad < 0 or o.weight_decay < 0:
+        errors.append("optim.clip_grad and optim.weight_decay must be >= 0")
+    return errors
+
+
+def _check_checkpoint(cfg: Config, world_size: int) -> list[str]:
+    c = cfg.checkpoint
+    if c.save_interval is not None and c.save_interval < 1:
+        return [f"checkpoint.save_interval={c.save_interval} must be >= 1 or unset"]
+    if c.save_interval and not c.save:
+        return ["checkpoint.save_interval is set but checkpoint.save is not; give a directory with --checkpoint.save=DIR"]
+    return []
+
+
+def _check_data(cfg: Config, world_size: int) -> list[str]:
+    if not cfg.data.mock:
+        return ["data.mock=false needs a tokenized corpus, which this version cannot read yet; set data.mock=true"]
+    return []
+
+
+def _check_logging(cfg: Config, world_size: int) -> list[str]:
+    if cfg.logging.log_interval < 1:
+        return [f"logging.log_interval={cfg.logging.log_interval} must be >= 1"]
+    return []
+
+
+_CHECKS = (_check_model, _check_parallel, _check_train, _check_optim, _check_data, _check_checkpoint, _check_logging)

@@ -1,0 +1,49 @@
+"""Causal self-attention with a fused QKV projection and grouped-query attention.
+
+The QKV weight is laid out group by group, each group holding its query heads then its
+one key and one value head ([g0: q.. k v][g1: q.. k v]...). Splitting that matrix into
+contiguous row blocks hands every tensor-parallel rank whole groups, which is why the
+layout differs from Hugging Face's [all q][all k][all v] (the HF mapping reorders).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megalite.config import ModelConfig
+from megalite.model.rope import apply_rope
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, recompute_core: bool) -> None:
+        super().__init__()
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
+        bias = cfg.family == "gpt2"
+        qkv_rows = (self.heads + 2 * self.groups) * self.head_dim
+        self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_rows, bias=bias)
+        self.linear_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.dropout = cfg.attention_dropout
+        self.recompute_core = recompute_core
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x: [seq, batch, hidden] -> [seq, batch, hidden]."""
+        s, b, _ = x.shape
+        per_group = self.heads // self.groups
+        qkv = self.linear_qkv(x).view(s, b, self.groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.recompute_core and self.training:
+            out = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            out = self._core(q, k, v)
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=self.groups != self.heads)

@@ -1,0 +1,21 @@
+"""Rotary position embeddings in the rotate-half convention Hugging Face Llama uses,
+so attention weights map between the two codebases without permuting rows."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_tables(seq_length: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq, 1, 1, head_dim], in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [seq, batch, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
