@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -87,7 +88,7 @@ class TrainConfig:
     micro_batch_size: int = _f(1, "samples per micro batch per data-parallel rank")
     global_batch_size: Optional[int] = _f(None, "samples per optimizer step (default: micro_batch_size * dp); must be a multiple of micro_batch_size * dp")
     train_iters: int = _f(100, "optimizer steps to train for")
-    exit_interval: Optional[int] = _f(None, "stop cleanly after this many steps of this launch (saving a checkpoint when checkpoint.save is set)")
+    exit_interval: Optional[int] = _f(None, "stop cleanly when the step is a multiple of this (saving a checkpoint when checkpoint.save is set)")
     seed: int = _f(1234, "seed of init, data order and dropout")
     precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32; bf16 autocast; fp16 autocast with dynamic loss scaling")
     recompute: Literal["none", "selective", "full"] = _f("none", "activation recompute: selective = core attention, full = whole layers")
@@ -164,7 +165,7 @@ class Config:
         return self.batch_size(world_size) // (self.train.micro_batch_size * self.data_parallel_size(world_size))
 
 
-SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
 
 
 def validate(cfg: Config, world_size: int) -> None:

@@ -74,3 +74,18 @@ class Topology:
         device = pick_device(device_preference, local_rank)
         init_process_group(device, timeout_minutes)
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so wall-clock timings mean something on GPUs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory(device: torch.device) -> tuple[float, str]:
+    """(GiB, what was measured): the CUDA allocator's peak, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, "allocated"
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "RSS"

@@ -1,0 +1,31 @@
+"""Shared test helpers: tiny configs and a one-thread torch, as CI has 2 cores."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from megalite.config import Config
+
+torch.set_num_threads(1)
+
+
+def tiny_config(family: str = "gpt2", **sections: dict) -> Config:
+    """A model that trains in well under a second per step on one CPU thread."""
+    cfg = Config()
+    cfg.model.family = family
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
+    cfg.model.seq_length, cfg.model.vocab_size = 32, 300
+    if family == "llama":
+        cfg.model.num_query_groups = 2
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.train_iters = 2, 4, 4
+    cfg.logging.progress_bar, cfg.logging.log_interval = False, 1
+    for section, values in sections.items():
+        for name, value in values.items():
+            setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+@pytest.fixture
+def tiny():
+    return tiny_config

@@ -1,0 +1,68 @@
+"""megalite's GPT equals Hugging Face's GPT2LMHeadModel / LlamaForCausalLM on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from megalite.checkpoint.hf_mapping import from_hf, hf_config, to_hf
+from megalite.model.gpt import GPTModel
+
+from conftest import tiny_config
+
+FAMILIES = {
+    "gpt2": ({}, transformers.GPT2LMHeadModel),
+    "llama": ({"num_query_groups": 2, "rope_theta": 5000.0, "vocab_size": 250}, transformers.LlamaForCausalLM),
+    "llama-tied-mha": ({"num_query_groups": None, "tie_embeddings": True}, transformers.LlamaForCausalLM),
+}
+
+
+def _pair(name: str):
+    overrides, hf_class = FAMILIES[name]
+    cfg = tiny_config("gpt2" if name == "gpt2" else "llama", model=overrides)
+    model = GPTModel(cfg, torch.device("cpu")).eval()
+    hf = hf_class(hf_config(cfg.model)).eval()
+    return cfg, model, hf
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_megalite_weights_in_hf_give_same_logits(name):
+    cfg, model, hf = _pair(name)
+    result = hf.load_state_dict(to_hf(model.state_dict(), cfg.model), strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hf_weights_in_megalite_give_same_logits(name):
+    cfg, model, hf = _pair(name)
+    model.load_state_dict(from_hf(hf.state_dict(), cfg.model))
+    tokens = torch.randint(0, cfg.model.vocab_size, (3, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_round_trip_is_exact(name):
+    cfg, model, _ = _pair(name)
+    state = model.state_dict()
+    back = from_hf(to_hf(state, cfg.model), cfg.model)
+    vocab = cfg.model.vocab_size
+    for key, value in state.items():
+        rows = slice(0, vocab) if key in ("embedding.word_embeddings.weight", "lm_head.weight") else slice(None)
+        assert torch.equal(back[key][rows], value[rows]), key
+
+
+def test_loss_ignores_vocab_padding():
+    """Padded vocabulary rows never take probability mass: changing them changes nothing."""
+    cfg = tiny_config(model={"vocab_size": 250})
+    model = GPTModel(cfg, torch.device("cpu"))
+    tokens = torch.randint(0, 250, (2, 16))
+    before = model(tokens, tokens)
+    with torch.no_grad():
+        model.embedding.word_embeddings.weight[250:] = 100.0
+    torch.testing.assert_close(model(tokens, tokens), before, atol=0, rtol=0)
+    assert cfg.model.padded_vocab_size == 256
