@@ -32,7 +32,7 @@ class MetricsWriter:
         self.file = Path(cfg.logging.metrics_file) if enabled and cfg.logging.metrics_file else None
         if self.file:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-        self.bar = tqdm(total=cfg.train.train_iters, initial=start_step, unit="step", dynamic_ncols=True) if enabled and cfg.logging.progress_bar else None
+        self.bar = tqdm(total=cfg.train.train_iters, initial=start_step, unit="step", dynamic_ncols=True, disable=None) if enabled and cfg.logging.progress_bar else None
         self.wandb_run = self._init_wandb(cfg, wandb_run_id) if enabled else None
 
     @staticmethod

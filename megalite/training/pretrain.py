@@ -36,6 +36,7 @@ class RunResult:
     val_loss: float | None = None
     checkpoint: Path | None = None
     wandb_dir: str | None = None
+    wandb_run_id: str | None = None
 
 
 class Run:
@@ -109,7 +110,7 @@ class Run:
             self._save()
         self.result.final_step = step
         if self.writer.wandb_run:
-            self.result.wandb_dir = self.writer.wandb_run.dir
+            self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_run.dir, self.writer.wandb_run.id
         self.writer.close()
         return self.result
 
@@ -161,7 +162,9 @@ def pretrain(cfg: Config) -> RunResult:
     topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes)
     try:
         torch.manual_seed(cfg.train.seed)
-        return Run(cfg, topology).train()
+        result = Run(cfg, topology).train()
+        dist.barrier()
+        return result
     finally:
         if created:
             dist.destroy_process_group()

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The whole test suite, in the project's .venv (created and filled on first use).
+set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+export OMP_NUM_THREADS=1 WANDB_SILENT=true
+python -m pytest -q tests "$@"

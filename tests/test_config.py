@@ -1,0 +1,110 @@
+"""Config: YAML loading, command-line overrides, validation messages, --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalite.config import SECTIONS, Config, ConfigError, validate
+from megalite.config_cli import config_from_yaml_text, dump_yaml, help_text, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_then_overrides_in_both_syntaxes(tmp_path):
+    path = _yaml(tmp_path, "model:\n  num_layers: 6\n  family: llama\ntrain:\n  precision: bf16\n")
+    cfg = parse_config(["--config", path, "--model.num_layers=8", "--optim.lr", "1e-3", "--parallel.sequence_parallel=true", "--model.num_query_groups=none"])
+    assert cfg.model.num_layers == 8 and cfg.model.family == "llama" and cfg.train.precision == "bf16"
+    assert cfg.optim.lr == 1e-3 and cfg.parallel.sequence_parallel is True and cfg.model.num_query_groups is None
+
+
+def test_unknown_field_suggests_the_close_one(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.num_layer.*did you mean 'num_layers'"):
+        parse_config(["--model.num_layer=3"])
+    with pytest.raises(ConfigError, match=r"run.yaml.*unknown section 'trian'.*did you mean 'train'"):
+        parse_config(["--config", _yaml(tmp_path, "trian:\n  seed: 1\n")])
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--train.micro_batch_size=two", "expected int, got 'two'"),
+        ("--train.micro_batch_size=2.5", "expected int"),
+        ("--train.precision=fp8", "not one of fp32, bf16, fp16"),
+        ("--parallel.sequence_parallel=maybe", "expected true or false"),
+        ("--train.seed", "needs a value"),
+        ("stray", "unexpected argument"),
+    ],
+)
+def test_bad_values_name_the_field(arg, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config([arg])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_config(["--config", str(tmp_path / "nope.yaml")])
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse_config(["--config", _yaml(tmp_path, "model: [\n")])
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        ({"model.hidden_size": 130, "model.num_attention_heads": 4}, 1, "hidden_size=130 is not divisible by model.num_attention_heads=4"),
+        ({"model.num_query_groups": 3}, 1, "num_attention_heads=4 is not divisible by model.num_query_groups=3"),
+        ({"parallel.tp": 2}, 3, "world size 3 is not divisible by parallel.tp\\*parallel.pp=2"),
+        ({"train.micro_batch_size": 2, "train.global_batch_size": 6}, 2, "global_batch_size=6 is not divisible by train.micro_batch_size\\*dp=2\\*2=4"),
+        ({"model.make_vocab_size_divisible_by": 100, "parallel.tp": 8}, 8, "make_vocab_size_divisible_by=100 must be divisible by parallel.tp=8"),
+        ({"optim.min_lr": 1.0}, 1, "min_lr <= optim.lr"),
+        ({"checkpoint.save_interval": 5}, 1, "checkpoint.save is not"),
+        ({"model.seq_length": 256, "model.max_position_embeddings": 128}, 1, "max_position_embeddings=128 < model.seq_length=256"),
+    ],
+)
+def test_validation_says_what_and_how(overrides, world, message):
+    cfg = parse_config([f"--{k}={v}" for k, v in overrides.items()] + ["--model.num_attention_heads=4"])
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world)
+
+
+def test_validation_reports_every_problem_at_once():
+    cfg = parse_config(["--model.hidden_size=130", "--optim.warmup_iters=1000", "--train.train_iters=10"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert "hidden_size" in str(err.value) and "warmup_iters" in str(err.value)
+
+
+def test_defaults_are_valid_and_dp_is_derived():
+    cfg = Config()
+    validate(cfg, 4)
+    assert cfg.data_parallel_size(4) == 4 and cfg.batch_size(4) == 4 and cfg.num_microbatches(4) == 1
+
+
+def test_yaml_dump_round_trips():
+    cfg = parse_config(["--model.family=llama", "--model.num_query_groups=2", "--optim.decay_style=wsd"])
+    assert config_from_yaml_text(dump_yaml(cfg), "test") == cfg
+
+
+def test_help_lists_every_field_with_default_and_doc():
+    text = help_text()
+    for section, cls in SECTIONS.items():
+        for field in cls.__dataclass_fields__.values():
+            line = next(l for l in text.splitlines() if l.strip().startswith(f"--{section}.{field.name} "))
+            assert f"(default: {field.default})" in line and field.metadata["doc"] in line
+
+
+def test_entry_point_help_and_config_errors():
+    run = lambda *args: subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True, text=True, cwd=ROOT)
+    shown = run("--help")
+    assert shown.returncode == 0 and "--parallel.distributed_optimizer" in shown.stdout
+    failed = run("--model.hidden_size=130", "--model.num_attention_heads=4")
+    assert failed.returncode == 2 and "hidden_size=130 is not divisible" in failed.stderr and "Traceback" not in failed.stderr

@@ -1,0 +1,157 @@
+"""Training throughput of megalite against Hugging Face's GPT2LMHeadModel, in one run.
+
+Both sides train the same GPT-2 network (same shapes, fp32 parameters, bf16 = autocast
+in both) on the same token batches with the same AdamW hyperparameters, parameter groups
+and gradient clipping, so the ratio of their tokens/s measures the model code and nothing
+else. megalite runs its real step (`megalite.training.step.train_step`); Hugging Face runs
+the loop its Trainer runs: `model(input_ids, labels=input_ids).loss`, backward,
+`clip_grad_norm_`, `optimizer.step()`, with the optimizer Trainer defaults to on
+torch >= 2.8 (`adamw_torch_fused`, i.e. torch AdamW with fused=True) unless
+`--hf-optimizer=forloop` asks for the older single-tensor `adamw_torch`.
+
+MFU is taken against a peak measured on the spot (a large matmul in the run's dtype on
+this device), not a datasheet figure, so it is meaningful on CPUs too.
+
+Example (the defaults are the goal config of docs/benchmarks.md):
+    python tools/benchmark_throughput.py --precision bf16
+    python tools/benchmark_throughput.py --device cuda --layers 24 --hidden 1024 --heads 16 --seq 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+import transformers
+
+from megalite.checkpoint.hf_mapping import hf_config
+from megalite.config import Config
+from megalite.data.batches import Batch, make_batch
+from megalite.model.gpt import GPTModel
+from megalite.parallel.topology import Topology, synchronize
+from megalite.training.flops import training_flops_per_token
+from megalite.training.loss_scaler import LossScaler
+from megalite.training.optimizer import build_optimizer, param_groups
+from megalite.training.step import precision_context, train_step
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--precision", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per model")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per model before timing")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each megalite layer, as train.compile does")
+    p.add_argument("--hf-optimizer", choices=("fused", "forloop"), default="fused",
+                   help="fused: Trainer's default adamw_torch_fused; forloop: the older adamw_torch on CPU")
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """The megalite config of the benchmarked model; optimizer hyperparameters stay at their defaults."""
+    cfg = Config()
+    m, t = cfg.model, cfg.train
+    m.family, m.num_layers, m.hidden_size, m.num_attention_heads = "gpt2", args.layers, args.hidden, args.heads
+    m.seq_length, m.vocab_size = args.seq, args.vocab
+    t.micro_batch_size, t.precision, t.compile, t.seed = args.micro_batch, args.precision, args.compile, args.seed
+    return cfg
+
+
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype, size: int = 4096, reps: int = 10) -> float:
+    """Achieved TFLOP/s of a square matmul in `dtype`: the practical ceiling MFU is measured against."""
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    for _ in range(2):
+        a @ b
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    synchronize(device)
+    return 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def time_steps(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> float:
+    """Seconds for `steps` calls of `step` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Callable[[], None]:
+    model = GPTModel(cfg, topology.device).train()
+    if cfg.train.compile:
+        for layer in model.layers:
+            layer.compile()
+    optimizer = build_optimizer(model, cfg.optim, topology.device)
+    scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
+    return lambda: train_step(model, optimizer, scaler, [batch], topology, cfg.train.precision, cfg.optim.clip_grad)
+
+
+def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool) -> Callable[[], None]:
+    torch.manual_seed(cfg.train.seed)
+    model = transformers.GPT2LMHeadModel(hf_config(cfg.model)).to(device).train()
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                  eps=o.adam_eps, fused=fused, foreach=None if fused else False)
+    tokens = batch.tokens.to(device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with precision_context(cfg.train.precision, device):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        optimizer.step()
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = build_config(args)
+    topology = Topology.from_environment(args.device)
+    device = topology.device
+    generator = torch.Generator().manual_seed(args.seed)
+    samples = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator)
+    batch = make_batch(list(samples))
+
+    peak = measure_peak_tflops(device, _DTYPES[args.precision])
+    flops_per_token = training_flops_per_token(cfg.model)
+    tokens_per_step = args.micro_batch * args.seq
+    print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"model gpt2 L={args.layers} h={args.hidden} heads={args.heads} seq={args.seq} mb={args.micro_batch} "
+          f"vocab={args.vocab}, precision {args.precision}, {flops_per_token / 1e6:.1f} MFLOP/token")
+    print(f"measured matmul peak: {peak:.3f} TFLOP/s ({args.precision}, {device.type})")
+
+    results = {}
+    for name, make in (("megalite", lambda: megalite_step(cfg, topology, batch)),
+                       ("huggingface", lambda: hf_step(cfg, device, batch, args.hf_optimizer == "fused"))):
+        seconds = time_steps(make(), args.warmup, args.steps, device)
+        tps = tokens_per_step * args.steps / seconds
+        mfu = tps * flops_per_token / (peak * 1e12)
+        results[name] = tps
+        print(f"{name:<12} {seconds / args.steps * 1e3:8.1f} ms/step {tps:10.1f} tokens/s  MFU {mfu:6.1%}")
+    print(f"megalite / huggingface: {results['megalite'] / results['huggingface']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
