@@ -37,7 +37,7 @@ class StepResult:
 
 
 def global_token_count(batches: list[Batch], topology: Topology) -> torch.Tensor:
-    count = sum(b.loss_mask.sum() for b in batches).to(torch.float32).reshape(1)
+    count = sum(b.loss_mask.sum() for b in batches).to(topology.device, torch.float32).reshape(1)
     dist.all_reduce(count, group=topology.dp_group)
     return count
 
