@@ -13,9 +13,13 @@ fi
 . .venv/bin/activate
 stamp=.venv/.megalite-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+install() {  # quiet on success, the whole log on failure
+  python -m pip install "$@" > .venv/install.log 2>&1 || { cat .venv/install.log; echo "pip install $* failed" >&2; exit 1; }
+}
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  python -m pip install --quiet --upgrade pip
-  python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
-  python -m pip install --quiet -e ".[dev]"
+  echo "installing megalite into .venv (log: .venv/install.log)"
+  install --upgrade pip
+  python -c "import torch" 2>/dev/null || install "torch==2.13.0"
+  install -e ".[dev]"
   echo "$want" > "$stamp"
 fi

@@ -77,8 +77,11 @@ class MetricsWriter:
         if self.wandb_run:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Finish every sink once; a failed run is marked failed in W&B."""
         if self.bar:
             self.bar.close()
+            self.bar = None
         if self.wandb_run:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=exit_code)
+            self.wandb_run = None

@@ -162,7 +162,12 @@ def pretrain(cfg: Config) -> RunResult:
     topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes)
     try:
         torch.manual_seed(cfg.train.seed)
-        result = Run(cfg, topology).train()
+        run = Run(cfg, topology)
+        try:
+            result = run.train()
+        except BaseException:
+            run.writer.close(exit_code=1)
+            raise
         dist.barrier()
         return result
     finally:
