@@ -2,12 +2,13 @@
 
 Both sides train the same GPT-2 network (same shapes, fp32 parameters, bf16 = autocast
 in both) on the same token batches with the same AdamW hyperparameters, parameter groups
-and gradient clipping, so the ratio of their tokens/s measures the model code and nothing
-else. megalite runs its real step (`megalite.training.step.train_step`); Hugging Face runs
+and gradient clipping, so the ratio of their tokens/s measures the two codebases' model and
+step code. megalite runs its real step (`megalite.training.step.train_step`); Hugging Face runs
 the loop its Trainer runs: `model(input_ids, labels=input_ids).loss`, backward,
 `clip_grad_norm_`, `optimizer.step()`, with the optimizer Trainer defaults to on
-torch >= 2.8 (`adamw_torch_fused`, i.e. torch AdamW with fused=True) unless
-`--hf-optimizer=forloop` asks for the older single-tensor `adamw_torch`.
+torch >= 2.8 (`adamw_torch_fused`: torch AdamW with fused=True, as megalite uses on
+CPUs), or with `--hf-optimizer=default` torch AdamW's default implementation (Trainer's
+older `adamw_torch`: a per-tensor loop on CPU, foreach on CUDA).
 
 MFU is taken against a peak measured on the spot (a large matmul in the run's dtype on
 this device), not a datasheet figure, so it is meaningful on CPUs too.
@@ -20,6 +21,8 @@ Example (the defaults are the goal config of docs/benchmarks.md):
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import time
 from typing import Callable
 
@@ -53,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="torch.compile each megalite layer, as train.compile does")
-    p.add_argument("--hf-optimizer", choices=("fused", "forloop"), default="fused",
-                   help="fused: Trainer's default adamw_torch_fused; forloop: the older adamw_torch on CPU")
+    p.add_argument("--hf-optimizer", choices=("fused", "default"), default="fused",
+                   help="fused: Trainer's default adamw_torch_fused; default: torch AdamW's default implementation")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
 
@@ -69,32 +72,50 @@ def build_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def measure_peak_tflops(device: torch.device, dtype: torch.dtype, size: int = 4096, reps: int = 10) -> float:
-    """Achieved TFLOP/s of a square matmul in `dtype`: the practical ceiling MFU is measured against."""
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype, size: int = 4096, rounds: int = 5) -> float:
+    """Achieved TFLOP/s of square `size` matmuls in `dtype`: the ceiling MFU is measured against.
+
+    Each round times enough back-to-back matmuls to fill ~0.2 s (one on a CPU, hundreds
+    on a GPU, where one is too short to time); the fastest round counts, as the ceiling is
+    what the device does when nothing else gets in the way.
+    """
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
-    for _ in range(2):
-        a @ b
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    synchronize(device)
-    return 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
+
+    def seconds(count: int) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(count):
+            a @ b
+        synchronize(device)
+        return time.perf_counter() - start
+
+    seconds(1)
+    count = max(1, round(0.2 / seconds(1)))
+    return 2 * size**3 * count / min(seconds(count) for _ in range(rounds)) / 1e12
 
 
-def time_steps(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> float:
-    """Seconds for `steps` calls of `step` after `warmup` untimed ones."""
+def median_step_seconds(step: Callable[[], None], warmup: int, timed: int, device: torch.device) -> float:
+    """Median seconds per call of `step` after `warmup` untimed calls.
+
+    The median ignores the odd step that a neighbouring process on a shared machine slowed
+    down. The two models are timed one after the other, not in turns: on CPUs a step's
+    cost includes page faults on freshly allocated memory, and alternating two models'
+    allocation patterns changes that cost for both.
+    """
     for _ in range(warmup):
         step()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
+    times = []
+    for _ in range(timed):
+        synchronize(device)
+        start = time.perf_counter()
         step()
-    synchronize(device)
-    return time.perf_counter() - start
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Callable[[], None]:
+    """One megalite optimizer step as pretraining runs it (model, optimizer, compile as pretrain.py builds them)."""
     model = GPTModel(cfg, topology.device).train()
     if cfg.train.compile:
         for layer in model.layers:
@@ -105,11 +126,16 @@ def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Callable[[],
 
 
 def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool) -> Callable[[], None]:
+    """One step of the loop Trainer runs, on the same network, batch and AdamW settings as megalite.
+
+    Labels are the inputs, as HF models shift them inside: the forward pass sees the same
+    tokens as megalite's, and the last position is left out of the loss.
+    """
     torch.manual_seed(cfg.train.seed)
     model = transformers.GPT2LMHeadModel(hf_config(cfg.model)).to(device).train()
     o = cfg.optim
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                                  eps=o.adam_eps, fused=fused, foreach=None if fused else False)
+                                  eps=o.adam_eps, fused=fused or None)
     tokens = batch.tokens.to(device)
 
     def step() -> None:
@@ -125,6 +151,7 @@ def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool) -> Cal
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    transformers.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = build_config(args)
@@ -142,15 +169,16 @@ def main(argv: list[str] | None = None) -> None:
           f"vocab={args.vocab}, precision {args.precision}, {flops_per_token / 1e6:.1f} MFLOP/token")
     print(f"measured matmul peak: {peak:.3f} TFLOP/s ({args.precision}, {device.type})")
 
-    results = {}
-    for name, make in (("megalite", lambda: megalite_step(cfg, topology, batch)),
-                       ("huggingface", lambda: hf_step(cfg, device, batch, args.hf_optimizer == "fused"))):
-        seconds = time_steps(make(), args.warmup, args.steps, device)
-        tps = tokens_per_step * args.steps / seconds
-        mfu = tps * flops_per_token / (peak * 1e12)
-        results[name] = tps
-        print(f"{name:<12} {seconds / args.steps * 1e3:8.1f} ms/step {tps:10.1f} tokens/s  MFU {mfu:6.1%}")
-    print(f"megalite / huggingface: {results['megalite'] / results['huggingface']:.3f}x")
+    builders = {"megalite": lambda: megalite_step(cfg, topology, batch),
+                "huggingface": lambda: hf_step(cfg, device, batch, args.hf_optimizer == "fused")}
+    tokens_per_s = {}
+    for name, build in builders.items():
+        seconds = median_step_seconds(build(), args.warmup, args.steps, device)
+        tokens_per_s[name] = tokens_per_step / seconds
+        mfu = tokens_per_s[name] * flops_per_token / (peak * 1e12)
+        print(f"{name:<12} {seconds * 1e3:8.1f} ms/step {tokens_per_s[name]:10.1f} tokens/s  MFU {mfu:6.1%}", flush=True)
+        gc.collect()
+    print(f"megalite / huggingface: {tokens_per_s['megalite'] / tokens_per_s['huggingface']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megalite.config import Config, ModelConfig
 from megalite.model.attention import SelfAttention
+from megalite.model.cross_entropy import linear_cross_entropy
 from megalite.model.init import init_parameters
 from megalite.model.mlp import MLP
 from megalite.model.norms import build_norm
@@ -85,8 +86,8 @@ class GPTModel(nn.Module):
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x = layer(x, rope)
-        logits = F.linear(self.final_norm(x), self.output_weight()[: self.vocab_size])
+        x = self.final_norm(x)
         if labels is None:
-            return logits.transpose(0, 1)
-        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.t().flatten(), reduction="none")
+            return F.linear(x, self.output_weight()[: self.vocab_size]).transpose(0, 1)
+        losses = linear_cross_entropy(x.flatten(0, 1), self.output_weight(), labels.t().flatten(), self.vocab_size)
         return losses.view(tokens.shape[1], tokens.shape[0]).t()
