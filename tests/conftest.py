@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
+
 import pytest
+import torch
 
 from megalite.config import Config
 
@@ -29,3 +31,14 @@ def tiny_config(family: str = "gpt2", **sections: dict) -> Config:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+@pytest.fixture(scope="session")
+def assets() -> Path:
+    """Real tokenizer files and text fetched by scripts/get_assets.sh (scripts/test.sh runs it)."""
+    if not (ASSETS / "SHA256SUMS.ok").exists():
+        pytest.fail(f"test assets missing under {ASSETS}: run `bash scripts/get_assets.sh` (scripts/test.sh does)")
+    return ASSETS
