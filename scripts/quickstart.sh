@@ -3,6 +3,7 @@
 # every local GPU, or 2 data-parallel CPU processes (gloo) when there is none.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+bash scripts/get_assets.sh  # setup_env.sh left us in the repo root
 OUT=runs/quickstart
 rm -rf "$OUT"
 NPROC="${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count() or 2)')}"
