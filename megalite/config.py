@@ -119,7 +119,19 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    mock: bool = _f(True, "synthetic tokens, a deterministic function of train.seed and the global sample index")
+    mock: bool = _f(False, "synthetic tokens, a deterministic function of train.seed and the global sample index (no corpus needed)")
+    paths: Optional[list[str]] = _f(None, "blend of preprocessed prefixes: [0.7, /data/a_text_document, 0.3, /data/b_text_document] or one prefix")
+    split: str = _f("969,30,1", "train,valid,test weights over the documents of data.paths")
+    train_paths: Optional[list[str]] = _f(None, "training blend, instead of splitting data.paths")
+    valid_paths: Optional[list[str]] = _f(None, "validation blend, instead of splitting data.paths")
+    cache_dir: Optional[str] = _f(None, "where index files (.npy) are cached (default: a cache/ folder next to the first prefix)")
+    tokenizer_type: Optional[Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]] = _f(None, "tokenizer the corpus was preprocessed with; sets model.vocab_size")
+    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: vocab.json")
+    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: merges.txt")
+    tokenizer_model: Optional[str] = _f(None, "SentencePiece .model file, or a Hugging Face tokenizer directory / tokenizer.json")
+    reset_position_ids: bool = _f(False, "restart position ids after every end-of-document token")
+    eod_mask_loss: bool = _f(False, "no loss on predictions made from an end-of-document token")
+    num_workers: int = _f(2, "background data-loading processes per rank (0 loads in the training process)")
 
 
 @dataclass
@@ -257,9 +269,20 @@ def _check_checkpoint(cfg: Config, world_size: int) -> list[str]:
 
 
 def _check_data(cfg: Config, world_size: int) -> list[str]:
-    if not cfg.data.mock:
-        return ["data.mock=false needs a tokenized corpus, which this version cannot read yet; set data.mock=true"]
-    return []
+    d = cfg.data
+    corpus = bool(d.paths or d.train_paths)
+    if d.mock and corpus:
+        return ["data.mock=true and data.paths/train_paths are both set; choose one"]
+    if not d.mock and not corpus:
+        return ["no training data: give --data.paths=PREFIX (from tools/preprocess_data.py) or --data.mock=true for synthetic tokens"]
+    errors = []
+    if d.paths and d.train_paths:
+        errors.append("give either data.paths (split by data.split) or data.train_paths/valid_paths, not both")
+    if corpus and not d.tokenizer_type:
+        errors.append("data.tokenizer_type is required with a corpus (the one it was preprocessed with), e.g. --data.tokenizer_type=GPT2BPETokenizer")
+    if d.num_workers < 0:
+        errors.append(f"data.num_workers={d.num_workers} must be >= 0")
+    return errors
 
 
 def _check_logging(cfg: Config, world_size: int) -> list[str]:

@@ -58,7 +58,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
     if tp is str:
         return str(value)
+    if typing.get_origin(tp) is list:
+        return _coerce_list(value, typing.get_args(tp)[0], where)
     raise ConfigError(f"{where}: unsupported field type {tp}")
+
+
+def _coerce_list(value: Any, item_type: Any, where: str) -> list:
+    """A YAML list, or on the command line `[a, b]` or whitespace/comma separated items."""
+    if isinstance(value, str):
+        value = yaml.safe_load(value) if value.strip().startswith("[") else value.replace(",", " ").split()
+    if not isinstance(value, list):
+        value = [value]
+    return [_coerce(item, item_type, where) for item in value]
 
 
 def set_field(cfg: Config, dotted: str, value: Any, where: str) -> None:

@@ -16,6 +16,7 @@ def tiny_config(family: str = "gpt2", **sections: dict) -> Config:
     """A model that trains in well under a second per step on one CPU thread."""
     cfg = Config()
     cfg.model.family = family
+    cfg.data.mock = True
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
     cfg.model.seq_length, cfg.model.vocab_size = 32, 300
     if family == "llama":

@@ -71,13 +71,13 @@ def test_missing_and_malformed_files(tmp_path):
     ],
 )
 def test_validation_says_what_and_how(overrides, world, message):
-    cfg = parse_config([f"--{k}={v}" for k, v in overrides.items()] + ["--model.num_attention_heads=4"])
+    cfg = parse_config([f"--{k}={v}" for k, v in overrides.items()] + ["--model.num_attention_heads=4", "--data.mock=true"])
     with pytest.raises(ConfigError, match=message):
         validate(cfg, world)
 
 
 def test_validation_reports_every_problem_at_once():
-    cfg = parse_config(["--model.hidden_size=130", "--optim.warmup_iters=1000", "--train.train_iters=10"])
+    cfg = parse_config(["--model.hidden_size=130", "--optim.warmup_iters=1000", "--train.train_iters=10", "--data.mock=true"])
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)
     assert "hidden_size" in str(err.value) and "warmup_iters" in str(err.value)
@@ -85,8 +85,29 @@ def test_validation_reports_every_problem_at_once():
 
 def test_defaults_are_valid_and_dp_is_derived():
     cfg = Config()
+    cfg.data.mock = True
     validate(cfg, 4)
     assert cfg.data_parallel_size(4) == 4 and cfg.batch_size(4) == 4 and cfg.num_microbatches(4) == 1
+
+
+def test_list_fields_from_yaml_and_command_line(tmp_path):
+    path = _yaml(tmp_path, "data:\n  paths: [0.7, /d/a, 0.3, /d/b]\n")
+    assert parse_config(["--config", path]).data.paths == ["0.7", "/d/a", "0.3", "/d/b"]
+    assert parse_config(["--data.paths=0.5 /d/a 0.5 /d/b"]).data.paths == ["0.5", "/d/a", "0.5", "/d/b"]
+    assert parse_config(["--data.paths", "[/d/a]"]).data.paths == ["/d/a"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "no training data: give --data.paths"),
+        (["--data.mock=true", "--data.paths=/d/a"], "choose one"),
+        (["--data.paths=/d/a"], "data.tokenizer_type is required"),
+    ],
+)
+def test_data_source_is_required_and_unambiguous(args, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(parse_config(args), 1)
 
 
 def test_yaml_dump_round_trips():
@@ -106,5 +127,5 @@ def test_entry_point_help_and_config_errors():
     run = lambda *args: subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True, text=True, cwd=ROOT)
     shown = run("--help")
     assert shown.returncode == 0 and "--parallel.distributed_optimizer" in shown.stdout
-    failed = run("--model.hidden_size=130", "--model.num_attention_heads=4")
+    failed = run("--model.hidden_size=130", "--model.num_attention_heads=4", "--data.mock=true")
     assert failed.returncode == 2 and "hidden_size=130 is not divisible" in failed.stderr and "Traceback" not in failed.stderr

@@ -66,3 +66,13 @@ def test_loss_ignores_vocab_padding():
         model.embedding.word_embeddings.weight[250:] = 100.0
     torch.testing.assert_close(model(tokens, tokens), before, atol=0, rtol=0)
     assert cfg.model.padded_vocab_size == 256
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_position_ids_match_hf(name):
+    cfg, model, hf = _pair(name)
+    hf.load_state_dict(to_hf(model.state_dict(), cfg.model), strict=False)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 12))
+    positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, position_ids=positions), hf(tokens, position_ids=positions).logits, atol=1e-5, rtol=0)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=4", "--model.seq_length=32",
     "--model.vocab_size=300", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=4",
-    "--logging.log_interval=1", "--logging.progress_bar=false",
+    "--logging.log_interval=1", "--logging.progress_bar=false", "--data.mock=true",
 ]
 
 

@@ -1,20 +1,17 @@
-"""Cut a global batch into the micro batches one data-parallel rank processes.
+"""Turn samples of seq_length + 1 tokens into training batches: inputs, shifted labels,
+loss mask and (optionally) position ids that restart at every document.
 
-Micro batch m of rank r holds samples consumed + m*mb*dp + r*mb + [0, mb), so a global
-batch is the same set of samples for every (dp, micro batch size) split of it; only
-the order of summation differs.
+Follows Megatron-LM: with eod_mask_loss, predictions made from an end-of-document token
+carry no loss; with reset_position_ids, positions count from 0 after each such token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Sequence
 
+import numpy as np
 import torch
-
-
-class TokenDataset(Protocol):
-    def __getitem__(self, index: int) -> torch.Tensor: ...
 
 
 @dataclass
@@ -22,21 +19,40 @@ class Batch:
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.tokens, self.labels, self.loss_mask)))
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.tokens), move(self.labels), move(self.loss_mask), move(self.position_ids))
+
+    def pin_memory(self) -> "Batch":
+        """Called by DataLoader(pin_memory=True) so host-to-GPU copies can overlap compute."""
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return Batch(pin(self.tokens), pin(self.labels), pin(self.loss_mask), pin(self.position_ids))
 
 
-def make_batch(samples: list[torch.Tensor]) -> Batch:
-    stacked = torch.stack(samples)
-    tokens, labels = stacked[:, :-1].contiguous(), stacked[:, 1:].contiguous()
-    return Batch(tokens, labels, torch.ones_like(labels, dtype=torch.float32))
+def document_positions(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """Position of each token within its document: 0 right after every eod, else counting up."""
+    index = torch.arange(tokens.shape[1]).expand_as(tokens)
+    after_eod = torch.zeros_like(tokens, dtype=torch.bool)
+    after_eod[:, 1:] = tokens[:, :-1] == eod
+    starts = torch.where(after_eod, index, torch.zeros_like(index))
+    return index - torch.cummax(starts, dim=1).values
 
 
-def rank_microbatches(dataset: TokenDataset, first_sample: int, global_batch_size: int, micro_batch_size: int, dp: int, dp_rank: int) -> list[Batch]:
-    per_step = micro_batch_size * dp
-    batches = []
-    for m in range(global_batch_size // per_step):
-        start = first_sample + m * per_step + dp_rank * micro_batch_size
-        batches.append(make_batch([dataset[i] for i in range(start, start + micro_batch_size)]))
-    return batches
+@dataclass(frozen=True)
+class BatchMaker:
+    """The collate function; a picklable object so DataLoader worker processes can run it."""
+
+    eod: int | None = None
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+
+    def __call__(self, samples: Sequence[np.ndarray]) -> Batch:
+        stacked = torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))
+        tokens, labels = stacked[:, :-1].contiguous(), stacked[:, 1:].contiguous()
+        loss_mask = torch.ones_like(labels, dtype=torch.float32)
+        if self.eod_mask_loss:
+            loss_mask[tokens == self.eod] = 0.0
+        positions = document_positions(tokens, self.eod) if self.reset_position_ids else None
+        return Batch(tokens, labels, loss_mask, positions)

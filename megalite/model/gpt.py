@@ -19,7 +19,7 @@ from megalite.model.cross_entropy import linear_cross_entropy
 from megalite.model.init import init_parameters
 from megalite.model.mlp import MLP
 from megalite.model.norms import build_norm
-from megalite.model.rope import rope_tables
+from megalite.model.rope import rope_for, rope_tables
 
 
 class TransformerLayer(nn.Module):
@@ -43,11 +43,14 @@ class Embedding(nn.Module):
         self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size) if cfg.family == "gpt2" else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [batch, seq] -> [seq, batch, hidden]."""
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """tokens, position_ids: [batch, seq] -> [seq, batch, hidden]; positions default to 0..seq-1."""
         x = self.word_embeddings(tokens.t())
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings.weight[: tokens.shape[1]].unsqueeze(1)
+            if position_ids is None:
+                x = x + self.position_embeddings.weight[: tokens.shape[1]].unsqueeze(1)
+            else:
+                x = x + self.position_embeddings(position_ids.t())
         return self.dropout(x)
 
 
@@ -64,23 +67,25 @@ class GPTModel(nn.Module):
             self.lm_head = None if m.tied else nn.Linear(m.hidden_size, m.padded_vocab_size, bias=False)
         self.to_empty(device=device)
         init_parameters(self, cfg.train.seed, m)
-        self._rope_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def output_weight(self) -> torch.Tensor:
         return (self.embedding.word_embeddings if self.lm_head is None else self.lm_head).weight
 
-    def _rope(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _rope(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.family != "llama":
             return None
-        key = (seq, device)
-        if key not in self._rope_cache:
-            self._rope_cache[key] = rope_tables(seq, self.cfg.head_dim, self.cfg.rope_theta, device)
-        return self._rope_cache[key]
+        if tokens.device not in self._rope_cache:
+            self._rope_cache[tokens.device] = rope_tables(self.cfg.positions, self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        return rope_for(self._rope_cache[tokens.device], tokens.shape[1], position_ids)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token losses [batch, seq] in fp32 when labels are given, else logits [batch, seq, vocab]."""
-        x = self.embedding(tokens)
-        rope = self._rope(tokens.shape[1], tokens.device)
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token losses [batch, seq] in fp32 when labels are given, else logits [batch, seq, vocab].
+
+        position_ids [batch, seq] restart positions inside a sample (data.reset_position_ids).
+        """
+        x = self.embedding(tokens, position_ids)
+        rope = self._rope(tokens, position_ids)
         for layer in self.layers:
             if self.recompute_full and self.training:
                 x = checkpoint(layer, x, rope, use_reentrant=False)

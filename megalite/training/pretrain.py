@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from dataclasses import dataclass, field
@@ -13,8 +14,8 @@ import torch.distributed as dist
 from megalite.checkpoint.local import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
 from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml
-from megalite.data.batches import rank_microbatches
-from megalite.data.mock import VALIDATION_OFFSET, MockDataset
+from megalite.data.build import build_training_data, tokenizer_from_config
+from megalite.data.loader import micro_batches
 from megalite.model.gpt import GPTModel
 from megalite.parallel.topology import Topology, peak_memory, synchronize
 from megalite.training.evaluate import evaluate
@@ -43,6 +44,11 @@ class Run:
     def __init__(self, cfg: Config, topology: Topology) -> None:
         self.cfg, self.topology = cfg, topology
         self.gbs = cfg.batch_size(topology.world_size)
+        tokenizer = tokenizer_from_config(cfg.data, cfg.model.vocab_size)
+        if tokenizer is not None:
+            cfg.model.vocab_size = tokenizer.vocab_size
+        valid_samples = cfg.train.eval_iters * self.gbs if cfg.train.eval_interval else 0
+        self.data = build_training_data(cfg, topology.rank, tokenizer, cfg.train.train_iters * self.gbs, valid_samples)
         self.model = GPTModel(cfg, topology.device)
         if cfg.train.compile:
             for layer in self.model.layers:
@@ -50,13 +56,10 @@ class Run:
         self.optimizer = build_optimizer(self.model, cfg.optim, topology.device)
         self.scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
         self.state = TrainingState(step=0, consumed_samples=0, loss_scaler=self.scaler.state_dict())
-        m = cfg.model
-        self.train_data = MockDataset(m.vocab_size, m.seq_length, cfg.train.seed)
-        self.valid_data = MockDataset(m.vocab_size, m.seq_length, cfg.train.seed, VALIDATION_OFFSET)
         self.resumed_from = self._resume()
         self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)
         self.state.wandb_run_id = self.writer.wandb_run_id
-        self.flops_per_token = training_flops_per_token(m)
+        self.flops_per_token = training_flops_per_token(cfg.model)
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
         self.skipped_steps, self.saved_step = 0, -1
         self.result = RunResult()
@@ -76,11 +79,15 @@ class Run:
     def train(self) -> RunResult:
         cfg, start = self.cfg, self.state.step
         self._announce()
+        t = self.topology
+        stream = micro_batches(self.data.train, self.data.maker, self.state.consumed_samples, cfg.train.train_iters * self.gbs,
+                               cfg.train.micro_batch_size, t.dp, t.dp_rank, cfg.data.num_workers, t.device)
+        per_step = cfg.num_microbatches(t.world_size)
         interval_start, interval_steps = time.perf_counter(), 0
         while self.state.step < cfg.train.train_iters:
             step = self.state.step + 1
             set_learning_rate(self.optimizer, learning_rate(step, cfg.optim, cfg.train.train_iters))
-            batches = rank_microbatches(self.train_data, self.state.consumed_samples, self.gbs, cfg.train.micro_batch_size, self.topology.dp, self.topology.dp_rank)
+            batches = [next(stream) for _ in range(per_step)]
             result = train_step(self.model, self.optimizer, self.scaler, batches, self.topology, cfg.train.precision, cfg.optim.clip_grad)
             self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
             self.state.loss_scaler = self.scaler.state_dict()
@@ -141,7 +148,9 @@ class Run:
         self.writer.log(record, _CONSOLE)
 
     def _evaluate(self) -> None:
-        loss, ppl = evaluate(self.model, self.valid_data, self.cfg, self.topology)
+        if self.data.valid is None:
+            return
+        loss, ppl = evaluate(self.model, self.data, self.cfg, self.topology)
         self.result.val_loss = loss
         self.writer.log({"step": self.state.step, "val_loss": loss, "val_ppl": ppl}, {"val_loss": "validation loss", "val_ppl": "ppl"})
 
@@ -156,7 +165,11 @@ class Run:
 
 
 def pretrain(cfg: Config) -> RunResult:
-    """Train as configured; joins the torchrun job if there is one, else runs as one process."""
+    """Train as configured; joins the torchrun job if there is one, else runs as one process.
+
+    Works on a copy of `cfg`: the tokenizer fills in model.vocab_size for this run only.
+    """
+    cfg = copy.deepcopy(cfg)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     created = not dist.is_initialized()
     topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes)

@@ -67,7 +67,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
     for batch in batches:
         batch = batch.to(topology.device)
         with precision_context(precision, topology.device):
-            losses = model(batch.tokens, batch.labels)
+            losses = model(batch.tokens, batch.labels, batch.position_ids)
         loss = (losses * batch.loss_mask).sum() / total_tokens
         (loss * scaler.scale).backward()
         loss_sum += loss.detach()

@@ -1,0 +1,81 @@
+"""Training on a preprocessed Megatron corpus: splits, blending, EOD options, exact resume,
+and data parallelism equal to one process (the sample order does not depend on dp)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megalite.data.indexed_dataset import IndexedDatasetWriter
+from megalite.training.pretrain import pretrain
+
+from conftest import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 300
+
+
+def _corpus(prefix: Path, documents: int, seed: int) -> str:
+    """Documents of random length ending in the NullTokenizer's eod (= VOCAB)."""
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(str(prefix), np.uint16) as writer:
+        for _ in range(documents):
+            writer.add_document(np.append(rng.integers(0, VOCAB, rng.integers(5, 60)), VOCAB))
+    return str(prefix)
+
+
+def _data(paths: list[str], **extra) -> dict:
+    return {"mock": False, "paths": paths, "tokenizer_type": "NullTokenizer", "num_workers": 0, **extra}
+
+
+def test_trains_on_a_blend_with_validation(tmp_path):
+    a, b = _corpus(tmp_path / "a", 300, 1), _corpus(tmp_path / "b", 200, 2)
+    cfg = tiny_config(data=_data(["0.7", a, "0.3", b], split="90,10,0", eod_mask_loss=True, reset_position_ids=True),
+                      train={"train_iters": 6, "eval_interval": 3, "eval_iters": 2}, checkpoint={"save": str(tmp_path / "ckpt")})
+    result = pretrain(cfg)
+    assert len(result.losses) == 6 and all(math.isfinite(l) for l in result.losses.values())
+    assert result.val_loss is not None and math.isfinite(result.val_loss)
+    assert f"vocab_size: {VOCAB + 1}" in (result.checkpoint / "config.yaml").read_text()
+    assert any(p.suffix == ".npy" for p in (tmp_path / "cache").iterdir())
+
+
+def test_resume_on_real_data_with_workers(tmp_path):
+    corpus = _corpus(tmp_path / "c", 300, 3)
+    data = _data([corpus], num_workers=2)
+    straight = pretrain(tiny_config(data=data, train={"train_iters": 6})).losses
+    ckpt = {"save": str(tmp_path / "ckpt"), "load": str(tmp_path / "ckpt")}
+    first = pretrain(tiny_config(data=data, train={"train_iters": 6, "exit_interval": 2}, checkpoint=ckpt)).losses
+    second = pretrain(tiny_config(data=data, train={"train_iters": 6}, checkpoint=ckpt)).losses
+    assert {**first, **second} == straight
+
+
+def test_separate_train_and_valid_paths(tmp_path):
+    train, valid = _corpus(tmp_path / "t", 200, 4), _corpus(tmp_path / "v", 50, 5)
+    cfg = tiny_config(data={**_data(None), "paths": None, "train_paths": [train], "valid_paths": [valid]},
+                      train={"train_iters": 2, "eval_interval": 2, "eval_iters": 1})
+    assert pretrain(cfg).val_loss is not None
+
+
+def _torchrun(nproc: int, metrics: Path, corpus: str, cache: Path) -> list[float]:
+    args = ["--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=4", "--model.seq_length=32",
+            f"--model.vocab_size={VOCAB}", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=3",
+            "--logging.progress_bar=false", "--logging.log_interval=1", f"--logging.metrics_file={metrics}",
+            f"--data.paths={corpus}", "--data.tokenizer_type=NullTokenizer", f"--data.cache_dir={cache}", "--data.num_workers=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "pretrain_gpt.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(l)["loss"] for l in metrics.read_text().splitlines()]
+
+
+def test_data_parallel_reads_the_same_global_batches(tmp_path):
+    corpus = _corpus(tmp_path / "d", 300, 6)
+    one = _torchrun(1, tmp_path / "one.jsonl", corpus, tmp_path / "cache")
+    two = _torchrun(2, tmp_path / "two.jsonl", corpus, tmp_path / "cache")
+    assert two == pytest.approx(one, abs=1e-5)
