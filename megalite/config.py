@@ -219,11 +219,15 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
         return errors
     if world_size % (p.tp * p.pp):
         errors.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={p.tp * p.pp}; launch a multiple of tp*pp processes (dp = world/(tp*pp))")
-    for name, feature in (("tp", "tensor"), ("pp", "pipeline"), ("vp", "virtual-pipeline")):
+    for name, feature in (("pp", "pipeline"), ("vp", "virtual-pipeline")):
         if getattr(p, name) > 1:
             errors.append(f"parallel.{name}={getattr(p, name)}: {feature} parallelism is not available in this version; set parallel.{name}=1")
-    if p.sequence_parallel:
-        errors.append("parallel.sequence_parallel=true is not available in this version; set it to false")
+    m = cfg.model
+    for value, what in ((m.num_attention_heads, "model.num_attention_heads"), (m.kv_heads, "model.num_query_groups (KV heads)"), (m.ffn_size, "the MLP width (model.ffn_hidden_size)")):
+        if value % p.tp:
+            errors.append(f"{what}={value} is not divisible by parallel.tp={p.tp}: every tensor-parallel rank holds whole heads/slices; pick a tp that divides it")
+    if p.sequence_parallel and p.tp > 1 and m.seq_length % p.tp:
+        errors.append(f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, which sequence parallelism shards it over")
     if p.distributed_optimizer:
         errors.append("parallel.distributed_optimizer=true is not available in this version; set it to false")
     return errors

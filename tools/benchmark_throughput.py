@@ -33,6 +33,7 @@ from megalite.checkpoint.hf_mapping import hf_config
 from megalite.config import Config
 from megalite.data.batches import Batch, make_batch
 from megalite.model.gpt import GPTModel
+from megalite.parallel.grads import GradientReducer
 from megalite.parallel.topology import Topology, synchronize
 from megalite.training.flops import training_flops_per_token
 from megalite.training.loss_scaler import LossScaler
@@ -122,7 +123,8 @@ def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Callable[[],
             layer.compile()
     optimizer = build_optimizer(model, cfg.optim, topology.device)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-    return lambda: train_step(model, optimizer, scaler, [batch], topology, cfg.train.precision, cfg.optim.clip_grad)
+    reducer = GradientReducer(model, topology, sequence_parallel=False)
+    return lambda: train_step(model, optimizer, scaler, reducer, [batch], topology, cfg.train.precision, cfg.optim.clip_grad)
 
 
 def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool) -> Callable[[], None]:

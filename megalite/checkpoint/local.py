@@ -1,7 +1,9 @@
 """Single-layout checkpoints: `iter_{step:07d}/` directories plus a `latest` file.
 
-Model weights go to safetensors; optimizer state and RNG states go through torch.save and
-come back with `weights_only=True`, so loading never runs pickled code. A checkpoint is
+Model weights and optimizer state go to safetensors as full tensors named by parameter
+(see full_state.py), so a checkpoint loads at any tensor-parallel size; RNG states go
+through torch.save and come back with `weights_only=True`, so loading never runs pickled
+code. A checkpoint is
 written into a temporary directory, fsynced and renamed, and `latest` is replaced only
 afterwards, so a crash mid-save leaves the previous checkpoint intact and pointed to.
 """
@@ -16,7 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+
+from megalite.checkpoint.full_state import FullState
+from megalite.parallel.random import RNGTracker
+from megalite.parallel.topology import Topology
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -43,17 +50,23 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+def rng_state(device: torch.device, tracker: RNGTracker | None) -> dict[str, torch.Tensor]:
+    """This rank's default RNG streams plus its named tensor-parallel streams."""
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    if tracker is not None:
+        state |= {f"tracker/{name}": s for name, s in tracker.state_dict().items()}
     return state
 
 
-def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device, tracker: RNGTracker | None) -> None:
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+    named = {k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("tracker/")}
+    if tracker is not None and named:
+        tracker.load_state_dict(named)
 
 
 @dataclass
@@ -66,22 +79,35 @@ class TrainingState:
     wandb_run_id: str | None = None
 
 
-def save_checkpoint(root: str, state: TrainingState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config_yaml: str, device: torch.device) -> Path:
-    """Write one complete checkpoint and point `latest` at it; returns its directory."""
+def save_checkpoint(root: str, state: TrainingState, full: FullState, config_yaml: str, topology: Topology, rng: dict[str, torch.Tensor]) -> Path:
+    """Write one complete checkpoint and point `latest` at it; returns its directory. Collective.
+
+    Data-parallel replica 0 gathers full tensors over its tensor-parallel group and global rank 0
+    writes them; every rank writes its own RNG streams.
+    """
     final = iteration_dir(root, state.step)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp / "model.safetensors")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(rng_state(device), tmp / "rng.pt")
-    (tmp / "config.yaml").write_text(config_yaml)
-    (tmp / "state.json").write_text(json.dumps({"format_version": FORMAT_VERSION, **state.__dict__}, indent=2))
-    _fsync_tree(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _atomic_write_text(Path(root) / LATEST, f"{state.step}\n")
+    if topology.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    tensors = (full.model_tensors(), *full.optimizer_tensors()) if topology.dp_rank == 0 else None
+    dist.barrier()
+    torch.save(rng, tmp / "rng" / f"rank_{topology.rank:05d}.pt")
+    if topology.rank == 0:
+        model, optimizer, groups = tensors
+        save_file(model, tmp / "model.safetensors")
+        save_file(optimizer, tmp / "optimizer.safetensors")
+        (tmp / "optimizer_groups.json").write_text(json.dumps(groups, indent=2))
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / "state.json").write_text(json.dumps({"format_version": FORMAT_VERSION, **state.__dict__}, indent=2))
+    dist.barrier()
+    if topology.rank == 0:
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write_text(Path(root) / LATEST, f"{state.step}\n")
+    dist.barrier()
     return final
 
 
@@ -99,22 +125,25 @@ def latest_checkpoint(root: str) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> TrainingState:
-    for name in ("model.safetensors", "optimizer.pt", "rng.pt", "state.json"):
+def load_checkpoint(path: Path, full: FullState, topology: Topology) -> tuple[TrainingState, dict[str, torch.Tensor]]:
+    """Restore model and optimizer (resliced for this rank's layout); returns the training state and
+    this rank's RNG streams (rank 0's when the checkpoint was written by fewer ranks)."""
+    for name in ("model.safetensors", "optimizer.safetensors", "optimizer_groups.json", "state.json", "rng/rank_00000.pt"):
         if not (path / name).is_file():
             raise FileNotFoundError(f"checkpoint {path} is incomplete: {name} is missing; resume from an earlier iter_* directory")
-    weights = load_file(path / "model.safetensors", device=str(device))
-    expected = model.state_dict()
-    mismatched = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v.shape)}" for k, v in expected.items() if k in weights and weights[k].shape != v.shape]
+    weights = load_file(path / "model.safetensors")
+    expected = full.model_tensors_shapes()
+    mismatched = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v)}" for k, v in expected.items() if k in weights and weights[k].shape != v]
     missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
     if missing or unexpected or mismatched:
         raise ValueError(
             f"checkpoint {path} does not fit this model (was it saved with another model config?): "
             f"missing {missing}, unexpected {unexpected}, shape mismatches {mismatched}"
         )
-    model.load_state_dict(weights)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=True), device)
+    full.load_model(weights)
+    full.load_optimizer(load_file(path / "optimizer.safetensors"), json.loads((path / "optimizer_groups.json").read_text()))
+    rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
+    rng = torch.load(rng_file if rng_file.is_file() else path / "rng" / "rank_00000.pt", weights_only=True)
     fields = json.loads((path / "state.json").read_text())
     fields.pop("format_version", None)
-    return TrainingState(**fields)
+    return TrainingState(**fields), rng

@@ -15,24 +15,29 @@ from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
 from megalite.model.rope import apply_rope
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPContext
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, recompute_core: bool) -> None:
+    """Each tensor-parallel rank computes whole query groups: heads/tp query and groups/tp KV heads."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, recompute_core: bool) -> None:
         super().__init__()
-        self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, cfg.head_dim
         bias = cfg.family == "gpt2"
-        qkv_rows = (self.heads + 2 * self.groups) * self.head_dim
-        self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_rows, bias=bias)
-        self.linear_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, tp, bias)
+        self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, bias)
         self.dropout = cfg.attention_dropout
         self.recompute_core = recompute_core
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """x: [seq, batch, hidden] -> [seq, batch, hidden]."""
-        s, b, _ = x.shape
+        """x: [seq (/tp under SP), batch, hidden] -> the same shape."""
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
         per_group = self.heads // self.groups
-        qkv = self.linear_qkv(x).view(s, b, self.groups, per_group + 2, self.head_dim)
+        qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)
         q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
         if rope is not None:
@@ -46,4 +51,5 @@ class SelfAttention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=self.groups != self.heads)
+        with self.tp.region_rng():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=self.groups != self.heads)

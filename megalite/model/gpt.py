@@ -20,56 +20,69 @@ from megalite.model.init import init_parameters
 from megalite.model.mlp import MLP
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
+from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.layers import ColumnParallelLinear, TPContext, VocabParallelEmbedding, parameter_shards
+from megalite.parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, recompute_core: bool) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPContext, recompute_core: bool) -> None:
         super().__init__()
         self.input_norm = build_norm(cfg.family, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.attention = SelfAttention(cfg, recompute_core)
+        self.attention = SelfAttention(cfg, tp, recompute_core)
         self.pre_mlp_norm = build_norm(cfg.family, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x), rope))
-        return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
+        with self.tp.hidden_rng():
+            x = x + self.dropout(self.attention(self.input_norm(x), rope))
+            return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.word_embeddings = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp)
         self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size) if cfg.family == "gpt2" else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.tp = tp
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        """tokens, position_ids: [batch, seq] -> [seq, batch, hidden]; positions default to 0..seq-1."""
+        """tokens, position_ids: [batch, seq] -> [seq (/tp under SP), batch, hidden]; positions default to 0..seq-1."""
         x = self.word_embeddings(tokens.t())
         if self.position_embeddings is not None:
             if position_ids is None:
-                x = x + self.position_embeddings.weight[: tokens.shape[1]].unsqueeze(1)
+                positions = self.position_embeddings.weight[: tokens.shape[1]].unsqueeze(1)
             else:
-                x = x + self.position_embeddings(position_ids.t())
-        return self.dropout(x)
+                positions = self.position_embeddings(position_ids.t())
+            if self.tp.sequence_parallel:
+                positions = positions.chunk(self.tp.size, 0)[self.tp.rank]
+            x = x + positions
+        with self.tp.hidden_rng():
+            return self.dropout(x)
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: Config, device: torch.device) -> None:
+    """One device's part of the GPT: with tensor parallelism (`tp`), its shards of every matrix."""
+
+    def __init__(self, cfg: Config, device: torch.device, tp: TPContext | None = None) -> None:
         super().__init__()
         m = cfg.model
-        self.cfg, self.vocab_size = m, m.vocab_size
+        self.cfg, self.vocab_size, self.tp = m, m.vocab_size, tp or TPContext()
         self.recompute_full = cfg.train.recompute == "full"
         with torch.device("meta"):
-            self.embedding = Embedding(m)
-            self.layers = nn.ModuleList(TransformerLayer(m, device, cfg.train.recompute == "selective") for _ in range(m.num_layers))
+            self.embedding = Embedding(m, self.tp)
+            self.layers = nn.ModuleList(TransformerLayer(m, device, self.tp, cfg.train.recompute == "selective") for _ in range(m.num_layers))
             self.final_norm = build_norm(m.family, m.hidden_size, m.norm_epsilon, device)
-            self.lm_head = None if m.tied else nn.Linear(m.hidden_size, m.padded_vocab_size, bias=False)
+            self.lm_head = None if m.tied else ColumnParallelLinear(m.hidden_size, m.padded_vocab_size, self.tp, bias=False)
         self.to_empty(device=device)
-        init_parameters(self, cfg.train.seed, m)
+        init_parameters(self, cfg.train.seed, m, parameter_shards(self), self.tp.rank, self.tp.size)
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def output_weight(self) -> torch.Tensor:
+        """This rank's rows of the LM head: its slice of the padded vocabulary."""
         return (self.embedding.word_embeddings if self.lm_head is None else self.lm_head).weight
 
     def _rope(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -92,7 +105,22 @@ class GPTModel(nn.Module):
             else:
                 x = layer(x, rope)
         x = self.final_norm(x)
+        if self.tp.size == 1:
+            return self._head_one_device(x, labels)
+        return self._head_vocab_parallel(x, labels)
+
+    def _head_one_device(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         if labels is None:
             return F.linear(x, self.output_weight()[: self.vocab_size]).transpose(0, 1)
         losses = linear_cross_entropy(x.flatten(0, 1), self.output_weight(), labels.t().flatten(), self.vocab_size)
-        return losses.view(tokens.shape[1], tokens.shape[0]).t()
+        return losses.view(labels.shape[1], labels.shape[0]).t()
+
+    def _head_vocab_parallel(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        tp = self.tp
+        x = gather_from_sp(x, tp.group) if tp.sequence_parallel else copy_to_tp(x, tp.group)
+        logits = F.linear(x, self.output_weight())
+        if labels is None:
+            return gather_from_tp(logits, tp.group)[..., : self.vocab_size].transpose(0, 1)
+        start = tp.rank * logits.shape[-1]
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.t().flatten(), start, self.vocab_size, tp.group)
+        return losses.view(labels.shape[1], labels.shape[0]).t()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.parallel.layers import ShardSpec, shard
 
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -35,6 +36,13 @@ def initial_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> 
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
+def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, shards: dict[str, ShardSpec], rank: int, size: int) -> None:
+    """Fill every parameter with its slice (this tensor-parallel rank's) of the full initial value."""
     for name, param in model.named_parameters():
-        param.copy_(initial_value(name, param.shape, seed, cfg))
+        spec = shards.get(name)
+        if spec is None:
+            param.copy_(initial_value(name, param.shape, seed, cfg))
+            continue
+        full_shape = list(param.shape)
+        full_shape[spec.dim] *= size
+        param.copy_(shard(initial_value(name, torch.Size(full_shape), seed, cfg), spec, rank, size))

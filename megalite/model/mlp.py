@@ -11,16 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPContext
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
         self.swiglu = cfg.family == "llama"
         bias = cfg.family == "gpt2"
-        fc1_rows = 2 * cfg.ffn_size if self.swiglu else cfg.ffn_size
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_rows, bias=bias)
-        self.linear_fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=bias)
+        blocks = 2 if self.swiglu else 1
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, blocks * cfg.ffn_size, tp, bias, blocks=blocks)
+        self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

@@ -7,8 +7,9 @@ only module that touches CUDA device selection; everything else asks `topology.d
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -41,27 +42,51 @@ def init_process_group(device: torch.device, timeout_minutes: int = 10) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
+    """Global ranks as a [pp, dp, tp] grid: tp varies fastest (stays inside a node), then dp, then pp."""
+    return torch.arange(world_size).view(pp, world_size // (tp * pp), tp)
+
+
+def _groups_along(grid: torch.Tensor, rank: int, keep: tuple[int, ...]) -> dist.ProcessGroup:
+    """Create every group that varies only along grid dims `keep` (all ranks must call this in the same
+    order) and return the one holding `rank`."""
+    moved = grid.permute(*[d for d in range(3) if d not in keep], *keep)
+    mine = None
+    for ranks in moved.reshape(-1, math.prod(grid.shape[d] for d in keep)).tolist():
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 @dataclass
 class Topology:
-    """The rank grid of this job. dp = world / (tp * pp); with tp = pp = 1 the data group is the world."""
+    """This process's place in the (pp, dp, tp) rank grid and the process groups along each axis.
+
+    Built once, after the process group exists, and handed to whatever needs a group.
+    """
 
     rank: int
     world_size: int
     device: torch.device
     tp: int = 1
     pp: int = 1
+    tp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    mp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        grid = rank_grid(self.world_size, self.tp, self.pp)
+        self.pp_rank, self.dp_rank, self.tp_rank = ((grid == self.rank).nonzero()[0]).tolist()
+        self.tp_group = _groups_along(grid, self.rank, (2,))
+        self.dp_group = _groups_along(grid, self.rank, (1,))
+        self.pp_group = _groups_along(grid, self.rank, (0,))
+        self.mp_group = _groups_along(grid, self.rank, (0, 2))
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
-
-    @property
-    def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return dist.group.WORLD
 
     @property
     def is_logging_rank(self) -> bool:
@@ -69,11 +94,11 @@ class Topology:
         return self.rank == self.world_size - 1
 
     @classmethod
-    def from_environment(cls, device_preference: str = "auto", timeout_minutes: int = 10) -> "Topology":
+    def from_environment(cls, device_preference: str = "auto", timeout_minutes: int = 10, tp: int = 1, pp: int = 1) -> "Topology":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = pick_device(device_preference, local_rank)
         init_process_group(device, timeout_minutes)
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, tp=tp, pp=pp)
 
 
 def synchronize(device: torch.device) -> None:

@@ -11,12 +11,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.local import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
+from megalite.checkpoint.full_state import FullState
+from megalite.checkpoint.local import TrainingState, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml
 from megalite.data.build import build_training_data, tokenizer_from_config
 from megalite.data.loader import micro_batches
 from megalite.model.gpt import GPTModel
+from megalite.parallel.grads import GradientReducer
+from megalite.parallel.layers import TPContext
 from megalite.parallel.topology import Topology, peak_memory, synchronize
 from megalite.training.evaluate import evaluate
 from megalite.training.flops import peak_tflops, training_flops_per_token
@@ -49,12 +52,15 @@ class Run:
             cfg.model.vocab_size = tokenizer.vocab_size
         valid_samples = cfg.train.eval_iters * self.gbs if cfg.train.eval_interval else 0
         self.data = build_training_data(cfg, topology.rank, tokenizer, cfg.train.train_iters * self.gbs, valid_samples)
-        self.model = GPTModel(cfg, topology.device)
+        self.tp = TPContext.from_topology(topology, cfg.parallel.sequence_parallel, cfg.train.seed)
+        self.model = GPTModel(cfg, topology.device, self.tp)
+        self.reducer = GradientReducer(self.model, topology, cfg.parallel.sequence_parallel)
         if cfg.train.compile:
             for layer in self.model.layers:
                 layer.compile()
         self.optimizer = build_optimizer(self.model, cfg.optim, topology.device)
         self.scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
+        self.full_state = FullState(self.model, self.optimizer, self.tp)
         self.state = TrainingState(step=0, consumed_samples=0, loss_scaler=self.scaler.state_dict())
         self.resumed_from = self._resume()
         self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)
@@ -72,7 +78,8 @@ class Run:
             raise FileNotFoundError(f"checkpoint.load={load} does not exist; fix the path or drop --checkpoint.load to start from scratch")
         path = latest_checkpoint(load) if Path(load).exists() else None
         if path is not None:
-            self.state = load_checkpoint(path, self.model, self.optimizer, self.topology.device)
+            self.state, rng = load_checkpoint(path, self.full_state, self.topology)
+            set_rng_state(rng, self.topology.device, self.tp.rng)
             self.scaler.load_state_dict(self.state.loss_scaler)
         return path
 
@@ -88,7 +95,7 @@ class Run:
             step = self.state.step + 1
             set_learning_rate(self.optimizer, learning_rate(step, cfg.optim, cfg.train.train_iters))
             batches = [next(stream) for _ in range(per_step)]
-            result = train_step(self.model, self.optimizer, self.scaler, batches, self.topology, cfg.train.precision, cfg.optim.clip_grad)
+            result = train_step(self.model, self.optimizer, self.scaler, self.reducer, batches, t, cfg.train.precision, cfg.optim.clip_grad)
             self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
             self.state.loss_scaler = self.scaler.state_dict()
             self.skipped_steps += result.skipped
@@ -155,12 +162,10 @@ class Run:
         self.writer.log({"step": self.state.step, "val_loss": loss, "val_ppl": ppl}, {"val_loss": "validation loss", "val_ppl": "ppl"})
 
     def _save(self) -> None:
-        path = None
-        if self.topology.rank == 0:
-            path = save_checkpoint(self.cfg.checkpoint.save, self.state, self.model, self.optimizer, dump_yaml(self.cfg), self.topology.device)
-        dist.barrier()
+        rng = rng_state(self.topology.device, self.tp.rng)
+        path = save_checkpoint(self.cfg.checkpoint.save, self.state, self.full_state, dump_yaml(self.cfg), self.topology, rng)
         self.saved_step = self.state.step
-        self.result.checkpoint = path or Path(self.cfg.checkpoint.save) / f"iter_{self.state.step:07d}"
+        self.result.checkpoint = path
         self.writer.print(f"saved checkpoint {self.result.checkpoint}")
 
 
@@ -172,7 +177,7 @@ def pretrain(cfg: Config) -> RunResult:
     cfg = copy.deepcopy(cfg)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     created = not dist.is_initialized()
-    topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes)
+    topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes, cfg.parallel.tp, cfg.parallel.pp)
     try:
         torch.manual_seed(cfg.train.seed)
         run = Run(cfg, topology)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.data.batches import Batch
+from megalite.parallel.grads import GradientReducer
 from megalite.parallel.topology import Topology
 from megalite.training.loss_scaler import LossScaler
 
@@ -42,26 +43,9 @@ def global_token_count(batches: list[Batch], topology: Topology) -> torch.Tensor
     return count
 
 
-def _all_reduce_grads(params: list[nn.Parameter], topology: Topology) -> None:
-    """Sum gradients over data-parallel replicas in one flat buffer."""
-    if topology.dp == 1:
-        return
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=topology.dp_group)
-    for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(chunk.view_as(g))
-
-
-def _grad_norm_and_clip(params: list[nn.Parameter], clip: float) -> float:
-    if clip > 0:
-        return float(nn.utils.clip_grad_norm_(params, clip, foreach=True))
-    return float(nn.utils.get_total_norm([p.grad for p in params], foreach=True))
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler, batches: list[Batch], topology: Topology, precision: str, clip_grad: float) -> StepResult:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler, reducer: GradientReducer,
+               batches: list[Batch], topology: Topology, precision: str, clip_grad: float) -> StepResult:
     optimizer.zero_grad(set_to_none=False)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     total_tokens = global_token_count(batches, topology)
     loss_sum = torch.zeros(1, device=topology.device)
     for batch in batches:
@@ -71,13 +55,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
         loss = (losses * batch.loss_mask).sum() / total_tokens
         (loss * scaler.scale).backward()
         loss_sum += loss.detach()
-    _all_reduce_grads(params, topology)
+    reducer.reduce()
     dist.all_reduce(loss_sum, group=topology.dp_group)
-    overflow = scaler.unscale_and_check([p.grad for p in params])
+    overflow = reducer.any_overflow(scaler.unscale_and_check(reducer.grads()))
     scaler.update(overflow)
     if overflow:
         return StepResult(float(loss_sum), float("nan"), True, int(total_tokens.item()))
-    grad_norm = _grad_norm_and_clip(params, clip_grad)
+    grad_norm = reducer.clip(clip_grad)
     if not torch.isfinite(torch.tensor(grad_norm)) and not scaler.dynamic:
         raise FloatingPointError(f"gradient norm is {grad_norm} (loss {float(loss_sum)}): training diverged; lower optim.lr or resume from an earlier checkpoint")
     optimizer.step()

@@ -1,0 +1,142 @@
+"""Communication as autograd functions: each forward collective has its conjugate as backward.
+
+Tensor-parallel regions (Megatron-LM's scheme):
+  copy_to_tp        identity      / all-reduce     (enter a column-parallel layer)
+  reduce_from_tp    all-reduce    / identity       (leave a row-parallel layer)
+  gather_from_tp    all-gather    / split          (along the last dim)
+Sequence parallelism, along the first (sequence) dim of [seq, batch, hidden]:
+  gather_from_sp    all-gather    / reduce-scatter (enter a column-parallel layer)
+  reduce_scatter_to_sp reduce-scatter / all-gather (leave a row-parallel layer)
+  scatter_to_sp     split         / all-gather     (enter the sequence-parallel region)
+With a group of one every function is the identity, so tp=1 pays nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if dim == 0:
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {size}")
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+def _trivial(group: Group | None) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def copy_to_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    return x if _trivial(group) else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    return x if _trivial(group) else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    return x if _trivial(group) else _GatherFromTP.apply(x, group)
+
+
+def gather_from_sp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    return x if _trivial(group) else _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    return x if _trivial(group) else _ReduceScatterToSP.apply(x, group)
+
+
+def scatter_to_sp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    return x if _trivial(group) else _ScatterToSP.apply(x, group)
