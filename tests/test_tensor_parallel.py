@@ -90,12 +90,13 @@ def _torchrun_losses(tmp_path: Path, nproc: int, family: str, extra: list[str]) 
     return [json.loads(l)["loss"] for l in metrics.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family, extra", [("gpt2", ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
-                                           ("llama", ["--parallel.tp=2"]),
-                                           ("llama", ["--parallel.tp=2", "--parallel.sequence_parallel=true"])])
-def test_five_steps_equal_one_device(tmp_path, family, extra):
+@pytest.mark.parametrize("family, nproc, extra", [("gpt2", 2, ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+                                                  ("llama", 2, ["--parallel.tp=2"]),
+                                                  ("llama", 4, ["--parallel.tp=2", "--parallel.sequence_parallel=true"])])
+def test_five_steps_equal_one_device(tmp_path, family, nproc, extra):
+    """Five optimizer steps; the 4-process case is tp=2 x dp=2."""
     reference = _torchrun_losses(tmp_path, 1, family, [])
-    assert _torchrun_losses(tmp_path, 2, family, extra) == pytest.approx(reference, rel=1e-5)
+    assert _torchrun_losses(tmp_path, nproc, family, extra) == pytest.approx(reference, rel=1e-5)
 
 
 def test_checkpoint_saved_at_tp2_resumes_at_tp1(tmp_path):
