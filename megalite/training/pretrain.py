@@ -130,7 +130,7 @@ class Run:
 
     def _announce(self) -> None:
         t, cfg = self.topology, self.cfg
-        params = sum(p.numel() for p in self.model.parameters())
+        params = sum(shape.numel() for shape in self.full_state.model_tensors_shapes().values())
         self.writer.print(f"megalite config:\n{dump_yaml(cfg)}")
         self.writer.print(
             f"world {t.world_size} (tp {t.tp}, pp {t.pp}, dp {t.dp}) on {t.device}; {params / 1e6:.2f}M parameters; "
