@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# Install megalite into .venv and pretrain a small GPT with torchrun on this machine:
+# Install megalite into .venv, fetch the real assets (GPT-2 tokenizer, Shakespeare), preprocess
+# the corpus into a Megatron .bin/.idx dataset, and pretrain a small GPT on it with torchrun:
 # every local GPU, or 2 data-parallel CPU processes (gloo) when there is none.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-bash scripts/get_assets.sh  # setup_env.sh left us in the repo root
+bash scripts/get_assets.sh
 OUT=runs/quickstart
 rm -rf "$OUT"
+python tools/preprocess_data.py --input assets/shakespeare --output-prefix "$OUT/data/shakespeare" \
+  --tokenizer-type GPT2BPETokenizer --vocab-file assets/gpt2/vocab.json --merge-file assets/gpt2/merges.txt \
+  --append-eod --workers 2
 NPROC="${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count() or 2)')}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" WANDB_SILENT=true
 torchrun --standalone --nproc_per_node="$NPROC" pretrain_gpt.py --config examples/tiny_cpu.yaml \
-  --train.train_iters=200 --train.eval_interval=100 --logging.log_interval=20 \
+  --data.paths="$OUT/data/shakespeare_text_document" \
   --checkpoint.save="$OUT/checkpoints" --checkpoint.load="$OUT/checkpoints" --checkpoint.save_interval=100 \
   --logging.metrics_file="$OUT/metrics.jsonl" \
   --logging.wandb_project=megalite-quickstart --logging.wandb_mode=offline --logging.wandb_dir="$OUT"
 echo
 echo "quickstart done:"
+echo "  dataset     $OUT/data/shakespeare_text_document.{bin,idx}"
 echo "  metrics     $OUT/metrics.jsonl ($(wc -l < "$OUT/metrics.jsonl") records)"
 echo "  checkpoint  $OUT/checkpoints/iter_$(printf %07d "$(cat "$OUT/checkpoints/latest")")"
 echo "  W&B run     $(ls -d "$OUT"/wandb/offline-run-* | tail -1)  (upload with: wandb sync DIR)"
