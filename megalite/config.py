@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from megalite.parallel.pipeline_layout import chunk_layer_counts
+
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix; the message says which field and how."""
@@ -78,6 +80,9 @@ class ParallelConfig:
     tp: int = _f(1, "tensor-parallel size")
     pp: int = _f(1, "pipeline-parallel size")
     vp: int = _f(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)")
+    pipeline_schedule: Literal["1f1b", "gpipe"] = _f("1f1b", "1f1b (interleaved when vp > 1) or gpipe (all forwards, then all backwards; vp = 1)")
+    first_stage_layers: Optional[int] = _f(None, "layers of the first pipeline chunk (it also holds the embedding); the rest are split evenly")
+    last_stage_layers: Optional[int] = _f(None, "layers of the last pipeline chunk (it also holds the head and loss)")
     sequence_parallel: bool = _f(False, "shard norm/dropout activations along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(False, "shard optimizer state across data-parallel ranks (ZeRO-1)")
     timeout_minutes: int = _f(10, "collective timeout before a hung rank aborts the job")
@@ -145,6 +150,8 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = _f(10, "steps between metric lines")
     metrics_file: Optional[str] = _f(None, "append one JSON object per logged step to this file")
+    pipeline_trace: Optional[str] = _f(None, "write the first pipeline_trace_steps steps' schedule (every forward/backward of every rank) to this Chrome-trace JSON")
+    pipeline_trace_steps: int = _f(2, "how many steps the pipeline trace records")
     progress_bar: bool = _f(True, "show a progress bar on the logging rank")
     peak_tflops: Optional[float] = _f(None, "per-device peak TFLOP/s for MFU (default: table lookup by device; n/a when unknown)")
     wandb_project: Optional[str] = _f(None, "Weights & Biases project; none disables W&B")
@@ -219,9 +226,7 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
         return errors
     if world_size % (p.tp * p.pp):
         errors.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={p.tp * p.pp}; launch a multiple of tp*pp processes (dp = world/(tp*pp))")
-    for name, feature in (("pp", "pipeline"), ("vp", "virtual-pipeline")):
-        if getattr(p, name) > 1:
-            errors.append(f"parallel.{name}={getattr(p, name)}: {feature} parallelism is not available in this version; set parallel.{name}=1")
+    errors += _check_pipeline(cfg, world_size)
     m = cfg.model
     for value, what in ((m.num_attention_heads, "model.num_attention_heads"), (m.kv_heads, "model.num_query_groups (KV heads)"), (m.ffn_size, "the MLP width (model.ffn_hidden_size)")):
         if value % p.tp:
@@ -230,6 +235,24 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
         errors.append(f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, which sequence parallelism shards it over")
     if p.distributed_optimizer:
         errors.append("parallel.distributed_optimizer=true is not available in this version; set it to false")
+    return errors
+
+
+def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
+    p, errors = cfg.parallel, []
+    if p.vp > 1 and p.pp == 1:
+        errors.append(f"parallel.vp={p.vp} needs pipeline parallelism (parallel.pp > 1)")
+    if p.vp > 1 and p.pipeline_schedule == "gpipe":
+        errors.append("parallel.pipeline_schedule=gpipe runs one chunk per rank; set parallel.vp=1 or use 1f1b")
+    try:
+        chunk_layer_counts(cfg.model.num_layers, p.pp * p.vp, p.first_stage_layers if p.pp > 1 else None, p.last_stage_layers if p.pp > 1 else None)
+    except ValueError as err:
+        errors.append(f"model.num_layers / parallel.pp, vp, first_stage_layers, last_stage_layers: {err}")
+    if p.vp > 1 and world_size % (p.tp * p.pp) == 0 and cfg.train.micro_batch_size > 0:
+        microbatches = cfg.num_microbatches(world_size)
+        if microbatches % p.pp:
+            errors.append(f"interleaved 1F1B (parallel.vp={p.vp}) needs the number of micro batches ({microbatches} = global batch / "
+                          f"(micro batch * dp)) to be a multiple of parallel.pp={p.pp}; change train.global_batch_size")
     return errors
 
 

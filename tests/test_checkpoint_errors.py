@@ -17,8 +17,8 @@ def saved(tmp_path):
 
 
 def test_missing_shard_is_named(saved):
-    (saved / "iter_0000002" / "optimizer.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"iter_0000002 is incomplete: optimizer.safetensors is missing"):
+    (saved / "iter_0000002" / "optimizer_000.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"iter_0000002 is incomplete: optimizer_000.safetensors is missing"):
         pretrain(tiny_config(train={"train_iters": 3}, checkpoint={"load": str(saved)}))
 
 

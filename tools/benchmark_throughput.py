@@ -31,10 +31,9 @@ import transformers
 
 from megalite.checkpoint.hf_mapping import hf_config
 from megalite.config import Config
-from megalite.data.batches import Batch, make_batch
-from megalite.model.gpt import GPTModel
-from megalite.parallel.grads import GradientReducer
+from megalite.data.batches import Batch, BatchMaker
 from megalite.parallel.topology import Topology, synchronize
+from megalite.training.build import build_rank_model
 from megalite.training.flops import training_flops_per_token
 from megalite.training.loss_scaler import LossScaler
 from megalite.training.optimizer import build_optimizer, param_groups
@@ -117,14 +116,11 @@ def median_step_seconds(step: Callable[[], None], warmup: int, timed: int, devic
 
 def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Callable[[], None]:
     """One megalite optimizer step as pretraining runs it (model, optimizer, compile as pretrain.py builds them)."""
-    model = GPTModel(cfg, topology.device).train()
-    if cfg.train.compile:
-        for layer in model.layers:
-            layer.compile()
+    parts = build_rank_model(cfg, topology)
+    model = parts.model.train()
     optimizer = build_optimizer(model, cfg.optim, topology.device)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-    reducer = GradientReducer(model, topology, sequence_parallel=False)
-    return lambda: train_step(model, optimizer, scaler, reducer, [batch], topology, cfg.train.precision, cfg.optim.clip_grad)
+    return lambda: train_step(model, optimizer, scaler, parts.reducer, [batch], topology, cfg.train.precision, cfg.optim.clip_grad, parts.pipeline)
 
 
 def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool) -> Callable[[], None]:
@@ -161,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     device = topology.device
     generator = torch.Generator().manual_seed(args.seed)
     samples = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator)
-    batch = make_batch(list(samples))
+    batch = BatchMaker()(list(samples.numpy()))
 
     peak = measure_peak_tflops(device, _DTYPES[args.precision])
     flops_per_token = training_flops_per_token(cfg.model)

@@ -82,8 +82,9 @@ class TrainingState:
 def save_checkpoint(root: str, state: TrainingState, full: FullState, config_yaml: str, topology: Topology, rng: dict[str, torch.Tensor]) -> Path:
     """Write one complete checkpoint and point `latest` at it; returns its directory. Collective.
 
-    Data-parallel replica 0 gathers full tensors over its tensor-parallel group and global rank 0
-    writes them; every rank writes its own RNG streams.
+    Data-parallel replica 0 gathers full tensors over its tensor-parallel groups and tensor-parallel
+    rank 0 of each pipeline stage writes that stage's (model_PPP / optimizer_PPP); every rank writes
+    its own RNG streams.
     """
     final = iteration_dir(root, state.step)
     tmp = final.with_name(final.name + ".tmp")
@@ -93,10 +94,11 @@ def save_checkpoint(root: str, state: TrainingState, full: FullState, config_yam
     tensors = (full.model_tensors(), *full.optimizer_tensors()) if topology.dp_rank == 0 else None
     dist.barrier()
     torch.save(rng, tmp / "rng" / f"rank_{topology.rank:05d}.pt")
-    if topology.rank == 0:
+    if topology.dp_rank == 0 and topology.tp_rank == 0:
         model, optimizer, groups = tensors
-        save_file(model, tmp / "model.safetensors")
-        save_file(optimizer, tmp / "optimizer.safetensors")
+        save_file(model, tmp / f"model_{topology.pp_rank:03d}.safetensors")
+        save_file(optimizer, tmp / f"optimizer_{topology.pp_rank:03d}.safetensors")
+    if topology.rank == 0:
         (tmp / "optimizer_groups.json").write_text(json.dumps(groups, indent=2))
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / "state.json").write_text(json.dumps({"format_version": FORMAT_VERSION, **state.__dict__}, indent=2))
@@ -125,23 +127,31 @@ def latest_checkpoint(root: str) -> Path | None:
     return path
 
 
+def _load_stages(path: Path, kind: str) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's tensors of `kind` (model / optimizer), by one-device name."""
+    tensors = {}
+    for file in sorted(path.glob(f"{kind}_*.safetensors")):
+        tensors |= load_file(file)
+    return tensors
+
+
 def load_checkpoint(path: Path, full: FullState, topology: Topology) -> tuple[TrainingState, dict[str, torch.Tensor]]:
     """Restore model and optimizer (resliced for this rank's layout); returns the training state and
     this rank's RNG streams (rank 0's when the checkpoint was written by fewer ranks)."""
-    for name in ("model.safetensors", "optimizer.safetensors", "optimizer_groups.json", "state.json", "rng/rank_00000.pt"):
+    for name in ("model_000.safetensors", "optimizer_000.safetensors", "optimizer_groups.json", "state.json", "rng/rank_00000.pt"):
         if not (path / name).is_file():
             raise FileNotFoundError(f"checkpoint {path} is incomplete: {name} is missing; resume from an earlier iter_* directory")
-    weights = load_file(path / "model.safetensors")
+    weights = _load_stages(path, "model")
     expected = full.model_tensors_shapes()
     mismatched = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v)}" for k, v in expected.items() if k in weights and weights[k].shape != v]
-    missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
-    if missing or unexpected or mismatched:
+    missing = sorted(expected.keys() - weights.keys())
+    if missing or mismatched:
         raise ValueError(
             f"checkpoint {path} does not fit this model (was it saved with another model config?): "
-            f"missing {missing}, unexpected {unexpected}, shape mismatches {mismatched}"
+            f"missing {missing}, shape mismatches {mismatched}"
         )
     full.load_model(weights)
-    full.load_optimizer(load_file(path / "optimizer.safetensors"), json.loads((path / "optimizer_groups.json").read_text()))
+    full.load_optimizer(_load_stages(path, "optimizer"), json.loads((path / "optimizer_groups.json").read_text()))
     rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
     rng = torch.load(rng_file if rng_file.is_file() else path / "rng" / "rank_00000.pt", weights_only=True)
     fields = json.loads((path / "state.json").read_text())

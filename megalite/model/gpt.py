@@ -23,6 +23,7 @@ from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.layers import ColumnParallelLinear, TPContext, VocabParallelEmbedding, parameter_shards
 from megalite.parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
+from megalite.parallel.pipeline_layout import StageLayout
 
 
 class TransformerLayer(nn.Module):
@@ -65,21 +66,36 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """One device's part of the GPT: with tensor parallelism (`tp`), its shards of every matrix."""
+    """One rank's part of the GPT: its tensor-parallel shards (`tp`) of the layers of its pipeline
+    chunks (`stage`), plus the embedding and/or head when it holds the first/last chunk.
 
-    def __init__(self, cfg: Config, device: torch.device, tp: TPContext | None = None) -> None:
+    Layers keep their global index as name (`layers.17...`), so every layout has the one-device
+    parameter names. With tied embeddings split over pipeline stages, the last stage holds a copy
+    of the word embeddings as `lm_head.weight`, initialised identically and kept equal by
+    all-reducing its gradient with the first stage's (see parallel/grads.py).
+    """
+
+    def __init__(self, cfg: Config, device: torch.device, tp: TPContext | None = None, stage: StageLayout | None = None) -> None:
         super().__init__()
         m = cfg.model
         self.cfg, self.vocab_size, self.tp = m, m.vocab_size, tp or TPContext()
+        self.stage = stage or StageLayout.single(m.num_layers)
         self.recompute_full = cfg.train.recompute == "full"
+        selective = cfg.train.recompute == "selective"
         with torch.device("meta"):
-            self.embedding = Embedding(m, self.tp)
-            self.layers = nn.ModuleList(TransformerLayer(m, device, self.tp, cfg.train.recompute == "selective") for _ in range(m.num_layers))
-            self.final_norm = build_norm(m.family, m.hidden_size, m.norm_epsilon, device)
-            self.lm_head = None if m.tied else ColumnParallelLinear(m.hidden_size, m.padded_vocab_size, self.tp, bias=False)
+            self.embedding = Embedding(m, self.tp) if self.stage.has_embedding else None
+            self.layers = nn.ModuleDict({str(i): TransformerLayer(m, device, self.tp, selective) for a, b in self.stage.chunks for i in range(a, b)})
+            self.final_norm = build_norm(m.family, m.hidden_size, m.norm_epsilon, device) if self.stage.has_head else None
+            untied_head = self.stage.has_head and not (m.tied and self.stage.has_embedding)
+            self.lm_head = ColumnParallelLinear(m.hidden_size, m.padded_vocab_size, self.tp, bias=False) if untied_head else None
         self.to_empty(device=device)
-        init_parameters(self, cfg.train.seed, m, parameter_shards(self), self.tp.rank, self.tp.size)
+        init_parameters(self, cfg.train.seed, m, parameter_shards(self), self.tp.rank, self.tp.size, self.aliases())
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def aliases(self) -> dict[str, str]:
+        """Parameters that are copies of another parameter of the one-device model."""
+        tied_copy = self.cfg.tied and self.stage.has_head and not self.stage.has_embedding
+        return {"lm_head.weight": "embedding.word_embeddings.weight"} if tied_copy else {}
 
     def output_weight(self) -> torch.Tensor:
         """This rank's rows of the LM head: its slice of the padded vocabulary."""
@@ -92,18 +108,25 @@ class GPTModel(nn.Module):
             self._rope_cache[tokens.device] = rope_tables(self.cfg.positions, self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
         return rope_for(self._rope_cache[tokens.device], tokens.shape[1], position_ids)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token losses [batch, seq] in fp32 when labels are given, else logits [batch, seq, vocab].
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """Run model chunk `chunk` of this rank on one micro batch.
 
-        position_ids [batch, seq] restart positions inside a sample (data.reset_position_ids).
+        The first chunk embeds `tokens`; others continue from `hidden` ([seq (/tp under SP), batch,
+        hidden], what the previous chunk returned). The last chunk returns per-token losses
+        [batch, seq] in fp32 when labels are given, else logits [batch, seq, vocab]; others return
+        their hidden states. position_ids [batch, seq] restart positions inside a sample.
         """
-        x = self.embedding(tokens, position_ids)
+        x = self.embedding(tokens, position_ids) if self.stage.is_first_chunk(chunk) else hidden
         rope = self._rope(tokens, position_ids)
-        for layer in self.layers:
+        for index in range(*self.stage.chunks[chunk]):
+            layer = self.layers[str(index)]
             if self.recompute_full and self.training:
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x = layer(x, rope)
+        if not self.stage.is_last_chunk(chunk):
+            return x
         x = self.final_norm(x)
         if self.tp.size == 1:
             return self._head_one_device(x, labels)

@@ -28,12 +28,18 @@ def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> No
 
 
 class GradientReducer:
-    def __init__(self, model: nn.Module, topology: Topology, sequence_parallel: bool) -> None:
+    """`tied` names the parameters shared between the first and last pipeline stage (the word
+    embeddings and the last stage's copy): their gradients are summed over the embedding group,
+    and the copy (`copies`) is left out of the norm so it counts once."""
+
+    def __init__(self, model: nn.Module, topology: Topology, sequence_parallel: bool, tied: set[str] = frozenset(),
+                 copies: set[str] = frozenset()) -> None:
         shards = parameter_shards(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        self.replicated = [p for n, p in named if n not in shards]
-        self.sharded = [p for n, p in named if n in shards]
+        self.replicated = [p for n, p in named if n not in shards and n not in copies]
+        self.sharded = [p for n, p in named if n in shards and n not in copies]
+        self.tied = [p for n, p in named if n in tied]
         self.topology = topology
         self.sequence_parallel = sequence_parallel and topology.tp > 1
 
@@ -44,6 +50,8 @@ class GradientReducer:
         t = self.topology
         if self.sequence_parallel:
             all_reduce_flat([p.grad for p in self.replicated], t.tp_group)
+        if self.tied and t.embedding_group is not None:
+            all_reduce_flat([p.grad for p in self.tied], t.embedding_group)
         if t.dp > 1:
             all_reduce_flat(self.grads(), t.dp_group)
 

@@ -75,6 +75,7 @@ class Topology:
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     mp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         grid = rank_grid(self.world_size, self.tp, self.pp)
@@ -83,10 +84,22 @@ class Topology:
         self.dp_group = _groups_along(grid, self.rank, (1,))
         self.pp_group = _groups_along(grid, self.rank, (0,))
         self.mp_group = _groups_along(grid, self.rank, (0, 2))
+        if self.pp > 1:
+            self.embedding_group = _groups_along(grid[[0, -1]], self.rank, (0,))
+        self.next_rank = int(grid[(self.pp_rank + 1) % self.pp, self.dp_rank, self.tp_rank])
+        self.prev_rank = int(grid[(self.pp_rank - 1) % self.pp, self.dp_rank, self.tp_rank])
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
 
     @property
     def is_logging_rank(self) -> bool:

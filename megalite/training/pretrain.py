@@ -17,17 +17,17 @@ from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml
 from megalite.data.build import build_training_data, tokenizer_from_config
 from megalite.data.loader import micro_batches
-from megalite.model.gpt import GPTModel
-from megalite.parallel.grads import GradientReducer
-from megalite.parallel.layers import TPContext
 from megalite.parallel.topology import Topology, peak_memory, synchronize
+from megalite.training.build import build_rank_model
 from megalite.training.evaluate import evaluate
 from megalite.training.flops import peak_tflops, training_flops_per_token
 from megalite.training.loss_scaler import LossScaler
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter
 from megalite.training.optimizer import build_optimizer, set_learning_rate
+from megalite.parallel.schedules import Trace
 from megalite.training.step import StepResult, train_step
+from megalite.training.trace import write_chrome_trace
 
 _CONSOLE = {"loss": "loss", "lr": "lr", "grad_norm": "grad norm", "loss_scale": "loss scale", "skipped_steps": "skipped",
             "tokens_per_sec": "tokens/s", "tflops_per_device": "TFLOP/s/device", "mfu": "MFU", "peak_memory_gib": "peak mem GiB"}
@@ -52,12 +52,10 @@ class Run:
             cfg.model.vocab_size = tokenizer.vocab_size
         valid_samples = cfg.train.eval_iters * self.gbs if cfg.train.eval_interval else 0
         self.data = build_training_data(cfg, topology.rank, tokenizer, cfg.train.train_iters * self.gbs, valid_samples)
-        self.tp = TPContext.from_topology(topology, cfg.parallel.sequence_parallel, cfg.train.seed)
-        self.model = GPTModel(cfg, topology.device, self.tp)
-        self.reducer = GradientReducer(self.model, topology, cfg.parallel.sequence_parallel)
-        if cfg.train.compile:
-            for layer in self.model.layers:
-                layer.compile()
+        parts = build_rank_model(cfg, topology)
+        self.model, self.tp, self.reducer, self.pipeline = parts.model, parts.tp, parts.reducer, parts.pipeline
+        if cfg.logging.pipeline_trace:
+            self.pipeline.trace = Trace()
         self.optimizer = build_optimizer(self.model, cfg.optim, topology.device)
         self.scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
         self.full_state = FullState(self.model, self.optimizer, self.tp)
@@ -95,12 +93,14 @@ class Run:
             step = self.state.step + 1
             set_learning_rate(self.optimizer, learning_rate(step, cfg.optim, cfg.train.train_iters))
             batches = [next(stream) for _ in range(per_step)]
-            result = train_step(self.model, self.optimizer, self.scaler, self.reducer, batches, t, cfg.train.precision, cfg.optim.clip_grad)
+            result = train_step(self.model, self.optimizer, self.scaler, self.reducer, batches, t, cfg.train.precision, cfg.optim.clip_grad, self.pipeline)
             self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
             self.state.loss_scaler = self.scaler.state_dict()
             self.skipped_steps += result.skipped
             self.result.losses[step] = result.loss
             self.writer.advance()
+            if self.pipeline.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
+                self._write_trace(step - start)
             interval_steps += 1
             if step % cfg.logging.log_interval == 0 or step == cfg.train.train_iters:
                 synchronize(self.topology.device)
@@ -120,6 +120,8 @@ class Run:
         cfg, step = self.cfg, self.state.step
         if step >= cfg.train.train_iters and cfg.train.eval_interval and step % cfg.train.eval_interval:
             self._evaluate()
+        if self.pipeline.trace is not None and step > start_step:
+            self._write_trace(step - start_step)
         if cfg.checkpoint.save and step > start_step and self.saved_step != step:
             self._save()
         self.result.final_step = step
@@ -154,10 +156,15 @@ class Run:
         }
         self.writer.log(record, _CONSOLE)
 
+    def _write_trace(self, steps: int) -> None:
+        write_chrome_trace(self.cfg.logging.pipeline_trace, self.pipeline.trace, self.topology, steps)
+        self.pipeline.trace = None
+        self.writer.print(f"pipeline trace of {steps} steps written to {self.cfg.logging.pipeline_trace}")
+
     def _evaluate(self) -> None:
         if self.data.valid is None:
             return
-        loss, ppl = evaluate(self.model, self.data, self.cfg, self.topology)
+        loss, ppl = evaluate(self.model, self.data, self.cfg, self.topology, self.pipeline)
         self.result.val_loss = loss
         self.writer.log({"step": self.state.step, "val_loss": loss, "val_ppl": ppl}, {"val_loss": "validation loss", "val_ppl": "ppl"})
 

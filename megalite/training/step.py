@@ -13,10 +13,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megalite.data.batches import Batch
+from megalite.config import Config
+from megalite.model.gpt import GPTModel
 from megalite.parallel.grads import GradientReducer
+from megalite.parallel.p2p import PipelineComm
+from megalite.parallel.schedules import StageInfo, Trace, run_schedule
 from megalite.parallel.topology import Topology
 from megalite.training.loss_scaler import LossScaler
 
@@ -43,18 +46,45 @@ def global_token_count(batches: list[Batch], topology: Topology) -> torch.Tensor
     return count
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler, reducer: GradientReducer,
-               batches: list[Batch], topology: Topology, precision: str, clip_grad: float) -> StepResult:
+@dataclass
+class Pipeline:
+    """How this rank runs its micro batches: the schedule, its stage, and the p2p channel (pp > 1)."""
+
+    schedule: str
+    stage: StageInfo
+    comm: PipelineComm | None = None
+    trace: Trace | None = None
+
+    @classmethod
+    def build(cls, cfg: Config, topology: Topology) -> "Pipeline":
+        stage = StageInfo(topology.pp, cfg.parallel.vp, topology.pp_rank)
+        if topology.pp == 1:
+            return cls(cfg.parallel.pipeline_schedule, stage)
+        sharded = cfg.parallel.sequence_parallel and topology.tp > 1
+        seq = cfg.model.seq_length // topology.tp if sharded else cfg.model.seq_length
+        comm = PipelineComm(topology, (seq, cfg.train.micro_batch_size, cfg.model.hidden_size), torch.float32)
+        return cls(cfg.parallel.pipeline_schedule, stage, comm)
+
+
+def train_step(model: GPTModel, optimizer: torch.optim.Optimizer, scaler: LossScaler, reducer: GradientReducer,
+               batches: list[Batch], topology: Topology, precision: str, clip_grad: float, pipeline: Pipeline) -> StepResult:
     optimizer.zero_grad(set_to_none=False)
     total_tokens = global_token_count(batches, topology)
+    batches = [b.to(topology.device) for b in batches]
     loss_sum = torch.zeros(1, device=topology.device)
-    for batch in batches:
-        batch = batch.to(topology.device)
+
+    def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        nonlocal loss_sum
+        batch = batches[microbatch]
         with precision_context(precision, topology.device):
-            losses = model(batch.tokens, batch.labels, batch.position_ids)
-        loss = (losses * batch.loss_mask).sum() / total_tokens
-        (loss * scaler.scale).backward()
-        loss_sum += loss.detach()
+            out = model(batch.tokens, batch.labels, batch.position_ids, hidden=hidden, chunk=chunk)
+        if not model.stage.is_last_chunk(chunk):
+            return out
+        loss = (out * batch.loss_mask).sum() / total_tokens
+        loss_sum = loss_sum + loss.detach()
+        return loss * scaler.scale
+
+    run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace)
     reducer.reduce()
     dist.all_reduce(loss_sum, group=topology.dp_group)
     overflow = reducer.any_overflow(scaler.unscale_and_check(reducer.grads()))
