@@ -1,0 +1,166 @@
+"""Pipeline parallelism: the schedules (each op once, the memory bound, no deadlock), and
+pp x vp x tp layouts equal to one device over three optimizer steps, for both families."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.data.batches import BatchMaker
+from megalite.data.loader import micro_batches
+from megalite.data.mock import MockDataset
+from megalite.parallel.layers import parameter_shards, unshard
+from megalite.parallel.schedules import schedule_ops
+from megalite.parallel.topology import Topology
+from megalite.training.build import build_rank_model
+from megalite.training.loss_scaler import LossScaler
+from megalite.training.lr_schedule import learning_rate
+from megalite.training.optimizer import build_optimizer, set_learning_rate
+from megalite.training.step import train_step
+
+from conftest import tiny_config
+from distributed import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = [(pp, vp, m) for pp in (2, 4, 8) for vp in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp)] + [(2, 1, 3), (4, 1, 2), (4, 1, 7)]
+
+
+def _warmup(pp: int, vp: int, rank: int, m: int) -> int:
+    if vp == 1:
+        return min(pp - rank - 1, m)
+    return m * vp if m == pp else min((pp - rank - 1) * 2 + (vp - 1) * pp, m * vp)
+
+
+@pytest.mark.parametrize("pp, vp, m", LAYOUTS)
+def test_each_op_once_and_activation_bound(pp, vp, m):
+    for rank in range(pp):
+        ops = schedule_ops("1f1b", pp, vp, rank, m)
+        assert Counter(ops) == Counter((k, c, i) for k in "FB" for c in range(vp) for i in range(m))
+        stored, peak = set(), 0
+        for kind, chunk, mb in ops:
+            if kind == "F":
+                stored.add((chunk, mb))
+            else:
+                stored.remove((chunk, mb))
+            peak = max(peak, len(stored))
+        assert peak == min(_warmup(pp, vp, rank, m) + 1, m * vp)
+
+
+@pytest.mark.parametrize("pp, vp, m", LAYOUTS)
+def test_no_deadlock(pp, vp, m):
+    """Run every rank's list, an op only once the op producing its input has run on the neighbour."""
+    ops = {r: schedule_ops("1f1b", pp, vp, r, m) for r in range(pp)}
+    done, position = set(), dict.fromkeys(range(pp), 0)
+
+    def ready(rank: int, op) -> bool:
+        kind, chunk, mb = op
+        if kind == "F":
+            first = rank == 0 and chunk == 0
+            return first or (((rank - 1) % pp, "F", chunk - (rank == 0), mb) in done)
+        last = rank == pp - 1 and chunk == vp - 1
+        return last or (((rank + 1) % pp, "B", chunk + (rank == pp - 1), mb) in done)
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            if position[r] < len(ops[r]) and ready(r, ops[r][position[r]]):
+                done.add((r, *ops[r][position[r]]))
+                position[r] += 1
+                progress = True
+    assert all(position[r] == len(ops[r]) for r in range(pp)), f"deadlock at {position}"
+
+
+def _config(family: str, pp: int, vp: int, tp: int, sp: bool, first: int | None = None, last: int | None = None):
+    overrides = {"num_layers": 8, "num_attention_heads": 8, "vocab_size": 250, "num_query_groups": 4 if family == "llama" else None}
+    parallel = {"pp": pp, "vp": vp, "tp": tp, "sequence_parallel": sp, "first_stage_layers": first, "last_stage_layers": last}
+    return tiny_config(family, model=overrides, parallel=parallel,
+                       train={"micro_batch_size": 1, "global_batch_size": 8, "train_iters": 3})
+
+
+def _train(cfg, topology: Topology) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Three steps; returns this rank's step losses and its full gradients by one-device name."""
+    parts = build_rank_model(cfg, topology)
+    optimizer = build_optimizer(parts.model, cfg.optim, topology.device)
+    scaler, data, gbs = LossScaler.for_precision("fp32", cfg.optim), MockDataset(250, 32, cfg.train.seed), 8
+    losses = []
+    for step in range(3):
+        batches = list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, 1, topology.dp, topology.dp_rank, 0, topology.device))
+        set_learning_rate(optimizer, learning_rate(step + 1, cfg.optim, 3))
+        losses.append(train_step(parts.model, optimizer, scaler, parts.reducer, batches, topology, "fp32", 1.0, parts.pipeline).loss)
+    shards, aliases, grads = parameter_shards(parts.model), parts.model.aliases(), {}
+    for name, param in parts.model.named_parameters():
+        grad = param.grad
+        if name in shards and topology.tp > 1:
+            pieces = [torch.empty_like(grad) for _ in range(topology.tp)]
+            dist.all_gather(pieces, grad, group=topology.tp_group)
+            grad = unshard(pieces, shards[name])
+        grads[aliases.get(name, name)] = grad
+    return losses, grads
+
+
+CASES = {2: [(f, 2, vp, 1, False) for f in ("gpt2", "llama") for vp in (1, 2)] + [("gpt2", 2, 1, 1, False, 3, 5)],
+         4: [(f, 4, vp, 1, False) for f in ("gpt2", "llama") for vp in (1, 2)] + [(f, 2, vp, 2, vp == 2) for f in ("gpt2", "llama") for vp in (1, 2)],
+         8: [(f, 4, vp, 2, vp == 2) for f in ("gpt2", "llama") for vp in (1, 2)]}
+
+
+def _rank_run(rank: int, world_size: int) -> list:
+    results = []
+    for family, pp, vp, tp, *rest in CASES[world_size]:
+        topology = Topology(rank, world_size, torch.device("cpu"), tp=tp, pp=pp)
+        results.append(_train(_config(family, pp, vp, tp, *rest), topology))
+    return results
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    refs = {}
+    for family in ("gpt2", "llama"):
+        topology = Topology.from_environment("cpu")
+        try:
+            refs[family] = _train(_config(family, 1, 1, 1, False), topology)
+        finally:
+            dist.destroy_process_group()
+    return refs
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_pipeline_layouts_match_one_device(world_size, references):
+    per_rank = run_ranks(world_size, _rank_run)
+    for index, (family, pp, vp, tp, *rest) in enumerate(CASES[world_size]):
+        layout = f"{family} pp={pp} vp={vp} tp={tp} sp/first/last={rest}"
+        ref_losses, ref_grads = references[family]
+        last = per_rank[world_size - 1][index][0]
+        assert last == pytest.approx(ref_losses, rel=1e-5), layout
+        merged = {}
+        for rank_results in per_rank:
+            merged |= rank_results[index][1]
+        assert merged.keys() == ref_grads.keys(), layout
+        for name, grad in merged.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
+
+
+def test_trace_shows_every_op_once_per_step(tmp_path):
+    trace = tmp_path / "trace.json"
+    args = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
+            "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=3",
+            "--logging.progress_bar=false", "--data.mock=true", "--data.num_workers=0", "--parallel.pp=2", "--parallel.vp=2",
+            f"--logging.pipeline_trace={trace}", "--logging.pipeline_trace_steps=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "pretrain_gpt.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = json.loads(trace.read_text())["traceEvents"]
+    for rank in (0, 1):
+        ops = Counter(e["name"] for e in events if e["pid"] == rank and e["ph"] == "X")
+        assert ops == Counter({f"{k} c{c} mb{m}": 2 for k, c, m in itertools.product("FB", range(2), range(4))})
+    names = [e["args"]["name"] for e in events if e["name"] == "process_name"]
+    assert "peak stored activations 5" in names[0] and "peak stored activations 3" in names[1]
