@@ -164,3 +164,22 @@ def test_trace_shows_every_op_once_per_step(tmp_path):
         assert ops == Counter({f"{k} c{c} mb{m}": 2 for k, c, m in itertools.product("FB", range(2), range(4))})
     names = [e["args"]["name"] for e in events if e["name"] == "process_name"]
     assert "peak stored activations 5" in names[0] and "peak stored activations 3" in names[1]
+
+
+def _run(tmp_path: Path, nproc: int, *extra: str) -> list[float]:
+    metrics = tmp_path / f"metrics-{nproc}-{len(extra)}.jsonl"
+    args = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
+            "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=4",
+            "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0",
+            f"--logging.metrics_file={metrics}", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "pretrain_gpt.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(l)["loss"] for l in metrics.read_text().splitlines()]
+
+
+def test_checkpoint_saved_at_tp2_pp2_vp2_resumes_on_one_device(tmp_path):
+    ckpt = [f"--checkpoint.save={tmp_path / 'ckpt'}", f"--checkpoint.load={tmp_path / 'ckpt'}"]
+    reference = _run(tmp_path, 1)
+    first = _run(tmp_path, 4, "--parallel.tp=2", "--parallel.pp=2", "--parallel.vp=2", "--train.exit_interval=2", *ckpt)
+    assert first + _run(tmp_path, 1, *ckpt) == pytest.approx(reference, rel=1e-5)
