@@ -84,7 +84,9 @@ class ParallelConfig:
     first_stage_layers: Optional[int] = _f(None, "layers of the first pipeline chunk (it also holds the embedding); the rest are split evenly")
     last_stage_layers: Optional[int] = _f(None, "layers of the last pipeline chunk (it also holds the head and loss)")
     sequence_parallel: bool = _f(False, "shard norm/dropout activations along the sequence inside the tensor-parallel group")
-    distributed_optimizer: bool = _f(False, "shard optimizer state across data-parallel ranks (ZeRO-1)")
+    distributed_optimizer: bool = _f(False, "shard optimizer state and fp32 main weights across data-parallel ranks (ZeRO-1)")
+    bucket_size: int = _f(40_000_000, "gradient elements per data-parallel reduction bucket")
+    overlap_grad_reduce: bool = _f(True, "reduce each bucket as soon as its gradients are ready, during backward")
     timeout_minutes: int = _f(10, "collective timeout before a hung rank aborts the job")
 
 
@@ -233,8 +235,8 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
             errors.append(f"{what}={value} is not divisible by parallel.tp={p.tp}: every tensor-parallel rank holds whole heads/slices; pick a tp that divides it")
     if p.sequence_parallel and p.tp > 1 and m.seq_length % p.tp:
         errors.append(f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, which sequence parallelism shards it over")
-    if p.distributed_optimizer:
-        errors.append("parallel.distributed_optimizer=true is not available in this version; set it to false")
+    if p.bucket_size < 1:
+        errors.append(f"parallel.bucket_size={p.bucket_size} must be >= 1")
     return errors
 
 

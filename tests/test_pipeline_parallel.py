@@ -90,7 +90,7 @@ def _config(family: str, pp: int, vp: int, tp: int, sp: bool, first: int | None 
 def _train(cfg, topology: Topology) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Three steps; returns this rank's step losses and its full gradients by one-device name."""
     parts = build_rank_model(cfg, topology)
-    optimizer = build_optimizer(parts.model, cfg.optim, topology.device)
+    optimizer = build_optimizer(parts.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
     scaler, data, gbs = LossScaler.for_precision("fp32", cfg.optim), MockDataset(250, 32, cfg.train.seed), 8
     losses = []
     for step in range(3):
@@ -99,7 +99,7 @@ def _train(cfg, topology: Topology) -> tuple[list[float], dict[str, torch.Tensor
         losses.append(train_step(parts.model, optimizer, scaler, parts.reducer, batches, topology, "fp32", 1.0, parts.pipeline).loss)
     shards, aliases, grads = parameter_shards(parts.model), parts.model.aliases(), {}
     for name, param in parts.model.named_parameters():
-        grad = param.grad
+        grad = param.main_grad
         if name in shards and topology.tp > 1:
             pieces = [torch.empty_like(grad) for _ in range(topology.tp)]
             dist.all_gather(pieces, grad, group=topology.tp_group)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megalite.config import ParallelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.grads import GradientReducer
 from megalite.parallel.layers import TPContext, parameter_shards, unshard
@@ -55,15 +56,16 @@ def _tp_run(rank: int, world_size: int) -> list[str]:
         ref_logits, ref_losses, ref_grads = _reference(family, tokens)
         tp = TPContext.from_topology(topology, sp, seed=1234)
         model = GPTModel(_config(family), torch.device("cpu"), tp)
+        reducer = GradientReducer(model, model.chunk_parameters(), topology, ParallelConfig(tp=world_size, sequence_parallel=sp))
         losses = model(tokens, tokens.roll(-1, 1))
         losses.sum().backward()
-        GradientReducer(model, topology, sp).reduce()
+        reducer.reduce()
         with torch.no_grad():
             logits = model(tokens)
         checks = {"logits": (logits, ref_logits), "losses": (losses.detach(), ref_losses)}
         shards = parameter_shards(model)
         for name, param in model.named_parameters():
-            grad = _gather_full(param.grad, shards[name], topology.tp_group) if name in shards else param.grad
+            grad = _gather_full(param.main_grad, shards[name], topology.tp_group) if name in shards else param.main_grad
             checks[f"grad {name}"] = (grad, ref_grads[name])
         for what, (got, want) in checks.items():
             if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5, rtol=0):

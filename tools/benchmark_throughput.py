@@ -118,7 +118,7 @@ def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Callable[[],
     """One megalite optimizer step as pretraining runs it (model, optimizer, compile as pretrain.py builds them)."""
     parts = build_rank_model(cfg, topology)
     model = parts.model.train()
-    optimizer = build_optimizer(model, cfg.optim, topology.device)
+    optimizer = build_optimizer(parts.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
     return lambda: train_step(model, optimizer, scaler, parts.reducer, [batch], topology, cfg.train.precision, cfg.optim.clip_grad, parts.pipeline)
 

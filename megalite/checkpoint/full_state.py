@@ -1,9 +1,10 @@
 """Model and optimizer state as full (unsharded) tensors named by parameter.
 
-Saving gathers each tensor-parallel shard into the full tensor; loading slices out this
-rank's shard. A checkpoint therefore does not depend on the tensor-parallel size it was
-written with, and optimizer state is stored by parameter name (safetensors + JSON) rather
-than by position in a pickled dict.
+Saving gathers each tensor-parallel shard into the full tensor and, with the distributed
+optimizer, assembles each parameter's optimizer state from the data-parallel ranks that own
+its slices; loading slices out what this rank holds. A checkpoint therefore does not depend on
+the layout it was written with, and optimizer state is stored by parameter name
+(safetensors + JSON) rather than by position in a pickled dict.
 """
 
 from __future__ import annotations
@@ -15,18 +16,30 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.parallel.layers import TPContext, parameter_shards, shard, unshard
+from megalite.parallel.topology import Topology
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")  # torch AdamW's per-parameter state
 
 
 class FullState:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tp: TPContext) -> None:
-        self.model, self.optimizer, self.tp = model, optimizer, tp
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tp: TPContext, topology: Topology,
+                 stepped: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+        """`stepped` pairs each model parameter with the tensor the optimizer steps for it (itself, or a
+        flat slice of it with `owner_range` under the distributed optimizer)."""
+        self.model, self.optimizer, self.tp, self.topology = model, optimizer, tp, topology
         self.shards = parameter_shards(model)
         self.params = dict(model.named_parameters())
-        self.order = [self._name(p) for group in optimizer.param_groups for p in group["params"]]
+        names = {id(p): n for n, p in self.params.items()}
+        owner = {id(main): names[id(param)] for param, main in stepped}
+        self.order = [owner[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        self.ranges = [getattr(p, "owner_range", None) for group in optimizer.param_groups for p in group["params"]]
+        self.distributed = any(r is not None for r in self.ranges)
         self.aliases = model.aliases() if hasattr(model, "aliases") else {}
 
-    def _name(self, param: nn.Parameter) -> str:
-        return next(n for n, p in self.params.items() if p is param)
+    @property
+    def every_rank_gathers(self) -> bool:
+        """Whether all data-parallel ranks must take part in gathering (their optimizer shards differ)."""
+        return self.distributed
 
     def _gather(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         spec = self.shards.get(name)
@@ -47,19 +60,6 @@ class FullState:
         Collective over the TP group: every rank must call it."""
         return {name: self._gather(name, t) for name, t in self.model.state_dict().items() if name not in self.aliases}
 
-    def optimizer_tensors(self) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-        """(tensors named '<param>/<state key>', param-group hyperparameters). Collective over TP."""
-        state = self.optimizer.state_dict()
-        tensors = {}
-        for index, entry in state["state"].items():
-            name = self.order[index]
-            if name in self.aliases:
-                continue
-            for key, value in entry.items():
-                tensors[f"{name}/{key}"] = self._gather(name, value if torch.is_tensor(value) else torch.tensor(value))
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
-        return tensors, groups
-
     def model_tensors_shapes(self) -> dict[str, torch.Size]:
         """Full shapes of the tensors this rank loads, by the name they are stored under."""
         shapes = {}
@@ -71,6 +71,40 @@ class FullState:
             shapes[name] = torch.Size(shape)
         return shapes
 
+    def _local_state(self, name: str, key: str, state: dict) -> torch.Tensor:
+        """This rank's (tensor-parallel shard of the) optimizer state `key` of parameter `name`."""
+        param = self.params[name]
+        indices = [i for i, n in enumerate(self.order) if n == name]
+        if not self.distributed:
+            entry = state.get(indices[0], {}) if indices else {}
+            if key not in entry:  # no step taken yet (e.g. every fp16 step so far overflowed)
+                return torch.zeros(()) if key == "step" else torch.zeros_like(param)
+            return entry[key] if torch.is_tensor(entry[key]) else torch.tensor(entry[key])
+        if key == "step":
+            value = max((float(state[i]["step"]) for i in indices if i in state), default=0.0)
+            flat = torch.tensor([value], device=param.device)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.topology.dp_group)
+            return flat[0]
+        flat = torch.zeros(param.numel(), device=param.device)
+        for i in indices:
+            lo, hi = self.ranges[i]
+            if i in state:
+                flat[lo:hi] = state[i][key]
+        dist.all_reduce(flat, group=self.topology.dp_group)
+        return flat.view_as(param)
+
+    def optimizer_tensors(self) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        """(tensors named '<param>/<state key>', param-group hyperparameters). Collective over TP
+        (and over DP with the distributed optimizer)."""
+        state = self.optimizer.state_dict()
+        tensors = {}
+        for name in self.params:
+            if name not in self.aliases:
+                for key in STATE_KEYS:
+                    tensors[f"{name}/{key}"] = self._gather(name, self._local_state(name, key, state["state"]))
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+        return tensors, groups
+
     def load_model(self, full: dict[str, torch.Tensor]) -> None:
         """Load this rank's slices from full tensors (which may hold other stages' tensors too)."""
         device = next(iter(self.params.values())).device
@@ -81,9 +115,12 @@ class FullState:
         current = self.optimizer.state_dict()
         state: dict[int, dict[str, torch.Tensor]] = {}
         for index, name in enumerate(self.order):
-            prefix = f"{self.aliases.get(name, name)}/"
-            for key, full in tensors.items():
-                if key.startswith(prefix):
-                    state.setdefault(index, {})[key[len(prefix):]] = self._slice(name, full)
+            stored = self.aliases.get(name, name)
+            for key in STATE_KEYS:
+                value = self._slice(name, tensors[f"{stored}/{key}"])
+                if self.ranges[index] is not None and key != "step":
+                    lo, hi = self.ranges[index]
+                    value = value.reshape(-1)[lo:hi]
+                state.setdefault(index, {})[key] = value
         merged = [{**saved, "params": now["params"]} for saved, now in zip(groups, current["param_groups"])]
         self.optimizer.load_state_dict({"state": state, "param_groups": merged})

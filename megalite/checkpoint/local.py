@@ -91,7 +91,7 @@ def save_checkpoint(root: str, state: TrainingState, full: FullState, config_yam
     if topology.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
-    tensors = (full.model_tensors(), *full.optimizer_tensors()) if topology.dp_rank == 0 else None
+    tensors = (full.model_tensors(), *full.optimizer_tensors()) if topology.dp_rank == 0 or full.every_rank_gathers else None
     dist.barrier()
     torch.save(rng, tmp / "rng" / f"rank_{topology.rank:05d}.pt")
     if topology.dp_rank == 0 and topology.tp_rank == 0:

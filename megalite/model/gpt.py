@@ -97,6 +97,16 @@ class GPTModel(nn.Module):
         tied_copy = self.cfg.tied and self.stage.has_head and not self.stage.has_embedding
         return {"lm_head.weight": "embedding.word_embeddings.weight"} if tied_copy else {}
 
+    def chunk_parameters(self) -> list[list[nn.Parameter]]:
+        """Parameters grouped by the model chunk whose backward produces their gradients."""
+        groups = [[p for i in range(a, b) for p in self.layers[str(i)].parameters()] for a, b in self.stage.chunks]
+        if self.embedding is not None:
+            groups[0] = list(self.embedding.parameters()) + groups[0]
+        if self.stage.has_head:
+            head = self.final_norm.parameters() if self.lm_head is None else [*self.final_norm.parameters(), *self.lm_head.parameters()]
+            groups[-1] = groups[-1] + list(head)
+        return groups
+
     def output_weight(self) -> torch.Tensor:
         """This rank's rows of the LM head: its slice of the padded vocabulary."""
         return (self.embedding.word_embeddings if self.lm_head is None else self.lm_head).weight

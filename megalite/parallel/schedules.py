@@ -108,10 +108,12 @@ class _Inbox:
 
 
 def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: StageInfo, comm: PipelineComm | None,
-                 trace: Trace | None = None) -> None:
+                 trace: Trace | None = None, before_last_backward: Callable[[int], None] | None = None) -> None:
     """Run this rank's schedule; forward_step(chunk, microbatch, input) returns the chunk's output,
-    or on the last chunk the (scaled) loss to differentiate."""
+    or on the last chunk the (scaled) loss to differentiate. before_last_backward(chunk) runs before
+    each chunk's last backward of the step: where data-parallel gradient reduction can start."""
     ops = schedule_ops(name, me.pp, me.vp, me.rank, microbatches)
+    last_backward = {op[1]: index for index, op in enumerate(ops) if op[0] == "B"}
     inboxes = {}
     if comm is not None:
         t = comm.topology
@@ -120,8 +122,10 @@ def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: St
             inboxes[peer_rank] = _Inbox(comm, peer, global_rank, me, schedule_ops(name, me.pp, me.vp, peer_rank, microbatches))
     stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     sending: list[tuple[dist.Work, torch.Tensor, bool]] = []
-    for op in ops:
+    for index, op in enumerate(ops):
         kind, chunk, mb = op
+        if before_last_backward is not None and last_backward.get(chunk) == index:
+            before_last_backward(chunk)
         start = time.perf_counter()
         if kind == "F":
             hidden = None if me.is_first(chunk) else inboxes[(me.rank - 1) % me.pp].get(("F", chunk, mb)).requires_grad_()

@@ -36,5 +36,5 @@ def build_rank_model(cfg: Config, topology: Topology) -> RankModel:
             layer.compile()
     names = {name for name, _ in model.named_parameters()}
     tied = TIED & names if cfg.model.tied and topology.pp > 1 else set()
-    reducer = GradientReducer(model, topology, p.sequence_parallel, tied, set(model.aliases()))
+    reducer = GradientReducer(model, model.chunk_parameters(), topology, p, tied, set(model.aliases()))
     return RankModel(model, tp, reducer, Pipeline.build(cfg, topology))

@@ -12,14 +12,11 @@ import torch
 from torch import nn
 
 from megalite.config import OptimConfig
+from megalite.parallel.grads import decay_groups
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 or name.endswith("bias") else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return decay_groups(((n, p, p) for n, p in model.named_parameters() if p.requires_grad), weight_decay)
 
 
 def _apex_fused_adam():
@@ -29,8 +26,8 @@ def _apex_fused_adam():
         return None
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+def build_optimizer(groups: list[dict], cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over `groups` (see param_groups / GradientReducer.param_groups)."""
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     fused_adam = _apex_fused_adam() if device.type == "cuda" else None
     if fused_adam is not None:

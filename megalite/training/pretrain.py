@@ -56,9 +56,9 @@ class Run:
         self.model, self.tp, self.reducer, self.pipeline = parts.model, parts.tp, parts.reducer, parts.pipeline
         if cfg.logging.pipeline_trace:
             self.pipeline.trace = Trace()
-        self.optimizer = build_optimizer(self.model, cfg.optim, topology.device)
+        self.optimizer = build_optimizer(self.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
         self.scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-        self.full_state = FullState(self.model, self.optimizer, self.tp)
+        self.full_state = FullState(self.model, self.optimizer, self.tp, topology, self.reducer.main)
         self.state = TrainingState(step=0, consumed_samples=0, loss_scaler=self.scaler.state_dict())
         self.resumed_from = self._resume()
         self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)

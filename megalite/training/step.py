@@ -68,7 +68,7 @@ class Pipeline:
 
 def train_step(model: GPTModel, optimizer: torch.optim.Optimizer, scaler: LossScaler, reducer: GradientReducer,
                batches: list[Batch], topology: Topology, precision: str, clip_grad: float, pipeline: Pipeline) -> StepResult:
-    optimizer.zero_grad(set_to_none=False)
+    reducer.zero()
     total_tokens = global_token_count(batches, topology)
     batches = [b.to(topology.device) for b in batches]
     loss_sum = torch.zeros(1, device=topology.device)
@@ -84,15 +84,17 @@ def train_step(model: GPTModel, optimizer: torch.optim.Optimizer, scaler: LossSc
         loss_sum = loss_sum + loss.detach()
         return loss * scaler.scale
 
-    run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace)
+    run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace, reducer.start_sync)
     reducer.reduce()
     dist.all_reduce(loss_sum, group=topology.dp_group)
     overflow = reducer.any_overflow(scaler.unscale_and_check(reducer.grads()))
     scaler.update(overflow)
     if overflow:
+        reducer.after_step()
         return StepResult(float(loss_sum), float("nan"), True, int(total_tokens.item()))
     grad_norm = reducer.clip(clip_grad)
     if not torch.isfinite(torch.tensor(grad_norm)) and not scaler.dynamic:
         raise FloatingPointError(f"gradient norm is {grad_norm} (loss {float(loss_sum)}): training diverged; lower optim.lr or resume from an earlier checkpoint")
     optimizer.step()
+    reducer.after_step()
     return StepResult(float(loss_sum), grad_norm, False, int(total_tokens.item()))

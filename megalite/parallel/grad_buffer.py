@@ -1,0 +1,148 @@
+"""Contiguous gradient buffers with bucketed, overlapped data-parallel reduction.
+
+The gradients of one model chunk live in one flat fp32 buffer (`param.main_grad` is a view),
+laid out in reverse order of parameter creation, roughly the order backward produces them,
+and cut into buckets of about `bucket_size` elements. A hook after each gradient
+accumulation adds the gradient into main_grad; during the last micro batch's backward
+(`start_sync`), a bucket whose gradients are all in launches its reduction asynchronously
+while backward goes on. Earlier micro batches only accumulate, so a step reduces once.
+
+Reduction sums over data-parallel replicas: every micro batch's loss is already divided
+by the token count of the whole global batch (training/step.py), so the sum is the global
+mean for any (dp, micro batch) split. With the distributed optimizer, buckets are padded
+to a multiple of dp and reduce-scattered: each rank gets the reduced values of its own
+slice only, which is all its optimizer shard needs. Parameters then also live in a flat
+buffer of the same layout, so the updated shards can be all-gathered bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    start: int
+    end: int
+    params: list[nn.Parameter]
+    pending: set[int] = field(default_factory=set)
+    work: dist.Work | None = None
+    scattered: torch.Tensor | None = None
+
+    def shard(self, rank: int, size: int) -> tuple[int, int]:
+        """This data-parallel rank's slice of the bucket, in buffer coordinates."""
+        per = (self.end - self.start) // size
+        return self.start + rank * per, self.start + (rank + 1) * per
+
+
+class GradBuffer:
+    def __init__(self, params: list[nn.Parameter], bucket_size: int, dp_group: dist.ProcessGroup, dp: int, dp_rank: int,
+                 distributed: bool, overlap: bool) -> None:
+        self.dp_group, self.dp, self.dp_rank, self.distributed, self.overlap = dp_group, dp, dp_rank, distributed, overlap
+        self.buckets: list[Bucket] = []
+        self.offsets: dict[int, tuple[int, int]] = {}
+        offset, current = 0, []
+        for param in reversed(params):
+            self.offsets[id(param)] = (offset, offset + param.numel())
+            offset += param.numel()
+            current.append(param)
+            if offset - (self.buckets[-1].end if self.buckets else 0) >= bucket_size:
+                offset = self._close_bucket(current, offset)
+                current = []
+        if current:
+            offset = self._close_bucket(current, offset)
+        device = params[0].device
+        self.grad_data = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.param_data = torch.zeros(offset, dtype=params[0].dtype, device=device) if distributed else None
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for param in params:
+            start, end = self.offsets[id(param)]
+            param.main_grad = self.grad_data[start:end].view_as(param)
+            if distributed:
+                self.param_data[start:end].copy_(param.data.view(-1))
+                param.data = self.param_data[start:end].view_as(param)
+            param.register_post_accumulate_grad_hook(self._on_grad)
+        self.syncing = False
+
+    def _close_bucket(self, params: list[nn.Parameter], offset: int) -> int:
+        start = self.buckets[-1].end if self.buckets else 0
+        multiple = self.dp if self.distributed else 1
+        end = start + -(-(offset - start) // multiple) * multiple
+        self.buckets.append(Bucket(start, end, params))
+        return end
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self.syncing and self.overlap:
+            bucket = self.bucket_of[id(param)]
+            bucket.pending.discard(id(param))
+            if not bucket.pending:
+                self._launch(bucket)
+
+    def start_sync(self) -> None:
+        """The next backward is this chunk's last of the step: reduce buckets as they complete."""
+        self.syncing = True
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.dp == 1:
+            return
+        data = self.grad_data[bucket.start:bucket.end]
+        if self.distributed:
+            bucket.scattered = torch.empty((bucket.end - bucket.start) // self.dp, device=data.device)
+            bucket.work = dist.reduce_scatter_tensor(bucket.scattered, data, group=self.dp_group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
+
+    def finish(self) -> float:
+        """Launch what has not been launched, wait for every reduction; returns seconds spent waiting."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        waited = 0.0
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                begin = time.perf_counter()
+                bucket.work.wait()
+                waited += time.perf_counter() - begin
+                bucket.work = None
+            if bucket.scattered is not None:
+                a, b = bucket.shard(self.dp_rank, self.dp)
+                self.grad_data[a:b].copy_(bucket.scattered)
+                bucket.scattered = None
+        return waited
+
+    def zero(self) -> None:
+        self.grad_data.zero_()
+        self.syncing = False
+        for bucket in self.buckets:
+            bucket.pending = {id(p) for p in bucket.params}
+
+    def gather_params(self) -> None:
+        """All-gather each bucket's updated parameter shards (distributed optimizer)."""
+        if self.dp == 1:
+            return
+        works = []
+        for bucket in self.buckets:
+            a, b = bucket.shard(self.dp_rank, self.dp)
+            shard = self.param_data[a:b].clone()
+            works.append(dist.all_gather_into_tensor(self.param_data[bucket.start:bucket.end], shard, group=self.dp_group, async_op=True))
+        for work in works:
+            work.wait()
+
+    def owned_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(param, first, last) element ranges, within each parameter, that this rank's optimizer shard owns."""
+        owned = []
+        for bucket in self.buckets:
+            a, b = bucket.shard(self.dp_rank, self.dp) if self.distributed else (bucket.start, bucket.end)
+            for param in bucket.params:
+                start, end = self.offsets[id(param)]
+                lo, hi = max(a, start), min(b, end)
+                if lo < hi:
+                    owned.append((param, lo - start, hi - start))
+        return owned
