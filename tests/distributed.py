@@ -3,8 +3,11 @@ what each rank returns."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -35,3 +38,18 @@ def run_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True)
         return [torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pretrain_torchrun(nproc: int, args: list[str], timeout: int = 600) -> None:
+    """Run pretrain_gpt.py under torchrun on `nproc` CPU processes (one thread each); fail with its stderr."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "pretrain_gpt.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def metrics(path: Path) -> list[dict]:
+    """The training-step records of a metrics file (evaluation records left out)."""
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]

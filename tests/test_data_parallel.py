@@ -4,10 +4,6 @@ clipping active; optimizer shards disjoint and covering; checkpoints across layo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +13,7 @@ from megalite.parallel.topology import Topology
 from megalite.training.build import build_rank_model
 
 from conftest import tiny_config
-from distributed import run_ranks
+from distributed import metrics as read_metrics, pretrain_torchrun, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ["--model.family=llama", "--model.num_query_groups=4"]
@@ -29,10 +25,8 @@ def _run(tmp_path: Path, nproc: int, *extra: str, name: str = "") -> list[float]
             "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=8", "--train.train_iters=5",
             "--optim.clip_grad=0.5", "--parallel.bucket_size=5000", "--logging.progress_bar=false", "--logging.log_interval=1",
             "--data.mock=true", "--data.num_workers=0", f"--logging.metrics_file={metrics}", *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "pretrain_gpt.py"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(l) for l in metrics.read_text().splitlines()]
+    pretrain_torchrun(nproc, args)
+    records = read_metrics(metrics)
     assert all(r["grad_norm"] > 0.5 for r in records), "clipping must be active in these tests"
     return [r["loss"] for r in records]
 

@@ -3,11 +3,7 @@ and data parallelism equal to one process (the sample order does not depend on d
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +13,7 @@ from megalite.data.indexed_dataset import IndexedDatasetWriter
 from megalite.training.pretrain import pretrain
 
 from conftest import tiny_config
+from distributed import metrics as read_metrics, pretrain_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 300
@@ -68,10 +65,8 @@ def _torchrun(nproc: int, metrics: Path, corpus: str, cache: Path) -> list[float
             f"--model.vocab_size={VOCAB}", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=3",
             "--logging.progress_bar=false", "--logging.log_interval=1", f"--logging.metrics_file={metrics}",
             f"--data.paths={corpus}", "--data.tokenizer_type=NullTokenizer", f"--data.cache_dir={cache}", "--data.num_workers=1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "pretrain_gpt.py"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(l)["loss"] for l in metrics.read_text().splitlines()]
+    pretrain_torchrun(nproc, args)
+    return [r["loss"] for r in read_metrics(metrics)]
 
 
 def test_data_parallel_reads_the_same_global_batches(tmp_path):

@@ -3,13 +3,11 @@ global-batch losses equal the one-process run."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from distributed import metrics as read_metrics, pretrain_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -20,12 +18,8 @@ TINY = [
 
 
 def _torchrun(nproc: int, metrics: Path, *extra: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "pretrain_gpt.py"), *TINY, f"--logging.metrics_file={metrics}", *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(l) for l in metrics.read_text().splitlines()]
+    pretrain_torchrun(nproc, [*TINY, f"--logging.metrics_file={metrics}", *extra])
+    return read_metrics(metrics)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

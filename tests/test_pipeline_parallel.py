@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -28,7 +25,7 @@ from megalite.training.optimizer import build_optimizer, set_learning_rate
 from megalite.training.step import train_step
 
 from conftest import tiny_config
-from distributed import run_ranks
+from distributed import metrics as read_metrics, pretrain_torchrun, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [(pp, vp, m) for pp in (2, 4, 8) for vp in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp)] + [(2, 1, 3), (4, 1, 2), (4, 1, 7)]
@@ -155,9 +152,7 @@ def test_trace_shows_every_op_once_per_step(tmp_path):
             "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=3",
             "--logging.progress_bar=false", "--data.mock=true", "--data.num_workers=0", "--parallel.pp=2", "--parallel.vp=2",
             f"--logging.pipeline_trace={trace}", "--logging.pipeline_trace_steps=2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "pretrain_gpt.py"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    pretrain_torchrun(2, args)
     events = json.loads(trace.read_text())["traceEvents"]
     for rank in (0, 1):
         ops = Counter(e["name"] for e in events if e["pid"] == rank and e["ph"] == "X")
@@ -172,10 +167,8 @@ def _run(tmp_path: Path, nproc: int, *extra: str) -> list[float]:
             "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=4",
             "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0",
             f"--logging.metrics_file={metrics}", *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "pretrain_gpt.py"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(l)["loss"] for l in metrics.read_text().splitlines()]
+    pretrain_torchrun(nproc, args)
+    return [r["loss"] for r in read_metrics(metrics)]
 
 
 def test_checkpoint_saved_at_tp2_pp2_vp2_resumes_on_one_device(tmp_path):

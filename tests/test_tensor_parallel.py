@@ -3,10 +3,6 @@ parameter's gradient, for both families, vocabularies not divisible by tp, SP on
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +14,9 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.grads import GradientReducer
 from megalite.parallel.layers import TPContext, parameter_shards, unshard
 from megalite.parallel.topology import Topology
-from megalite.training.pretrain import pretrain
 
 from conftest import tiny_config
-from distributed import run_ranks
+from distributed import metrics as read_metrics, pretrain_torchrun, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [(family, sp) for family in ("gpt2", "llama") for sp in (False, True)]
@@ -86,10 +81,8 @@ def _torchrun_losses(tmp_path: Path, nproc: int, family: str, extra: list[str]) 
             "--model.vocab_size=250", f"--model.family={family}", "--train.micro_batch_size=2", "--train.global_batch_size=4",
             "--train.train_iters=5", "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true",
             "--data.num_workers=0", f"--logging.metrics_file={metrics}", *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "pretrain_gpt.py"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(l)["loss"] for l in metrics.read_text().splitlines()]
+    pretrain_torchrun(nproc, args)
+    return [r["loss"] for r in read_metrics(metrics)]
 
 
 @pytest.mark.parametrize("family, nproc, extra", [("gpt2", 2, ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
