@@ -1,0 +1,186 @@
+"""Step time and time spent waiting on the data-parallel gradient reduction, with
+`parallel.overlap_grad_reduce` on and off, with and without the distributed optimizer.
+
+Why: overlap launches each gradient bucket's reduction as soon as the last micro batch's
+backward has produced it, so that the transfer runs while backward goes on; a step should then
+wait less on communication than one that reduces everything after backward. This tool checks
+that on 2 gloo ranks with 1 intra-op thread each. Each rank runs megalite's own `train_step`
+on mock data; the wait is `reducer.wait_seconds`, the time blocked in the reductions' wait()
+after backward (with the distributed optimizer, the parameter all-gather after the update is in
+the step time, not in the wait). A rank that finishes backward first also waits there for its
+peer, which overlap cannot help, so the table shows the wait of the rank that waited least as
+the transfer time left unhidden, next to the ranks' mean. "Reduction alone" is the same
+reduction with no backward to hide behind (`reducer.reduce()` right after a barrier).
+
+The default model keeps the vocabulary small so that most gradients belong to the layers: the
+word-embedding gradient is complete only at the very end of backward, so its bucket can never
+overlap. Buckets are 2M elements (parallel.bucket_size; the 40M default would make this model
+one bucket, which cannot start before backward ends).
+
+    python tools/benchmark_overlap.py
+    python tools/benchmark_overlap.py --layers 4 --hidden 768 --heads 12 --microbatches 8 --bucket-size 5000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megalite.config import Config, validate
+from megalite.data.batches import Batch, BatchMaker
+from megalite.data.mock import MockDataset
+from megalite.parallel.topology import Topology
+from megalite.training.build import RankModel, build_rank_model
+from megalite.training.loss_scaler import LossScaler
+from megalite.training.optimizer import build_optimizer
+from megalite.training.step import train_step
+
+CASES = [(distributed, overlap) for distributed in (False, True) for overlap in (False, True)]
+WORLD_SIZE = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=4, help="micro batches per step and rank")
+    p.add_argument("--bucket-size", type=int, default=2_000_000, help="parallel.bucket_size (elements)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 = autocast, as train.precision")
+    p.add_argument("--iters", type=int, default=7, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace, distributed: bool, overlap: bool) -> Config:
+    cfg = Config()
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size, m.seq_length = args.layers, args.hidden, args.heads, args.vocab, args.seq
+    p.distributed_optimizer, p.overlap_grad_reduce, p.bucket_size = distributed, overlap, args.bucket_size
+    t.micro_batch_size, t.global_batch_size, t.precision = args.micro_batch, args.micro_batch * args.microbatches * WORLD_SIZE, args.precision
+    cfg.data.mock = True
+    return cfg
+
+
+def mock_batches(cfg: Config, dp_rank: int, count: int) -> list[Batch]:
+    """`count` micro batches of mock data, different on each data-parallel rank."""
+    data, make, mbs = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), BatchMaker(), cfg.train.micro_batch_size
+    return [make([data[(dp_rank * count + i) * mbs + j] for j in range(mbs)]) for i in range(count)]
+
+
+@dataclass
+class Case:
+    """One configuration's model, optimizer and timings on this rank."""
+
+    cfg: Config
+    parts: RankModel
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    batches: list[Batch]
+    timings: dict[str, list[float]] = field(default_factory=lambda: {"steps": [], "waits": [], "alone": []})
+
+    @classmethod
+    def build(cls, topology: Topology, cfg: Config, microbatches: int) -> Case:
+        parts = build_rank_model(cfg, topology)
+        optimizer = build_optimizer(parts.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
+        return cls(cfg, parts, optimizer, LossScaler.for_precision(cfg.train.precision, cfg.optim), mock_batches(cfg, topology.dp_rank, microbatches))
+
+    def step(self, topology: Topology) -> tuple[float, float]:
+        """One train_step after a barrier: (seconds, reducer.wait_seconds)."""
+        dist.barrier()
+        start = time.perf_counter()
+        train_step(self.parts.model, self.optimizer, self.scaler, self.parts.reducer, self.batches, topology,
+                   self.cfg.train.precision, self.cfg.optim.clip_grad, self.parts.pipeline)
+        return time.perf_counter() - start, self.parts.reducer.wait_seconds
+
+    def reduce_alone(self) -> float:
+        """The reduction after a barrier, with no backward to hide it behind (the grads are zeros)."""
+        self.parts.reducer.zero()
+        dist.barrier()
+        self.parts.reducer.reduce()
+        return self.parts.reducer.wait_seconds
+
+
+def time_cases(topology: Topology, args: argparse.Namespace) -> list[dict]:
+    """All configurations side by side, timed in turns (step i of each, then step i + 1), so that
+    load from other processes on the machine spreads over all of them alike."""
+    cases = [Case.build(topology, build_config(args, distributed, overlap), args.microbatches) for distributed, overlap in CASES]
+    for i in range(args.warmup + args.iters):
+        for case in cases:
+            seconds, wait = case.step(topology)
+            if i >= args.warmup:
+                case.timings["steps"].append(seconds)
+                case.timings["waits"].append(wait)
+    for _ in range(args.iters):
+        for case in cases:
+            case.timings["alone"].append(case.reduce_alone())
+    buffers = cases[0].parts.reducer.buffers
+    return [{**case.timings, "numel": sum(p.numel() for p in case.parts.model.parameters()),
+             "buckets": sum(len(b.buckets) for b in buffers)} for case in cases]
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
+    torch.set_num_threads(1)
+    # torch 2.13 deprecates the collective names grad_buffer.py calls; one warning per rank would split the table.
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed", category=FutureWarning)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        gathered = [None] * WORLD_SIZE
+        dist.all_gather_object(gathered, time_cases(Topology(rank, WORLD_SIZE, torch.device("cpu")), args))
+        if rank == 0:
+            results.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def row(distributed: bool, overlap: bool, ranks: list[dict]) -> str:
+    """Medians over steps of: the slower rank's step time; the wait of the rank that waited least,
+    which is the one that finished backward last, so its wait is transfer time left unhidden; the
+    ranks' mean wait, which also counts the earlier rank waiting for its peer to finish backward."""
+    def median(key: str, over: Callable[[tuple[float, ...]], float]) -> float:
+        return statistics.median(over(it) for it in zip(*(r[key] for r in ranks)))
+
+    step, alone = median("steps", max), median("alone", statistics.mean)
+    least, mean = median("waits", min), median("waits", statistics.mean)
+    return (f"| {'on' if distributed else 'off'} | {'on' if overlap else 'off'} | {1e3 * step:.0f} "
+            f"| {1e3 * least:.0f} ({100 * least / step:.1f}%) | {1e3 * mean:.0f} | {1e3 * alone:.0f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    for distributed, overlap in CASES:
+        validate(build_config(args, distributed, overlap), WORLD_SIZE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(port, args, results), nprocs=WORLD_SIZE, join=True)
+    per_rank = results.get()
+    m, first = build_config(args, False, False).model, per_rank[0][0]
+    print(f"gpt2: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size}, "
+          f"{first['numel'] / 1e6:.1f}M parameters in {first['buckets']} buckets of >= {args.bucket_size:,} elements; "
+          f"seq {args.seq}, micro batch {args.micro_batch}, {args.microbatches} micro batches/step/rank, {args.precision}; "
+          f"{WORLD_SIZE} gloo ranks x 1 thread; torch {torch.__version__}; median of {args.iters} steps after {args.warmup} warmup")
+    print("| distributed optimizer | overlap_grad_reduce | step ms | wait ms, last rank out of backward (share of step) "
+          "| wait ms, mean of ranks | reduction alone ms |")
+    print("|---|---|---|---|---|---|")
+    for index, (distributed, overlap) in enumerate(CASES):
+        print(row(distributed, overlap, [timings[index] for timings in per_rank]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Training memory per rank, measured from the tensors, against the bytes-per-parameter accounting.
+
+Why: the distributed optimizer is there to save memory, so the saving should be a number read
+off the real tensors, not a formula. For each layout this tool starts tp*pp*dp gloo ranks on
+the CPU, builds the model as training does (`build_rank_model`, `build_optimizer`), runs one
+training step so that Adam's state exists, and sums numel * element_size over the distinct
+storages behind (a view counts its whole storage, once):
+  - parameters: the model's parameters (with the distributed optimizer, the flat param buffer);
+  - gradients: the flat fp32 grad buffers and any .grad not inside them;
+  - main weights: tensors the optimizer steps that do not share storage with a parameter;
+  - optimizer state: every tensor in the optimizer's state (Adam's two moments and step counts).
+Bytes per parameter divides the rank's total by the parameters it holds.
+
+Megatron-LM counts 18 bytes/param for bf16 parameters with fp32 main weights and grads, and
+6 + 12/dp with the distributed optimizer. megalite keeps fp32 parameters (bf16 is autocast) and
+steps them directly, so here the expectation is 4 + 4 + 8 = 16 without and 4 + 4 + 8/dp with.
+
+    python tools/memory_report.py                        # dp 1, 2, 4, 8, distributed optimizer off and on
+    python tools/memory_report.py --tp 2 --pp 2 --dp 2 --distributed-optimizer --config examples/tiny_cpu.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import warnings
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megalite.config import Config, validate
+from megalite.config_cli import load_yaml
+from megalite.data.batches import Batch, BatchMaker
+from megalite.data.mock import MockDataset
+from megalite.parallel.topology import Topology
+from megalite.training.build import build_rank_model
+from megalite.training.loss_scaler import LossScaler
+from megalite.training.optimizer import build_optimizer
+from megalite.training.step import train_step
+
+# A GPT-2-shaped model of 29M parameters: 8 ranks of it (444 MiB of tensors each) fit easily in 24 GB.
+DEFAULT_MODEL = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 32000, "seq_length": 256}
+MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads", "vocab": "vocab_size", "seq": "seq_length"}
+CATEGORIES = ("params", "grads", "main", "state")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML config (as pretrain_gpt.py takes); without it, a ~29M-parameter GPT-2 shape")
+    for flag, name in MODEL_FLAGS.items():
+        p.add_argument(f"--{flag}", type=int, help=f"model.{name} (overrides the config)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel sizes, one layout each")
+    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                   help="only with (or --no-... only without); default: both")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace, dp: int, distributed: bool) -> Config:
+    cfg = Config()
+    if args.config:
+        load_yaml(cfg, args.config)
+    else:
+        for name, value in DEFAULT_MODEL.items():
+            setattr(cfg.model, name, value)
+    for flag, name in MODEL_FLAGS.items():
+        if getattr(args, flag) is not None:
+            setattr(cfg.model, name, getattr(args, flag))
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.distributed_optimizer = args.tp, args.pp, distributed
+    # Mock data and pp micro batches per step (enough for any schedule): what stays allocated after
+    # the step does not depend on the data or the batch.
+    cfg.data.mock, cfg.data.paths, cfg.data.train_paths, cfg.data.valid_paths = True, None, None, None
+    cfg.train.global_batch_size = cfg.train.micro_batch_size * dp * args.pp
+    return cfg
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each distinct storage behind `tensors`, keyed by its address."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().nbytes()}
+
+
+def mock_batches(cfg: Config, dp_rank: int, count: int) -> list[Batch]:
+    """`count` micro batches of mock data, different on each data-parallel rank."""
+    data, make, mbs = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), BatchMaker(), cfg.train.micro_batch_size
+    return [make([data[(dp_rank * count + i) * mbs + j] for j in range(mbs)]) for i in range(count)]
+
+
+def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
+    """Build this rank's model and optimizer, train one step, and measure what stays allocated."""
+    topology = Topology(rank, world_size, torch.device("cpu"), tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    parts = build_rank_model(cfg, topology)
+    reducer, params = parts.reducer, list(parts.model.parameters())
+    optimizer = build_optimizer(reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
+    batches = mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size))
+    train_step(parts.model, optimizer, LossScaler.for_precision(cfg.train.precision, cfg.optim), reducer, batches,
+               topology, cfg.train.precision, cfg.optim.clip_grad, parts.pipeline)
+    held = storages(params)
+    grads = storages([b.grad_data for b in reducer.buffers] + [t.grad for t in params + [m for _, m in reducer.main]
+                                                               if t.grad is not None])
+    main = {k: v for k, v in storages(m for _, m in reducer.main).items() if k not in held}
+    state = storages(t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    sizes = {name: sum(found.values()) for name, found in zip(CATEGORIES, (held, grads, main, state))}
+    return {**sizes, "rank": rank, "numel": sum(p.numel() for p in params)}
+
+
+def _worker(rank: int, world_size: int, port: int, cfg: Config, results: mp.SimpleQueue) -> None:
+    torch.set_num_threads(1)
+    # torch 2.13 deprecates the collective names grad_buffer.py calls; one warning per rank would split the table.
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed", category=FutureWarning)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, rank_memory(rank, world_size, cfg))
+        if rank == 0:
+            results.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_layout(cfg: Config, world_size: int) -> list[dict[str, int]]:
+    """Spawn `world_size` fresh gloo ranks for one layout; returns each rank's measurement."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world_size, port, cfg, results), nprocs=world_size, join=True)
+    return results.get()
+
+
+def row(dp: int, distributed: bool, ranks: list[dict[str, int]]) -> str:
+    """The rank with the most bytes (the one that must fit), and the spread of totals over ranks."""
+    def total(r: dict[str, int]) -> int:
+        return sum(r[c] for c in CATEGORIES)
+
+    worst = max(ranks, key=total)
+    expected = 4 + 4 + 8 / dp if distributed else 16
+    mib = " | ".join(f"{worst[c] / 2**20:.1f}" for c in CATEGORIES)
+    spread = f"{min(map(total, ranks)) / 2**20:.1f}-{total(worst) / 2**20:.1f}"
+    return (f"| {dp} | {'on' if distributed else 'off'} | {worst['rank']} | {worst['numel'] / 1e6:.2f}M | {mib} "
+            f"| {total(worst) / 2**20:.1f} | {spread} | {total(worst) / worst['numel']:.3f} | {expected:g} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    modes = [False, True] if args.distributed_optimizer is None else [args.distributed_optimizer]
+    m = build_config(args, 1, False).model
+    print(f"{m.family}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} "
+          f"(padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; torch {torch.__version__}")
+    print("| dp | distributed optimizer | rank shown | parameters held | params MiB | grads MiB | main weights MiB "
+          "| optimizer state MiB | total MiB | total MiB over ranks | bytes/param | expected |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for distributed in modes:
+        for dp in args.dp:
+            cfg = build_config(args, dp, distributed)
+            world_size = args.tp * args.pp * dp
+            validate(cfg, world_size)
+            print(row(dp, distributed, run_layout(cfg, world_size)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
