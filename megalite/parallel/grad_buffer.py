@@ -41,8 +41,11 @@ class Bucket:
 
 
 class GradBuffer:
+    """`held` parameters' buckets are not reduced during backward but only in `finish`, after their
+    gradients were combined with another stage's (tied embeddings, see grads.py)."""
+
     def __init__(self, params: list[nn.Parameter], bucket_size: int, dp_group: dist.ProcessGroup, dp: int, dp_rank: int,
-                 distributed: bool, overlap: bool) -> None:
+                 distributed: bool, overlap: bool, held: frozenset[int] = frozenset()) -> None:
         self.dp_group, self.dp, self.dp_rank, self.distributed, self.overlap = dp_group, dp, dp_rank, distributed, overlap
         self.buckets: list[Bucket] = []
         self.offsets: dict[int, tuple[int, int]] = {}
@@ -60,6 +63,7 @@ class GradBuffer:
         self.grad_data = torch.zeros(offset, dtype=torch.float32, device=device)
         self.param_data = torch.zeros(offset, dtype=params[0].dtype, device=device) if distributed else None
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.held = {id(b) for b in self.buckets if any(id(p) in held for p in b.params)}
         for param in params:
             start, end = self.offsets[id(param)]
             param.main_grad = self.grad_data[start:end].view_as(param)
@@ -79,8 +83,8 @@ class GradBuffer:
     def _on_grad(self, param: nn.Parameter) -> None:
         param.main_grad.add_(param.grad)
         param.grad = None
-        if self.syncing and self.overlap:
-            bucket = self.bucket_of[id(param)]
+        bucket = self.bucket_of[id(param)]
+        if self.syncing and self.overlap and id(bucket) not in self.held:
             bucket.pending.discard(id(param))
             if not bucket.pending:
                 self._launch(bucket)

@@ -1,10 +1,10 @@
 """Gradient reduction, the optimizer's view of the parameters, and the global gradient norm.
 
 Gradients accumulate in per-chunk flat buffers (grad_buffer.py) that reduce over data-parallel
-replicas, overlapped with backward. Then, under sequence parallelism, a replicated
+replicas, overlapped with backward; the tied word embeddings' gradients are first summed
+between the first and last pipeline stage. Then, under sequence parallelism, a replicated
 parameter's gradient (partial on each tensor-parallel rank, which saw only its slice of the
-sequence) is summed over the TP group, and the tied word embeddings' gradients are summed
-between the first and last pipeline stage.
+sequence; buffer layouts are identical across TP ranks) is summed over the TP group.
 
 The optimizer steps "main" tensors: the parameters themselves, or with the distributed
 optimizer only the slices this data-parallel rank owns (views into the flat parameter buffer,
@@ -59,8 +59,9 @@ class GradientReducer:
         self.replicated = [p for n, p in model.named_parameters() if n not in shards and n not in copies]
         self.tied = [p for n, p in model.named_parameters() if n in tied]
         self.counted = {id(p) for n, p in model.named_parameters() if n not in copies and (n in shards or topology.tp_rank == 0)}
+        held = frozenset(id(p) for p in self.tied)
         self.buffers = [GradBuffer(params, cfg.bucket_size, topology.dp_group, topology.dp, topology.dp_rank,
-                                   self.distributed, cfg.overlap_grad_reduce) for params in chunks if params]
+                                   self.distributed, cfg.overlap_grad_reduce, held) for params in chunks if params]
         self.main = self._main_tensors()
         self.wait_seconds = 0.0
 
@@ -90,11 +91,13 @@ class GradientReducer:
 
     def reduce(self) -> None:
         t = self.topology
+        if self.tied and t.embedding_group is not None:
+            # Before the data-parallel reduction: the two stages' buffers differ in layout, so after a
+            # reduce-scatter a rank would own different slices of the embedding on each stage.
+            all_reduce_flat([p.main_grad for p in self.tied], t.embedding_group)
         self.wait_seconds = sum(buffer.finish() for buffer in self.buffers)
         if self.sequence_parallel:
             all_reduce_flat([p.main_grad for p in self.replicated], t.tp_group)
-        if self.tied and t.embedding_group is not None:
-            all_reduce_flat([p.main_grad for p in self.tied], t.embedding_group)
         if not self.distributed:
             for param, _ in self.main:
                 param.grad = param.main_grad
