@@ -14,6 +14,12 @@ walked recursively in sorted order):
                                            paragraph), written under the first --json-keys name
   a save_to_disk folder (or any folder with --input-format hf)   a local Hugging Face dataset
 
+Skipped records, counted by reason in the summary and listed with --rejects FILE:
+  malformed_json, not_object, missing_key, not_string (null included), empty_text (also text
+  that gives no tokens; Megatron-LM writes those as empty documents), invalid_utf8, and
+  unencodable (the tokenizer raised, e.g. on a lone surrogate). A record bad in one key is
+  skipped in every key, so document i is the same record in each output. Blank lines are ignored.
+
 Example:
     python tools/preprocess_data.py --input corpus/ --output-prefix data/corpus \\
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2/vocab.json --merge-file gpt2/merges.txt \\
@@ -52,6 +58,11 @@ class StrictError(Exception):
     """--strict and a bad record."""
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (a Slurm or taskset allotment), not all of the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
@@ -72,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--rejects", metavar="FILE", help="write every skipped record as a JSON line: file, line, reason")
     g.add_argument("--strict", action="store_true", help="fail at the first bad record (naming file and line), writing nothing")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="tokenizing processes (default: all cores)")
+    g.add_argument("--workers", type=int, default=usable_cores(), help="tokenizing processes (default: all usable cores)")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="documents between progress lines when stderr is not a terminal (a terminal gets a bar)")
     args = p.parse_args(argv)
