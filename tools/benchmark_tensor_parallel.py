@@ -1,0 +1,228 @@
+"""Forward+backward time of one transformer layer at tp=1 against tp=2, with and without
+sequence parallelism, and how much of it is communication.
+
+All configurations get the same cores: tp=1 runs on one rank with `--cores` intra-op threads
+(the other rank waits, idle, in a barrier), tp=2 on two gloo ranks with `--cores / 2` threads
+each. So the comparison is between splitting the matmuls across cores by threads and splitting
+them across ranks by tensor parallelism, which also pays for its collectives. The
+configurations take turns iteration by iteration, so that a shared machine's changing load
+hits them alike.
+
+To see the price of communication, the collectives `megalite.parallel.mappings` calls are
+wrapped with timers in this process only (megalite itself is not changed). "In step" is the
+wall time a rank spent inside them during fwd+bwd, waiting for its peer included; "replayed"
+runs the same collectives again afterwards, each after a barrier: the transfer cost alone.
+
+Example (the defaults: a GPT-2 medium-sized layer, fp32):
+    python tools/benchmark_tensor_parallel.py
+    python tools/benchmark_tensor_parallel.py --family llama --hidden 2048 --heads 16 --seq 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import socket
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megalite.config import Config, ModelConfig
+from megalite.model.gpt import TransformerLayer
+from megalite.model.rope import rope_for, rope_tables
+from megalite.parallel.layers import TPContext
+from megalite.parallel.topology import Topology
+from megalite.training.step import precision_context
+
+CONFIGS = ("tp=1", "tp=2", "tp=2 + SP")
+# Bytes one rank sends in a ring implementation, in units of (n-1)/n times the collective's full
+# (unsplit) tensor, as nccl-tests' bus bandwidth counts them.
+_RING_PASSES = {"all_reduce": 2, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+Call = tuple[Callable, tuple, dict]
+
+
+@dataclass
+class CommMeter:
+    """Wall time and ring bytes spent in collectives since the last reset(), and the calls
+    themselves, so that they can be replayed without the compute in between."""
+
+    seconds: float = 0.0
+    bytes_sent: float = 0.0
+    calls: list[Call] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.seconds, self.bytes_sent, self.calls = 0.0, 0.0, []
+
+    def install(self) -> None:
+        """Replace the torch.distributed collectives that mappings.py calls with timed versions."""
+        for name in _RING_PASSES:
+            setattr(dist, name, self._timed(name, getattr(dist, name)))
+
+    def _timed(self, name: str, collective: Callable) -> Callable:
+        @functools.wraps(collective)
+        def timed(*args, group: dist.ProcessGroup | None = None, **kwargs):
+            start = time.perf_counter()
+            work = collective(*args, group=group, **kwargs)
+            self.seconds += time.perf_counter() - start
+            self.calls.append((collective, args, dict(kwargs, group=group)))
+            full = args[1] if name == "reduce_scatter_tensor" else args[0]
+            n = dist.get_world_size(group)
+            self.bytes_sent += full.nbytes * _RING_PASSES[name] * (n - 1) / n
+            return work
+
+        return timed
+
+
+def replay_seconds(calls: list[Call]) -> float:
+    """One iteration's collectives again, each after a barrier, on copies (the originals may be autograd views)."""
+    total = 0.0
+    for collective, args, kwargs in calls:
+        args = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+        dist.barrier()
+        start = time.perf_counter()
+        collective(*args, **kwargs)
+        total += time.perf_counter() - start
+    return total
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 = autocast, as train.precision")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per configuration")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations before timing")
+    p.add_argument("--cores", type=int, default=2, help="intra-op threads in total, split evenly over the ranks")
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    m = Config().model
+    m.family, m.hidden_size, m.num_attention_heads, m.seq_length = args.family, args.hidden, args.heads, args.seq
+    m.num_layers = 1
+    return m
+
+
+@dataclass
+class Case:
+    """One configuration on this rank: its layer, input, output gradient and threads."""
+
+    layer: TransformerLayer
+    x: torch.Tensor
+    grad: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    threads: int
+
+    @classmethod
+    def build(cls, tp: TPContext, threads: int, args: argparse.Namespace) -> Case:
+        m, cpu = model_config(args), torch.device("cpu")
+        layer = TransformerLayer(m, cpu, tp, recompute_core=False)
+        generator = torch.Generator().manual_seed(args.seed)  # the same draws on every rank, as their shapes match
+        with torch.no_grad():  # timing only: any finite weights (not torch.empty's garbage, which may hold denormals)
+            for param in layer.parameters():
+                param.normal_(0.0, m.init_std, generator=generator)
+        x, grad = (torch.randn(args.seq, args.micro_batch, args.hidden, generator=generator) for _ in range(2))
+        if tp.sequence_parallel:
+            x, grad = x.chunk(tp.size)[tp.rank], grad.chunk(tp.size)[tp.rank]
+        rope = rope_for(rope_tables(m.positions, m.head_dim, m.rope_theta, cpu), args.seq, None) if m.family == "llama" else None
+        return cls(layer, x.clone().requires_grad_(), grad, rope, threads)
+
+    def fwd_bwd_seconds(self, precision: str) -> float:
+        torch.set_num_threads(self.threads)
+        self.layer.zero_grad(set_to_none=True)
+        self.x.grad = None
+        start = time.perf_counter()
+        with precision_context(precision, self.x.device):
+            out = self.layer(self.x, self.rope)
+        out.backward(self.grad.to(out.dtype))
+        return time.perf_counter() - start
+
+
+def time_cases(rank: int, args: argparse.Namespace) -> dict[str, dict]:
+    """Time every configuration this rank takes part in, taking turns; returns per-configuration numbers."""
+    meter = CommMeter()
+    meter.install()
+    topology = Topology(rank, 2, torch.device("cpu"), tp=2)
+    cases = {"tp=1": Case.build(TPContext(), args.cores, args)} if rank == 0 else {}
+    for name, sp in (("tp=2", False), ("tp=2 + SP", True)):
+        cases[name] = Case.build(TPContext.from_topology(topology, sp, args.seed), args.cores // 2, args)
+    record: dict[str, dict] = {name: {"steps": [], "comms": []} for name in cases}
+    calls: dict[str, list[Call]] = {}
+    for i in range(args.warmup + args.iters):
+        for name in CONFIGS:
+            dist.barrier()
+            if name in cases:
+                meter.reset()
+                step = cases[name].fwd_bwd_seconds(args.precision)
+                if i >= args.warmup:
+                    record[name]["steps"].append(step)
+                    record[name]["comms"].append(meter.seconds)
+                    record[name]["bytes_sent"], calls[name] = meter.bytes_sent, meter.calls
+    for name, entry in record.items():  # the same order on both ranks, so their collectives pair up
+        if name != "tp=1" and not calls[name]:
+            raise RuntimeError(f"{name}: no collective was timed; mappings.py calls one missing from _RING_PASSES")
+        entry["calls"] = len(calls[name])
+        entry["replayed"] = statistics.median(replay_seconds(calls[name]) for _ in range(args.iters))
+    return record
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
+    # torch 2.13 deprecates the collective names mappings.py calls; a warning per rank would break up the table.
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed", category=FutureWarning)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        gathered = [None, None]
+        dist.all_gather_object(gathered, time_cases(rank, args))
+        if rank == 0:
+            results.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def summarize(name: str, ranks: list[dict], threads: int) -> str:
+    """One table row: medians over iterations of the slowest rank's step and of the ranks' mean
+    communication time; the replayed time is the ranks' mean; bandwidths are per rank."""
+    step = statistics.median(max(it) for it in zip(*(r["steps"] for r in ranks)))
+    comm = statistics.median(statistics.mean(it) for it in zip(*(r["comms"] for r in ranks)))
+    replayed = statistics.mean(r["replayed"] for r in ranks)
+    sent = ranks[0]["bytes_sent"]
+    rate = (lambda t: f"{sent / t / 1e9:.2f}") if sent else (lambda t: "-")
+    return (f"| {name} | {len(ranks)} x {threads} | {1e3 * step:.0f} | {1e3 * comm:.0f} ({100 * comm / step:.0f}%) "
+            f"| {1e3 * replayed:.0f} | {ranks[0]['calls']} | {sent / 2**20:.0f} | {rate(comm)} | {rate(replayed)} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.cores % 2:
+        raise SystemExit(f"--cores={args.cores} must be even, so that each tp=2 rank gets the same number of threads")
+    m = model_config(args)
+    print(f"{m.family} layer: hidden {m.hidden_size}, {m.num_attention_heads} heads, ffn {m.ffn_size}, seq {args.seq}, "
+          f"micro batch {args.micro_batch}, {args.precision}, torch {torch.__version__}; "
+          f"median of {args.iters} iterations after {args.warmup} warmup")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(port, args, results), nprocs=2, join=True)
+    ranks = results.get()
+    print("| config | ranks x threads | fwd+bwd ms | comm ms in step (share) | comm ms replayed | collectives "
+          "| MiB sent/rank | GB/s in step | GB/s replayed |\n|---|---|---|---|---|---|---|---|---|")
+    for name in CONFIGS:
+        mine = [r[name] for r in ranks if name in r]
+        print(summarize(name, mine, args.cores // len(mine)))
+
+
+if __name__ == "__main__":
+    main()
