@@ -1,43 +1,15 @@
-"""Run a function on N gloo ranks in fresh processes (one intra-op thread each) and collect
-what each rank returns."""
+"""Helpers for multi-process tests: gloo ranks in fresh processes (megalite.parallel.spawn), and
+pretrain_gpt.py under torchrun with its metrics file."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.save(fn(rank, world_size, *args), Path(out_dir) / f"{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(world_size: int, fn: Callable, *args: Any) -> list[Any]:
-    """fn(rank, world_size, *args) on every rank; returns the per-rank results in rank order."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True)
-        return [torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
+from megalite.parallel.spawn import run_on_ranks as run_ranks  # noqa: F401  (re-exported for the tests)
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,21 +24,18 @@ one bucket, which cannot start before backward ends).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megalite.config import Config, validate
 from megalite.data.batches import Batch, BatchMaker
 from megalite.data.mock import MockDataset
+from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
 from megalite.training.build import RankModel, build_rank_model
 from megalite.training.loss_scaler import LossScaler
@@ -132,19 +129,8 @@ def time_cases(topology: Topology, args: argparse.Namespace) -> list[dict]:
              "buckets": sum(len(b.buckets) for b in buffers)} for case in cases]
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)
-    # torch 2.13 deprecates the collective names grad_buffer.py calls; one warning per rank would split the table.
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed", category=FutureWarning)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        gathered = [None] * WORLD_SIZE
-        dist.all_gather_object(gathered, time_cases(Topology(rank, WORLD_SIZE, torch.device("cpu")), args))
-        if rank == 0:
-            results.put(gathered)
-    finally:
-        dist.destroy_process_group()
+def _rank_cases(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
+    return time_cases(Topology(rank, world_size, torch.device("cpu")), args)
 
 
 def row(distributed: bool, overlap: bool, ranks: list[dict]) -> str:
@@ -164,12 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     for distributed, overlap in CASES:
         validate(build_config(args, distributed, overlap), WORLD_SIZE)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(port, args, results), nprocs=WORLD_SIZE, join=True)
-    per_rank = results.get()
+    per_rank = run_on_ranks(WORLD_SIZE, _rank_cases, args)
     m, first = build_config(args, False, False).model, per_rank[0][0]
     print(f"gpt2: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size}, "
           f"{first['numel'] / 1e6:.1f}M parameters in {first['buckets']} buckets of >= {args.bucket_size:,} elements; "

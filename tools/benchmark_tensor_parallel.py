@@ -22,22 +22,19 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import socket
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megalite.config import Config, ModelConfig
 from megalite.model.gpt import TransformerLayer
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.layers import TPContext
+from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
 from megalite.training.step import precision_context
 
@@ -177,18 +174,8 @@ def time_cases(rank: int, args: argparse.Namespace) -> dict[str, dict]:
     return record
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
-    # torch 2.13 deprecates the collective names mappings.py calls; a warning per rank would break up the table.
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed", category=FutureWarning)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        gathered = [None, None]
-        dist.all_gather_object(gathered, time_cases(rank, args))
-        if rank == 0:
-            results.put(gathered)
-    finally:
-        dist.destroy_process_group()
+def _rank_cases(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    return time_cases(rank, args)
 
 
 def summarize(name: str, ranks: list[dict], threads: int) -> str:
@@ -211,12 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{m.family} layer: hidden {m.hidden_size}, {m.num_attention_heads} heads, ffn {m.ffn_size}, seq {args.seq}, "
           f"micro batch {args.micro_batch}, {args.precision}, torch {torch.__version__}; "
           f"median of {args.iters} iterations after {args.warmup} warmup")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(port, args, results), nprocs=2, join=True)
-    ranks = results.get()
+    ranks = run_on_ranks(2, _rank_cases, args, threads=None)
     print("| config | ranks x threads | fwd+bwd ms | comm ms in step (share) | comm ms replayed | collectives "
           "| MiB sent/rank | GB/s in step | GB/s replayed |\n|---|---|---|---|---|---|---|---|---|")
     for name in CONFIGS:

@@ -22,19 +22,15 @@ steps them directly, so here the expectation is 4 + 4 + 8 = 16 without and 4 + 4
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import warnings
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megalite.config import Config, validate
 from megalite.config_cli import load_yaml
 from megalite.data.batches import Batch, BatchMaker
 from megalite.data.mock import MockDataset
+from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
 from megalite.training.build import build_rank_model
 from megalite.training.loss_scaler import LossScaler
@@ -107,29 +103,9 @@ def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     return {**sizes, "rank": rank, "numel": sum(p.numel() for p in params)}
 
 
-def _worker(rank: int, world_size: int, port: int, cfg: Config, results: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)
-    # torch 2.13 deprecates the collective names grad_buffer.py calls; one warning per rank would split the table.
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed", category=FutureWarning)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, rank_memory(rank, world_size, cfg))
-        if rank == 0:
-            results.put(gathered)
-    finally:
-        dist.destroy_process_group()
-
-
 def run_layout(cfg: Config, world_size: int) -> list[dict[str, int]]:
     """Spawn `world_size` fresh gloo ranks for one layout; returns each rank's measurement."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world_size, port, cfg, results), nprocs=world_size, join=True)
-    return results.get()
+    return run_on_ranks(world_size, rank_memory, cfg)
 
 
 def row(dp: int, distributed: bool, ranks: list[dict[str, int]]) -> str:

@@ -1,0 +1,46 @@
+"""Run a function on N fresh gloo processes on this machine and collect what each returns.
+
+For tools and tests that measure or check several ranks without torchrun: one free port,
+one process group per spawn, results gathered to rank 0 and handed back to the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Callable, args: tuple, results: Any) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    # torch 2.13 deprecates collective names megalite calls; a warning per rank would clutter the output.
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed", category=FutureWarning)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, fn(rank, world_size, *args))
+        if rank == 0:
+            results.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, threads: int | None = 1) -> list[Any]:
+    """fn(rank, world_size, *args) on every rank (`threads` intra-op threads each, None = torch's
+    default); returns the per-rank results in rank order. fn must be importable (spawned processes)."""
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world_size, free_port(), threads, fn, args, results), nprocs=world_size, join=True)
+    return results.get()
