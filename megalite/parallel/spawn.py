@@ -1,14 +1,18 @@
 """Run a function on N fresh gloo processes on this machine and collect what each returns.
 
 For tools and tests that measure or check several ranks without torchrun: one free port,
-one process group per spawn, results gathered to rank 0 and handed back to the caller.
+one process group per spawn, results gathered to rank 0 and handed back to the caller
+(through a file this session wrote itself, so unpickling it runs nothing foreign).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import tempfile
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -22,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Callable, args: tuple, results: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Callable, args: tuple, out: str) -> None:
     if threads:
         torch.set_num_threads(threads)
     # torch 2.13 deprecates collective names megalite calls; a warning per rank would clutter the output.
@@ -32,8 +36,8 @@ def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Call
     try:
         gathered = [None] * world_size
         dist.all_gather_object(gathered, fn(rank, world_size, *args))
-        if rank == 0:
-            results.put(gathered)
+        if rank == 0:  # a file, not a pipe: a large result would block the writer until the parent reads
+            Path(out).write_bytes(pickle.dumps(gathered))
     finally:
         dist.destroy_process_group()
 
@@ -41,6 +45,7 @@ def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Call
 def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, threads: int | None = 1) -> list[Any]:
     """fn(rank, world_size, *args) on every rank (`threads` intra-op threads each, None = torch's
     default); returns the per-rank results in rank order. fn must be importable (spawned processes)."""
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world_size, free_port(), threads, fn, args, results), nprocs=world_size, join=True)
-    return results.get()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.pickle")
+        mp.spawn(_worker, args=(world_size, free_port(), threads, fn, args, out), nprocs=world_size, join=True)
+        return pickle.loads(Path(out).read_bytes())
