@@ -135,10 +135,12 @@ def _load_stages(path: Path, kind: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_checkpoint(path: Path, full: FullState, topology: Topology) -> tuple[TrainingState, dict[str, torch.Tensor]]:
+def load_checkpoint(path: Path, full: FullState, topology: Topology) -> tuple[TrainingState, dict[str, torch.Tensor] | None]:
     """Restore model and optimizer (resliced for this rank's layout); returns the training state and
     this rank's RNG streams (rank 0's when the checkpoint was written by fewer ranks)."""
-    for name in ("model_000.safetensors", "optimizer_000.safetensors", "optimizer_groups.json", "state.json", "rng/rank_00000.pt"):
+    weights_only = not (path / "optimizer_groups.json").exists() and not (path / "rng").exists()
+    required = ("model_000.safetensors", "state.json") + (() if weights_only else ("optimizer_000.safetensors", "optimizer_groups.json", "rng/rank_00000.pt"))
+    for name in required:
         if not (path / name).is_file():
             raise FileNotFoundError(f"checkpoint {path} is incomplete: {name} is missing; resume from an earlier iter_* directory")
     weights = _load_stages(path, "model")
@@ -151,9 +153,11 @@ def load_checkpoint(path: Path, full: FullState, topology: Topology) -> tuple[Tr
             f"missing {missing}, shape mismatches {mismatched}"
         )
     full.load_model(weights)
+    fields = json.loads((path / "state.json").read_text())
+    fields.pop("format_version", None)
+    if weights_only:  # written by model_io (e.g. converted from Hugging Face): fresh optimizer, same RNG
+        return TrainingState(**fields), None
     full.load_optimizer(_load_stages(path, "optimizer"), json.loads((path / "optimizer_groups.json").read_text()))
     rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
     rng = torch.load(rng_file if rng_file.is_file() else path / "rng" / "rank_00000.pt", weights_only=True)
-    fields = json.loads((path / "state.json").read_text())
-    fields.pop("format_version", None)
     return TrainingState(**fields), rng

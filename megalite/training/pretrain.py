@@ -77,7 +77,8 @@ class Run:
         path = latest_checkpoint(load) if Path(load).exists() else None
         if path is not None:
             self.state, rng = load_checkpoint(path, self.full_state, self.topology)
-            set_rng_state(rng, self.topology.device, self.tp.rng)
+            if rng is not None:
+                set_rng_state(rng, self.topology.device, self.tp.rng)
             self.scaler.load_state_dict(self.state.loss_scaler)
         return path
 
