@@ -2,7 +2,10 @@
 
 Works on full (unsharded) state dicts. Two layout differences are handled here and
 nowhere else: megalite's fused QKV is ordered by query group (see model/attention.py)
-and its vocabulary is padded; GPT-2's HF Conv1D stores weights transposed.
+and its vocabulary is padded; GPT-2's HF Conv1D stores weights transposed. The configs map
+both ways too (`hf_config`, `model_config_from_hf`); an HF config describing a network
+megalite does not compute (another activation, biases in Llama, RoPE scaling) is refused
+rather than converted into a different model.
 """
 
 from __future__ import annotations
@@ -14,24 +17,70 @@ from megalite.config import ModelConfig
 StateDict = dict[str, torch.Tensor]
 
 
-def hf_config(cfg: ModelConfig):
-    """The transformers config describing the same network as `cfg`."""
+def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None):
+    """The transformers config describing the same network as `cfg` (token ids: its tokenizer's, if any)."""
     from transformers import GPT2Config, LlamaConfig
 
+    tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
     if cfg.family == "gpt2":
         return GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.positions, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
             n_head=cfg.num_attention_heads, n_inner=cfg.ffn_size, activation_function="gelu_new",
             layer_norm_epsilon=cfg.norm_epsilon, resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
-            attn_pdrop=cfg.attention_dropout, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied,
+            attn_pdrop=cfg.attention_dropout, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied, **tokens,
         )
-    return LlamaConfig(
+    return LlamaConfig(**tokens,
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.positions,
         rms_norm_eps=cfg.norm_epsilon, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied,
         attention_bias=False, mlp_bias=False, hidden_act="silu",
+    )
+
+
+# HF config field -> the value megalite computes; anything else would change the network.
+_GPT2_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+               "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,)}
+_LLAMA_FIXED = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)}
+
+
+def _check_fixed(hf, fixed: dict[str, tuple], source: str) -> None:
+    for name, allowed in fixed.items():
+        value = getattr(hf, name, allowed[0])
+        if value not in allowed:
+            raise ValueError(f"{source}: {name}={value!r}, but megalite's {hf.model_type} computes {name}={allowed[0]!r}; "
+                             "this model cannot be converted")
+
+
+def model_config_from_hf(hf, source: str) -> ModelConfig:
+    """The megalite ModelConfig of a transformers GPT2Config or LlamaConfig (`source` names it in errors).
+
+    seq_length is the model's context (max_position_embeddings); override it for training."""
+    if hf.model_type == "gpt2":
+        _check_fixed(hf, _GPT2_FIXED, source)
+        return ModelConfig(
+            family="gpt2", num_layers=hf.n_layer, hidden_size=hf.n_embd, num_attention_heads=hf.n_head,
+            ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, seq_length=hf.n_positions, max_position_embeddings=hf.n_positions,
+            vocab_size=hf.vocab_size, tie_embeddings=hf.tie_word_embeddings, norm_epsilon=hf.layer_norm_epsilon,
+            init_std=hf.initializer_range, hidden_dropout=hf.resid_pdrop, attention_dropout=hf.attn_pdrop,
+        )
+    if hf.model_type != "llama":
+        raise ValueError(f"{source}: model_type={hf.model_type!r}; megalite converts gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM)")
+    _check_fixed(hf, _LLAMA_FIXED, source)
+    rope = hf.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: rope_parameters.rope_type={rope['rope_type']!r}; megalite implements plain RoPE (default) only")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if head_dim * hf.num_attention_heads != hf.hidden_size:
+        raise ValueError(f"{source}: head_dim={head_dim} x num_attention_heads={hf.num_attention_heads} != hidden_size={hf.hidden_size}; "
+                         "megalite derives head_dim as hidden_size / heads")
+    return ModelConfig(
+        family="llama", num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads or hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
+        seq_length=hf.max_position_embeddings, max_position_embeddings=hf.max_position_embeddings, vocab_size=hf.vocab_size,
+        tie_embeddings=hf.tie_word_embeddings, rope_theta=float(rope.get("rope_theta", 10000.0)), norm_epsilon=hf.rms_norm_eps,
+        init_std=hf.initializer_range, attention_dropout=hf.attention_dropout,
     )
 
 

@@ -4,6 +4,9 @@ The QKV weight is laid out group by group, each group holding its query heads th
 one key and one value head ([g0: q.. k v][g1: q.. k v]...). Splitting that matrix into
 contiguous row blocks hands every tensor-parallel rank whole groups, which is why the
 layout differs from Hugging Face's [all q][all k][all v] (the HF mapping reorders).
+
+During generation a KV cache (model/kv_cache.py) supplies the keys and values of earlier
+tokens; the new tokens' queries then attend to those plus their own causal prefix.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.model.kv_cache import LayerCache
 from megalite.model.rope import apply_rope
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPContext
 
@@ -32,8 +36,8 @@ class SelfAttention(nn.Module):
         self.recompute_core = recompute_core
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """x: [seq (/tp under SP), batch, hidden] -> the same shape."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache | None = None) -> torch.Tensor:
+        """x: [seq (/tp under SP), batch, hidden] -> the same shape; `cache` holds (and receives) earlier tokens' k, v."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         per_group = self.heads // self.groups
@@ -43,6 +47,8 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.append(k, v)
         if self.recompute_core and self.training:
             out = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
@@ -50,6 +56,10 @@ class SelfAttention(nn.Module):
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [batch, heads, new, d]; k, v [batch, groups, past + new, d]: new token i sees keys up to past + i."""
         dropout = self.dropout if self.training else 0.0
+        past = k.shape[2] - q.shape[2]
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past) if past else None
         with self.tp.region_rng():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=self.groups != self.heads)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                                  enable_gqa=self.groups != self.heads)

@@ -17,6 +17,7 @@ from megalite.config import Config, ModelConfig
 from megalite.model.attention import SelfAttention
 from megalite.model.cross_entropy import linear_cross_entropy
 from megalite.model.init import init_parameters
+from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
@@ -36,9 +37,9 @@ class TransformerLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache | None = None) -> torch.Tensor:
         with self.tp.hidden_rng():
-            x = x + self.dropout(self.attention(self.input_norm(x), rope))
+            x = x + self.dropout(self.attention(self.input_norm(x), rope, cache))
             return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
@@ -119,14 +120,18 @@ class GPTModel(nn.Module):
         return rope_for(self._rope_cache[tokens.device], tokens.shape[1], position_ids)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, chunk: int = 0, cache: KVCache | None = None) -> torch.Tensor:
         """Run model chunk `chunk` of this rank on one micro batch.
 
         The first chunk embeds `tokens`; others continue from `hidden` ([seq (/tp under SP), batch,
         hidden], what the previous chunk returned). The last chunk returns per-token losses
         [batch, seq] in fp32 when labels are given, else logits [batch, seq, vocab]; others return
         their hidden states. position_ids [batch, seq] restart positions inside a sample.
+        With a KV cache (generation) `tokens` continue the cached ones: positions start at
+        cache.length unless given, and the layers store the tokens' keys and values.
         """
+        if cache is not None and position_ids is None:
+            position_ids = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         x = self.embedding(tokens, position_ids) if self.stage.is_first_chunk(chunk) else hidden
         rope = self._rope(tokens, position_ids)
         for index in range(*self.stage.chunks[chunk]):
@@ -134,7 +139,7 @@ class GPTModel(nn.Module):
             if self.recompute_full and self.training:
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
-                x = layer(x, rope)
+                x = layer(x, rope, None if cache is None else cache[index])
         if not self.stage.is_last_chunk(chunk):
             return x
         x = self.final_norm(x)
