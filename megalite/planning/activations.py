@@ -1,0 +1,103 @@
+"""Bytes autograd keeps per micro batch, tensor by tensor, as megalite's model stores them.
+
+Why a list and not Korthikanti et al.'s 34*s*b*h closed form: megalite differs in ways that
+matter. Attention is SDPA (flash), so no s^2 scores are kept and selective recompute saves
+only the logsumexp; q, k and v are views of one fused QKV output; column-parallel layers
+under sequence parallelism keep the gathered (full-sequence) input; the LM head keeps its
+[tokens, vocab] logits gradient; and with fp32 parameters under bf16 autocast every micro
+batch in flight holds bf16 copies of the weights it used. tests/test_plan.py checks these
+figures against the tensors autograd saves in real CPU runs.
+
+Sizes: s = seq_length, b = micro_batch_size, tokens = s*b; a tensor inside the tensor-parallel
+region has its heads / MLP width divided by tp; under sequence parallelism, norms and the
+residual stream hold tokens/tp rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import Config
+from megalite.planning.parameters import layer_parameters
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes per element of each kind of saved tensor, for one precision setup and device type."""
+
+    compute: int  # matmul inputs/outputs, attention (the autocast dtype)
+    residual: int  # the residual stream between layers (the parameters' dtype)
+    layernorm_input: int  # LayerNorm's saved input: CUDA autocast runs layer_norm in fp32 (a copy)
+    layernorm_stats: int  # LayerNorm's mean and rstd
+    weight_copy: int  # autocast's per-forward cast of fp32 weights (0 when weights are already in the compute dtype)
+
+    @classmethod
+    def of(cls, cfg: Config, device: str) -> "Widths":
+        t = cfg.train
+        compute, residual = _BYTES[t.precision], _BYTES[t.param_dtype]
+        autocast = t.precision != "fp32"
+        on_cuda = device == "cuda"
+        return cls(compute, residual, 4 if on_cuda and autocast else residual, 4 if on_cuda else residual,
+                   compute if autocast and residual != compute else 0)
+
+
+def _norm(cfg: Config, rows: int, w: Widths) -> int:
+    """LayerNorm keeps input, mean, rstd; torch's RMSNorm computes in fp32 and keeps x, x*rstd, rstd."""
+    h = cfg.model.hidden_size
+    if cfg.model.family == "gpt2":
+        return rows * (h * w.layernorm_input + 2 * w.layernorm_stats)
+    return rows * (2 * h * 4 + 4)
+
+
+def _rows(cfg: Config) -> tuple[int, int]:
+    """(tokens of a micro batch, rows of the residual stream on one rank: tokens / tp under SP)."""
+    tokens = cfg.model.seq_length * cfg.train.micro_batch_size
+    sp = cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
+    return tokens, tokens // cfg.parallel.tp if sp else tokens
+
+
+def layer_bytes(cfg: Config, device: str = "cuda") -> int:
+    """One transformer layer's saved tensors for one micro batch on one rank."""
+    m, tp, w = cfg.model, cfg.parallel.tp, Widths.of(cfg, device)
+    tokens, rows = _rows(cfg)
+    if cfg.train.recompute == "full":
+        return rows * m.hidden_size * w.residual  # the layer's input, kept by the checkpoint
+    h, d, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads // tp, m.kv_heads // tp
+    ffn = m.ffn_size // tp
+    attention = (
+        tokens * h * w.compute  # QKV input (all-gathered along the sequence under SP)
+        + tokens * (heads + 2 * groups) * d * w.compute  # fused QKV output; v (and q, k for gpt2) are views of it
+        + (tokens * (heads + groups) * d * w.compute if m.family == "llama" else 0)  # q and k after RoPE
+        + tokens * heads * d * w.compute  # attention output = projection input
+        + (cfg.train.micro_batch_size * heads * m.seq_length * 4 if cfg.train.recompute == "none" else 0)  # flash logsumexp
+    )
+    intermediates = 4 if m.family == "llama" else 2  # gate|up, silu(gate), product / GELU input and output
+    mlp = tokens * h * w.compute + intermediates * tokens * ffn * w.compute
+    dropout = 2 * rows * h if m.hidden_dropout > 0 else 0  # boolean masks after attention and MLP
+    weights = layer_parameters(m, tp).sharded * w.weight_copy  # matmul weights (biases are not kept)
+    return 2 * _norm(cfg, rows, w) + attention + mlp + dropout + weights
+
+
+def embedding_bytes(cfg: Config) -> int:
+    """The first chunk's embedding: token ids (and, under tp, the out-of-range mask), dropout mask."""
+    tokens, rows = _rows(cfg)
+    out_of_range = tokens if cfg.parallel.tp > 1 else 0
+    dropout = rows * cfg.model.hidden_size if cfg.model.hidden_dropout > 0 else 0
+    return tokens * 8 + out_of_range + dropout
+
+
+def head_bytes(cfg: Config, device: str = "cuda") -> int:
+    """The last chunk's final norm, LM head and loss: one device keeps the [tokens, vocab] logits
+    gradient in the compute dtype; vocab-parallel cross-entropy keeps fp32 probabilities."""
+    m, tp, w = cfg.model, cfg.parallel.tp, Widths.of(cfg, device)
+    tokens, rows = _rows(cfg)
+    head_input = tokens * m.hidden_size * w.compute
+    weight = m.padded_vocab_size // tp * m.hidden_size * w.weight_copy
+    if tp == 1:
+        logits = tokens * m.vocab_size * w.compute
+    else:
+        logits = tokens * (m.padded_vocab_size // tp * 4 + 8 + 1)  # probabilities, local label ids, ownership mask
+    loss = tokens * 8  # per-token losses and the loss mask
+    return _norm(cfg, rows, w) + head_input + weight + logits + loss

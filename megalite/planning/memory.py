@@ -1,0 +1,98 @@
+"""Memory per GPU: model state (weights, gradients, fp32 main weights, Adam) plus the activations
+of the micro batches the pipeline schedule keeps in flight, for the pipeline stage that needs most.
+
+Model state follows megalite/parallel/grad_buffer.py and grads.py: parameters in
+train.param_dtype; one flat gradient buffer per model chunk in parallel.grad_reduce_dtype;
+fp32 main weights only when the parameters are not fp32 (fp32 parameters are stepped in
+place); Adam's two fp32 moments. The distributed optimizer shards main weights and moments
+over dp (the parameters and the gradient buffer stay whole). That is Megatron-LM's 18 bytes per
+parameter for bf16 parameters, 6 + 12/dp with the distributed optimizer; 16 and 8 + 8/dp for fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import Config
+from megalite.parallel.schedules import schedule_ops
+from megalite.planning.activations import _BYTES, embedding_bytes, head_bytes, layer_bytes
+from megalite.planning.parameters import Parameters, rank_parameters, stage_layout
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one GPU of pipeline stage `pp_rank` (every tp/dp rank of a stage holds the same)."""
+
+    pp_rank: int
+    parameters: Parameters
+    weights: float
+    gradients: float
+    main_weights: float
+    optimizer: float
+    activations: float  # at the schedule's peak
+    in_flight: int  # micro batches whose activations are held at that peak
+    transient: float  # short-lived: see `transient_bytes`
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.gradients + self.main_weights + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.transient
+
+
+def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, float]:
+    """(weights, gradients, main weights, optimizer state) bytes for `numel` parameters on one rank."""
+    t, p = cfg.train, cfg.parallel
+    shards = dp if p.distributed_optimizer else 1
+    main = 0 if t.param_dtype == "fp32" else 4
+    return numel * _BYTES[t.param_dtype], numel * _BYTES[p.grad_reduce_dtype], numel * main / shards, numel * 8 / shards
+
+
+def transient_bytes(cfg: Config, params: Parameters, dp: int, activations: float) -> float:
+    """Memory above state + activations at the worst moment: in backward, the largest parameter's
+    gradient before its hook adds it into the buffer; in the optimizer step (activations freed),
+    fp32 copies of bf16-reduced gradient slices for the fp32 main weights."""
+    backward = params.largest * _BYTES[cfg.train.param_dtype]
+    shards = dp if cfg.parallel.distributed_optimizer else 1
+    step = params.total * 4 / shards if cfg.parallel.grad_reduce_dtype != "fp32" else 0
+    return max(backward, step - activations)
+
+
+def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
+    """One micro batch's saved bytes for each model chunk of pipeline stage `pp_rank`."""
+    stage = stage_layout(cfg, pp_rank)
+    sizes = []
+    for index, (a, b) in enumerate(stage.chunks):
+        size = (b - a) * layer_bytes(cfg, device)
+        size += embedding_bytes(cfg) if stage.is_first_chunk(index) else 0
+        size += head_bytes(cfg, device) if stage.is_last_chunk(index) else 0
+        sizes.append(size)
+    return sizes
+
+
+def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> tuple[int, int]:
+    """(peak bytes, micro batches in flight then) over this stage's schedule: a forward stores its
+    chunk's activations until the matching backward frees them (parallel/schedules.py)."""
+    p = cfg.parallel
+    sizes = chunk_activation_bytes(cfg, pp_rank, device)
+    ops = schedule_ops(p.pipeline_schedule, p.pp, p.vp, pp_rank, cfg.num_microbatches(world_size))
+    held, count, peak = 0, 0, (0, 0)
+    for kind, chunk, _ in ops:
+        sign = 1 if kind == "F" else -1
+        held, count = held + sign * sizes[chunk], count + sign
+        peak = max(peak, (held, count))
+    return peak
+
+
+def stage_memory(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> StageMemory:
+    params = rank_parameters(cfg, pp_rank)
+    dp = cfg.data_parallel_size(world_size)
+    activations, in_flight = peak_activations(cfg, world_size, pp_rank, device)
+    transient = transient_bytes(cfg, params, dp, activations)
+    return StageMemory(pp_rank, params, *state_bytes(cfg, params.total, dp), activations, in_flight, transient)
+
+
+def memory_per_stage(cfg: Config, world_size: int, device: str = "cuda") -> list[StageMemory]:
+    return [stage_memory(cfg, world_size, rank, device) for rank in range(cfg.parallel.pp)]

@@ -1,0 +1,90 @@
+"""Parameter counts from the config, per tensor-parallel rank of each pipeline stage.
+
+Mirrors how megalite/model builds the GPT: a fused QKV and (for SwiGLU) a fused gate/up matrix,
+column-parallel weights and biases split over tp, row-parallel weights split and their biases
+replicated, norms and learned positions replicated, the padded vocabulary split over tp. With
+tied embeddings under pipeline parallelism the last stage holds its own copy of the word
+embeddings as the LM head (kept equal to the first stage's), which costs memory there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import Config, ModelConfig
+from megalite.parallel.pipeline_layout import StageLayout
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """Element counts held by one rank: split over tp (`sharded`, already divided) or replicated."""
+
+    sharded: int = 0
+    replicated: int = 0
+    largest: int = 0  # elements of the largest single parameter (its gradient is briefly materialised)
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+    def __add__(self, other: "Parameters") -> "Parameters":
+        return Parameters(self.sharded + other.sharded, self.replicated + other.replicated, max(self.largest, other.largest))
+
+
+def _params(tp: int, sharded: list[int], replicated: list[int]) -> Parameters:
+    local = [n // tp for n in sharded]
+    return Parameters(sum(local), sum(replicated), max(local + replicated, default=0))
+
+
+def layer_parameters(m: ModelConfig, tp: int = 1) -> Parameters:
+    """One transformer layer on one tensor-parallel rank."""
+    h, d, bias = m.hidden_size, m.head_dim, m.family == "gpt2"
+    qkv = (m.num_attention_heads + 2 * m.kv_heads) * d
+    fc1 = (2 if m.family == "llama" else 1) * m.ffn_size
+    norm = 2 * h if bias else h
+    sharded = [h * qkv, m.num_attention_heads * d * h, h * fc1, m.ffn_size * h] + ([qkv, fc1] if bias else [])
+    replicated = [norm, norm] + ([h, h] if bias else [])
+    return _params(tp, sharded, replicated)
+
+
+def embedding_parameters(m: ModelConfig, tp: int = 1) -> Parameters:
+    positions = [m.positions * m.hidden_size] if m.family == "gpt2" else []
+    return _params(tp, [m.padded_vocab_size * m.hidden_size], positions)
+
+
+def head_parameters(m: ModelConfig, tp: int = 1, with_output_layer: bool = True) -> Parameters:
+    """The final norm, and the LM head unless it is the (tied) word embedding on the same rank."""
+    norm = 2 * m.hidden_size if m.family == "gpt2" else m.hidden_size
+    return _params(tp, [m.padded_vocab_size * m.hidden_size] if with_output_layer else [], [norm])
+
+
+def stage_layout(cfg: Config, pp_rank: int) -> StageLayout:
+    p = cfg.parallel
+    if p.pp == 1:
+        return StageLayout.single(cfg.model.num_layers)
+    return StageLayout.for_rank(cfg.model.num_layers, p.pp, p.vp, pp_rank, p.first_stage_layers, p.last_stage_layers)
+
+
+def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
+    """What one tensor-parallel rank of pipeline stage `pp_rank` holds (same for every tp rank)."""
+    m, tp, stage = cfg.model, cfg.parallel.tp, stage_layout(cfg, pp_rank)
+    total = Parameters()
+    for a, b in stage.chunks:
+        for _ in range(a, b):
+            total = total + layer_parameters(m, tp)
+    if stage.has_embedding:
+        total = total + embedding_parameters(m, tp)
+    if stage.has_head:
+        total = total + head_parameters(m, tp, with_output_layer=not (m.tied and stage.has_embedding))
+    return total
+
+
+def model_parameters(m: ModelConfig) -> int:
+    """The one-device model's parameter count (padded vocabulary; a tied head counted once)."""
+    layers = m.num_layers * layer_parameters(m).total
+    return layers + embedding_parameters(m).total + head_parameters(m, with_output_layer=not m.tied).total
+
+
+def vocabulary_padding(m: ModelConfig) -> int:
+    """Parameters added by padding the vocabulary (twice when the head is untied)."""
+    return (m.padded_vocab_size - m.vocab_size) * m.hidden_size * (1 if m.tied else 2)

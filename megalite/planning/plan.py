@@ -1,0 +1,131 @@
+"""A whole plan for one config and world size: parameters, memory per GPU with a verdict, pipeline
+bubble, FLOPs and the step time an assumed MFU gives. `tools/plan.py` prints it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import Config
+from megalite.planning.memory import StageMemory, memory_per_stage
+from megalite.planning.parameters import model_parameters
+from megalite.training.flops import PEAK_TFLOPS, training_flops_per_token
+
+GIB = 2**30
+# Memory torch.cuda reports per device (MiB), and the row of training/flops.py's peak table.
+GPUS = {
+    "h100": (81_559, "H100"), "h200": (143_771, "H200"), "gh200": (97_871, "GH200"), "b200": (183_359, "B200"),
+    "a100": (81_051, "A100"), "a100-40gb": (40_536, "A100"), "l40s": (46_068, "L40S"), "a10g": (22_731, "A10G"),
+    "v100": (32_510, "V100"),
+}
+# CUDA context, NCCL buffers and allocator fragmentation: not tensors, but not free either.
+RESERVED_GIB = 3.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: Config
+    world_size: int
+    gpu: str
+    assumed_mfu: float
+    stages: list[StageMemory]
+
+    @property
+    def dp(self) -> int:
+        return self.cfg.data_parallel_size(self.world_size)
+
+    @property
+    def microbatches(self) -> int:
+        return self.cfg.num_microbatches(self.world_size)
+
+    @property
+    def parameters(self) -> int:
+        return model_parameters(self.cfg.model)
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def needed_gib(self) -> float:
+        return self.worst.total / GIB + RESERVED_GIB
+
+    @property
+    def available_gib(self) -> float:
+        return GPUS[self.gpu][0] / 1024
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_gib <= self.available_gib
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the pipeline, Megatron-LM's (pp - 1) / (vp * m)."""
+        p = self.cfg.parallel
+        return (p.pp - 1) / (p.vp * self.microbatches)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size(self.world_size) * self.cfg.model.seq_length
+
+    @property
+    def flops_per_step(self) -> float:
+        return training_flops_per_token(self.cfg.model) * self.tokens_per_step
+
+    @property
+    def peak_tflops(self) -> float | None:
+        return PEAK_TFLOPS[GPUS[self.gpu][1]].get(self.cfg.train.precision)
+
+    @property
+    def step_seconds(self) -> float | None:
+        peak = self.peak_tflops
+        return self.flops_per_step / (self.world_size * peak * 1e12 * self.assumed_mfu) if peak else None
+
+    def verdict(self) -> str:
+        if self.fits:
+            return f"fits: {self.needed_gib:.1f} GiB of {self.available_gib:.1f} GiB per {self.gpu}"
+        return f"does not fit: {self.needed_gib:.1f} GiB needed, {self.available_gib:.1f} GiB available per {self.gpu}"
+
+
+def make_plan(cfg: Config, world_size: int, gpu: str = "h100", assumed_mfu: float = 0.4) -> Plan:
+    """The plan for a config already validated for `world_size` (megalite.config.validate)."""
+    if gpu not in GPUS:
+        raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+    if not 0 < assumed_mfu <= 1:
+        raise ValueError(f"assumed MFU {assumed_mfu} must be in (0, 1]")
+    return Plan(cfg, world_size, gpu, assumed_mfu, memory_per_stage(cfg, world_size))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    cfg, p, m, w = plan.cfg, plan.cfg.parallel, plan.cfg.model, plan.worst
+    lines = [
+        f"model: {m.family}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
+        f"({m.kv_heads} KV), ffn {m.ffn_size}, vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}",
+        f"layout: world {plan.world_size} = tp {p.tp} x pp {p.pp} (vp {p.vp}) x dp {plan.dp}; sequence parallel {p.sequence_parallel}; "
+        f"distributed optimizer {p.distributed_optimizer}",
+        f"batch: global {cfg.batch_size(plan.world_size)} = {plan.microbatches} micro batches x {cfg.train.micro_batch_size} x dp {plan.dp}; "
+        f"precision {cfg.train.precision}, parameters {cfg.train.param_dtype}, recompute {cfg.train.recompute}",
+        f"parameters: {plan.parameters / 1e9:.3f} B total; per GPU "
+        + ", ".join(f"stage {s.pp_rank}: {s.parameters.total / 1e6:.1f} M" for s in plan.stages),
+        f"memory per GPU, pipeline stage {w.pp_rank} (the largest):",
+        f"  weights          {_gib(w.weights)}",
+        f"  gradients        {_gib(w.gradients)}",
+        f"  main weights     {_gib(w.main_weights)}",
+        f"  optimizer state  {_gib(w.optimizer)}",
+        f"  activations      {_gib(w.activations)} ({w.in_flight} micro batches in flight, recompute {cfg.train.recompute})",
+        f"  transient        {_gib(w.transient)}",
+        f"  reserved         {RESERVED_GIB:.2f} GiB (CUDA context, NCCL, fragmentation)",
+        f"  total            {plan.needed_gib:.2f} GiB",
+        f"pipeline bubble: {plan.bubble:.1%} ((pp-1)/(vp*m) = {p.pp - 1}/({p.vp}*{plan.microbatches}))",
+        f"FLOPs per step: {plan.flops_per_step:.3e} ({plan.tokens_per_step} tokens)",
+    ]
+    if plan.step_seconds is None:
+        lines.append(f"step time: n/a ({plan.gpu} has no {cfg.train.precision} peak in megalite/training/flops.py)")
+    else:
+        lines.append(f"step time at {plan.assumed_mfu:.0%} MFU ({plan.peak_tflops:g} TFLOP/s peak per {plan.gpu}): {plan.step_seconds:.2f} s, "
+                     f"{plan.tokens_per_step / plan.step_seconds / plan.world_size:,.0f} tokens/s per GPU")
+    lines.append(plan.verdict())
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""The planner's figures against what megalite really allocates: parameter counts of built models,
+optimizer-state bytes measured from the tensors after a training step (tools/memory_report.py),
+and activation bytes from the tensors autograd saves in one micro batch's forward."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from conftest import tiny_config
+from distributed import run_ranks
+from megalite.config import Config
+from megalite.model.gpt import GPTModel
+from megalite.parallel.layers import TPContext
+from megalite.parallel.topology import Topology
+from megalite.planning.memory import chunk_activation_bytes, peak_activations, stage_memory, state_bytes
+from megalite.planning.parameters import rank_parameters, stage_layout
+from megalite.training.build import build_rank_model
+from megalite.training.step import DTYPES, precision_context
+from tools import plan as plan_tool
+from tools.memory_report import rank_memory
+
+LAYOUTS = [  # (tp, pp, vp, family, tied)
+    (1, 1, 1, "gpt2", True), (2, 1, 1, "gpt2", True), (1, 2, 1, "gpt2", True), (2, 2, 2, "llama", False),
+    (4, 2, 1, "llama", True), (1, 4, 1, "gpt2", False),
+]
+
+
+def _model_config(family: str, **sections: dict) -> Config:
+    """tiny_config, four layers (room for pp x vp = 4 chunks), heads and KV groups divisible by tp = 4."""
+    cfg = tiny_config(family, **sections)
+    cfg.model.num_layers, cfg.model.num_query_groups = 4, 4 if family == "llama" else None
+    return cfg
+
+
+@pytest.mark.parametrize("tp,pp,vp,family,tied", LAYOUTS)
+def test_parameter_counts_equal_the_built_model(tp, pp, vp, family, tied):
+    cfg = _model_config(family, parallel={"tp": tp, "pp": pp, "vp": vp}, model={"tie_embeddings": tied})
+    for pp_rank in range(pp):
+        model = GPTModel(cfg, torch.device("cpu"), TPContext(rank=0, size=tp), stage_layout(cfg, pp_rank))
+        params = rank_parameters(cfg, pp_rank)
+        assert params.total == sum(p.numel() for p in model.parameters())
+        assert params.largest == max(p.numel() for p in model.parameters())
+
+
+def test_bytes_per_parameter_follow_megatron_accounting():
+    cfg = tiny_config()
+    cfg.parallel.distributed_optimizer = False
+    assert sum(state_bytes(cfg, 1, 8)) == 16  # fp32 parameters, stepped in place
+    cfg.train.precision = cfg.train.param_dtype = "bf16"
+    assert sum(state_bytes(cfg, 1, 8)) == 18
+    cfg.parallel.distributed_optimizer = True
+    assert sum(state_bytes(cfg, 1, 8)) == 6 + 12 / 8
+
+
+@pytest.mark.parametrize("layout", [
+    {"tp": 1, "pp": 2, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16"},
+    {"tp": 2, "pp": 1, "dp": 2, "distributed_optimizer": False, "param_dtype": "fp32"},
+])
+def test_model_state_matches_measured_tensors(layout):
+    cfg = _model_config("gpt2", parallel={"tp": layout["tp"], "pp": layout["pp"], "distributed_optimizer": layout["distributed_optimizer"]},
+                        train={"param_dtype": layout["param_dtype"], "precision": layout["param_dtype"]})
+    cfg.model.hidden_size, cfg.model.vocab_size = 128, 1000  # big enough that bucket padding is noise
+    world = layout["tp"] * layout["pp"] * layout["dp"]
+    cfg.train.global_batch_size = cfg.train.micro_batch_size * layout["dp"] * layout["pp"]
+    for measured in run_ranks(world, rank_memory, cfg):
+        pp_rank = measured["rank"] // (layout["tp"] * layout["dp"])
+        planned = stage_memory(cfg, world, pp_rank, "cpu")
+        assert measured["numel"] == planned.parameters.total
+        for key, value in (("params", planned.weights), ("grads", planned.gradients), ("main", planned.main_weights), ("state", planned.optimizer)):
+            assert measured[key] == pytest.approx(value, rel=0.1, abs=4096), key
+
+
+def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: torch.Tensor | None = None) -> int:
+    """Bytes of the distinct storages autograd saves (parameters' own storages left out) while one
+    micro batch runs forward through `chunk`, with the loss as training/step.py computes it."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length), generator=generator)
+    mask = torch.ones(tokens.shape)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), precision_context(cfg.train.precision, torch.device("cpu")):
+        out = model(tokens, tokens, hidden=hidden, chunk=chunk)
+        if out.shape == tokens.shape:
+            (out * mask).sum()
+    return sum(seen.values())
+
+
+def one_device_model(cfg: Config, pp_rank: int = 0) -> GPTModel:
+    """Stage `pp_rank`'s model at tp=1 in train.param_dtype, as training/build.py makes it, without a process group."""
+    model = GPTModel(cfg, torch.device("cpu"), TPContext(), stage_layout(cfg, pp_rank))
+    for param in model.parameters():
+        param.data = param.data.to(DTYPES[cfg.train.param_dtype])
+    return model.train()
+
+
+PRECISIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]  # (train.precision, train.param_dtype)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activations_match_saved_tensors(family, precision, param_dtype, recompute):
+    cfg = _model_config(family, train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute})
+    cfg.model.seq_length, cfg.model.num_query_groups = 64, 2 if family == "llama" else None
+    measured = saved_bytes(one_device_model(cfg), cfg)
+    assert measured == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.1)
+
+
+def test_activations_of_a_middle_pipeline_chunk():
+    """The last stage's chunk of pp=2 starts from a received hidden state (no embedding)."""
+    cfg = _model_config("llama", parallel={"pp": 2}, train={"precision": "bf16", "param_dtype": "bf16"})
+    model = one_device_model(cfg, 1)
+    hidden = torch.randn(cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    assert saved_bytes(model, cfg, hidden=hidden) == pytest.approx(chunk_activation_bytes(cfg, 1, "cpu")[0], rel=0.1)
+
+
+def _tensor_parallel_activations(rank: int, world_size: int, cfg: Config) -> tuple[int, int]:
+    torch.set_num_threads(1)
+    parts = build_rank_model(cfg, Topology(rank, world_size, torch.device("cpu"), tp=world_size))
+    parts.model.train()
+    return saved_bytes(parts.model, cfg), chunk_activation_bytes(cfg, 0, "cpu")[0]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_activations_under_tensor_parallelism(sequence_parallel):
+    cfg = _model_config("gpt2", parallel={"tp": 2, "sequence_parallel": sequence_parallel}, train={"precision": "bf16"})
+    cfg.model.seq_length = 64
+    for measured, planned in run_ranks(2, _tensor_parallel_activations, cfg):
+        assert measured == pytest.approx(planned, rel=0.1)
+
+
+@pytest.mark.parametrize("pp,vp,microbatches", [(2, 1, 8), (4, 1, 8), (4, 1, 2), (2, 2, 4), (4, 2, 8)])
+def test_in_flight_micro_batches_follow_the_schedule(pp, vp, microbatches):
+    """1F1B keeps min(pp - rank, m) micro batches on rank `rank`; interleaved 1F1B its warm-up
+    forwards ((pp - rank - 1) * 2 + (vp - 1) * pp) plus one, as Megatron-LM's schedule."""
+    cfg = _model_config("gpt2", parallel={"pp": pp, "vp": vp}, train={"global_batch_size": 2 * microbatches})
+    cfg.model.num_layers = pp * vp
+    for rank in range(pp):
+        _, in_flight = peak_activations(cfg, pp, rank, "cpu")
+        if vp == 1:
+            assert in_flight == min(pp - rank, microbatches)
+        else:
+            assert in_flight == min((pp - rank - 1) * 2 + (vp - 1) * pp + 1, microbatches * vp)
+
+
+def test_planner_verdict_and_exit_status(capsys):
+    assert plan_tool.main(["--config", "examples/gpt2_125m.yaml", "--world-size", "8"]) == 0
+    assert "fits: " in capsys.readouterr().out
+    too_big = ["--config", "examples/llama_70b.yaml", "--world-size", "32", "--train.recompute=none", "--gpu", "a100-40gb"]
+    assert plan_tool.main(too_big) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("does not fit: ")
+    assert plan_tool.main(["--config", "examples/llama_70b.yaml", "--world-size", "12"]) == 2
+    assert "world size 12 is not divisible" in capsys.readouterr().err
