@@ -1,0 +1,70 @@
+"""Every example config loads, validates for the world size it is meant for, and states the planner's
+current verdict; the published model sizes come out of the model code built on the meta device."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import megalite.model.gpt
+from megalite.config import validate
+from megalite.config_cli import parse_config
+from megalite.model.gpt import GPTModel
+from megalite.planning.parameters import model_parameters, vocabulary_padding
+from megalite.planning.plan import make_plan
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+PLANNED = sorted(p for p in EXAMPLES.glob("*.yaml") if p.name != "tiny_cpu.yaml")
+PLAN_LINE = re.compile(r"^# plan: python tools/plan.py --config (\S+) --world-size (\d+) --gpu (\S+)\n# -> (.+)$", re.M)
+
+
+def test_every_size_has_an_example():
+    assert [p.stem for p in PLANNED] == ["gpt2_1.3b", "gpt2_125m", "gpt2_350m", "llama_1b", "llama_70b", "llama_8b"]
+
+
+def test_tiny_cpu_example_validates_for_two_processes():
+    validate(parse_config(["--config", str(EXAMPLES / "tiny_cpu.yaml")]), 2)
+
+
+@pytest.mark.parametrize("path", PLANNED, ids=lambda p: p.stem)
+def test_example_validates_and_states_the_planner_verdict(path):
+    """The `# plan:` comment is a command to run; the `# ->` line under it is what it prints last."""
+    found = PLAN_LINE.search(path.read_text())
+    assert found, f"{path.name}: no '# plan: python tools/plan.py ...' / '# -> verdict' comment"
+    config, world, gpu, verdict = found.groups()
+    assert config == f"examples/{path.name}"
+    cfg = parse_config(["--config", str(path)])
+    validate(cfg, int(world))
+    assert make_plan(cfg, int(world), gpu).verdict() == verdict
+
+
+def build_on_meta(path: Path, monkeypatch: pytest.MonkeyPatch) -> GPTModel:
+    """The one-device model with parameters on the meta device: shapes, no memory. Initialisation
+    draws every full tensor on the CPU (megalite/model/init.py), so it is skipped here."""
+    monkeypatch.setattr(megalite.model.gpt, "init_parameters", lambda *args, **kwargs: None)
+    cfg = parse_config(["--config", str(path)])
+    cfg.parallel.tp = cfg.parallel.pp = cfg.parallel.vp = 1
+    return GPTModel(cfg, torch.device("meta"))
+
+
+# Published sizes: GPT-2 small 124,439,808 (Hugging Face's count, vocabulary 50257 unpadded), Llama-3.2-1B
+# 1.24B and Llama-3.1-8B 8.03B (model cards); the rest are the planner's own count.
+PUBLISHED = {"gpt2_125m": 124_439_808, "llama_1b": 1_235_814_400, "llama_8b": 8_030_261_248}
+
+
+@pytest.mark.parametrize("path", PLANNED, ids=lambda p: p.stem)
+def test_model_built_on_meta_has_the_published_size(path, monkeypatch):
+    model = build_on_meta(path, monkeypatch)
+    m = model.cfg
+    built = sum(p.numel() for p in model.parameters())
+    assert all(p.is_meta for p in model.parameters())
+    assert built == model_parameters(m)
+    if path.stem in PUBLISHED:
+        # megalite pads the vocabulary to a multiple of 128 (50257 -> 50304 for GPT-2: 36,096 more
+        # embedding parameters); the published counts are of the unpadded vocabulary.
+        assert built - vocabulary_padding(m) == PUBLISHED[path.stem]
+    if path.stem == "gpt2_125m":
+        assert built == 124_475_904
