@@ -43,3 +43,18 @@ def assets() -> Path:
     if not (ASSETS / "SHA256SUMS.ok").exists():
         pytest.fail(f"test assets missing under {ASSETS}: run `bash scripts/get_assets.sh` (scripts/test.sh does)")
     return ASSETS
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(assets, tmp_path_factory):
+    """family -> root of a checkpoint trained at tp=2 x pp=2 on Shakespeare (tests/trained.py), built once per session."""
+    from trained import train_tp2_pp2
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = train_tp2_pp2(family, assets, tmp_path_factory.mktemp(f"trained-{family}"))
+        return built[family]
+
+    return get

@@ -78,18 +78,26 @@ def load_hf(source: str | Path):
 
 
 def hf_to_megalite(load: str | Path, save: str | Path, make_vocab_size_divisible_by: int = 128) -> Path:
-    """Write a weights-only megalite checkpoint (plus its tokenizer under save/tokenizer) of an HF
-    model; returns the iteration directory, whose config.yaml holds the derived model config."""
-    save = _fresh_target(save)
+    """Write a weights-only megalite checkpoint of an HF model directory or .gguf file (see
+    hf_model_to_megalite); returns the iteration directory."""
+    _fresh_target(save)  # before the (slow) load
     model, tokenizer = load_hf(load)
-    cfg = Config(model=model_config_from_hf(model.config, f"{load} (config.json)"))
+    return hf_model_to_megalite(model, tokenizer, save, f"{load} (config.json)", make_vocab_size_divisible_by)
+
+
+def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_vocab_size_divisible_by: int = 128) -> Path:
+    """Write a weights-only megalite checkpoint of a loaded GPT2LMHeadModel / LlamaForCausalLM, with its
+    tokenizer (if any) under save/tokenizer; returns the iteration directory, whose config.yaml holds the
+    derived model config and names the tokenizer. `source` names the model in errors."""
+    save = _fresh_target(save)
+    cfg = Config(model=model_config_from_hf(model.config, source))
     cfg.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     hf_state = model.state_dict()
     tensors = from_hf(hf_state, cfg.model)
     tied = {"lm_head.weight"} if cfg.model.tied else set()
     unused = set(hf_state) - set(to_hf(tensors, cfg.model)) - tied
     if unused:
-        raise ValueError(f"{load}: tensors {sorted(unused)} have no place in megalite's {cfg.model.family}; this model cannot be converted")
+        raise ValueError(f"{source}: tensors {sorted(unused)} have no place in megalite's {cfg.model.family}; this model cannot be converted")
     save.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
         cfg.data = DataConfig(**keep_tokenizer(tokenizer, save))

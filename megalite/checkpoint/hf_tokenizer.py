@@ -13,6 +13,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import sentencepiece
+from tokenizers import models, normalizers
+from sentencepiece import sentencepiece_model_pb2
+
 from megalite.config import DataConfig
 from megalite.data.build import tokenizer_from_config
 from megalite.data.tokenizers import SentencePieceTokenizer
@@ -42,13 +46,40 @@ def hf_tokenizer(data: DataConfig, vocab_size: int, source: str):
         return transformers.AutoTokenizer.from_pretrained(data.tokenizer_model, local_files_only=True)
     ours = tokenizer_from_config(data, vocab_size)
     if isinstance(ours, SentencePieceTokenizer):
-        # transformers converts a SentencePiece model into its tokenizers form when it loads a
-        # directory holding it as tokenizer.model.
-        with tempfile.TemporaryDirectory() as tmp:
-            shutil.copy(data.tokenizer_model, Path(tmp) / "tokenizer.model")
-            return transformers.LlamaTokenizer.from_pretrained(tmp, local_files_only=True)
+        return _sentencepiece_as_llama(data.tokenizer_model)
     eod = ours._backend.id_to_token(ours.eod)  # GPT-2 BPE or a bare tokenizer.json: wrap the same backend
     return transformers.PreTrainedTokenizerFast(tokenizer_object=ours._backend, bos_token=eod, eos_token=eod, unk_token=eod)
+
+
+def _sentencepiece_as_llama(model_file: str):
+    """A LlamaTokenizer giving SentencePiece's own ids for a Llama-style (BPE, byte-fallback) model.
+
+    transformers converts the .model when it loads a directory holding it as tokenizer.model, but
+    orders the BPE merges by piece id and splits words with a Metaspace pre-tokenizer. SentencePiece
+    merges by piece score, and Llama/Mistral models give their whitespace pieces ("▁▁", "▁▁▁", ...)
+    low ids but the lowest scores, so text with runs of spaces (indented verse) or a leading space
+    tokenized differently. The model is rebuilt the way Llama's own tokenizer.json is: merges by
+    score, the dummy prefix and spaces as "▁" in the normalizer, no pre-tokenizer.
+    """
+    import transformers
+    from transformers.tokenization_utils_base import generate_merges
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(model_file, Path(tmp) / "tokenizer.model")
+        tokenizer = transformers.LlamaTokenizer.from_pretrained(tmp, local_files_only=True)
+    backend, spec = tokenizer.backend_tokenizer, sentencepiece_model_pb2.ModelProto.FromString(Path(model_file).read_bytes())
+    if not isinstance(backend.model, models.BPE):  # a unigram model: transformers keeps SentencePiece's scores
+        return tokenizer
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    merges = generate_merges({p: i for i, p in enumerate(pieces)}, {p: sp.get_score(i) for i, p in enumerate(pieces)})
+    old = backend.model
+    backend.model = models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token=old.unk_token, fuse_unk=old.fuse_unk,
+                               byte_fallback=old.byte_fallback)
+    prefix = [normalizers.Prepend("▁")] if spec.normalizer_spec.add_dummy_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = None
+    return tokenizer
 
 
 def has_tokenizer(directory: Path) -> bool:

@@ -1,0 +1,114 @@
+"""tools/convert_checkpoint.py: a checkpoint trained at tp=2 x pp=2 becomes a Hugging Face model with
+the same logits on real text, loads without missing or unexpected weights, and comes back
+bit-exact; bad input fails with a message naming the file and the fix."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from megalite.checkpoint.hf_convert import megalite_to_hf
+from megalite.checkpoint.model_io import read_model_tensors
+from megalite.config import ModelConfig
+from megalite.inference.generate import load_model
+
+from trained import passage, tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+def convert(*argv: str) -> None:
+    """tools/convert_checkpoint.py's main, in this process."""
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "tools/convert_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(list(argv))
+
+
+def network(m: ModelConfig) -> tuple:
+    """What determines the function a model computes (explicit values and their defaults compare equal)."""
+    return (m.family, m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn_size, m.positions, m.vocab_size,
+            m.padded_vocab_size, m.tied, m.rope_theta, m.norm_epsilon)
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+@pytest.fixture(scope="module")
+def converted(trained_checkpoint, tmp_path_factory):
+    """family -> (megalite checkpoint root, its HF directory)."""
+    done = {}
+
+    def get(family: str) -> tuple[Path, Path]:
+        if family not in done:
+            ckpt, hf_dir = trained_checkpoint(family), tmp_path_factory.mktemp(f"hf-{family}") / "hf"
+            convert("--to-hf", "--load", str(ckpt), "--save", str(hf_dir), "--max-shard-size", "1MB")
+            done[family] = ckpt, hf_dir
+        return done[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_trained_checkpoint_gives_the_same_logits_in_transformers(family, converted, assets):
+    ckpt, hf_dir = converted(family)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    assert type(hf).__name__ == HF_CLASSES[family]
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
+    assert len(json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]) == len(hf_tensors(hf_dir))
+    ours = tokenizer(family, assets)
+    assert hf.config.vocab_size == ours.vocab_size == hf.get_output_embeddings().weight.shape[0]  # padding removed
+    assert transformers.GenerationConfig.from_pretrained(hf_dir).eos_token_id == ours.eod
+    text = passage(assets)
+    theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+    tokens = torch.tensor([ours.encode(text)[:64]])
+    model, _, _ = load_model(ckpt, torch.device("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hf_to_megalite_to_hf_is_bit_exact(family, converted, tmp_path):
+    ckpt, hf_dir = converted(family)
+    convert("--from-hf", "--load", str(hf_dir), "--save", str(tmp_path / "megalite"))
+    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "hf"))
+    before, after = hf_tensors(hf_dir), hf_tensors(tmp_path / "hf")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    cfg, tensors = read_model_tensors(tmp_path / "megalite")
+    original_cfg, original = read_model_tensors(ckpt)
+    assert network(cfg.model) == network(original_cfg.model)
+    assert tensors.keys() == original.keys() and all(torch.equal(tensors[k], original[k]) for k in tensors if "embedding" not in k and "lm_head" not in k)
+    vocab = cfg.model.vocab_size
+    assert torch.equal(tensors["embedding.word_embeddings.weight"][:vocab], original["embedding.word_embeddings.weight"][:vocab])
+    assert not tensors["embedding.word_embeddings.weight"][vocab:].any()  # padded rows start at zero
+
+
+def test_bad_input_names_the_problem(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        convert("--to-hf", "--load", str(tmp_path / "missing"), "--save", str(tmp_path / "out"))
+    assert "missing is neither a checkpoint directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        convert("--from-hf", "--load", str(tmp_path), "--save", str(tmp_path / "out"))
+    assert "has no config.json, so it is not a Hugging Face model directory" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(FileExistsError, match="already exists and is not empty"):
+        megalite_to_hf(tmp_path, tmp_path / "full")
+
+
+def test_an_hf_model_megalite_does_not_compute_is_refused(tmp_path, capsys):
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, activation_function="relu"))
+    hf.save_pretrained(tmp_path / "relu")
+    with pytest.raises(SystemExit):
+        convert("--from-hf", "--load", str(tmp_path / "relu"), "--save", str(tmp_path / "out"))
+    assert "activation_function='relu', but megalite's gpt2 computes activation_function='gelu_new'" in capsys.readouterr().err
