@@ -87,6 +87,8 @@ class ParallelConfig:
     distributed_optimizer: bool = _f(False, "shard optimizer state and fp32 main weights across data-parallel ranks (ZeRO-1)")
     bucket_size: int = _f(40_000_000, "gradient elements per data-parallel reduction bucket")
     overlap_grad_reduce: bool = _f(True, "reduce each bucket as soon as its gradients are ready, during backward")
+    overlap_param_gather: bool = _f(False, "distributed optimizer: all-gather updated parameters in the background, each bucket awaited by the next forward's first use")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = _f("fp32", "dtype gradients accumulate and are reduced in (bf16 halves the traffic, loses precision)")
     timeout_minutes: int = _f(10, "collective timeout before a hung rank aborts the job")
 
 
@@ -98,6 +100,7 @@ class TrainConfig:
     exit_interval: Optional[int] = _f(None, "stop cleanly when the step is a multiple of this (saving a checkpoint when checkpoint.save is set)")
     seed: int = _f(1234, "seed of init, data order and dropout")
     precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32; bf16 autocast; fp16 autocast with dynamic loss scaling")
+    param_dtype: Literal["fp32", "bf16", "fp16"] = _f("fp32", "dtype of the model's parameters; bf16/fp16 (= train.precision) keep fp32 main weights in the optimizer, as Megatron-LM's --bf16")
     recompute: Literal["none", "selective", "full"] = _f("none", "activation recompute: selective = core attention, full = whole layers")
     eval_interval: Optional[int] = _f(None, "evaluate on the validation set every this many steps (and at the end); none disables")
     eval_iters: int = _f(10, "global batches per evaluation")
@@ -235,6 +238,8 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
             errors.append(f"{what}={value} is not divisible by parallel.tp={p.tp}: every tensor-parallel rank holds whole heads/slices; pick a tp that divides it")
     if p.sequence_parallel and p.tp > 1 and m.seq_length % p.tp:
         errors.append(f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, which sequence parallelism shards it over")
+    if p.overlap_param_gather and not p.distributed_optimizer:
+        errors.append("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true (only sharded parameters are gathered)")
     if p.bucket_size < 1:
         errors.append(f"parallel.bucket_size={p.bucket_size} must be >= 1")
     return errors
@@ -268,6 +273,8 @@ def _check_train(cfg: Config, world_size: int) -> list[str]:
         gbs = cfg.batch_size(world_size)
         if gbs % per_step:
             errors.append(f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size*dp={t.micro_batch_size}*{dp}={per_step}; use a multiple of {per_step}")
+    if t.param_dtype != "fp32" and t.param_dtype != t.precision:
+        errors.append(f"train.param_dtype={t.param_dtype} needs train.precision={t.param_dtype} (got {t.precision}); set both, or param_dtype=fp32")
     for name in ("exit_interval", "eval_interval"):
         if getattr(t, name) is not None and getattr(t, name) < 1:
             errors.append(f"train.{name}={getattr(t, name)} must be >= 1 or unset")

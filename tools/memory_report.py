@@ -11,11 +11,13 @@ storages behind (a view counts its whole storage, once):
   - optimizer state: every tensor in the optimizer's state (Adam's two moments and step counts).
 Bytes per parameter divides the rank's total by the parameters it holds.
 
-Megatron-LM counts 18 bytes/param for bf16 parameters with fp32 main weights and grads, and
-6 + 12/dp with the distributed optimizer. megalite keeps fp32 parameters (bf16 is autocast) and
-steps them directly, so here the expectation is 4 + 4 + 8 = 16 without and 4 + 4 + 8/dp with.
+Megatron-LM counts 18 bytes/param for bf16 parameters with fp32 main weights and grads
+(2 + 4 + 4 + 8), and 6 + 12/dp with the distributed optimizer: that is `--param-dtype bf16`
+(train.param_dtype=bf16). With fp32 parameters the optimizer steps them directly (no copy):
+4 + 4 + 8 = 16 without and 8 + 8/dp with.
 
-    python tools/memory_report.py                        # dp 1, 2, 4, 8, distributed optimizer off and on
+    python tools/memory_report.py                        # bf16 params; dp 1, 2, 4, 8, distributed optimizer off and on
+    python tools/memory_report.py --param-dtype fp32
     python tools/memory_report.py --tp 2 --pp 2 --dp 2 --distributed-optimizer --config examples/tiny_cpu.yaml
 """
 
@@ -51,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel sizes, one layout each")
+    p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16", help="train.param_dtype (bf16 also sets bf16 precision)")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="only with (or --no-... only without); default: both")
     return p.parse_args(argv)
@@ -67,6 +70,8 @@ def build_config(args: argparse.Namespace, dp: int, distributed: bool) -> Config
         if getattr(args, flag) is not None:
             setattr(cfg.model, name, getattr(args, flag))
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.distributed_optimizer = args.tp, args.pp, distributed
+    if args.param_dtype != "fp32":
+        cfg.train.param_dtype = cfg.train.precision = args.param_dtype
     # Mock data and pp micro batches per step (enough for any schedule): what stays allocated after
     # the step does not depend on the data or the batch.
     cfg.data.mock, cfg.data.paths, cfg.data.train_paths, cfg.data.valid_paths = True, None, None, None
@@ -108,17 +113,24 @@ def run_layout(cfg: Config, world_size: int) -> list[dict[str, int]]:
     return run_on_ranks(world_size, rank_memory, cfg)
 
 
-def row(dp: int, distributed: bool, ranks: list[dict[str, int]]) -> str:
+def expected_bytes(param_dtype: str, dp: int, distributed: bool) -> float:
+    """Bytes per parameter by the accounting above: parameters + fp32 grads + fp32 main copy (when
+    parameters are not fp32) + Adam's two fp32 moments, the last two divided by dp when sharded."""
+    param, main = (4, 0) if param_dtype == "fp32" else (2, 4)
+    return param + 4 + (main + 8) / (dp if distributed else 1)
+
+
+def row(dp: int, distributed: bool, ranks: list[dict[str, int]], param_dtype: str) -> str:
     """The rank with the most bytes (the one that must fit), and the spread of totals over ranks."""
     def total(r: dict[str, int]) -> int:
         return sum(r[c] for c in CATEGORIES)
 
     worst = max(ranks, key=total)
-    expected = 4 + 4 + 8 / dp if distributed else 16
+    expected = expected_bytes(param_dtype, dp, distributed)
     mib = " | ".join(f"{worst[c] / 2**20:.1f}" for c in CATEGORIES)
     spread = f"{min(map(total, ranks)) / 2**20:.1f}-{total(worst) / 2**20:.1f}"
     return (f"| {dp} | {'on' if distributed else 'off'} | {worst['rank']} | {worst['numel'] / 1e6:.2f}M | {mib} "
-            f"| {total(worst) / 2**20:.1f} | {spread} | {total(worst) / worst['numel']:.3f} | {expected:g} |")
+            f"| {total(worst) / 2**20:.1f} | {spread} | {total(worst) / worst['numel']:.3f} | {expected:.3g} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     modes = [False, True] if args.distributed_optimizer is None else [args.distributed_optimizer]
     m = build_config(args, 1, False).model
     print(f"{m.family}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} "
-          f"(padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; torch {torch.__version__}")
+          f"(padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; {args.param_dtype} parameters; torch {torch.__version__}")
     print("| dp | distributed optimizer | rank shown | parameters held | params MiB | grads MiB | main weights MiB "
           "| optimizer state MiB | total MiB | total MiB over ranks | bytes/param | expected |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -135,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = build_config(args, dp, distributed)
             world_size = args.tp * args.pp * dp
             validate(cfg, world_size)
-            print(row(dp, distributed, run_layout(cfg, world_size)), flush=True)
+            print(row(dp, distributed, run_layout(cfg, world_size), args.param_dtype), flush=True)
 
 
 if __name__ == "__main__":

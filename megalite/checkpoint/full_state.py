@@ -19,6 +19,7 @@ from megalite.parallel.layers import TPContext, parameter_shards, shard, unshard
 from megalite.parallel.topology import Topology
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")  # torch AdamW's per-parameter state
+MAIN = "main_param"  # the fp32 main weights of bf16/fp16 parameters, stored with the optimizer state
 
 
 class FullState:
@@ -26,12 +27,14 @@ class FullState:
                  stepped: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         """`stepped` pairs each model parameter with the tensor the optimizer steps for it (itself, or a
         flat slice of it with `owner_range` under the distributed optimizer)."""
-        self.model, self.optimizer, self.tp, self.topology = model, optimizer, tp, topology
+        self.model, self.optimizer, self.tp, self.topology, self.stepped = model, optimizer, tp, topology, stepped
         self.shards = parameter_shards(model)
         self.params = dict(model.named_parameters())
         names = {id(p): n for n, p in self.params.items()}
         owner = {id(main): names[id(param)] for param, main in stepped}
         self.order = [owner[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        self.mains = [p for group in optimizer.param_groups for p in group["params"]]
+        self.keys = STATE_KEYS + ((MAIN,) if any(param.dtype != main.dtype for param, main in stepped) else ())
         self.ranges = [getattr(p, "owner_range", None) for group in optimizer.param_groups for p in group["params"]]
         self.distributed = any(r is not None for r in self.ranges)
         self.aliases = model.aliases() if hasattr(model, "aliases") else {}
@@ -97,10 +100,12 @@ class FullState:
         """(tensors named '<param>/<state key>', param-group hyperparameters). Collective over TP
         (and over DP with the distributed optimizer)."""
         state = self.optimizer.state_dict()
+        if MAIN in self.keys:
+            state["state"] = {i: {**state["state"].get(i, {}), MAIN: main.detach()} for i, main in enumerate(self.mains)}
         tensors = {}
         for name in self.params:
             if name not in self.aliases:
-                for key in STATE_KEYS:
+                for key in self.keys:
                     tensors[f"{name}/{key}"] = self._gather(name, self._local_state(name, key, state["state"]))
         groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
         return tensors, groups
@@ -110,17 +115,26 @@ class FullState:
         device = next(iter(self.params.values())).device
         local = {name: self._slice(name, full[self.aliases.get(name, name)]).to(device) for name in self.model.state_dict()}
         self.model.load_state_dict(local)
+        for param, main in self.stepped:  # fp32 main copies start from the loaded weights (load_optimizer may refine them)
+            if main.dtype != param.dtype:
+                lo, hi = getattr(main, "owner_range", None) or (0, param.numel())
+                main.data.copy_(param.data.reshape(-1)[lo:hi].view_as(main))
 
     def load_optimizer(self, tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> None:
         current = self.optimizer.state_dict()
         state: dict[int, dict[str, torch.Tensor]] = {}
         for index, name in enumerate(self.order):
             stored = self.aliases.get(name, name)
-            for key in STATE_KEYS:
+            for key in self.keys:
+                if key == MAIN and f"{stored}/{key}" not in tensors:  # saved from fp32 parameters: the model weights are the main weights
+                    continue
                 value = self._slice(name, tensors[f"{stored}/{key}"])
                 if self.ranges[index] is not None and key != "step":
                     lo, hi = self.ranges[index]
                     value = value.reshape(-1)[lo:hi]
-                state.setdefault(index, {})[key] = value
+                if key == MAIN:
+                    self.mains[index].data.copy_(value.view_as(self.mains[index]))
+                else:
+                    state.setdefault(index, {})[key] = value
         merged = [{**saved, "params": now["params"]} for saved, now in zip(groups, current["param_groups"])]
         self.optimizer.load_state_dict({"state": state, "param_groups": merged})

@@ -1,6 +1,7 @@
 """Contiguous gradient buffers with bucketed, overlapped data-parallel reduction.
 
-The gradients of one model chunk live in one flat fp32 buffer (`param.main_grad` is a view),
+The gradients of one model chunk live in one flat buffer (`param.main_grad` is a view), fp32
+by default whatever the parameters' dtype (`parallel.grad_reduce_dtype`),
 laid out in reverse order of parameter creation, roughly the order backward produces them,
 and cut into buckets of about `bucket_size` elements. A hook after each gradient
 accumulation adds the gradient into main_grad; during the last micro batch's backward
@@ -12,7 +13,9 @@ by the token count of the whole global batch (training/step.py), so the sum is t
 mean for any (dp, micro batch) split. With the distributed optimizer, buckets are padded
 to a multiple of dp and reduce-scattered: each rank gets the reduced values of its own
 slice only, which is all its optimizer shard needs. Parameters then also live in a flat
-buffer of the same layout, so the updated shards can be all-gathered bucket by bucket.
+buffer of the same layout, so the updated shards can be all-gathered bucket by bucket, in
+forward order; with `overlap` those gathers run in the background and the next forward waits
+for a bucket only where it first uses one of its parameters (`wait_for`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Bucket:
     pending: set[int] = field(default_factory=set)
     work: dist.Work | None = None
     scattered: torch.Tensor | None = None
+    gather: dist.Work | None = None
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """This data-parallel rank's slice of the bucket, in buffer coordinates."""
@@ -45,7 +49,7 @@ class GradBuffer:
     gradients were combined with another stage's (tied embeddings, see grads.py)."""
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, dp_group: dist.ProcessGroup, dp: int, dp_rank: int,
-                 distributed: bool, overlap: bool, held: frozenset[int] = frozenset()) -> None:
+                 distributed: bool, overlap: bool, held: frozenset[int] = frozenset(), grad_dtype: torch.dtype = torch.float32) -> None:
         self.dp_group, self.dp, self.dp_rank, self.distributed, self.overlap = dp_group, dp, dp_rank, distributed, overlap
         self.buckets: list[Bucket] = []
         self.offsets: dict[int, tuple[int, int]] = {}
@@ -60,7 +64,7 @@ class GradBuffer:
         if current:
             offset = self._close_bucket(current, offset)
         device = params[0].device
-        self.grad_data = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
         self.param_data = torch.zeros(offset, dtype=params[0].dtype, device=device) if distributed else None
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.held = {id(b) for b in self.buckets if any(id(p) in held for p in b.params)}
@@ -98,7 +102,7 @@ class GradBuffer:
             return
         data = self.grad_data[bucket.start:bucket.end]
         if self.distributed:
-            bucket.scattered = torch.empty((bucket.end - bucket.start) // self.dp, device=data.device)
+            bucket.scattered = torch.empty((bucket.end - bucket.start) // self.dp, dtype=data.dtype, device=data.device)
             bucket.work = dist.reduce_scatter_tensor(bucket.scattered, data, group=self.dp_group, async_op=True)
         else:
             bucket.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
@@ -127,17 +131,31 @@ class GradBuffer:
         for bucket in self.buckets:
             bucket.pending = {id(p) for p in bucket.params}
 
-    def gather_params(self) -> None:
-        """All-gather each bucket's updated parameter shards (distributed optimizer)."""
+    def gather_params(self, background: bool) -> None:
+        """All-gather each bucket's updated parameter shards (distributed optimizer), first-used bucket
+        first; `background` leaves them in flight for `wait_for` / `wait_gathers`."""
         if self.dp == 1:
             return
-        works = []
-        for bucket in self.buckets:
+        for bucket in reversed(self.buckets):
             a, b = bucket.shard(self.dp_rank, self.dp)
             shard = self.param_data[a:b].clone()
-            works.append(dist.all_gather_into_tensor(self.param_data[bucket.start:bucket.end], shard, group=self.dp_group, async_op=True))
-        for work in works:
-            work.wait()
+            bucket.gather = dist.all_gather_into_tensor(self.param_data[bucket.start:bucket.end], shard, group=self.dp_group, async_op=True)
+        if not background:
+            self.wait_gathers()
+
+    def wait_for(self, params: list[nn.Parameter]) -> None:
+        """Block until the gathers that update `params` are done (no-op when none is in flight)."""
+        for param in params:
+            bucket = self.bucket_of.get(id(param))
+            if bucket is not None and bucket.gather is not None:
+                bucket.gather.wait()
+                bucket.gather = None
+
+    def wait_gathers(self) -> None:
+        for bucket in self.buckets:
+            if bucket.gather is not None:
+                bucket.gather.wait()
+                bucket.gather = None
 
     def owned_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
         """(param, first, last) element ranges, within each parameter, that this rank's optimizer shard owns."""

@@ -6,9 +6,11 @@ between the first and last pipeline stage. Then, under sequence parallelism, a r
 parameter's gradient (partial on each tensor-parallel rank, which saw only its slice of the
 sequence; buffer layouts are identical across TP ranks) is summed over the TP group.
 
-The optimizer steps "main" tensors: the parameters themselves, or with the distributed
+The optimizer steps fp32 "main" tensors: the parameters themselves, or with the distributed
 optimizer only the slices this data-parallel rank owns (views into the flat parameter buffer,
-all-gathered after the step). The global norm counts each element once: tensor-parallel
+all-gathered after the step). Parameters kept in bf16/fp16 (`train.param_dtype`) get fp32
+copies as main tensors instead, written back into the parameters after each step, so small
+updates are not lost to rounding (Megatron-LM's --bf16). The global norm counts each element once: tensor-parallel
 shards on every rank, replicated parameters on TP rank 0, the tied copy never, each
 data-parallel shard on its owner.
 """
@@ -60,23 +62,49 @@ class GradientReducer:
         self.tied = [p for n, p in model.named_parameters() if n in tied]
         self.counted = {id(p) for n, p in model.named_parameters() if n not in copies and (n in shards or topology.tp_rank == 0)}
         held = frozenset(id(p) for p in self.tied)
+        grad_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.grad_reduce_dtype]
         self.buffers = [GradBuffer(params, cfg.bucket_size, topology.dp_group, topology.dp, topology.dp_rank,
-                                   self.distributed, cfg.overlap_grad_reduce, held) for params in chunks if params]
-        self.main = self._main_tensors()
+                                   self.distributed, cfg.overlap_grad_reduce, held, grad_dtype) for params in chunks if params]
+        self.main, self._grad_views, self._copies = self._main_tensors()
+        self.gather_in_background = self.distributed and cfg.overlap_param_gather
+        if self.gather_in_background:
+            self._wait_before_use(model)
         self.wait_seconds = 0.0
 
-    def _main_tensors(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        """(model parameter, tensor the optimizer steps) pairs; shards are views sharing the parameter's storage."""
-        if not self.distributed:
-            return [(p, p) for buffer in self.buffers for p, _, _ in buffer.owned_ranges()]
-        pairs = []
+    def _main_tensors(self) -> tuple[list[tuple[nn.Parameter, nn.Parameter]], list[torch.Tensor], list[tuple[torch.Tensor, nn.Parameter]]]:
+        """(model parameter, tensor the optimizer steps) pairs, the gradient view each main tensor
+        steps with, and (parameter storage, fp32 copy) pairs to write back after a step. Distributed
+        shards are flat slices with `owner_range`; fp32 ones share the parameter's storage."""
+        pairs, grads, copies = [], [], []
         for buffer in self.buffers:
             for param, lo, hi in buffer.owned_ranges():
-                main = nn.Parameter(param.data.view(-1)[lo:hi], requires_grad=False)
-                main.grad = param.main_grad.view(-1)[lo:hi]
-                main.owner, main.owner_range = param, (lo, hi)
+                target = param.data.view(-1)[lo:hi] if self.distributed else param.data
+                if param.dtype == torch.float32:
+                    main = param if not self.distributed else nn.Parameter(target, requires_grad=False)
+                else:
+                    main = nn.Parameter(target.float(), requires_grad=False)
+                    copies.append((target, main))
+                if self.distributed:
+                    main.owner_range = (lo, hi)
                 pairs.append((param, main))
-        return pairs
+                grads.append(param.main_grad.view(-1)[lo:hi] if self.distributed else param.main_grad)
+        return pairs, grads, copies
+
+    def _wait_before_use(self, model: nn.Module) -> None:
+        """Forward pre-hooks that wait for the in-flight gathers of a module's own parameters."""
+        for module in model.modules():
+            params = list(module.parameters(recurse=False))
+            if params:
+                module.register_forward_pre_hook(lambda _module, _args, params=params: self.wait_for(params))
+
+    def wait_for(self, params: list[nn.Parameter]) -> None:
+        for buffer in self.buffers:
+            buffer.wait_for(params)
+
+    def wait_params(self) -> None:
+        """Every parameter up to date: before evaluating or saving outside a training step."""
+        for buffer in self.buffers:
+            buffer.wait_gathers()
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups over the main tensors."""
@@ -98,9 +126,8 @@ class GradientReducer:
         self.wait_seconds = sum(buffer.finish() for buffer in self.buffers)
         if self.sequence_parallel:
             all_reduce_flat([p.main_grad for p in self.replicated], t.tp_group)
-        if not self.distributed:
-            for param, _ in self.main:
-                param.grad = param.main_grad
+        for (_, main), grad in zip(self.main, self._grad_views):
+            main.grad = grad if grad.dtype == main.dtype else grad.to(main.dtype)
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients this rank's optimizer uses."""
@@ -132,9 +159,12 @@ class GradientReducer:
         return bool(flag.item())
 
     def after_step(self) -> None:
-        """Share updated shards (distributed optimizer); drop .grad so the next backward starts clean."""
+        """Write fp32 main weights back into bf16/fp16 parameters and share updated shards (distributed
+        optimizer); drop .grad so the next backward starts clean."""
+        if self._copies:
+            torch._foreach_copy_([target for target, _ in self._copies], [main for _, main in self._copies])
         if self.distributed:
             for buffer in self.buffers:
-                buffer.gather_params()
-        for param, _ in self.main:
-            param.grad = None
+                buffer.gather_params(self.gather_in_background)
+        for param, main in self.main:
+            param.grad = main.grad = None

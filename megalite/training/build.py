@@ -10,7 +10,7 @@ from megalite.parallel.grads import GradientReducer
 from megalite.parallel.layers import TPContext
 from megalite.parallel.pipeline_layout import StageLayout
 from megalite.parallel.topology import Topology
-from megalite.training.step import Pipeline
+from megalite.training.step import DTYPES, Pipeline
 
 TIED = {"embedding.word_embeddings.weight", "lm_head.weight"}
 
@@ -31,6 +31,8 @@ def build_rank_model(cfg: Config, topology: Topology) -> RankModel:
     else:
         stage = StageLayout.single(cfg.model.num_layers)
     model = GPTModel(cfg, topology.device, tp, stage)
+    for param in model.parameters():  # initialised in fp32 on every layout, then rounded once
+        param.data = param.data.to(DTYPES[cfg.train.param_dtype])
     if cfg.train.compile:
         for layer in model.layers.values():
             layer.compile()

@@ -119,6 +119,7 @@ class Run:
 
     def _finish(self, start_step: int) -> RunResult:
         cfg, step = self.cfg, self.state.step
+        self.reducer.wait_params()
         if step >= cfg.train.train_iters and cfg.train.eval_interval and step % cfg.train.eval_interval:
             self._evaluate()
         if self.pipeline.trace is not None and step > start_step:
@@ -170,6 +171,7 @@ class Run:
         self.writer.log({"step": self.state.step, "val_loss": loss, "val_ppl": ppl}, {"val_loss": "validation loss", "val_ppl": "ppl"})
 
     def _save(self) -> None:
+        self.reducer.wait_params()
         rng = rng_state(self.topology.device, self.tp.rng)
         path = save_checkpoint(self.cfg.checkpoint.save, self.state, self.full_state, dump_yaml(self.cfg), self.topology, rng)
         self.saved_step = self.state.step

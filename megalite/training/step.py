@@ -23,12 +23,12 @@ from megalite.parallel.schedules import StageInfo, Trace, run_schedule
 from megalite.parallel.topology import Topology
 from megalite.training.loss_scaler import LossScaler
 
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision / param_dtype
 
 
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if precision in _AUTOCAST:
-        return torch.autocast(device.type, dtype=_AUTOCAST[precision])
+    if precision != "fp32":
+        return torch.autocast(device.type, dtype=DTYPES[precision])
     return contextlib.nullcontext()
 
 
@@ -62,7 +62,7 @@ class Pipeline:
             return cls(cfg.parallel.pipeline_schedule, stage)
         sharded = cfg.parallel.sequence_parallel and topology.tp > 1
         seq = cfg.model.seq_length // topology.tp if sharded else cfg.model.seq_length
-        comm = PipelineComm(topology, (seq, cfg.train.micro_batch_size, cfg.model.hidden_size), torch.float32)
+        comm = PipelineComm(topology, (seq, cfg.train.micro_batch_size, cfg.model.hidden_size), DTYPES[cfg.train.param_dtype])  # the residual stream's dtype
         return cls(cfg.parallel.pipeline_schedule, stage, comm)
 
 
