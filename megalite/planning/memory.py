@@ -11,6 +11,7 @@ parameter for bf16 parameters, 6 + 12/dp with the distributed optimizer; 16 and 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megalite.config import Config
@@ -30,7 +31,7 @@ class StageMemory:
     main_weights: float
     optimizer: float
     activations: float  # at the schedule's peak
-    in_flight: int  # micro batches whose activations are held at that peak
+    in_flight: int  # (chunk, micro batch) forwards whose activations are held at that peak
     transient: float  # short-lived: see `transient_bytes`
 
     @property
@@ -50,11 +51,14 @@ def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, 
     return numel * _BYTES[t.param_dtype], numel * _BYTES[p.grad_reduce_dtype], numel * main / shards, numel * 8 / shards
 
 
-def transient_bytes(cfg: Config, params: Parameters, dp: int, activations: float) -> float:
+def transient_bytes(cfg: Config, params: Parameters, dp: int, activations: float, device: str = "cuda") -> float:
     """Memory above state + activations at the worst moment: in backward, the largest parameter's
-    gradient before its hook adds it into the buffer; in the optimizer step (activations freed),
-    fp32 copies of bf16-reduced gradient slices for the fp32 main weights."""
+    gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
+    activations are being recomputed; in the optimizer step (activations freed), fp32 copies of
+    bf16-reduced gradient slices for the fp32 main weights."""
     backward = params.largest * _BYTES[cfg.train.param_dtype]
+    if cfg.train.recompute == "full":
+        backward += layer_bytes(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none")), device)
     shards = dp if cfg.parallel.distributed_optimizer else 1
     step = params.total * 4 / shards if cfg.parallel.grad_reduce_dtype != "fp32" else 0
     return max(backward, step - activations)
@@ -90,7 +94,7 @@ def stage_memory(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda
     params = rank_parameters(cfg, pp_rank)
     dp = cfg.data_parallel_size(world_size)
     activations, in_flight = peak_activations(cfg, world_size, pp_rank, device)
-    transient = transient_bytes(cfg, params, dp, activations)
+    transient = transient_bytes(cfg, params, dp, activations, device)
     return StageMemory(pp_rank, params, *state_bytes(cfg, params.total, dp), activations, in_flight, transient)
 
 

@@ -115,7 +115,7 @@ def format_plan(plan: Plan) -> str:
         f"  gradients        {_gib(w.gradients)}",
         f"  main weights     {_gib(w.main_weights)}",
         f"  optimizer state  {_gib(w.optimizer)}",
-        f"  activations      {_gib(w.activations)} ({w.in_flight} micro batches in flight, recompute {cfg.train.recompute})",
+        f"  activations      {_gib(w.activations)} (peak: {w.in_flight} forward{'s' if w.in_flight != 1 else ''} held for backward, recompute {cfg.train.recompute})",
         f"  transient        {_gib(w.transient)}",
         f"  reserved         {RESERVED_GIB:.2f} GiB (CUDA context, NCCL, fragmentation)",
         f"  total            {plan.needed_gib:.2f} GiB",
