@@ -166,7 +166,7 @@ class LoggingConfig:
     wandb_dir: Optional[str] = _f(None, "where W&B writes its files (default: checkpoint.save, else ./wandb)")
     profile_steps: Optional[list[int]] = _f(None, "[a, b]: record a torch.profiler trace of steps a..b (inclusive) on logging.profile_ranks")
     profile_ranks: Optional[list[int]] = _f(None, "global ranks that profile (default: [0])")
-    profile_dir: str = _f("profiles", "where profiler traces go: rank<R>_steps<a>-<b>.json (Chrome trace) and .txt (top operators)")
+    profile_dir: str = _f("profiles", "where profiler traces go: rank<R>_steps<a>-<b>.pt.trace.json (Chrome trace) and .txt (top operators)")
     memory_snapshot: Optional[str] = _f(None, "CUDA only: record the allocator's history from start-up and dump it to this pickle after profile_steps (default: step 2) or at exit; '{rank}' in the path is replaced by the rank")
 
 

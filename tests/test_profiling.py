@@ -37,11 +37,11 @@ def _step_ranges(trace_file) -> set[str]:
 def test_records_only_the_chosen_steps(tmp_path):
     cfg = LoggingConfig(profile_steps=[2, 3], profile_dir=str(tmp_path))
     _train(Profiler(cfg, rank=0, device=CPU), range(1, 6))
-    trace = tmp_path / "rank0_steps2-3.json"
+    trace = tmp_path / "rank0_steps2-3.pt.trace.json"
     assert _step_ranges(trace) == {"megalite step 2", "megalite step 3"}
     assert any(e.get("name") == "aten::addmm" for e in json.loads(trace.read_text())["traceEvents"])
     assert "aten::addmm" in (tmp_path / "rank0_steps2-3.txt").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0_steps2-3.json", "rank0_steps2-3.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0_steps2-3.pt.trace.json", "rank0_steps2-3.txt"]
 
 
 def test_other_ranks_record_nothing(tmp_path):
@@ -49,14 +49,14 @@ def test_other_ranks_record_nothing(tmp_path):
     _train(Profiler(cfg, rank=0, device=CPU), range(1, 4))
     assert not (tmp_path / "profiles").exists()
     _train(Profiler(cfg, rank=1, device=CPU), range(1, 4))
-    assert _step_ranges(tmp_path / "profiles" / "rank1_steps1-2.json") == {"megalite step 1", "megalite step 2"}
+    assert _step_ranges(tmp_path / "profiles" / "rank1_steps1-2.pt.trace.json") == {"megalite step 1", "megalite step 2"}
 
 
 def test_a_run_that_stops_inside_the_range_still_writes_its_trace(tmp_path):
     """A run resumed at step 4 and stopped after step 5 records what it ran of [3, 8]."""
     cfg = LoggingConfig(profile_steps=[3, 8], profile_dir=str(tmp_path))
     _train(Profiler(cfg, rank=0, device=CPU), range(4, 6))
-    assert _step_ranges(tmp_path / "rank0_steps4-5.json") == {"megalite step 4", "megalite step 5"}
+    assert _step_ranges(tmp_path / "rank0_steps4-5.pt.trace.json") == {"megalite step 4", "megalite step 5"}
 
 
 def test_memory_snapshot_on_cpu_is_a_notice_once(tmp_path, capsys):

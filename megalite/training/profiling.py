@@ -3,8 +3,9 @@
 Why here and not in the loop: the training loop should only say when a step starts and ends;
 this object decides whether that step is profiled. `logging.profile_steps=[a, b]` records steps
 a..b (inclusive) with torch.profiler on every rank in `logging.profile_ranks` (default [0]) and
-writes, per rank, a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing) and a
-table of the operators that took most time. Each step is marked as a "megalite step N" range.
+writes, per rank, a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing; the
+.pt.trace.json name is also what TensorBoard's PyTorch profiler plugin looks for) and a table
+of the operators that took most time. Each step is marked as a "megalite step N" range.
 `logging.memory_snapshot=PATH` records the CUDA caching allocator's history from start-up (so
 model build and optimizer state are in it) and dumps it after the profiled steps (step 2
 without them) or at close, also when the run dies of an out-of-memory error; open the pickle at
@@ -105,10 +106,10 @@ class Profiler:
             torch.cuda.synchronize(self.device)
         self.directory.mkdir(parents=True, exist_ok=True)
         stem = self.directory / f"rank{self.rank}_steps{self.recorded[0]}-{self.recorded[-1]}"
-        self.profiler.export_chrome_trace(f"{stem}.json")
+        self.profiler.export_chrome_trace(f"{stem}.pt.trace.json")
         sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         Path(f"{stem}.txt").write_text(self.profiler.key_averages().table(sort_by=sort_by, row_limit=30))
-        print(f"rank {self.rank}: profile of steps {self.recorded[0]}-{self.recorded[-1]} written to {stem}.json "
+        print(f"rank {self.rank}: profile of steps {self.recorded[0]}-{self.recorded[-1]} written to {stem}.pt.trace.json "
               f"(open in https://ui.perfetto.dev) and {stem}.txt", file=sys.stderr, flush=True)
         self.profiler, self.steps = None, None
 
