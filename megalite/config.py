@@ -89,7 +89,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = _f(True, "reduce each bucket as soon as its gradients are ready, during backward")
     overlap_param_gather: bool = _f(False, "distributed optimizer: all-gather updated parameters in the background, each bucket awaited by the next forward's first use")
     grad_reduce_dtype: Literal["fp32", "bf16"] = _f("fp32", "dtype gradients accumulate and are reduced in (bf16 halves the traffic, loses precision)")
-    timeout_minutes: int = _f(10, "collective timeout before a hung rank aborts the job")
+    timeout_minutes: float = _f(10.0, "collective timeout: a rank that died or hangs makes the others fail after this long instead of waiting forever")
 
 
 @dataclass
@@ -98,6 +98,8 @@ class TrainConfig:
     global_batch_size: Optional[int] = _f(None, "samples per optimizer step (default: micro_batch_size * dp); must be a multiple of micro_batch_size * dp")
     train_iters: int = _f(100, "optimizer steps to train for")
     exit_interval: Optional[int] = _f(None, "stop cleanly when the step is a multiple of this (saving a checkpoint when checkpoint.save is set)")
+    exit_duration_mins: Optional[float] = _f(None, "stop cleanly (saving a checkpoint) once this many minutes have passed since start, e.g. before a job's wall-clock limit")
+    max_skipped_steps: int = _f(10, "stop (saving the last good state) after this many consecutive steps skipped for a NaN/Inf loss or gradient norm")
     seed: int = _f(1234, "seed of init, data order and dropout")
     precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32; bf16 autocast; fp16 autocast with dynamic loss scaling")
     param_dtype: Literal["fp32", "bf16", "fp16"] = _f("fp32", "dtype of the model's parameters; bf16/fp16 (= train.precision) keep fp32 main weights in the optimizer, as Megatron-LM's --bf16")
@@ -147,8 +149,11 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = _f(None, "directory to save checkpoints into (iter_XXXXXXX/ and a latest file)")
-    load: Optional[str] = _f(None, "directory to resume from (its latest checkpoint); may equal save")
+    load: Optional[str] = _f(None, "resume from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory (default: checkpoint.save, so a restarted job resumes)")
     save_interval: Optional[int] = _f(None, "save every this many steps (and at the end of training)")
+    async_save: bool = _f(False, "write checkpoint files in a background thread; training stalls only to copy state to host memory")
+    keep_last: Optional[int] = _f(None, "keep only this many newest checkpoints (older ones deleted after a newer one is complete)")
+    fallback: bool = _f(True, "if the latest checkpoint is damaged (missing, truncated or corrupt file), resume from the previous complete one")
 
 
 @dataclass
@@ -279,9 +284,11 @@ def _check_train(cfg: Config, world_size: int) -> list[str]:
             errors.append(f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size*dp={t.micro_batch_size}*{dp}={per_step}; use a multiple of {per_step}")
     if t.param_dtype != "fp32" and t.param_dtype != t.precision:
         errors.append(f"train.param_dtype={t.param_dtype} needs train.precision={t.param_dtype} (got {t.precision}); set both, or param_dtype=fp32")
-    for name in ("exit_interval", "eval_interval"):
-        if getattr(t, name) is not None and getattr(t, name) < 1:
-            errors.append(f"train.{name}={getattr(t, name)} must be >= 1 or unset")
+    if t.max_skipped_steps < 1:
+        errors.append(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
+    for name in ("exit_interval", "eval_interval", "exit_duration_mins"):
+        if getattr(t, name) is not None and getattr(t, name) <= 0:
+            errors.append(f"train.{name}={getattr(t, name)} must be positive or unset")
     return errors
 
 
@@ -305,6 +312,8 @@ def _check_checkpoint(cfg: Config, world_size: int) -> list[str]:
         return [f"checkpoint.save_interval={c.save_interval} must be >= 1 or unset"]
     if c.save_interval and not c.save:
         return ["checkpoint.save_interval is set but checkpoint.save is not; give a directory with --checkpoint.save=DIR"]
+    if c.keep_last is not None and c.keep_last < 1:
+        return [f"checkpoint.keep_last={c.keep_last} must be >= 1 or unset"]
     return []
 
 

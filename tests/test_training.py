@@ -26,7 +26,7 @@ def test_resume_gives_identical_losses(tmp_path):
     straight = pretrain(tiny_config(train={"train_iters": 6})).losses
     ckpt = str(tmp_path / "ckpt")
     first = pretrain(tiny_config(train={"train_iters": 6, "exit_interval": 3}, checkpoint={"save": ckpt, "load": ckpt}))
-    assert first.final_step == 3 and (tmp_path / "ckpt" / "iter_0000003" / "model_000.safetensors").is_file()
+    assert first.final_step == 3 and (tmp_path / "ckpt" / "iter_0000003" / "rank_00000.safetensors").is_file()
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "3"
     second = pretrain(tiny_config(train={"train_iters": 6}, checkpoint={"save": ckpt, "load": ckpt}))
     assert {**first.losses, **second.losses} == straight

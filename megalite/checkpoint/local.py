@@ -1,53 +1,30 @@
-"""Single-layout checkpoints: `iter_{step:07d}/` directories plus a `latest` file.
+"""Saving and resuming a training run: which checkpoint to load, and saves that may run in the
+background (the format is in files.py, the per-rank pieces in sharded_state.py).
 
-Model weights and optimizer state go to safetensors as full tensors named by parameter
-(see full_state.py), so a checkpoint loads at any tensor-parallel size; RNG states go
-through torch.save and come back with `weights_only=True`, so loading never runs pickled
-code. A checkpoint is
-written into a temporary directory, fsynced and renamed, and `latest` is replaced only
-afterwards, so a crash mid-save leaves the previous checkpoint intact and pointed to.
+A save is collective. Every rank copies its pieces to host memory (the only stall under
+`checkpoint.async_save`), then writes them, in a background thread when asynchronous. The save
+is published (index, rename, `latest`, pruning) by rank 0 only after every rank reported its
+files written: at the first step boundary where all ranks agree (`poll`), or at the next save
+or the end of training (`wait`). A crash before that leaves the previous checkpoint current.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
-from megalite.checkpoint.full_state import FullState
+from megalite.checkpoint.files import (LATEST, CheckpointReader, complete_iterations, finalize, iteration_dir, problem_with,
+                                       write_rank_files)
+from megalite.checkpoint.sharded_state import ShardedState
 from megalite.parallel.random import RNGTracker
 from megalite.parallel.topology import Topology
-
-FORMAT_VERSION = 1
-LATEST = "latest"
-
-
-def iteration_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"iter_{step:07d}"
-
-
-def _fsync_tree(path: Path) -> None:
-    for file in sorted(path.rglob("*")) + [path]:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state(device: torch.device, tracker: RNGTracker | None) -> dict[str, torch.Tensor]:
@@ -71,93 +48,149 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device, tracker:
 
 @dataclass
 class TrainingState:
-    """Everything beyond tensors that a resumed run needs to continue exactly."""
+    """Everything beyond tensors that a resumed run needs to continue exactly (the LR schedule and
+    the data order are functions of the step and of consumed_samples)."""
 
     step: int
     consumed_samples: int
-    loss_scaler: dict[str, Any]
+    loss_scaler: dict[str, Any] = field(default_factory=dict)
     wandb_run_id: str | None = None
+    skipped_steps: int = 0
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainingState":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
-def save_checkpoint(root: str, state: TrainingState, full: FullState, config_yaml: str, topology: Topology, rng: dict[str, torch.Tensor]) -> Path:
-    """Write one complete checkpoint and point `latest` at it; returns its directory. Collective.
-
-    Data-parallel replica 0 gathers full tensors over its tensor-parallel groups and tensor-parallel
-    rank 0 of each pipeline stage writes that stage's (model_PPP / optimizer_PPP); every rank writes
-    its own RNG streams.
-    """
-    final = iteration_dir(root, state.step)
-    tmp = final.with_name(final.name + ".tmp")
-    if topology.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    tensors = (full.model_tensors(), *full.optimizer_tensors()) if topology.dp_rank == 0 or full.every_rank_gathers else None
-    dist.barrier()
-    torch.save(rng, tmp / "rng" / f"rank_{topology.rank:05d}.pt")
-    if topology.dp_rank == 0 and topology.tp_rank == 0:
-        model, optimizer, groups = tensors
-        save_file(model, tmp / f"model_{topology.pp_rank:03d}.safetensors")
-        save_file(optimizer, tmp / f"optimizer_{topology.pp_rank:03d}.safetensors")
-    if topology.rank == 0:
-        (tmp / "optimizer_groups.json").write_text(json.dumps(groups, indent=2))
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / "state.json").write_text(json.dumps({"format_version": FORMAT_VERSION, **state.__dict__}, indent=2))
-    dist.barrier()
-    if topology.rank == 0:
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write_text(Path(root) / LATEST, f"{state.step}\n")
-    dist.barrier()
-    return final
+@dataclass
+class _Pending:
+    final: Path
+    tmp: Path
+    thread: threading.Thread | None
+    error: BaseException | None = None
 
 
-def latest_checkpoint(root: str) -> Path | None:
-    """The directory `latest` points to, None when `root` holds no checkpoint yet."""
-    pointer = Path(root) / LATEST
+class Checkpointer:
+    """Saves of one run into `root`; `async_save` writes in the background, `keep_last` prunes."""
+
+    def __init__(self, root: str, topology: Topology, async_save: bool = False, keep_last: int | None = None) -> None:
+        self.root, self.topology, self.async_save, self.keep_last = Path(root), topology, async_save, keep_last
+        self.pending: _Pending | None = None
+
+    def save(self, state: TrainingState, sharded: ShardedState, config_yaml: str, rng: dict[str, torch.Tensor]) -> Path:
+        """Start a checkpoint of the current state; returns its (future) directory. Collective."""
+        self.wait()
+        t, final = self.topology, iteration_dir(self.root, state.step)
+        tmp = final.with_name(final.name + ".tmp")
+        if t.rank == 0:
+            for stale in self.root.glob("iter_*.tmp"):  # left by a crash mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / "state.json").write_text(json.dumps({"format_version": 2, **state.__dict__}, indent=2))
+        dist.barrier()
+        pieces = [(piece, tensor.to("cpu", copy=True)) for piece, tensor in sharded.pieces()]
+        rng = {k: v.clone() for k, v in rng.items()}
+        self.pending = _Pending(final, tmp, None)
+        if self.async_save:
+            self.pending.thread = threading.Thread(target=self._write, args=(self.pending, pieces, rng), daemon=True)
+            self.pending.thread.start()
+        else:
+            self._write(self.pending, pieces, rng)
+            self.wait()
+        return final
+
+    def _write(self, pending: _Pending, pieces: list, rng: dict[str, torch.Tensor]) -> None:
+        try:
+            write_rank_files(pending.tmp, self.topology.rank, pieces, rng)
+        except BaseException as error:  # reported on the training thread by poll / wait
+            pending.error = error
+
+    def poll(self) -> Path | None:
+        """At a step boundary: publish the pending save if every rank finished writing it (collective)."""
+        if self.pending is None:
+            return None
+        running = self.pending.thread is not None and self.pending.thread.is_alive()
+        return self._publish_if(self._all_ranks_max(float(running)) == 0)
+
+    def wait(self) -> Path | None:
+        """Block until the pending save is written everywhere, then publish it (collective)."""
+        if self.pending is None:
+            return None
+        if self.pending.thread is not None:
+            self.pending.thread.join()
+        return self._publish_if(True)
+
+    def _all_ranks_max(self, value: float) -> float:
+        flag = torch.tensor([value], device=self.topology.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return float(flag.item())
+
+    def _publish_if(self, done: bool) -> Path | None:
+        if not done:
+            return None
+        pending, self.pending = self.pending, None
+        if self._all_ranks_max(float(pending.error is not None)):
+            detail = f": {pending.error!r}" if pending.error is not None else " on another rank (see its log)"
+            raise RuntimeError(f"writing checkpoint {pending.final} failed{detail}; the previous checkpoint is intact")
+        if self.topology.rank == 0:
+            finalize(pending.tmp, pending.final, self.keep_last)
+        dist.barrier()
+        return pending.final
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoints of `root` to try, newest first, starting at the one `latest` names."""
+    pointer, found = root / LATEST, complete_iterations(root)[::-1]
     if not pointer.exists():
-        return None
+        return found
     text = pointer.read_text().strip()
     if not text.isdigit():
         raise ValueError(f"{pointer}: expected an iteration number, found {text!r}; fix or delete the file")
-    path = iteration_dir(root, int(text))
-    if not path.is_dir():
-        raise FileNotFoundError(f"{pointer} names iteration {text} but {path} does not exist; point it at an existing iter_* directory")
-    return path
+    latest = iteration_dir(root, int(text))
+    if not latest.is_dir():
+        raise FileNotFoundError(f"{pointer} names iteration {text} but {latest} does not exist; point it at an existing iter_* directory")
+    return [latest] + [p for p in found if int(p.name[5:]) < int(text)]
 
 
-def _load_stages(path: Path, kind: str) -> dict[str, torch.Tensor]:
-    """Every pipeline stage's tensors of `kind` (model / optimizer), by one-device name."""
-    tensors = {}
-    for file in sorted(path.glob(f"{kind}_*.safetensors")):
-        tensors |= load_file(file)
-    return tensors
+def choose_checkpoint(load: str, fallback: bool) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from and the damaged ones skipped on the way.
+
+    `load` is an iteration directory (exactly that one) or a root (its latest complete one; a
+    damaged latest falls back to the previous complete one when `fallback`). None: no checkpoint yet.
+    """
+    path = Path(load)
+    if path.name.startswith("iter_") or (path / "state.json").exists():
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint.load={load} does not exist; fix the path")
+        problem = problem_with(path)
+        if problem:
+            raise ValueError(f"{problem}; resume from another iter_* directory")
+        return path, []
+    skipped = []
+    for candidate in _candidates(path) if path.is_dir() else []:
+        problem = problem_with(candidate)
+        if problem is None:
+            return candidate, skipped
+        if not fallback:
+            raise ValueError(f"{problem}; set checkpoint.fallback=true to resume from the previous complete checkpoint")
+        skipped.append(problem)
+    if skipped:
+        raise ValueError(f"no complete checkpoint in {load}: " + "; ".join(skipped))
+    return None, []
 
 
-def load_checkpoint(path: Path, full: FullState, topology: Topology) -> tuple[TrainingState, dict[str, torch.Tensor] | None]:
-    """Restore model and optimizer (resliced for this rank's layout); returns the training state and
-    this rank's RNG streams (rank 0's when the checkpoint was written by fewer ranks)."""
-    weights_only = not (path / "optimizer_groups.json").exists() and not (path / "rng").exists()
-    required = ("model_000.safetensors", "state.json") + (() if weights_only else ("optimizer_000.safetensors", "optimizer_groups.json", "rng/rank_00000.pt"))
-    for name in required:
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"checkpoint {path} is incomplete: {name} is missing; resume from an earlier iter_* directory")
-    weights = _load_stages(path, "model")
-    expected = full.model_tensors_shapes()
-    mismatched = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v)}" for k, v in expected.items() if k in weights and weights[k].shape != v]
-    missing = sorted(expected.keys() - weights.keys())
+def load_checkpoint(path: Path, sharded: ShardedState, topology: Topology) -> tuple[TrainingState, dict[str, torch.Tensor] | None, bool]:
+    """Restore model and optimizer (resliced for this rank's layout); returns the training state,
+    this rank's RNG streams (None in a weights-only checkpoint) and whether optimizer state was loaded."""
+    reader = CheckpointReader(path)
+    saved, expected = reader.names("model"), sharded.shapes()
+    mismatched = [f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(v)}" for k, v in expected.items() if k in saved and saved[k] != v]
+    missing = sorted(expected.keys() - saved.keys())
     if missing or mismatched:
-        raise ValueError(
-            f"checkpoint {path} does not fit this model (was it saved with another model config?): "
-            f"missing {missing}, shape mismatches {mismatched}"
-        )
-    full.load_model(weights)
-    fields = json.loads((path / "state.json").read_text())
-    fields.pop("format_version", None)
-    if weights_only:  # written by model_io (e.g. converted from Hugging Face): fresh optimizer, same RNG
-        return TrainingState(**fields), None
-    full.load_optimizer(_load_stages(path, "optimizer"), json.loads((path / "optimizer_groups.json").read_text()))
-    rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
-    rng = torch.load(rng_file if rng_file.is_file() else path / "rng" / "rank_00000.pt", weights_only=True)
-    return TrainingState(**fields), rng
+        raise ValueError(f"checkpoint {path} does not fit this model (was it saved with another model config?): "
+                         f"missing {missing}, shape mismatches {mismatched}")
+    loaded_optimizer = sharded.load(reader.read)
+    state = TrainingState.from_json((path / "state.json").read_text())
+    return state, reader.rng(topology.rank), loaded_optimizer

@@ -12,30 +12,33 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.local import FORMAT_VERSION, LATEST, _atomic_write_text, _fsync_tree, _load_stages, iteration_dir, latest_checkpoint
+from megalite.checkpoint.files import CheckpointReader, finalize, iteration_dir, write_rank_files
+from megalite.checkpoint.local import TrainingState, choose_checkpoint
+from megalite.checkpoint.sharded_state import MAIN, Piece
 from megalite.config import Config
 from megalite.config_cli import config_from_yaml_text, dump_yaml
-from safetensors.torch import save_file
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """One iteration's directory from either itself or a checkpoint root (its latest)."""
-    path = Path(path)
-    if (path / "state.json").is_file():
-        return path
-    found = latest_checkpoint(path) if path.is_dir() else None
+    """One complete iteration's directory from either itself or a checkpoint root (its latest)."""
+    found, _ = choose_checkpoint(str(path), fallback=False)
     if found is None:
         raise FileNotFoundError(f"{path} is neither a checkpoint directory (with a `latest` file) nor an iter_* directory")
     return found
 
 
 def read_model_tensors(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
-    """(config, full one-device tensors by parameter name) of a checkpoint saved at any layout."""
+    """(config, full one-device fp32 tensors by parameter name) of a checkpoint saved at any layout;
+    the fp32 main weights where the run kept bf16/fp16 parameters."""
     found = resolve_checkpoint(path)
     cfg = config_from_yaml_text((found / "config.yaml").read_text(), str(found / "config.yaml"))
-    tensors = _load_stages(found, "model")
+    reader = CheckpointReader(found)
+    tensors = {}
+    for name in reader.names("model"):
+        main = reader.read(name, MAIN)
+        tensors[name] = (main if main is not None else reader.read(name, "model")).float()
     if not tensors:
-        raise FileNotFoundError(f"checkpoint {found} holds no model weights (model_*.safetensors)")
+        raise FileNotFoundError(f"checkpoint {found} holds no model weights")
     return cfg, tensors
 
 
@@ -44,11 +47,9 @@ def write_model_checkpoint(root: str | Path, cfg: Config, tensors: dict[str, tor
     final = iteration_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model_000.safetensors")
+    pieces = [(Piece(name, "model", list(t.shape), None, 0, t.numel()), t.detach().reshape(-1)) for name, t in tensors.items()]
+    write_rank_files(tmp, 0, pieces, rng=None)
     (tmp / "config.yaml").write_text(dump_yaml(cfg))
-    state = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": 0, "loss_scaler": {}, "wandb_run_id": None}
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
-    _fsync_tree(tmp)
-    tmp.replace(final)
-    _atomic_write_text(Path(root) / LATEST, f"{step}\n")
+    (tmp / "state.json").write_text(json.dumps({"format_version": 2, **TrainingState(step, 0).__dict__}, indent=2))
+    finalize(tmp, final)
     return final

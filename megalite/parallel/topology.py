@@ -26,7 +26,7 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(device: torch.device, timeout_minutes: int = 10) -> None:
+def init_process_group(device: torch.device, timeout_minutes: float = 10.0) -> None:
     """Join the job torchrun started, or form a one-process group in memory.
 
     A single process still gets a real process group (over an in-process store), so
@@ -107,7 +107,7 @@ class Topology:
         return self.rank == self.world_size - 1
 
     @classmethod
-    def from_environment(cls, device_preference: str = "auto", timeout_minutes: int = 10, tp: int = 1, pp: int = 1) -> "Topology":
+    def from_environment(cls, device_preference: str = "auto", timeout_minutes: float = 10.0, tp: int = 1, pp: int = 1) -> "Topology":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = pick_device(device_preference, local_rank)
         init_process_group(device, timeout_minutes)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.full_state import FullState
-from megalite.checkpoint.local import TrainingState, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from megalite.checkpoint.local import Checkpointer, TrainingState, choose_checkpoint, load_checkpoint, rng_state, set_rng_state
+from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml
 from megalite.data.build import build_training_data, tokenizer_from_config
@@ -58,29 +62,46 @@ class Run:
             self.pipeline.trace = Trace()
         self.optimizer = build_optimizer(self.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
         self.scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-        self.full_state = FullState(self.model, self.optimizer, self.tp, topology, self.reducer.main)
+        self.sharded = ShardedState(self.model, self.optimizer, self.tp, topology, self.reducer.main)
+        c = cfg.checkpoint
+        self.checkpointer = Checkpointer(c.save, topology, c.async_save, c.keep_last) if c.save else None
         self.state = TrainingState(step=0, consumed_samples=0, loss_scaler=self.scaler.state_dict())
-        self.resumed_from = self._resume()
+        self.started = time.monotonic()
+        self.resumed_from, self.damaged = self._resume()
         self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)
         self.state.wandb_run_id = self.writer.wandb_run_id
         self.flops_per_token = training_flops_per_token(cfg.model)
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
-        self.skipped_steps, self.saved_step = 0, -1
+        self.saved_step, self.diverged_in_a_row, self.stop_signal = -1, 0, None
         self.result = RunResult()
 
-    def _resume(self) -> Path | None:
-        load = self.cfg.checkpoint.load
+    def _resume(self) -> tuple[Path | None, list[str]]:
+        """Resume from checkpoint.load (default: checkpoint.save, so a restarted job continues). Rank 0
+        picks the checkpoint (checking every file's size and checksum) and tells the others."""
+        c = self.cfg.checkpoint
+        load = c.load or c.save
         if not load:
-            return None
-        if not Path(load).exists() and load != self.cfg.checkpoint.save:
-            raise FileNotFoundError(f"checkpoint.load={load} does not exist; fix the path or drop --checkpoint.load to start from scratch")
-        path = latest_checkpoint(load) if Path(load).exists() else None
-        if path is not None:
-            self.state, rng = load_checkpoint(path, self.full_state, self.topology)
-            if rng is not None:
-                set_rng_state(rng, self.topology.device, self.tp.rng)
-            self.scaler.load_state_dict(self.state.loss_scaler)
-        return path
+            return None, []
+        if c.load and c.load != c.save and not Path(c.load).exists():
+            raise FileNotFoundError(f"checkpoint.load={c.load} does not exist; fix the path or drop --checkpoint.load to start from scratch")
+        choice: list = [None]
+        if self.topology.rank == 0:
+            try:
+                found, damaged = choose_checkpoint(load, c.fallback)
+                choice = [(str(found) if found else None, damaged)]
+            except (OSError, ValueError) as error:
+                choice = [error]
+        dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], BaseException):
+            raise choice[0]
+        found, damaged = choice[0]
+        if found is None:
+            return None, damaged
+        self.state, rng, _ = load_checkpoint(Path(found), self.sharded, self.topology)
+        if rng is not None:
+            set_rng_state(rng, self.topology.device, self.tp.rng)
+        self.scaler.load_state_dict(self.state.loss_scaler)
+        return Path(found), damaged
 
     def train(self) -> RunResult:
         cfg, start = self.cfg, self.state.step
@@ -89,33 +110,76 @@ class Run:
         stream = micro_batches(self.data.train, self.data.maker, self.state.consumed_samples, cfg.train.train_iters * self.gbs,
                                cfg.train.micro_batch_size, t.dp, t.dp_rank, cfg.data.num_workers, t.device)
         per_step = cfg.num_microbatches(t.world_size)
-        interval_start, interval_steps = time.perf_counter(), 0
-        while self.state.step < cfg.train.train_iters:
-            step = self.state.step + 1
-            set_learning_rate(self.optimizer, learning_rate(step, cfg.optim, cfg.train.train_iters))
-            batches = [next(stream) for _ in range(per_step)]
-            result = train_step(self.model, self.optimizer, self.scaler, self.reducer, batches, t, cfg.train.precision, cfg.optim.clip_grad, self.pipeline)
-            self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
-            self.state.loss_scaler = self.scaler.state_dict()
-            self.skipped_steps += result.skipped
-            self.result.losses[step] = result.loss
-            self.writer.advance()
-            if self.pipeline.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
-                self._write_trace(step - start)
-            interval_steps += 1
-            if step % cfg.logging.log_interval == 0 or step == cfg.train.train_iters:
-                synchronize(self.topology.device)
-                self._log_step(step, result, interval_steps, time.perf_counter() - interval_start)
-                interval_start, interval_steps = time.perf_counter(), 0
-            if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
-                self._evaluate()
-            exiting = cfg.train.exit_interval is not None and step % cfg.train.exit_interval == 0
-            if cfg.checkpoint.save and (exiting or (cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0)):
-                self._save()
-            if exiting:
-                self.writer.print(f"train.exit_interval={cfg.train.exit_interval} reached at step {step}; exiting cleanly")
-                break
+        self.interval = (time.perf_counter(), 0)
+        with _stop_flag_on(signal.SIGTERM) as sigterm:
+            while self.state.step < cfg.train.train_iters:
+                step = self.state.step + 1
+                set_learning_rate(self.optimizer, learning_rate(step, cfg.optim, cfg.train.train_iters))
+                batches = [next(stream) for _ in range(per_step)]
+                result = train_step(self.model, self.optimizer, self.scaler, self.reducer, batches, t, cfg.train.precision, cfg.optim.clip_grad, self.pipeline)
+                self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
+                self.state.loss_scaler = self.scaler.state_dict()
+                self._after_step(step, start, result)
+                reason = self._stop_reason(step, sigterm)
+                wanted = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
+                if self.checkpointer and (reason or wanted):
+                    self._save()
+                if reason:
+                    self.writer.print(f"{reason} at step {step}; exiting cleanly")
+                    break
         return self._finish(start)
+
+    def _after_step(self, step: int, start: int, result: StepResult) -> None:
+        cfg = self.cfg
+        self.state.skipped_steps += result.skipped
+        self.result.losses[step] = result.loss
+        self.writer.advance()
+        if self.checkpointer:
+            done = self.checkpointer.poll()
+            if done:
+                self.writer.print(f"checkpoint {done} complete")
+        if self.pipeline.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
+            self._write_trace(step - start)
+        began, steps = self.interval
+        self.interval = (began, steps + 1)
+        if step % cfg.logging.log_interval == 0 or step == cfg.train.train_iters:
+            synchronize(self.topology.device)
+            self._log_step(step, result, steps + 1, time.perf_counter() - began)
+            self.interval = (time.perf_counter(), 0)
+        if result.diverged:
+            self._skip_diverged(step, result)
+        else:
+            self.diverged_in_a_row = 0
+        if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
+            self._evaluate()
+
+    def _skip_diverged(self, step: int, result: StepResult) -> None:
+        """A NaN/Inf loss or gradient norm: the update was skipped; too many in a row stop the run."""
+        self.diverged_in_a_row += 1
+        limit = self.cfg.train.max_skipped_steps
+        self.writer.print(f"step {step}: loss {result.loss} / gradient norm {result.grad_norm} is not finite; update skipped "
+                          f"({self.diverged_in_a_row} in a row, train.max_skipped_steps={limit})")
+        if self.diverged_in_a_row >= limit:
+            where = ""
+            if self.checkpointer:
+                self._save()
+                where = f"; the last good weights are in {self.result.checkpoint}"
+            raise FloatingPointError(f"{limit} consecutive steps had a NaN/Inf loss or gradient norm (last: step {step}): training "
+                                     f"diverged{where}. Lower optim.lr, raise optim.warmup_iters or check the data, then resume")
+
+    def _stop_reason(self, step: int, sigterm: threading.Event) -> str | None:
+        """Why every rank should stop now (they agree: one rank's SIGTERM or clock stops all)."""
+        train = self.cfg.train
+        if train.exit_interval is not None and step % train.exit_interval == 0:
+            return f"train.exit_interval={train.exit_interval} reached"
+        late = train.exit_duration_mins is not None and time.monotonic() - self.started >= 60 * train.exit_duration_mins
+        flags = torch.tensor([float(sigterm.is_set()), float(late)], device=self.topology.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0]:
+            return "SIGTERM received (preemption?): saved to resume later" if self.checkpointer else "SIGTERM received"
+        if flags[1]:
+            return f"train.exit_duration_mins={train.exit_duration_mins} passed"
+        return None
 
     def _finish(self, start_step: int) -> RunResult:
         cfg, step = self.cfg, self.state.step
@@ -124,8 +188,10 @@ class Run:
             self._evaluate()
         if self.pipeline.trace is not None and step > start_step:
             self._write_trace(step - start_step)
-        if cfg.checkpoint.save and step > start_step and self.saved_step != step:
+        if self.checkpointer and step > start_step and self.saved_step != step:
             self._save()
+        if self.checkpointer:
+            self.checkpointer.wait()
         self.result.final_step = step
         if self.writer.wandb_run:
             self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_run.dir, self.writer.wandb_run.id
@@ -134,16 +200,18 @@ class Run:
 
     def _announce(self) -> None:
         t, cfg = self.topology, self.cfg
-        params = sum(shape.numel() for shape in self.full_state.model_tensors_shapes().values())
+        params = sum(torch.Size(shape).numel() for shape in self.sharded.shapes().values())
         self.writer.print(f"megalite config:\n{dump_yaml(cfg)}")
         self.writer.print(
             f"world {t.world_size} (tp {t.tp}, pp {t.pp}, dp {t.dp}) on {t.device}; {params / 1e6:.2f}M parameters; "
             f"global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x {cfg.train.micro_batch_size} x dp {t.dp}"
         )
+        for problem in self.damaged:
+            self.writer.print(f"skipped a damaged checkpoint: {problem}")
         if self.resumed_from:
             self.writer.print(f"resumed from {self.resumed_from} at step {self.state.step} ({self.state.consumed_samples} samples consumed)")
-        elif cfg.checkpoint.load:
-            self.writer.print(f"no checkpoint in {cfg.checkpoint.load} yet; starting from scratch")
+        elif cfg.checkpoint.load or cfg.checkpoint.save:
+            self.writer.print(f"no checkpoint in {cfg.checkpoint.load or cfg.checkpoint.save} yet; starting from scratch")
 
     def _log_step(self, step: int, result: StepResult, steps: int, seconds: float) -> None:
         tokens_per_sec = steps * self.gbs * self.cfg.model.seq_length / seconds
@@ -151,7 +219,7 @@ class Run:
         memory, what = peak_memory(self.topology.device)
         record = {
             "step": step, "loss": result.loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": result.grad_norm,
-            "loss_scale": self.scaler.scale, "skipped_steps": self.skipped_steps, "consumed_samples": self.state.consumed_samples,
+            "loss_scale": self.scaler.scale, "skipped_steps": self.state.skipped_steps, "consumed_samples": self.state.consumed_samples,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.topology.world_size,
             "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
             "peak_memory_gib": memory, "peak_memory_kind": what,
@@ -173,10 +241,10 @@ class Run:
     def _save(self) -> None:
         self.reducer.wait_params()
         rng = rng_state(self.topology.device, self.tp.rng)
-        path = save_checkpoint(self.cfg.checkpoint.save, self.state, self.full_state, dump_yaml(self.cfg), self.topology, rng)
+        path = self.checkpointer.save(self.state, self.sharded, dump_yaml(self.cfg), rng)
         self.saved_step = self.state.step
         self.result.checkpoint = path
-        self.writer.print(f"saved checkpoint {self.result.checkpoint}")
+        self.writer.print(f"{'writing' if self.cfg.checkpoint.async_save else 'saved'} checkpoint {path}")
 
 
 def pretrain(cfg: Config) -> RunResult:
@@ -193,11 +261,28 @@ def pretrain(cfg: Config) -> RunResult:
         run = Run(cfg, topology)
         try:
             result = run.train()
-        except BaseException:
+        except BaseException as error:
             run.writer.close(exit_code=1)
+            if isinstance(error, RuntimeError) and "timed out" in str(error).lower():
+                raise RuntimeError(f"rank {topology.rank}: a collective timed out after parallel.timeout_minutes={cfg.parallel.timeout_minutes}; "
+                                   "another rank died or hangs (check its log), or steps are slower than that: then raise the timeout") from error
             raise
         dist.barrier()
         return result
     finally:
         if created:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _stop_flag_on(signum: int) -> Iterator[threading.Event]:
+    """An event set when `signum` arrives (Slurm sends SIGTERM before preemption), instead of dying mid-step."""
+    event = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield event
+        return
+    previous = signal.signal(signum, lambda *_: event.set())
+    try:
+        yield event
+    finally:
+        signal.signal(signum, previous)

@@ -9,6 +9,7 @@ are the global batch's per-token mean in every layout, loss masks included.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class StepResult:
     grad_norm: float
     skipped: bool
     tokens: int
+    diverged: bool = False  # skipped for a NaN/Inf gradient norm (not an fp16 overflow the loss scaler handles)
 
 
 def global_token_count(batches: list[Batch], topology: Topology) -> torch.Tensor:
@@ -93,8 +95,9 @@ def train_step(model: GPTModel, optimizer: torch.optim.Optimizer, scaler: LossSc
         reducer.after_step()
         return StepResult(float(loss_sum), float("nan"), True, int(total_tokens.item()))
     grad_norm = reducer.clip(clip_grad)
-    if not torch.isfinite(torch.tensor(grad_norm)) and not scaler.dynamic:
-        raise FloatingPointError(f"gradient norm is {grad_norm} (loss {float(loss_sum)}): training diverged; lower optim.lr or resume from an earlier checkpoint")
+    if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
+        reducer.after_step()
+        return StepResult(float(loss_sum), grad_norm, True, int(total_tokens.item()), diverged=True)
     optimizer.step()
     reducer.after_step()
     return StepResult(float(loss_sum), grad_norm, False, int(total_tokens.item()))

@@ -1,0 +1,165 @@
+"""The on-disk checkpoint format: one directory per iteration, written so that a crash at any
+moment leaves the previous checkpoint intact and `latest` pointing at a complete one.
+
+    root/latest                      the last complete iteration's number, replaced atomically
+    root/iter_0000100/
+        config.yaml  state.json      the run's config; step, consumed samples, loss scaler, W&B id
+        index.json                   every piece (global name, kind, shard, range, file, key) and
+                                     every file's size and CRC-32, written last
+        rank_00003.safetensors       the pieces rank 3 owns (sharded_state.py)
+        rng/rank_00003.pt            rank 3's RNG streams (tensors only: loaded with weights_only)
+
+Each rank writes its files into `iter_0000100.tmp/` plus a small `rank_XXXXX.json` saying what
+it wrote; once every rank is done, rank 0 merges those into index.json, fsyncs, renames the
+directory and only then rewrites `latest`. Nothing here is pickled code: safetensors, JSON,
+YAML, and RNG tensors loaded with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from megalite.checkpoint.sharded_state import Piece, assemble
+
+FORMAT_VERSION = 2
+LATEST = "latest"
+INDEX = "index.json"
+
+
+def iteration_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def fsync_tree(path: Path) -> None:
+    for file in sorted(path.rglob("*")) + [path]:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_bytes(path: Path, blob: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tensor]], rng: dict[str, torch.Tensor] | None) -> None:
+    """One rank's share of a checkpoint (runs in a background thread under async save)."""
+    name = f"rank_{rank:05d}.safetensors"
+    files, listed = {}, []
+    if pieces:
+        blob = safetensors_bytes({str(i): t.contiguous() for i, (_, t) in enumerate(pieces)})
+        _write_bytes(tmp / name, blob)
+        files[name] = {"bytes": len(blob), "crc32": zlib.crc32(blob)}
+        listed = [{**piece.to_json(), "file": name, "key": str(i)} for i, (piece, _) in enumerate(pieces)]
+    if rng is not None:
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng, tmp / "rng" / f"rank_{rank:05d}.pt")
+    atomic_write_text(tmp / f"rank_{rank:05d}.json", json.dumps({"files": files, "pieces": listed}))
+
+
+def finalize(tmp: Path, final: Path, keep_last: int | None = None) -> None:
+    """Merge the ranks' listings into index.json, make the directory durable, publish it, and prune."""
+    files, pieces = {}, []
+    for listing in sorted(tmp.glob("rank_*.json")):
+        part = json.loads(listing.read_text())
+        files |= part["files"]
+        pieces += part["pieces"]
+        listing.unlink()
+    (tmp / INDEX).write_text(json.dumps({"format_version": FORMAT_VERSION, "files": files, "pieces": pieces}))
+    fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(final.parent / LATEST, f"{int(final.name.split('_')[1])}\n")
+    if keep_last:
+        for old in complete_iterations(final.parent)[:-keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def complete_iterations(root: Path) -> list[Path]:
+    """Published iteration directories, oldest first (temporary ones are never listed)."""
+    found = [p for p in root.glob("iter_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def problem_with(path: Path, checksums: bool = True) -> str | None:
+    """Why `path` is not a complete checkpoint (a missing, truncated or corrupt file), or None."""
+    for name in ("config.yaml", "state.json", INDEX):
+        if not (path / name).is_file():
+            return f"checkpoint {path} is incomplete: {name} is missing"
+    index = json.loads((path / INDEX).read_text())
+    for name, expected in index["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"checkpoint {path} is incomplete: {name} is missing"
+        if file.stat().st_size != expected["bytes"]:
+            return f"checkpoint {path}: {name} is truncated ({file.stat().st_size} bytes, index says {expected['bytes']})"
+        if checksums and _crc32(file) != expected["crc32"]:
+            return f"checkpoint {path}: {name} is corrupt (CRC-32 differs from the index)"
+    return None
+
+
+def _crc32(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+class CheckpointReader:
+    """Global tensors of a published checkpoint, rebuilt on demand from the pieces of any layout."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        index = json.loads((path / INDEX).read_text())
+        self.pieces: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for entry in index["pieces"]:
+            self.pieces.setdefault((entry["name"], entry["kind"]), []).append(entry)
+        self._files: dict[str, Any] = {}
+
+    def names(self, kind: str = "model") -> dict[str, list[int]]:
+        """Global shapes of the tensors saved with this kind, by name."""
+        return {name: entries[0]["shape"] for (name, k), entries in self.pieces.items() if k == kind}
+
+    def read(self, name: str, kind: str) -> torch.Tensor | None:
+        entries = self.pieces.get((name, kind))
+        if not entries:
+            return None
+        loaded = []
+        for e in entries:
+            if e["file"] not in self._files:
+                self._files[e["file"]] = safe_open(self.path / e["file"], framework="pt")
+            fields = {k: e[k] for k in ("name", "kind", "shape", "shard", "lo", "hi")}
+            loaded.append((Piece(**fields), self._files[e["file"]].get_tensor(e["key"])))
+        return assemble(loaded, str(self.path))
+
+    def rng(self, rank: int) -> dict[str, torch.Tensor] | None:
+        """This rank's RNG streams (rank 0's when the checkpoint was written by fewer ranks)."""
+        folder = self.path / "rng"
+        if not folder.is_dir():
+            return None
+        file = folder / f"rank_{rank:05d}.pt"
+        return torch.load(file if file.is_file() else folder / "rank_00000.pt", weights_only=True)

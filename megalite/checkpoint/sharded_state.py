@@ -1,0 +1,175 @@
+"""Model and optimizer state as pieces of global tensors: what this rank writes, and how a rank
+of any other layout reads back what it holds.
+
+Each piece is a flat element range of one tensor-parallel shard of a global (one-device)
+tensor, described by the global name and shape, the shard (dim, blocks, index, count; see
+parallel/layers.py ShardSpec) and the range. That is exactly what a rank holds: a TP shard,
+and under the distributed optimizer a flat slice of it, which is not a rectangular box of
+the global tensor, so we describe pieces this way instead of with box offsets (and store them
+with safetensors + a JSON index rather than torch.distributed.checkpoint, whose planner wants
+boxes and whose metadata is pickled). Loading rebuilds a global tensor from its pieces and
+cuts out the new rank's shard and range, so tp, pp, vp, dp and the distributed optimizer may
+all differ between save and load.
+
+Kinds of piece per parameter: `model` (in the parameter's dtype), `main_param` (fp32 main
+weights when parameters are bf16/fp16), Adam's `exp_avg`, `exp_avg_sq` and `step`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from megalite.parallel.layers import ShardSpec, TPContext, parameter_shards, shard, unshard
+from megalite.parallel.topology import Topology
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+MAIN = "main_param"
+
+
+@dataclass
+class Piece:
+    name: str
+    kind: str
+    shape: list[int]
+    shard: list[int] | None  # [dim, blocks, index, count]
+    lo: int
+    hi: int
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+@dataclass
+class Entry:
+    """One stepped tensor: the model parameter, its stored (global) name, and what the optimizer steps."""
+
+    local: str
+    stored: str
+    param: nn.Parameter
+    main: torch.Tensor
+    index: int  # position among the optimizer's parameters
+    lo: int
+    hi: int
+    alias: bool  # a copy of another stage's parameter (tied embeddings): saved by the owner
+
+
+class ShardedState:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tp: TPContext, topology: Topology,
+                 stepped: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """`stepped` pairs each model parameter with the tensor the optimizer steps for it (itself, an
+        fp32 copy, or a flat slice with `owner_range` under the distributed optimizer)."""
+        self.optimizer, self.tp, self.topology = optimizer, tp, topology
+        self.specs = parameter_shards(model)
+        aliases = model.aliases() if hasattr(model, "aliases") else {}
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        self.distributed = any(hasattr(main, "owner_range") for _, main in stepped)
+        # Every parameter, also those whose optimizer shard another data-parallel rank owns (not in `stepped`).
+        self.params = [(n, aliases.get(n, n), p) for n, p in model.named_parameters()]
+        self.entries = []
+        for param, main in stepped:
+            local = names[id(param)]
+            lo, hi = getattr(main, "owner_range", (0, param.numel()))
+            self.entries.append(Entry(local, aliases.get(local, local), param, main, order[id(main)], lo, hi, local in aliases))
+
+    def _spec(self, entry: Entry) -> ShardSpec | None:
+        return self.specs.get(entry.local) if self.tp.size > 1 else None
+
+    def global_shape(self, entry: Entry) -> list[int]:
+        shape, spec = list(entry.param.shape), self._spec(entry)
+        if spec is not None:
+            shape[spec.dim] *= self.tp.size
+        return shape
+
+    def shapes(self) -> dict[str, list[int]]:
+        """Global shapes of the parameters this rank holds, by stored name."""
+        return {e.stored: self.global_shape(e) for e in self.entries}
+
+    def _writes(self, entry: Entry) -> bool:
+        """Each element is written once: TP-replicated tensors by TP rank 0, DP replicas by DP rank 0
+        (or, under the distributed optimizer, every DP rank its own range), tied copies by their owner."""
+        t = self.topology
+        replicated_tp = self._spec(entry) is None and t.tp_rank != 0
+        return not entry.alias and not replicated_tp and (self.distributed or t.dp_rank == 0)
+
+    def pieces(self) -> list[tuple[Piece, torch.Tensor]]:
+        """This rank's pieces and their tensors (views of live state: copy before training continues)."""
+        out = []
+        for e in self.entries:
+            if not self._writes(e):
+                continue
+            spec = self._spec(e)
+            where = [spec.dim, spec.blocks, self.tp.rank, self.tp.size] if spec else None
+            shape = self.global_shape(e)
+
+            def add(kind: str, tensor: torch.Tensor, lo: int = e.lo, hi: int = e.hi, shape: list[int] = shape, where=where) -> None:
+                out.append((Piece(e.stored, kind, shape, where, lo, hi), tensor.detach().reshape(-1)))
+
+            add("model", e.param.reshape(-1)[e.lo:e.hi])
+            if e.main.dtype != e.param.dtype:
+                add(MAIN, e.main)
+            state = self.optimizer.state.get(e.main, {})
+            for kind in MOMENTS:
+                if kind in state:
+                    add(kind, state[kind])
+            if "step" in state and e.lo == 0 and self.tp.rank == 0:  # one scalar per parameter
+                add("step", torch.as_tensor(state["step"], dtype=torch.float32), 0, 1, [1], None)
+        return out
+
+    def load(self, read: Callable[[str, str], torch.Tensor | None]) -> bool:
+        """Load this rank's slices; `read(name, kind)` returns a global tensor or None when the
+        checkpoint has no such piece. Returns whether optimizer state was found and loaded."""
+        stepped: dict[int, list[Entry]] = {}
+        for e in self.entries:
+            stepped.setdefault(id(e.param), []).append(e)
+        for local, stored, param in self.params:
+            best = read(stored, MAIN)  # fp32 main weights are the exact ones when saved
+            best = read(stored, "model") if best is None else best
+            spec = self.specs.get(local) if self.tp.size > 1 else None
+            param.data.copy_((shard(best, spec, self.tp.rank, self.tp.size) if spec is not None else best).view_as(param))
+            for e in stepped.get(id(param), []):
+                e.main.data.copy_(self._local(e, best).view_as(e.main))
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for e in self.entries:
+            values = {kind: read(e.stored, kind) for kind in (*MOMENTS, "step")}
+            if any(v is None for v in values.values()):
+                return False
+            state[e.index] = {kind: self._local(e, v).view_as(e.main) for kind, v in values.items() if kind != "step"}
+            state[e.index]["step"] = values["step"].reshape(())
+        current = self.optimizer.state_dict()
+        self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+        return True
+
+    def _local(self, entry: Entry, full: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """This rank's TP shard of a global tensor, flattened to its stepped range unless `whole`."""
+        spec = self._spec(entry)
+        part = shard(full, spec, self.tp.rank, self.tp.size) if spec is not None else full
+        return part if whole else part.reshape(-1)[entry.lo:entry.hi]
+
+
+def assemble(pieces: list[tuple[Piece, torch.Tensor]], where: str) -> torch.Tensor:
+    """A global tensor from all its saved pieces (of one kind), whatever layout wrote them."""
+    first = pieces[0][0]
+    shape, count = first.shape, first.shard[3] if first.shard else 1
+    shard_shape = list(shape)
+    if first.shard:
+        shard_shape[first.shard[0]] //= count
+    numel = int(torch.Size(shard_shape).numel())
+    shards = []
+    for index in range(count):
+        flat = torch.empty(numel, dtype=pieces[0][1].dtype)
+        covered = 0
+        for piece, tensor in pieces:
+            if (piece.shard[2] if piece.shard else 0) == index:
+                flat[piece.lo:piece.hi] = tensor
+                covered += piece.hi - piece.lo
+        if covered != numel:
+            raise ValueError(f"{where}: {first.name}/{first.kind} shard {index} has {covered} of {numel} elements; the checkpoint is incomplete")
+        shards.append(flat.view(shard_shape))
+    if not first.shard:
+        return shards[0]
+    return unshard(shards, ShardSpec(first.shard[0], first.shard[1]))
