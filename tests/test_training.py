@@ -97,3 +97,9 @@ def test_wandb_run_is_resumed_after_restart(tmp_path):
     assert first.wandb_run_id and first.wandb_run_id == second.wandb_run_id
     assert read_run(second.wandb_dir.rsplit("/files", 1)[0])["history"][0]["_step"] == 3
     assert "hidden_size: 64" in (tmp_path / "ckpt" / "iter_0000004" / "config.yaml").read_text()
+
+
+def test_profile_steps_write_a_chrome_trace(tmp_path):
+    pretrain(tiny_config(train={"train_iters": 3}, logging={"profile_steps": [2, 3], "profile_dir": str(tmp_path)}))
+    trace = tmp_path / "rank0_steps2-3.pt.trace.json"
+    assert trace.is_file() and "megalite step 3" in trace.read_text()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, choose_checkpoint, load_checkpoint, rng_state, set_rng_state
 from megalite.checkpoint.sharded_state import ShardedState
-from megalite.config import Config, validate
+from megalite.config import Config, ConfigError, validate
 from megalite.config_cli import dump_yaml
 from megalite.data.build import build_training_data, tokenizer_from_config
 from megalite.data.loader import micro_batches
@@ -29,6 +29,7 @@ from megalite.training.loss_scaler import LossScaler
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter
 from megalite.training.optimizer import build_optimizer, set_learning_rate
+from megalite.training.profiling import Profiler, profile_config_errors
 from megalite.parallel.schedules import Trace
 from megalite.training.step import StepResult, train_step
 from megalite.training.trace import write_chrome_trace
@@ -72,7 +73,8 @@ class Run:
         self.state.wandb_run_id = self.writer.wandb_run_id
         self.flops_per_token = training_flops_per_token(cfg.model)
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
-        self.saved_step, self.diverged_in_a_row, self.stop_signal = -1, 0, None
+        self.profiler = Profiler(cfg.logging, topology.rank, topology.device)
+        self.saved_step, self.diverged_in_a_row = -1, 0
         self.result = RunResult()
 
     def _resume(self) -> tuple[Path | None, list[str]]:
@@ -116,7 +118,9 @@ class Run:
                 step = self.state.step + 1
                 set_learning_rate(self.optimizer, learning_rate(step, cfg.optim, cfg.train.train_iters))
                 batches = [next(stream) for _ in range(per_step)]
+                self.profiler.step_started(step)
                 result = train_step(self.model, self.optimizer, self.scaler, self.reducer, batches, t, cfg.train.precision, cfg.optim.clip_grad, self.pipeline)
+                self.profiler.step_finished(step)
                 self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
                 self.state.loss_scaler = self.scaler.state_dict()
                 self._after_step(step, start, result)
@@ -192,6 +196,7 @@ class Run:
             self._save()
         if self.checkpointer:
             self.checkpointer.wait()
+        self.profiler.close()
         self.result.final_step = step
         if self.writer.wandb_run:
             self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_run.dir, self.writer.wandb_run.id
@@ -253,7 +258,10 @@ def pretrain(cfg: Config) -> RunResult:
     Works on a copy of `cfg`: the tokenizer fills in model.vocab_size for this run only.
     """
     cfg = copy.deepcopy(cfg)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    validate(cfg, world)
+    if profile_config_errors(cfg.logging, world):
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(profile_config_errors(cfg.logging, world)))
     created = not dist.is_initialized()
     topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes, cfg.parallel.tp, cfg.parallel.pp)
     try:
@@ -262,6 +270,7 @@ def pretrain(cfg: Config) -> RunResult:
         try:
             result = run.train()
         except BaseException as error:
+            run.profiler.close()
             run.writer.close(exit_code=1)
             if isinstance(error, RuntimeError) and "timed out" in str(error).lower():
                 raise RuntimeError(f"rank {topology.rank}: a collective timed out after parallel.timeout_minutes={cfg.parallel.timeout_minutes}; "
