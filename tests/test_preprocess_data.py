@@ -263,8 +263,8 @@ def test_a_dead_worker_fails_the_run_promptly(tmp_path, gpt2_flags, texts):
     assert final_files(tmp_path) == []
 
 
-@pytest.mark.skipif(multiprocessing.get_start_method() != "fork", reason="workers inherit the patch only when forked")
 def test_a_worker_exception_fails_the_run(tmp_path, gpt2_flags, texts, monkeypatch):
+    assert multiprocessing.get_start_method() == "fork", "the workers must inherit the patch below (Linux default start method)"
     def broken(*args):
         raise RuntimeError("injected worker failure")
 
