@@ -90,7 +90,8 @@ class GPTModel(nn.Module):
             untied_head = self.stage.has_head and not (m.tied and self.stage.has_embedding)
             self.lm_head = ColumnParallelLinear(m.hidden_size, m.padded_vocab_size, self.tp, bias=False) if untied_head else None
         self.to_empty(device=device)
-        init_parameters(self, cfg.train.seed, m, parameter_shards(self), self.tp.rank, self.tp.size, self.aliases())
+        if device.type != "meta":  # a meta build is for shapes and counts (planner, tests): nothing to draw
+            init_parameters(self, cfg.train.seed, m, parameter_shards(self), self.tp.rank, self.tp.size, self.aliases())
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def aliases(self) -> dict[str, str]:

@@ -51,6 +51,7 @@ class RunResult:
 class Run:
     def __init__(self, cfg: Config, topology: Topology) -> None:
         self.cfg, self.topology = cfg, topology
+        self.profiler = Profiler(cfg.logging, topology.rank, topology.device)  # first: a memory snapshot then sees every allocation
         self.gbs = cfg.batch_size(topology.world_size)
         tokenizer = tokenizer_from_config(cfg.data, cfg.model.vocab_size)
         if tokenizer is not None:
@@ -73,7 +74,6 @@ class Run:
         self.state.wandb_run_id = self.writer.wandb_run_id
         self.flops_per_token = training_flops_per_token(cfg.model)
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
-        self.profiler = Profiler(cfg.logging, topology.rank, topology.device)
         self.saved_step, self.diverged_in_a_row = -1, 0
         self.result = RunResult()
 
