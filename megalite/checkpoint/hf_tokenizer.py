@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import sentencepiece
-from tokenizers import models, normalizers
+from tokenizers import Regex, models, normalizers
 from sentencepiece import sentencepiece_model_pb2
 
 from megalite.config import DataConfig
@@ -24,14 +24,13 @@ from megalite.data.tokenizers import SentencePieceTokenizer
 TOKENIZER_DIR = "tokenizer"
 
 
-def _resolved(data: DataConfig, source: str) -> DataConfig:
-    """`data` with its tokenizer paths checked: they are relative to the directory training ran in."""
+def _check_paths(data: DataConfig, source: str) -> None:
+    """The tokenizer files exist (relative paths are relative to the directory training ran in)."""
     for name in ("vocab_file", "merge_file", "tokenizer_model"):
         path = getattr(data, name)
         if path is not None and not os.path.exists(path):
             raise FileNotFoundError(f"{source}: data.{name}={path} does not exist (relative paths are taken from the current "
                                     "directory: run the conversion where training ran, or fix the path in config.yaml)")
-    return data
 
 
 def hf_tokenizer(data: DataConfig, vocab_size: int, source: str):
@@ -41,45 +40,55 @@ def hf_tokenizer(data: DataConfig, vocab_size: int, source: str):
 
     if data.tokenizer_type in (None, "NullTokenizer"):
         return None
-    data = _resolved(data, source)
+    _check_paths(data, source)
     if data.tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(data.tokenizer_model):
         return transformers.AutoTokenizer.from_pretrained(data.tokenizer_model, local_files_only=True)
     ours = tokenizer_from_config(data, vocab_size)
     if isinstance(ours, SentencePieceTokenizer):
         return _sentencepiece_as_llama(data.tokenizer_model)
-    eod = ours._backend.id_to_token(ours.eod)  # GPT-2 BPE or a bare tokenizer.json: wrap the same backend
+    # GPT-2 BPE or a bare tokenizer.json: wrap the very tokenizers object megalite encoded with
+    eod = ours._backend.id_to_token(ours.eod)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=ours._backend, bos_token=eod, eos_token=eod, unk_token=eod)
 
 
 def _sentencepiece_as_llama(model_file: str):
-    """A LlamaTokenizer giving SentencePiece's own ids for a Llama-style (BPE, byte-fallback) model.
+    """An HF tokenizer giving SentencePiece's own ids for a SentencePiece BPE model.
 
     transformers converts the .model when it loads a directory holding it as tokenizer.model, but
-    orders the BPE merges by piece id and splits words with a Metaspace pre-tokenizer. SentencePiece
-    merges by piece score, and Llama/Mistral models give their whitespace pieces ("▁▁", "▁▁▁", ...)
-    low ids but the lowest scores, so text with runs of spaces (indented verse) or a leading space
-    tokenized differently. The model is rebuilt the way Llama's own tokenizer.json is: merges by
-    score, the dummy prefix and spaces as "▁" in the normalizer, no pre-tokenizer.
+    orders the BPE merges by piece id, splits words with a Metaspace pre-tokenizer and drops the
+    model's normalisation. SentencePiece merges by piece score, and Llama/Mistral models give their
+    whitespace pieces ("▁▁", "▁▁▁", ...) low ids but the lowest scores, so text with runs of spaces
+    (indented verse) or a leading space tokenized differently. The model is rebuilt the way Llama's
+    own tokenizer.json is (merges by score, no pre-tokenizer) with SentencePiece's normaliser
+    steps: its character map, whitespace collapsing, dummy prefix, spaces as "▁"; unknown
+    characters fused into one <unk> as SentencePiece does. It is saved as a plain tokenizers-backed
+    tokenizer: LlamaTokenizer would impose its own pre-tokenizer again when loaded.
     """
     import transformers
     from transformers.tokenization_utils_base import generate_merges
 
+    proto = sentencepiece_model_pb2.ModelProto.FromString(Path(model_file).read_bytes())
+    if proto.trainer_spec.model_type != proto.trainer_spec.BPE:
+        kind = proto.trainer_spec.ModelType.Name(proto.trainer_spec.model_type)
+        raise ValueError(f"data.tokenizer_model={model_file} is a SentencePiece {kind} model; exporting it to Hugging Face "
+                         "is supported for BPE models (Llama, Mistral) only")
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(model_file, Path(tmp) / "tokenizer.model")
         tokenizer = transformers.LlamaTokenizer.from_pretrained(tmp, local_files_only=True)
-    backend, spec = tokenizer.backend_tokenizer, sentencepiece_model_pb2.ModelProto.FromString(Path(model_file).read_bytes())
-    if not isinstance(backend.model, models.BPE):  # a unigram model: transformers keeps SentencePiece's scores
-        return tokenizer
+    backend = tokenizer.backend_tokenizer
     sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
-    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    merges = generate_merges({p: i for i, p in enumerate(pieces)}, {p: sp.get_score(i) for i, p in enumerate(pieces)})
-    old = backend.model
-    backend.model = models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token=old.unk_token, fuse_unk=old.fuse_unk,
-                               byte_fallback=old.byte_fallback)
-    prefix = [normalizers.Prepend("▁")] if spec.normalizer_spec.add_dummy_prefix else []
-    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    merges = generate_merges(vocab, {piece: sp.get_score(i) for piece, i in vocab.items()})
+    backend.model = models.BPE(vocab, merges, unk_token=sp.id_to_piece(sp.unk_id()), fuse_unk=True,
+                               byte_fallback=backend.model.byte_fallback)
+    spec = proto.normalizer_spec
+    collapse = [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")] if spec.remove_extra_whitespaces else []
+    prefix = [normalizers.Prepend("▁")] if spec.add_dummy_prefix else []
+    charsmap = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    backend.normalizer = normalizers.Sequence([*charsmap, *collapse, *prefix, normalizers.Replace(" ", "▁")])
     backend.pre_tokenizer = None
-    return tokenizer
+    special = {f"{name}_token": getattr(tokenizer, f"{name}_token") for name in ("bos", "eos", "unk")}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **special)
 
 
 def has_tokenizer(directory: Path) -> bool:
