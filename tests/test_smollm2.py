@@ -44,7 +44,8 @@ def test_perplexity_on_shakespeare_equals_transformers(smollm2, assets):
     with torch.no_grad():
         ours = math.exp(model(tokens[:, :-1], tokens[:, 1:]).mean().item())
         theirs = math.exp(hf(tokens, labels=tokens).loss.item())
-    print(f"SmolLM2-135M perplexity on {tokens.shape[1]} Shakespeare tokens: megalite {ours:.4f}, transformers {theirs:.4f}")
+    print(f"SmolLM2-135M perplexity on {tokens.shape[1]} Shakespeare tokens: megalite {ours:.6f}, transformers {theirs:.6f} "
+          f"(relative difference {abs(ours / theirs - 1):.1e})")
     assert ours == pytest.approx(theirs, rel=1e-3)
     assert theirs < 100  # a trained model: uniform guessing over 49152 tokens would be 49152
 
