@@ -50,9 +50,9 @@ def load_model(path: str | Path, device: torch.device) -> tuple[GPTModel, Config
     tokenizer (None when its config names none)."""
     cfg, tensors = read_model_tensors(path)
     cfg.train.recompute = "none"
-    model = GPTModel(cfg, device)
-    model.load_state_dict(tensors)
-    return model.eval(), cfg, tokenizer_from_config(cfg.data, cfg.model.vocab_size)
+    model = GPTModel(cfg, torch.device("meta"))  # nothing to initialise: every weight comes from the checkpoint
+    model.load_state_dict(tensors, assign=True)
+    return model.to(device).eval(), cfg, tokenizer_from_config(cfg.data, cfg.model.vocab_size)
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
