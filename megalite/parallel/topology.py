@@ -37,9 +37,22 @@ def init_process_group(device: torch.device, timeout_minutes: float = 10.0) -> N
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(minutes=timeout_minutes)
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **_attempt_store(timeout))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _attempt_store(timeout: timedelta) -> dict:
+    """Under torchrun the workers share the agent's store, and a restarted worker group
+    (`--max-restarts`) gets the same store back with the failed attempt's keys still in it
+    (peer addresses, barrier counters): a new worker can read a dead peer's address and fail or
+    hang at start. Each attempt therefore works under its own key prefix."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"megalite/attempt_{attempt}", agent), "rank": rank, "world_size": world_size}
 
 
 def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
@@ -47,13 +60,14 @@ def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
     return torch.arange(world_size).view(pp, world_size // (tp * pp), tp)
 
 
-def _groups_along(grid: torch.Tensor, rank: int, keep: tuple[int, ...]) -> dist.ProcessGroup:
+def _groups_along(grid: torch.Tensor, rank: int, keep: tuple[int, ...], timeout: timedelta | None = None) -> dist.ProcessGroup:
     """Create every group that varies only along grid dims `keep` (all ranks must call this in the same
-    order) and return the one holding `rank`."""
+    order) and return the one holding `rank`. `timeout`: torch gives new groups its 30-minute default,
+    not the world group's, so the collective timeout must be passed to each."""
     moved = grid.permute(*[d for d in range(3) if d not in keep], *keep)
     mine = None
     for ranks in moved.reshape(-1, math.prod(grid.shape[d] for d in keep)).tolist():
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine
@@ -71,6 +85,7 @@ class Topology:
     device: torch.device
     tp: int = 1
     pp: int = 1
+    timeout_minutes: float | None = None  # collective timeout of the groups (None: torch's default)
     tp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
@@ -80,12 +95,13 @@ class Topology:
     def __post_init__(self) -> None:
         grid = rank_grid(self.world_size, self.tp, self.pp)
         self.pp_rank, self.dp_rank, self.tp_rank = ((grid == self.rank).nonzero()[0]).tolist()
-        self.tp_group = _groups_along(grid, self.rank, (2,))
-        self.dp_group = _groups_along(grid, self.rank, (1,))
-        self.pp_group = _groups_along(grid, self.rank, (0,))
-        self.mp_group = _groups_along(grid, self.rank, (0, 2))
+        timeout = timedelta(minutes=self.timeout_minutes) if self.timeout_minutes is not None else None
+        self.tp_group = _groups_along(grid, self.rank, (2,), timeout)
+        self.dp_group = _groups_along(grid, self.rank, (1,), timeout)
+        self.pp_group = _groups_along(grid, self.rank, (0,), timeout)
+        self.mp_group = _groups_along(grid, self.rank, (0, 2), timeout)
         if self.pp > 1:
-            self.embedding_group = _groups_along(grid[[0, -1]], self.rank, (0,))
+            self.embedding_group = _groups_along(grid[[0, -1]], self.rank, (0,), timeout)
         self.next_rank = int(grid[(self.pp_rank + 1) % self.pp, self.dp_rank, self.tp_rank])
         self.prev_rank = int(grid[(self.pp_rank - 1) % self.pp, self.dp_rank, self.tp_rank])
 
@@ -111,7 +127,7 @@ class Topology:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = pick_device(device_preference, local_rank)
         init_process_group(device, timeout_minutes)
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, tp=tp, pp=pp)
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, tp=tp, pp=pp, timeout_minutes=timeout_minutes)
 
 
 def synchronize(device: torch.device) -> None:
