@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as safetensors_bytes
+from safetensors.torch import save_file
 
 from megalite.checkpoint.sharded_state import Piece, assemble
 
@@ -56,21 +56,16 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_bytes(path: Path, blob: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tensor]], rng: dict[str, torch.Tensor] | None) -> None:
     """One rank's share of a checkpoint (runs in a background thread under async save)."""
     name = f"rank_{rank:05d}.safetensors"
     files, listed = {}, []
     if pieces:
-        blob = safetensors_bytes({str(i): t.contiguous() for i, (_, t) in enumerate(pieces)})
-        _write_bytes(tmp / name, blob)
-        files[name] = {"bytes": len(blob), "crc32": zlib.crc32(blob)}
+        path = tmp / name
+        save_file({str(i): t.contiguous() for i, (_, t) in enumerate(pieces)}, str(path))  # streams, releasing the GIL
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        files[name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
         listed = [{**piece.to_json(), "file": name, "key": str(i)} for i, (piece, _) in enumerate(pieces)]
     if rng is not None:
         (tmp / "rng").mkdir(exist_ok=True)

@@ -86,8 +86,14 @@ class ShardedState:
         return shape
 
     def shapes(self) -> dict[str, list[int]]:
-        """Global shapes of the parameters this rank holds, by stored name."""
-        return {e.stored: self.global_shape(e) for e in self.entries}
+        """Global shapes of every parameter this rank holds (whoever owns its optimizer shard), by stored name."""
+        shapes = {}
+        for local, stored, param in self.params:
+            shape, spec = list(param.shape), self.specs.get(local) if self.tp.size > 1 else None
+            if spec is not None:
+                shape[spec.dim] *= self.tp.size
+            shapes[stored] = shape
+        return shapes
 
     def _writes(self, entry: Entry) -> bool:
         """Each element is written once: TP-replicated tensors by TP rank 0, DP replicas by DP rank 0
