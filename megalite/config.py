@@ -15,11 +15,23 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+import torch
+
 from megalite.parallel.pipeline_layout import chunk_layer_counts
 
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix; the message says which field and how."""
+
+    @classmethod
+    def raise_if(cls, errors: list[str]) -> None:
+        """Raise one error listing every problem at once, if there is any."""
+        if errors:
+            raise cls("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+# What train.precision, train.param_dtype and parallel.grad_reduce_dtype name.
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -203,9 +215,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 
 def validate(cfg: Config, world_size: int) -> None:
     """Raise ConfigError listing every problem at once, each with its fix."""
-    errors = [e for check in _CHECKS for e in check(cfg, world_size)]
-    if errors:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    ConfigError.raise_if([e for check in _CHECKS for e in check(cfg, world_size)])
 
 
 def _check_model(cfg: Config, world_size: int) -> list[str]:
@@ -335,9 +345,30 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
 
 
 def _check_logging(cfg: Config, world_size: int) -> list[str]:
+    errors = profile_config_errors(cfg.logging, world_size)
     if cfg.logging.log_interval < 1:
-        return [f"logging.log_interval={cfg.logging.log_interval} must be >= 1"]
-    return []
+        errors.append(f"logging.log_interval={cfg.logging.log_interval} must be >= 1")
+    return errors
+
+
+def profile_config_errors(cfg: LoggingConfig, world_size: int | None = None) -> list[str]:
+    """Problems with the profiling fields, each with its fix (also checked by megalite.training.profiling.Profiler); ranks
+    are checked against the world size when it is given."""
+    errors = []
+    steps = cfg.profile_steps
+    if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+        errors.append(f"logging.profile_steps={steps} must be [first, last] with 1 <= first <= last, e.g. [5, 6]")
+    ranks = profile_ranks(cfg)
+    bad = [r for r in ranks if r < 0 or (world_size is not None and r >= world_size)]
+    if bad:
+        errors.append(f"logging.profile_ranks={ranks} lists ranks outside the job (world size {world_size}); use 0..world size - 1")
+    if cfg.memory_snapshot and len(ranks) > 1 and "{rank}" not in cfg.memory_snapshot:
+        errors.append(f"logging.memory_snapshot={cfg.memory_snapshot} is written by {len(ranks)} ranks; put '{{rank}}' in the path")
+    return errors
+
+
+def profile_ranks(cfg: LoggingConfig) -> list[int]:
+    return [0] if cfg.profile_ranks is None else cfg.profile_ranks
 
 
 _CHECKS = (_check_model, _check_parallel, _check_train, _check_optim, _check_data, _check_checkpoint, _check_logging)

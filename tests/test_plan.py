@@ -15,8 +15,8 @@ from megalite.parallel.layers import TPContext
 from megalite.parallel.topology import Topology
 from megalite.planning.memory import chunk_activation_bytes, peak_activations, stage_memory, state_bytes
 from megalite.planning.parameters import rank_parameters, stage_layout
-from megalite.training.build import build_rank_model
-from megalite.training.step import DTYPES, precision_context
+from megalite.training.build import build_model, build_rank_model
+from megalite.training.step import precision_context
 from tools import plan as plan_tool
 from tools.memory_report import rank_memory
 
@@ -95,10 +95,7 @@ def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: tor
 
 def one_device_model(cfg: Config, pp_rank: int = 0) -> GPTModel:
     """Stage `pp_rank`'s model at tp=1 in train.param_dtype, as training/build.py makes it, without a process group."""
-    model = GPTModel(cfg, torch.device("cpu"), TPContext(), stage_layout(cfg, pp_rank))
-    for param in model.parameters():
-        param.data = param.data.to(DTYPES[cfg.train.param_dtype])
-    return model.train()
+    return build_model(cfg, torch.device("cpu"), TPContext(), pp_rank).train()
 
 
 PRECISIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]  # (train.precision, train.param_dtype)

@@ -34,6 +34,7 @@ from megalite.data.batches import Batch, BatchMaker
 from megalite.data.mock import MockDataset
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
+from megalite.planning.memory import state_bytes
 from megalite.training.build import build_rank_model
 from megalite.training.loss_scaler import LossScaler
 from megalite.training.optimizer import build_optimizer
@@ -113,20 +114,14 @@ def run_layout(cfg: Config, world_size: int) -> list[dict[str, int]]:
     return run_on_ranks(world_size, rank_memory, cfg)
 
 
-def expected_bytes(param_dtype: str, dp: int, distributed: bool) -> float:
-    """Bytes per parameter by the accounting above: parameters + fp32 grads + fp32 main copy (when
-    parameters are not fp32) + Adam's two fp32 moments, the last two divided by dp when sharded."""
-    param, main = (4, 0) if param_dtype == "fp32" else (2, 4)
-    return param + 4 + (main + 8) / (dp if distributed else 1)
-
-
-def row(dp: int, distributed: bool, ranks: list[dict[str, int]], param_dtype: str) -> str:
+def row(cfg: Config, dp: int, ranks: list[dict[str, int]]) -> str:
     """The rank with the most bytes (the one that must fit), and the spread of totals over ranks."""
     def total(r: dict[str, int]) -> int:
         return sum(r[c] for c in CATEGORIES)
 
     worst = max(ranks, key=total)
-    expected = expected_bytes(param_dtype, dp, distributed)
+    expected = sum(state_bytes(cfg, 1, dp))  # the planner's accounting (megalite/planning/memory.py)
+    distributed = cfg.parallel.distributed_optimizer
     mib = " | ".join(f"{worst[c] / 2**20:.1f}" for c in CATEGORIES)
     spread = f"{min(map(total, ranks)) / 2**20:.1f}-{total(worst) / 2**20:.1f}"
     return (f"| {dp} | {'on' if distributed else 'off'} | {worst['rank']} | {worst['numel'] / 1e6:.2f}M | {mib} "
@@ -147,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = build_config(args, dp, distributed)
             world_size = args.tp * args.pp * dp
             validate(cfg, world_size)
-            print(row(dp, distributed, run_layout(cfg, world_size), args.param_dtype), flush=True)
+            print(row(cfg, dp, run_layout(cfg, world_size)), flush=True)
 
 
 if __name__ == "__main__":

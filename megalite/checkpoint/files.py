@@ -73,6 +73,12 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tenso
     atomic_write_text(tmp / f"rank_{rank:05d}.json", json.dumps({"files": files, "pieces": listed}))
 
 
+def write_run_files(tmp: Path, config_yaml: str, state: dict[str, Any]) -> None:
+    """The run's config and training state (rank 0's share of a checkpoint)."""
+    (tmp / "config.yaml").write_text(config_yaml)
+    (tmp / "state.json").write_text(json.dumps({"format_version": FORMAT_VERSION, **state}, indent=2))
+
+
 def finalize(tmp: Path, final: Path, keep_last: int | None = None) -> None:
     """Merge the ranks' listings into index.json, make the directory durable, publish it, and prune."""
     files, pieces = {}, []

@@ -47,8 +47,8 @@ def hf_tokenizer(data: DataConfig, vocab_size: int, source: str):
     if isinstance(ours, SentencePieceTokenizer):
         return _sentencepiece_as_llama(data.tokenizer_model)
     # GPT-2 BPE or a bare tokenizer.json: wrap the very tokenizers object megalite encoded with
-    eod = ours._backend.id_to_token(ours.eod)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=ours._backend, bos_token=eod, eos_token=eod, unk_token=eod)
+    eod = ours.backend.id_to_token(ours.eod)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token=eod, eos_token=eod, unk_token=eod)
 
 
 def _sentencepiece_as_llama(model_file: str):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.files import (LATEST, CheckpointReader, complete_iterations, finalize, iteration_dir, problem_with,
-                                       write_rank_files)
+                                       write_rank_files, write_run_files)
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.parallel.random import RNGTracker
 from megalite.parallel.topology import Topology
@@ -87,8 +87,7 @@ class Checkpointer:
             for stale in self.root.glob("iter_*.tmp"):  # left by a crash mid-save
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
-            (tmp / "config.yaml").write_text(config_yaml)
-            (tmp / "state.json").write_text(json.dumps({"format_version": 2, **state.__dict__}, indent=2))
+            write_run_files(tmp, config_yaml, state.__dict__)
         dist.barrier()
         pieces = [(piece, tensor.to("cpu", copy=True)) for piece, tensor in sharded.pieces()]
         rng = {k: v.clone() for k, v in rng.items()}
@@ -112,7 +111,7 @@ class Checkpointer:
         if self.pending is None:
             return None
         running = self.pending.thread is not None and self.pending.thread.is_alive()
-        return self._publish_if(self._all_ranks_max(float(running)) == 0)
+        return self._publish_if(self.topology.max_over_ranks([float(running)])[0] == 0)
 
     def wait(self) -> Path | None:
         """Block until the pending save is written everywhere, then publish it (collective)."""
@@ -122,16 +121,11 @@ class Checkpointer:
             self.pending.thread.join()
         return self._publish_if(True)
 
-    def _all_ranks_max(self, value: float) -> float:
-        flag = torch.tensor([value], device=self.topology.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return float(flag.item())
-
     def _publish_if(self, done: bool) -> Path | None:
         if not done:
             return None
         pending, self.pending = self.pending, None
-        if self._all_ranks_max(float(pending.error is not None)):
+        if self.topology.max_over_ranks([float(pending.error is not None)])[0]:
             detail = f": {pending.error!r}" if pending.error is not None else " on another rank (see its log)"
             raise RuntimeError(f"writing checkpoint {pending.final} failed{detail}; the previous checkpoint is intact")
         if self.topology.rank == 0:

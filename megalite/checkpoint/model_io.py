@@ -7,12 +7,11 @@ optimizer or join a torchrun job; these functions read and write the same checkp
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.files import CheckpointReader, finalize, iteration_dir, write_rank_files
+from megalite.checkpoint.files import CheckpointReader, finalize, iteration_dir, write_rank_files, write_run_files
 from megalite.checkpoint.local import TrainingState, choose_checkpoint
 from megalite.checkpoint.sharded_state import MAIN, Piece
 from megalite.config import Config
@@ -49,7 +48,6 @@ def write_model_checkpoint(root: str | Path, cfg: Config, tensors: dict[str, tor
     tmp.mkdir(parents=True, exist_ok=True)
     pieces = [(Piece(name, "model", list(t.shape), None, 0, t.numel()), t.detach().reshape(-1)) for name, t in tensors.items()]
     write_rank_files(tmp, 0, pieces, rng=None)
-    (tmp / "config.yaml").write_text(dump_yaml(cfg))
-    (tmp / "state.json").write_text(json.dumps({"format_version": 2, **TrainingState(step, 0).__dict__}, indent=2))
+    write_run_files(tmp, dump_yaml(cfg), TrainingState(step, 0).__dict__)
     finalize(tmp, final)
     return final

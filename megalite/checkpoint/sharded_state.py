@@ -76,30 +76,24 @@ class ShardedState:
             lo, hi = getattr(main, "owner_range", (0, param.numel()))
             self.entries.append(Entry(local, aliases.get(local, local), param, main, order[id(main)], lo, hi, local in aliases))
 
-    def _spec(self, entry: Entry) -> ShardSpec | None:
-        return self.specs.get(entry.local) if self.tp.size > 1 else None
+    def _spec(self, local: str) -> ShardSpec | None:
+        return self.specs.get(local) if self.tp.size > 1 else None
 
-    def global_shape(self, entry: Entry) -> list[int]:
-        shape, spec = list(entry.param.shape), self._spec(entry)
+    def _global_shape(self, local: str, param: nn.Parameter) -> list[int]:
+        shape, spec = list(param.shape), self._spec(local)
         if spec is not None:
             shape[spec.dim] *= self.tp.size
         return shape
 
     def shapes(self) -> dict[str, list[int]]:
         """Global shapes of every parameter this rank holds (whoever owns its optimizer shard), by stored name."""
-        shapes = {}
-        for local, stored, param in self.params:
-            shape, spec = list(param.shape), self.specs.get(local) if self.tp.size > 1 else None
-            if spec is not None:
-                shape[spec.dim] *= self.tp.size
-            shapes[stored] = shape
-        return shapes
+        return {stored: self._global_shape(local, param) for local, stored, param in self.params}
 
     def _writes(self, entry: Entry) -> bool:
         """Each element is written once: TP-replicated tensors by TP rank 0, DP replicas by DP rank 0
         (or, under the distributed optimizer, every DP rank its own range), tied copies by their owner."""
         t = self.topology
-        replicated_tp = self._spec(entry) is None and t.tp_rank != 0
+        replicated_tp = self._spec(entry.local) is None and t.tp_rank != 0
         return not entry.alias and not replicated_tp and (self.distributed or t.dp_rank == 0)
 
     def pieces(self) -> list[tuple[Piece, torch.Tensor]]:
@@ -108,9 +102,9 @@ class ShardedState:
         for e in self.entries:
             if not self._writes(e):
                 continue
-            spec = self._spec(e)
+            spec = self._spec(e.local)
             where = [spec.dim, spec.blocks, self.tp.rank, self.tp.size] if spec else None
-            shape = self.global_shape(e)
+            shape = self._global_shape(e.local, e.param)
 
             def add(kind: str, tensor: torch.Tensor, lo: int = e.lo, hi: int = e.hi, shape: list[int] = shape, where=where) -> None:
                 out.append((Piece(e.stored, kind, shape, where, lo, hi), tensor.detach().reshape(-1)))
@@ -135,8 +129,7 @@ class ShardedState:
         for local, stored, param in self.params:
             best = read(stored, MAIN)  # fp32 main weights are the exact ones when saved
             best = read(stored, "model") if best is None else best
-            spec = self.specs.get(local) if self.tp.size > 1 else None
-            param.data.copy_((shard(best, spec, self.tp.rank, self.tp.size) if spec is not None else best).view_as(param))
+            param.data.copy_(self._tp_part(local, best).view_as(param))
             for e in stepped.get(id(param), []):
                 e.main.data.copy_(self._local(e, best).view_as(e.main))
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -150,11 +143,14 @@ class ShardedState:
         self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
         return True
 
-    def _local(self, entry: Entry, full: torch.Tensor, whole: bool = False) -> torch.Tensor:
-        """This rank's TP shard of a global tensor, flattened to its stepped range unless `whole`."""
-        spec = self._spec(entry)
-        part = shard(full, spec, self.tp.rank, self.tp.size) if spec is not None else full
-        return part if whole else part.reshape(-1)[entry.lo:entry.hi]
+    def _tp_part(self, local: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor-parallel shard of a global tensor (all of it when not sharded)."""
+        spec = self._spec(local)
+        return shard(full, spec, self.tp.rank, self.tp.size) if spec is not None else full
+
+    def _local(self, entry: Entry, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a global tensor, flattened to the entry's stepped range."""
+        return self._tp_part(entry.local, full).reshape(-1)[entry.lo:entry.hi]
 
 
 def assemble(pieces: list[tuple[Piece, torch.Tensor]], where: str) -> torch.Tensor:

@@ -76,6 +76,11 @@ class _RustTokenizer(Tokenizer):
     def eod(self) -> int:
         return self._eod
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The Rust tokenizer itself (exported as-is to Hugging Face directories)."""
+        return self._backend
+
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 

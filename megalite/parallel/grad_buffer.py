@@ -21,6 +21,7 @@ for a bucket only where it first uses one of its parameters (`wait_for`).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -145,14 +146,14 @@ class GradBuffer:
 
     def wait_for(self, params: list[nn.Parameter]) -> None:
         """Block until the gathers that update `params` are done (no-op when none is in flight)."""
-        for param in params:
-            bucket = self.bucket_of.get(id(param))
-            if bucket is not None and bucket.gather is not None:
-                bucket.gather.wait()
-                bucket.gather = None
+        self._wait_gathers(self.bucket_of[id(p)] for p in params if id(p) in self.bucket_of)
 
     def wait_gathers(self) -> None:
-        for bucket in self.buckets:
+        self._wait_gathers(self.buckets)
+
+    @staticmethod
+    def _wait_gathers(buckets: Iterable[Bucket]) -> None:
+        for bucket in buckets:
             if bucket.gather is not None:
                 bucket.gather.wait()
                 bucket.gather = None

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.config import ParallelConfig
+from megalite.config import TORCH_DTYPES, ParallelConfig
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.layers import parameter_shards
 from megalite.parallel.topology import Topology
@@ -62,9 +62,8 @@ class GradientReducer:
         self.tied = [p for n, p in model.named_parameters() if n in tied]
         self.counted = {id(p) for n, p in model.named_parameters() if n not in copies and (n in shards or topology.tp_rank == 0)}
         held = frozenset(id(p) for p in self.tied)
-        grad_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.grad_reduce_dtype]
         self.buffers = [GradBuffer(params, cfg.bucket_size, topology.dp_group, topology.dp, topology.dp_rank,
-                                   self.distributed, cfg.overlap_grad_reduce, held, grad_dtype) for params in chunks if params]
+                                   self.distributed, cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype]) for params in chunks if params]
         self.main, self._grad_views, self._copies = self._main_tensors()
         self.gather_in_background = self.distributed and cfg.overlap_param_gather
         if self.gather_in_background:
@@ -152,11 +151,7 @@ class GradientReducer:
 
     def any_overflow(self, found: bool) -> bool:
         """Whether any rank found inf/nan, so all ranks skip the same steps."""
-        if self.topology.world_size == 1:
-            return found
-        flag = torch.tensor([float(found)], device=self.topology.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(self.topology.max_over_ranks([float(found)])[0])
 
     def after_step(self) -> None:
         """Write fp32 main weights back into bf16/fp16 parameters and share updated shards (distributed

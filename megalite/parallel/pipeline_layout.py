@@ -10,6 +10,10 @@ two chunks hold fewer layers to balance that extra work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megalite.config import Config
 
 
 def chunk_layer_counts(num_layers: int, chunks: int, first: int | None = None, last: int | None = None) -> list[int]:
@@ -51,3 +55,11 @@ class StageLayout:
 
     def is_last_chunk(self, chunk: int) -> bool:
         return self.has_head and chunk == len(self.chunks) - 1
+
+
+def stage_layout(cfg: "Config", pp_rank: int) -> StageLayout:
+    """Pipeline rank `pp_rank`'s layout as the config asks (the whole model when parallel.pp = 1)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return StageLayout.single(cfg.model.num_layers)
+    return StageLayout.for_rank(cfg.model.num_layers, p.pp, p.vp, pp_rank, p.first_stage_layers, p.last_stage_layers)

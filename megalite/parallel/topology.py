@@ -122,6 +122,15 @@ class Topology:
         """The last rank: it sits on the last pipeline stage, where the loss is known."""
         return self.rank == self.world_size - 1
 
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over every rank, in one collective: how ranks agree on flags (any rank's
+        overflow, SIGTERM or finished write counts for all)."""
+        if self.world_size == 1:
+            return values
+        flags = torch.tensor(values, dtype=torch.float32, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags.tolist()
+
     @classmethod
     def from_environment(cls, device_preference: str = "auto", timeout_minutes: float = 10.0, tp: int = 1, pp: int = 1) -> "Topology":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from megalite.config import Config
 from megalite.parallel.schedules import schedule_ops
 from megalite.planning.activations import _BYTES, embedding_bytes, head_bytes, layer_bytes
-from megalite.planning.parameters import Parameters, rank_parameters, stage_layout
+from megalite.parallel.pipeline_layout import stage_layout
+from megalite.planning.parameters import Parameters, rank_parameters
 
 
 @dataclass(frozen=True)

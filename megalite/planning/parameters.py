@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import Config, ModelConfig
-from megalite.parallel.pipeline_layout import StageLayout
+from megalite.parallel.pipeline_layout import stage_layout
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,6 @@ def head_parameters(m: ModelConfig, tp: int = 1, with_output_layer: bool = True)
     """The final norm, and the LM head unless it is the (tied) word embedding on the same rank."""
     norm = 2 * m.hidden_size if m.family == "gpt2" else m.hidden_size
     return _params(tp, [m.padded_vocab_size * m.hidden_size] if with_output_layer else [], [norm])
-
-
-def stage_layout(cfg: Config, pp_rank: int) -> StageLayout:
-    p = cfg.parallel
-    if p.pp == 1:
-        return StageLayout.single(cfg.model.num_layers)
-    return StageLayout.for_rank(cfg.model.num_layers, p.pp, p.vp, pp_rank, p.first_stage_layers, p.last_stage_layers)
 
 
 def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:

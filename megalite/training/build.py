@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.config import Config
+import torch
+
+from megalite.config import TORCH_DTYPES, Config
 from megalite.model.gpt import GPTModel
 from megalite.parallel.grads import GradientReducer
 from megalite.parallel.layers import TPContext
-from megalite.parallel.pipeline_layout import StageLayout
+from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.topology import Topology
-from megalite.training.step import DTYPES, Pipeline
+from megalite.training.step import Pipeline
 
 TIED = {"embedding.word_embeddings.weight", "lm_head.weight"}
 
@@ -23,16 +25,18 @@ class RankModel:
     pipeline: Pipeline
 
 
+def build_model(cfg: Config, device: torch.device, tp: TPContext, pp_rank: int) -> GPTModel:
+    """Pipeline rank `pp_rank`'s model chunks, its tensor-parallel shards, in train.param_dtype."""
+    model = GPTModel(cfg, device, tp, stage_layout(cfg, pp_rank))
+    for param in model.parameters():  # initialised in fp32 on every layout, then rounded once
+        param.data = param.data.to(TORCH_DTYPES[cfg.train.param_dtype])
+    return model
+
+
 def build_rank_model(cfg: Config, topology: Topology) -> RankModel:
     p = cfg.parallel
     tp = TPContext.from_topology(topology, p.sequence_parallel, cfg.train.seed)
-    if topology.pp > 1:
-        stage = StageLayout.for_rank(cfg.model.num_layers, topology.pp, p.vp, topology.pp_rank, p.first_stage_layers, p.last_stage_layers)
-    else:
-        stage = StageLayout.single(cfg.model.num_layers)
-    model = GPTModel(cfg, topology.device, tp, stage)
-    for param in model.parameters():  # initialised in fp32 on every layout, then rounded once
-        param.data = param.data.to(DTYPES[cfg.train.param_dtype])
+    model = build_model(cfg, topology.device, tp, topology.pp_rank)
     if cfg.train.compile:
         for layer in model.layers.values():
             layer.compile()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, choose_checkpoint, load_checkpoint, rng_state, set_rng_state
 from megalite.checkpoint.sharded_state import ShardedState
-from megalite.config import Config, ConfigError, validate
+from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml
 from megalite.data.build import build_training_data, tokenizer_from_config
 from megalite.data.loader import micro_batches
@@ -29,7 +29,7 @@ from megalite.training.loss_scaler import LossScaler
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter
 from megalite.training.optimizer import build_optimizer, set_learning_rate
-from megalite.training.profiling import Profiler, profile_config_errors
+from megalite.training.profiling import Profiler
 from megalite.parallel.schedules import Trace
 from megalite.training.step import StepResult, train_step
 from megalite.training.trace import write_chrome_trace
@@ -177,8 +177,7 @@ class Run:
         if train.exit_interval is not None and step % train.exit_interval == 0:
             return f"train.exit_interval={train.exit_interval} reached"
         late = train.exit_duration_mins is not None and time.monotonic() - self.started >= 60 * train.exit_duration_mins
-        flags = torch.tensor([float(sigterm.is_set()), float(late)], device=self.topology.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        flags = self.topology.max_over_ranks([float(sigterm.is_set()), float(late)])
         if flags[0]:
             return "SIGTERM received (preemption?): saved to resume later" if self.checkpointer else "SIGTERM received"
         if flags[1]:
@@ -258,10 +257,7 @@ def pretrain(cfg: Config) -> RunResult:
     Works on a copy of `cfg`: the tokenizer fills in model.vocab_size for this run only.
     """
     cfg = copy.deepcopy(cfg)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    validate(cfg, world)
-    if profile_config_errors(cfg.logging, world):
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(profile_config_errors(cfg.logging, world)))
+    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     created = not dist.is_initialized()
     topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes, cfg.parallel.tp, cfg.parallel.pp)
     try:

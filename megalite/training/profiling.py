@@ -20,29 +20,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from megalite.config import ConfigError, LoggingConfig
+from megalite.config import ConfigError, LoggingConfig, profile_config_errors, profile_ranks
 
 _SNAPSHOT_ENTRIES = 100_000  # allocation events kept (the oldest are dropped beyond this)
-
-
-def profile_config_errors(cfg: LoggingConfig, world_size: int | None = None) -> list[str]:
-    """Problems with the profiling fields, each with its fix (for megalite.config.validate); ranks
-    are checked against the world size when it is given."""
-    errors = []
-    steps = cfg.profile_steps
-    if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
-        errors.append(f"logging.profile_steps={steps} must be [first, last] with 1 <= first <= last, e.g. [5, 6]")
-    ranks = profile_ranks(cfg)
-    bad = [r for r in ranks if r < 0 or (world_size is not None and r >= world_size)]
-    if bad:
-        errors.append(f"logging.profile_ranks={ranks} lists ranks outside the job (world size {world_size}); use 0..world size - 1")
-    if cfg.memory_snapshot and len(ranks) > 1 and "{rank}" not in cfg.memory_snapshot:
-        errors.append(f"logging.memory_snapshot={cfg.memory_snapshot} is written by {len(ranks)} ranks; put '{{rank}}' in the path")
-    return errors
-
-
-def profile_ranks(cfg: LoggingConfig) -> list[int]:
-    return [0] if cfg.profile_ranks is None else cfg.profile_ranks
 
 
 class Profiler:
@@ -50,9 +30,7 @@ class Profiler:
     end of the run (also after an error); it does nothing on ranks and steps not asked for."""
 
     def __init__(self, cfg: LoggingConfig, rank: int, device: torch.device) -> None:
-        errors = profile_config_errors(cfg)
-        if errors:
-            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+        ConfigError.raise_if(profile_config_errors(cfg))
         self.rank, self.device = rank, device
         chosen = rank in profile_ranks(cfg)
         self.steps = cfg.profile_steps if chosen else None

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.data.batches import Batch
-from megalite.config import Config
+from megalite.config import TORCH_DTYPES, Config
 from megalite.model.gpt import GPTModel
 from megalite.parallel.grads import GradientReducer
 from megalite.parallel.p2p import PipelineComm
@@ -24,12 +24,10 @@ from megalite.parallel.schedules import StageInfo, Trace, run_schedule
 from megalite.parallel.topology import Topology
 from megalite.training.loss_scaler import LossScaler
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision / param_dtype
-
 
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     if precision != "fp32":
-        return torch.autocast(device.type, dtype=DTYPES[precision])
+        return torch.autocast(device.type, dtype=TORCH_DTYPES[precision])
     return contextlib.nullcontext()
 
 
@@ -64,7 +62,7 @@ class Pipeline:
             return cls(cfg.parallel.pipeline_schedule, stage)
         sharded = cfg.parallel.sequence_parallel and topology.tp > 1
         seq = cfg.model.seq_length // topology.tp if sharded else cfg.model.seq_length
-        comm = PipelineComm(topology, (seq, cfg.train.micro_batch_size, cfg.model.hidden_size), DTYPES[cfg.train.param_dtype])  # the residual stream's dtype
+        comm = PipelineComm(topology, (seq, cfg.train.micro_batch_size, cfg.model.hidden_size), TORCH_DTYPES[cfg.train.param_dtype])  # the residual stream's dtype
         return cls(cfg.parallel.pipeline_schedule, stage, comm)
 
 
