@@ -7,7 +7,7 @@ shade per model chunk, each box labelled with its micro batch.
 
     python tools/plot_pipeline_trace.py trace.json docs/images/interleaved_schedule.png [--step N] [--title TEXT]
 
-Needs matplotlib (pip install matplotlib).
+Needs matplotlib: pip install -e ".[docs]".
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ rank and (pp, dp, tp) coordinates; colour = pipeline stage; a thick outline = on
 
     python tools/plot_rank_grid.py docs/images/rank_grid.png --tp 2 --pp 2 --dp 4 --gpus-per-node 8
 
-Needs matplotlib (pip install matplotlib).
+Needs matplotlib (pip install -e ".[docs]").
 """
 
 from __future__ import annotations
