@@ -1,50 +1,71 @@
-"""Point-to-point transfers between adjacent pipeline ranks.
+"""Point-to-point transfers between pipeline ranks, grouped so that NCCL cannot deadlock.
 
-Shapes come from the config (no handshake). Each schedule step posts all of its sends and
-receives as one batch, activations (to the next rank) before gradients (to the previous
-rank), each kind with its own tag: with pp = 2 both neighbours are the same rank, and this
-order keeps the sender's and the receiver's sequence of messages identical.
+Under NCCL a send or receive blocks its GPU stream until the peer's matching call runs, calls
+on a stream run in the order they were posted, only the calls of one group progress together,
+and messages match in post order (tags are ignored). So every transfer here is part of an
+`Exchange`: one `batch_isend_irecv` over the pipeline group holding all the sends and receives
+of one round of the schedule's communication plan (schedules.py), in an order both sides
+derive from the plan. Shapes come from the config (no handshake).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megalite.parallel.topology import Topology
 
-ACTIVATION, GRADIENT = 1, 2
+
+@dataclass(frozen=True)
+class Message:
+    """One activation ("F", to the next rank) or gradient ("B", to the previous rank) of a micro
+    batch, named by the chunk of the receiving rank that consumes it; src and dst are pipeline ranks."""
+
+    kind: str
+    chunk: int
+    microbatch: int
+    src: int
+    dst: int
+
+
+@dataclass
+class Exchange:
+    """The in-flight batch of one round: wait() before reading what it received."""
+
+    works: list[dist.Work]
+    sent: dict[Message, torch.Tensor] = field(default_factory=dict)
+    received: dict[Message, torch.Tensor] = field(default_factory=dict)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 @dataclass
 class PipelineComm:
+    """The channel between this rank and the other pipeline ranks of its (dp, tp) position."""
+
     topology: Topology
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    def _buffer(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.topology.device, requires_grad=True)
-
-    def communicate(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-                    recv_prev: bool = False, recv_next: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Send/receive in one batch; returns (activation from prev, gradient from next)."""
-        t = self.topology
-        from_prev = self._buffer() if recv_prev else None
-        from_next = self._buffer() if recv_next else None
-        ops = []
-        if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), t.next_rank, tag=ACTIVATION))
-        if from_prev is not None:
-            ops.append(dist.P2POp(dist.irecv, from_prev.data, t.prev_rank, tag=ACTIVATION))
-        if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, send_prev.detach().contiguous(), t.prev_rank, tag=GRADIENT))
-        if from_next is not None:
-            ops.append(dist.P2POp(dist.irecv, from_next.data, t.next_rank, tag=GRADIENT))
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-        if from_next is not None:
-            from_next = from_next.detach()
-        return from_prev, from_next
+    def exchange(self, messages: list[Message], outbox: dict[Message, torch.Tensor]) -> Exchange:
+        """Post one round: send what `outbox` holds for the messages this rank sends, receive the
+        others into new buffers. Every rank lists a round's messages in the same order."""
+        t, ops, result = self.topology, [], Exchange([])
+        for message in messages:
+            if message.src == t.pp_rank:
+                result.sent[message] = tensor = outbox.pop(message).detach().contiguous()
+                ops.append(dist.P2POp(dist.isend, tensor, group=t.pp_group, group_peer=message.dst))
+            else:
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=t.device)
+                result.received[message] = buffer
+                ops.append(dist.P2POp(dist.irecv, buffer, group=t.pp_group, group_peer=message.src))
+        result.works = dist.batch_isend_irecv(ops) if ops else []
+        return result

@@ -1,28 +1,34 @@
-"""Pipeline schedules as data, and one executor that runs any of them.
+"""Pipeline schedules as data, a communication plan NCCL cannot deadlock on, and one executor.
 
 A schedule is the list of operations each pipeline rank performs, in order: forward or
-backward of (model chunk, micro batch). `schedule_ops` writes Megatron-LM's orders:
-no pipelining (gradient accumulation), GPipe, 1F1B, and interleaved 1F1B with virtual
-chunks (its warm-up count and micro batch ordering). The executor runs the list: an
-operation waits only for the tensor it consumes; every send is asynchronous. Receives are
-posted in the order the peer sends (computed from the peer's own list), which is the
-order NCCL matches messages in, so no shape handshake or extra synchronisation is needed,
-and the run is deadlock-free for every schedule whose operations respect their data
-dependencies (all of these do). Activations are freed as soon as their send completes,
-so stored activations are bounded by the schedule's in-flight micro batches.
+backward of (model chunk, micro batch). `schedule_ops` writes Megatron-LM's orders: no
+pipelining (gradient accumulation), GPipe, 1F1B, and interleaved 1F1B with virtual chunks
+(its warm-up count and micro batch ordering).
+
+`communication_plan` decides when each message travels. It plays all ranks' lists in lock
+step (a rank runs its next operation once its input was produced at an earlier step) and,
+after each step, forms one round: every message produced in that step, sent and received in
+that round. A rank posts each of its rounds as one batched exchange, in round order, between
+the operations where they fall. Sender and receiver post a message in the same round, every
+exchange depends only on rounds before it on its own rank, and so the rank holding the lowest
+unfinished round can always finish it: no schedule can deadlock, whatever NCCL's blocking,
+stream ordering and in-order matching (the NCCL-rule replay test checks the real calls). A
+rank may receive a message a few operations before it uses it; the executor waits for an
+exchange only when it needs what the exchange received, so sends overlap compute.
+Activations are freed as soon as their send completes, so stored activations are bounded by
+the schedule's in-flight micro batches.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from megalite.parallel.p2p import ACTIVATION, GRADIENT, PipelineComm
+from megalite.parallel.p2p import Exchange, Message, PipelineComm
 
 Op = tuple[str, int, int]  # ("F" | "B", chunk, micro batch)
 ForwardStep = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
@@ -67,17 +73,50 @@ class StageInfo:
     def is_last(self, chunk: int) -> bool:
         return self.rank == self.pp - 1 and chunk == self.vp - 1
 
+    def needs(self, op: Op) -> Message | None:
+        """The message `op` consumes: an activation from the previous rank, a gradient from the next."""
+        kind, chunk, mb = op
+        if kind == "F":
+            return None if self.is_first(chunk) else Message("F", chunk, mb, (self.rank - 1) % self.pp, self.rank)
+        return None if self.is_last(chunk) else Message("B", chunk, mb, (self.rank + 1) % self.pp, self.rank)
 
-def outgoing(op: Op, sender: StageInfo) -> tuple[int, int, tuple] | None:
-    """(tag, destination pipeline rank, message key) of what `op` sends, or None."""
-    kind, chunk, mb = op
-    if kind == "F" and not sender.is_last(chunk):
-        dst = (sender.rank + 1) % sender.pp
-        return ACTIVATION, dst, ("F", chunk + (dst == 0), mb)
-    if kind == "B" and not sender.is_first(chunk):
-        dst = (sender.rank - 1) % sender.pp
-        return GRADIENT, dst, ("B", chunk - (sender.rank == 0), mb)
-    return None
+    def sends(self, op: Op) -> Message | None:
+        """The message `op` produces, named by the chunk that consumes it on the receiving rank."""
+        kind, chunk, mb = op
+        if kind == "F":
+            dst = (self.rank + 1) % self.pp
+            return None if self.is_last(chunk) else Message("F", chunk + (dst == 0), mb, self.rank, dst)
+        dst = (self.rank - 1) % self.pp
+        return None if self.is_first(chunk) else Message("B", chunk - (self.rank == 0), mb, self.rank, dst)
+
+
+Plan = list[list[list[Message]]]  # per operation index (and one past the last): the rounds to post before it
+
+
+@functools.lru_cache(maxsize=64)
+def communication_plan(name: str, pp: int, vp: int, microbatches: int) -> dict[int, Plan]:
+    """For every pipeline rank, the exchanges (rounds of messages) to post before each of its operations."""
+    stages = [StageInfo(pp, vp, r) for r in range(pp)]
+    ops = [schedule_ops(name, pp, vp, r, microbatches) for r in range(pp)]
+    position, arrived = [0] * pp, [set() for _ in range(pp)]
+    plans: dict[int, Plan] = {r: [[] for _ in range(len(ops[r]) + 1)] for r in range(pp)}
+    while any(position[r] < len(ops[r]) for r in range(pp)):
+        produced, ran = [], False
+        for r, stage in enumerate(stages):
+            op = ops[r][position[r]] if position[r] < len(ops[r]) else None
+            if op is not None and (stage.needs(op) is None or stage.needs(op) in arrived[r]):
+                message, ran = stage.sends(op), True
+                produced += [message] if message else []
+                position[r] += 1
+        if not ran:
+            raise RuntimeError(f"schedule {name} (pp={pp}, vp={vp}, {microbatches} micro batches) cannot make progress")
+        for r in range(pp):
+            mine = sorted((m for m in produced if r in (m.src, m.dst)), key=lambda m: (m.src, m.dst))
+            if mine:
+                plans[r][position[r]].append(mine)
+        for message in produced:
+            arrived[message.dst].add(message)
+    return plans
 
 
 @dataclass
@@ -88,23 +127,46 @@ class Trace:
     peak_in_flight: int = 0
 
 
-class _Inbox:
-    """Receives from one peer, posted in the peer's send order; `get` waits for one message."""
+class _Mailbox:
+    """This rank's side of the plan: posts its rounds, hands out what arrived, frees sent activations."""
 
-    def __init__(self, comm: PipelineComm, peer: StageInfo, peer_global_rank: int, me: StageInfo, peer_ops: list[Op]) -> None:
-        messages = [outgoing(op, peer) for op in peer_ops]
-        self.expected = deque(key for message in messages if message and message[1] == me.rank for key in message[2:])
-        self.comm, self.peer, self.posted = comm, peer_global_rank, {}
+    def __init__(self, comm: PipelineComm | None, plan: Plan) -> None:
+        self.comm, self.plan = comm, plan
+        self.outbox: dict[Message, torch.Tensor] = {}
+        self.arriving: dict[Message, Exchange] = {}
+        self.sending: list[Exchange] = []
 
-    def get(self, key: tuple) -> torch.Tensor:
-        while key not in self.posted:
-            next_key = self.expected.popleft()
-            buffer = torch.empty(self.comm.shape, dtype=self.comm.dtype, device=self.comm.topology.device)
-            tag = ACTIVATION if next_key[0] == "F" else GRADIENT
-            self.posted[next_key] = (dist.irecv(buffer, self.peer, tag=tag), buffer)
-        work, buffer = self.posted.pop(key)
-        work.wait()
-        return buffer
+    def post(self, index: int) -> None:
+        """Post the rounds that fall before operation `index`; release activations whose send finished."""
+        for messages in self.plan[index]:
+            exchange = self.comm.exchange(messages, self.outbox)
+            self.arriving |= dict.fromkeys(exchange.received, exchange)
+            if exchange.sent:
+                self.sending.append(exchange)
+        self.sending = [exchange for exchange in self.sending if not _released(exchange, wait=False)]
+
+    def take(self, message: Message) -> torch.Tensor:
+        exchange = self.arriving.pop(message)
+        exchange.wait()
+        return exchange.received.pop(message)
+
+    def finish(self) -> None:
+        for exchange in self.sending:
+            _released(exchange, wait=True)
+        if self.arriving or self.outbox:
+            raise RuntimeError(f"pipeline messages left over: {sorted(self.arriving) + sorted(self.outbox)}")
+
+
+def _released(exchange: Exchange, wait: bool) -> bool:
+    """Free the data of the activations an exchange sent once it completed; autograd keeps only
+    what backward needs (the graph, not the output values)."""
+    if not wait and not exchange.is_completed():
+        return False
+    exchange.wait()
+    for message, tensor in exchange.sent.items():
+        if message.kind == "F":
+            tensor.untyped_storage().resize_(0)
+    return True
 
 
 def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: StageInfo, comm: PipelineComm | None,
@@ -113,54 +175,34 @@ def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: St
     or on the last chunk the (scaled) loss to differentiate. before_last_backward(chunk) runs before
     each chunk's last backward of the step: where data-parallel gradient reduction can start."""
     ops = schedule_ops(name, me.pp, me.vp, me.rank, microbatches)
+    plan = communication_plan(name, me.pp, me.vp, microbatches)[me.rank] if comm is not None else None
+    mailbox = _Mailbox(comm, plan) if plan is not None else None
     last_backward = {op[1]: index for index, op in enumerate(ops) if op[0] == "B"}
-    inboxes = {}
-    if comm is not None:
-        t = comm.topology
-        for peer_rank, global_rank in {(me.rank - 1) % me.pp: t.prev_rank, (me.rank + 1) % me.pp: t.next_rank}.items():
-            peer = StageInfo(me.pp, me.vp, peer_rank)
-            inboxes[peer_rank] = _Inbox(comm, peer, global_rank, me, schedule_ops(name, me.pp, me.vp, peer_rank, microbatches))
     stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    sending: list[tuple[dist.Work, torch.Tensor, bool]] = []
     for index, op in enumerate(ops):
         kind, chunk, mb = op
+        if mailbox is not None:
+            mailbox.post(index)
         if before_last_backward is not None and last_backward.get(chunk) == index:
             before_last_backward(chunk)
         start = time.perf_counter()
+        need = me.needs(op)
+        received = mailbox.take(need) if need is not None else None
         if kind == "F":
-            hidden = None if me.is_first(chunk) else inboxes[(me.rank - 1) % me.pp].get(("F", chunk, mb)).requires_grad_()
-            out = forward_step(chunk, mb, hidden)
+            hidden = None if received is None else received.requires_grad_()
+            result = forward_step(chunk, mb, hidden)
             if torch.is_grad_enabled():
-                stored[(chunk, mb)] = (hidden, out)
-            result = out
+                stored[(chunk, mb)] = (hidden, result)
         else:
             hidden, out = stored.pop((chunk, mb))
-            grad = None if me.is_last(chunk) else inboxes[(me.rank + 1) % me.pp].get(("B", chunk, mb))
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(out, received)
             result = None if hidden is None else hidden.grad
-        message = outgoing(op, me)
+        message = me.sends(op)
         if message is not None:
-            tag, dst, _ = message
-            peer = comm.topology.next_rank if tag == ACTIVATION else comm.topology.prev_rank
-            sending.append((dist.isend(result.detach().contiguous(), peer, tag=tag), result, kind == "F"))
-        sending = _release_completed(sending)
+            mailbox.outbox[message] = result
         if trace is not None:
             trace.events.append((kind, chunk, mb, start, time.perf_counter()))
             trace.peak_in_flight = max(trace.peak_in_flight, len(stored))
-    for work, tensor, activation in sending:
-        work.wait()
-        if activation:
-            tensor.untyped_storage().resize_(0)
-
-
-def _release_completed(sending: list) -> list:
-    """Free the data of activations whose send finished; autograd keeps only what backward needs."""
-    pending = []
-    for work, tensor, activation in sending:
-        if work.is_completed():
-            work.wait()
-            if activation:
-                tensor.untyped_storage().resize_(0)
-        else:
-            pending.append((work, tensor, activation))
-    return pending
+    if mailbox is not None:
+        mailbox.post(len(ops))
+        mailbox.finish()

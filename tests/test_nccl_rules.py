@@ -1,0 +1,172 @@
+"""NCCL's ordering rules, checked without a GPU: every point-to-point call and collective that gloo
+ranks really make is recorded and replayed as NCCL would run it (tests/nccl_rules.py).
+
+The replay is first shown to catch each kind of NCCL-only failure on small hand-made programs;
+then it checks the pipeline executor for every schedule, pp, vp and micro batch count the
+validator allows, and whole training and evaluation steps with tp, SP, dp and the distributed
+optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.config_cli import parse_config
+from megalite.parallel.p2p import PipelineComm
+from megalite.parallel.schedules import StageInfo, run_schedule
+from megalite.parallel.topology import Topology
+from megalite.training.pretrain import pretrain
+
+from distributed import run_ranks
+from nccl_rules import Call, CommRecorder, Message, RankRecord, replay
+
+
+def _ring_sends_first(rank: int, world_size: int) -> RankRecord:
+    """Each rank sends to the next, then receives from the previous, as single calls."""
+    out, inbox = torch.full((4,), float(rank)), torch.empty(4)
+    with CommRecorder(rank) as recorder:
+        send = dist.isend(out, (rank + 1) % world_size)
+        recv = dist.irecv(inbox, (rank - 1) % world_size)
+        send.wait()
+        recv.wait()
+    return recorder.record
+
+
+def _tags_reorder(rank: int, world_size: int) -> RankRecord:
+    """Rank 0 sends A then B; rank 1 receives B first (by tag), which only gloo can do."""
+    with CommRecorder(rank) as recorder:
+        if rank == 0:
+            works = [dist.isend(torch.full((4,), value), 1, tag=tag) for tag, value in ((1, 1.0), (2, 2.0))]
+        else:
+            a, b = torch.empty(4), torch.empty(4)
+            works = [dist.irecv(b, 0, tag=2), dist.irecv(a, 0, tag=1)]
+        for work in works:
+            work.wait()
+    return recorder.record
+
+
+def _batched_exchange(rank: int, world_size: int) -> RankRecord:
+    """The same ring as one batch per rank: sends and receives progress together."""
+    inbox = torch.empty(4)
+    ops = [dist.P2POp(dist.isend, torch.full((4,), float(rank)), (rank + 1) % world_size),
+           dist.P2POp(dist.irecv, inbox, (rank - 1) % world_size)]
+    with CommRecorder(rank) as recorder:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        dist.all_reduce(inbox)
+    return recorder.record
+
+
+def test_replay_catches_a_hang_that_depends_on_the_communicator_placement():
+    records = run_ranks(3, _ring_sends_first)
+    assert replay(records, ("pair",)).ok  # each pair of ranks has its own communicator and stream
+    report = replay(records, ("group",))
+    assert not report.ok and "hang" in report.text(), report.text()
+
+
+def test_replay_catches_messages_that_nccl_would_swap():
+    report = replay(run_ranks(2, _tags_reorder))
+    assert "wrong message" in report.text(), report.text()
+
+
+def test_replay_accepts_a_batched_exchange_and_counts_what_it_saw():
+    report = replay(run_ranks(3, _batched_exchange))
+    assert report.ok, report.text()
+    assert report.calls == 6 and report.messages == 3
+
+
+def test_replay_catches_size_and_collective_mismatches():
+    def call(rank: int, index: int, name: str, *messages: Message, nbytes: int | None = None) -> Call:
+        return Call(rank, index, name, "0", (0, 1), list(messages), nbytes, "torch.float32" if nbytes else None)
+
+    records = [RankRecord(0, [("post", call(0, 0, "isend", Message(True, 1, 16, "torch.float32", "x"))),
+                              ("post", call(0, 1, "all_reduce", nbytes=8))]),
+               RankRecord(1, [("post", call(1, 0, "irecv", Message(False, 0, 32, "torch.float32", "x"))),
+                              ("post", call(1, 1, "all_reduce", nbytes=4))])]
+    text = replay(records).text()
+    assert "size mismatch" in text and "collective #0 differs" in text, text
+
+
+def _schedule_cases(pp: int) -> list[tuple[str, int, int]]:
+    """(schedule, vp, micro batches) the validator allows: any count for vp=1, multiples of pp for vp>1."""
+    cases = [("1f1b", 1, m) for m in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp, 3 * pp} - {0})]
+    cases += [("1f1b", vp, m) for vp in (2, 3) for m in (pp, 2 * pp, 3 * pp)]
+    cases += [("gpipe", 1, m) for m in (1, pp, 2 * pp + 1)]
+    cases += [("forward", vp, m) for vp in (1, 3) for m in (1, pp, 2 * pp + 1) if vp == 1 or m % pp == 0]
+    return cases
+
+
+def _executor_ranks(rank: int, world_size: int) -> list[tuple[tuple, RankRecord]]:
+    """Run the executor with a toy model per case: each chunk scales its input by its own weight."""
+    topology = Topology(rank, world_size, torch.device("cpu"), pp=world_size)
+    comm = PipelineComm(topology, (3, 1, 4), torch.float32)
+    results = []
+    for name, vp, m in _schedule_cases(world_size):
+        me = StageInfo(world_size, vp, rank)
+        weights = torch.linspace(1.0, 2.0, vp * world_size).view(vp, world_size)[:, rank].clone().requires_grad_()
+
+        def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
+            x = torch.full((3, 1, 4), 1.0 + microbatch) if hidden is None else hidden
+            out = x * weights[chunk] + chunk
+            return out.sum() if me.is_last(chunk) else out
+
+        with CommRecorder(rank) as recorder, torch.set_grad_enabled(name != "forward"):
+            run_schedule(name, m, forward_step, me, comm)
+        results.append(((name, vp, m), recorder.record))
+    return results
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_pipeline_executor_obeys_nccl_rules(pp):
+    per_rank = run_ranks(pp, _executor_ranks)
+    failures = []
+    for index, (case, _) in enumerate(per_rank[0]):
+        report = replay([results[index][1] for results in per_rank])
+        assert report.messages > 0 or case[2] == 0
+        if not report.ok:
+            failures.append(f"{case}: {report.text().splitlines()[0]}")
+    assert not failures, f"{len(failures)} of {len(per_rank[0])} cases fail under NCCL's rules:\n" + "\n".join(failures)
+
+
+TINY = ["--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0",
+        "--train.device=cpu", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
+        "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.train_iters=2", "--train.eval_interval=2",
+        "--train.eval_iters=1", "--checkpoint.save_interval=2"]
+# Whole runs (two training steps, an evaluation, a checkpoint save) at world size 8.
+RUNS = {
+    "gpt2 tp2 x pp2 (vp2) x dp2, SP, distributed optimizer, overlapped gathers, bf16 parameters":
+        ["--model.family=gpt2", "--model.num_layers=4", "--parallel.tp=2", "--parallel.pp=2", "--parallel.vp=2",
+         "--parallel.sequence_parallel=true", "--parallel.distributed_optimizer=true", "--parallel.overlap_param_gather=true",
+         "--train.precision=bf16", "--train.param_dtype=bf16", "--train.global_batch_size=8", "--parallel.bucket_size=2000"],
+    "llama tp2 x pp4, SP, uneven first/last stages": [
+        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=6", "--parallel.tp=2", "--parallel.pp=4",
+        "--parallel.sequence_parallel=true", "--parallel.first_stage_layers=1", "--parallel.last_stage_layers=1",
+        "--train.global_batch_size=6"],
+    "gpt2 pp8 GPipe": ["--model.family=gpt2", "--model.num_layers=8", "--parallel.pp=8", "--parallel.pipeline_schedule=gpipe",
+                       "--train.global_batch_size=3"],
+    "llama pp2 (vp3) x dp4, distributed optimizer": [
+        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=6", "--parallel.pp=2", "--parallel.vp=3",
+        "--parallel.distributed_optimizer=true", "--train.global_batch_size=16", "--parallel.bucket_size=3000"],
+}
+
+
+def _training_ranks(rank: int, world_size: int, root: str) -> list[RankRecord]:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    records = []
+    for index, args in enumerate(RUNS.values()):
+        with CommRecorder(rank) as recorder:
+            pretrain(parse_config([*TINY, *args, f"--checkpoint.save={root}/run{index}"]))
+        records.append(recorder.record)
+    return records
+
+
+def test_training_runs_obey_nccl_rules(tmp_path):
+    per_rank = run_ranks(8, _training_ranks, str(tmp_path))
+    for index, layout in enumerate(RUNS):
+        report = replay([records[index] for records in per_rank])
+        assert report.ok, f"{layout}:\n{report.text()}"
+        assert report.messages > 0, layout
