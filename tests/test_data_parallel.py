@@ -139,3 +139,61 @@ def test_bf16_gradient_reduction(tmp_path, reference):
     """parallel.grad_reduce_dtype=bf16 accumulates and reduces gradients in bf16 (8 mantissa bits):
     the update differs from fp32 by ~0.4% of each gradient, so losses agree only loosely (1e-3)."""
     assert _run(tmp_path, 2, "--parallel.grad_reduce_dtype=bf16", "--parallel.distributed_optimizer=true", name="gr16") == pytest.approx(reference["gpt2"], rel=1e-3)
+
+
+class _LateGather:
+    """A parameter all-gather that only lands when waited on: until then the bucket holds NaN."""
+
+    def __init__(self, gather, output: torch.Tensor, shard: torch.Tensor, group) -> None:
+        self.gather, self.output, self.shard, self.group = gather, output, shard.clone(), group
+        output.fill_(float("nan"))
+
+    def wait(self) -> bool:
+        self.gather(self.output, self.shard, group=self.group)
+        return True
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def _late_gathers(rank: int, world_size: int, runs: list[list[str]]) -> list[tuple[dict, float | None]]:
+    """Each run with every asynchronous all-gather (the overlapped parameter gathers) delayed until waited on."""
+    import os
+
+    import torch.distributed as dist
+
+    from megalite.config_cli import parse_config
+    from megalite.training.pretrain import pretrain
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    results = []
+    for args in runs:
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            original = getattr(dist, name)
+
+            def late(output, tensor, group=None, async_op=False, original=original):
+                return _LateGather(original, output, tensor, group) if async_op else original(output, tensor, group=group)
+
+            setattr(dist, name, late)
+        try:
+            result = pretrain(parse_config(args))
+        finally:
+            for name in ("all_gather_single", "all_gather_into_tensor"):
+                setattr(dist, name, getattr(dist.distributed_c10d, name))
+        results.append((result.losses, result.val_loss))
+    return results
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_no_parameter_is_read_before_its_gather_lands(family):
+    """Overlapped parameter gathers, made to land only when waited on: every weight read (including
+    the LM head and gpt2's position table, which no module forward reads) must wait for its bucket,
+    in training and in evaluation, or NaN reaches the loss. Small buckets: one parameter each."""
+    base = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
+            "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=3",
+            "--train.eval_interval=1", "--train.eval_iters=1", "--parallel.bucket_size=100", "--logging.progress_bar=false",
+            "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0", "--train.device=cpu",
+            f"--model.family={family}"] + (["--model.num_query_groups=2"] if family == "llama" else [])
+    overlapped = [*base, "--parallel.distributed_optimizer=true", "--parallel.overlap_param_gather=true"]
+    (late, late_val), (plain, plain_val) = run_ranks(2, _late_gathers, [overlapped, base])[-1]
+    assert late == pytest.approx(plain, rel=1e-5) and late_val == pytest.approx(plain_val, rel=1e-5)

@@ -41,7 +41,7 @@ from megalite.training.step import precision_context
 CONFIGS = ("tp=1", "tp=2", "tp=2 + SP")
 # Bytes one rank sends in a ring implementation, in units of (n-1)/n times the collective's full
 # (unsplit) tensor, as nccl-tests' bus bandwidth counts them.
-_RING_PASSES = {"all_reduce": 2, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+_RING_PASSES = {"all_reduce": 2, "all_gather_single": 1, "reduce_scatter_single": 1}
 Call = tuple[Callable, tuple, dict]
 
 
@@ -69,7 +69,7 @@ class CommMeter:
             work = collective(*args, group=group, **kwargs)
             self.seconds += time.perf_counter() - start
             self.calls.append((collective, args, dict(kwargs, group=group)))
-            full = args[1] if name == "reduce_scatter_tensor" else args[0]
+            full = args[1] if name == "reduce_scatter_single" else args[0]
             n = dist.get_world_size(group)
             self.bytes_sent += full.nbytes * _RING_PASSES[name] * (n - 1) / n
             return work

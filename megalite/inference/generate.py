@@ -79,7 +79,7 @@ def generate(model: GPTModel, prompt: list[int], sampling: Sampling) -> list[int
     if total > model.cfg.positions:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the model's "
                          f"{model.cfg.positions} positions (model.max_position_embeddings); shorten one of them")
-    device = model.output_weight().device
+    device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
     cache = KVCache(total) if sampling.use_cache else None
     sequence = torch.tensor([prompt], device=device)

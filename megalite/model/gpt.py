@@ -9,21 +9,18 @@ entries take no probability mass and get no gradient.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import Config, ModelConfig
 from megalite.model.attention import SelfAttention
-from megalite.model.cross_entropy import linear_cross_entropy
+from megalite.model.head import LMHead
 from megalite.model.init import init_parameters
 from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
-from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.layers import ColumnParallelLinear, TPContext, VocabParallelEmbedding, parameter_shards
-from megalite.parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
+from megalite.parallel.layers import TPContext, VocabParallelEmbedding, parameter_shards
 from megalite.parallel.pipeline_layout import StageLayout
 
 
@@ -55,8 +52,8 @@ class Embedding(nn.Module):
         """tokens, position_ids: [batch, seq] -> [seq (/tp under SP), batch, hidden]; positions default to 0..seq-1."""
         x = self.word_embeddings(tokens.t())
         if self.position_embeddings is not None:
-            if position_ids is None:
-                positions = self.position_embeddings.weight[: tokens.shape[1]].unsqueeze(1)
+            if position_ids is None:  # one row per position, broadcast over the batch
+                positions = self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(1))
             else:
                 positions = self.position_embeddings(position_ids.t())
             if self.tp.sequence_parallel:
@@ -87,8 +84,8 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(m, self.tp) if self.stage.has_embedding else None
             self.layers = nn.ModuleDict({str(i): TransformerLayer(m, device, self.tp, selective) for a, b in self.stage.chunks for i in range(a, b)})
             self.final_norm = build_norm(m.family, m.hidden_size, m.norm_epsilon, device) if self.stage.has_head else None
-            untied_head = self.stage.has_head and not (m.tied and self.stage.has_embedding)
-            self.lm_head = ColumnParallelLinear(m.hidden_size, m.padded_vocab_size, self.tp, bias=False) if untied_head else None
+            own_weight = not (m.tied and self.stage.has_embedding)
+            self.lm_head = LMHead(m.hidden_size, m.padded_vocab_size, m.vocab_size, self.tp, own_weight) if self.stage.has_head else None
         self.to_empty(device=device)
         if device.type != "meta":  # a meta build is for shapes and counts (planner, tests): nothing to draw
             init_parameters(self, cfg.train.seed, m, parameter_shards(self), self.tp.rank, self.tp.size, self.aliases())
@@ -105,13 +102,8 @@ class GPTModel(nn.Module):
         if self.embedding is not None:
             groups[0] = list(self.embedding.parameters()) + groups[0]
         if self.stage.has_head:
-            head = self.final_norm.parameters() if self.lm_head is None else [*self.final_norm.parameters(), *self.lm_head.parameters()]
-            groups[-1] = groups[-1] + list(head)
+            groups[-1] = groups[-1] + [*self.final_norm.parameters(), *self.lm_head.parameters()]
         return groups
-
-    def output_weight(self) -> torch.Tensor:
-        """This rank's rows of the LM head: its slice of the padded vocabulary."""
-        return (self.embedding.word_embeddings if self.lm_head is None else self.lm_head).weight
 
     def _rope(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.family != "llama":
@@ -143,23 +135,5 @@ class GPTModel(nn.Module):
                 x = layer(x, rope, None if cache is None else cache[index])
         if not self.stage.is_last_chunk(chunk):
             return x
-        x = self.final_norm(x)
-        if self.tp.size == 1:
-            return self._head_one_device(x, labels)
-        return self._head_vocab_parallel(x, labels)
-
-    def _head_one_device(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        if labels is None:
-            return F.linear(x, self.output_weight()[: self.vocab_size]).transpose(0, 1)
-        losses = linear_cross_entropy(x.flatten(0, 1), self.output_weight(), labels.t().flatten(), self.vocab_size)
-        return losses.view(labels.shape[1], labels.shape[0]).t()
-
-    def _head_vocab_parallel(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        tp = self.tp
-        x = gather_from_sp(x, tp.group) if tp.sequence_parallel else copy_to_tp(x, tp.group)
-        logits = F.linear(x, self.output_weight())
-        if labels is None:
-            return gather_from_tp(logits, tp.group)[..., : self.vocab_size].transpose(0, 1)
-        start = tp.rank * logits.shape[-1]
-        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.t().flatten(), start, self.vocab_size, tp.group)
-        return losses.view(labels.shape[1], labels.shape[0]).t()
+        tied = self.embedding.word_embeddings.weight if self.lm_head.weight is None else None
+        return self.lm_head(self.final_norm(x), labels, tied)

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.parallel.mappings import all_gather_single, reduce_scatter_single
+
 
 @dataclass
 class Bucket:
@@ -104,7 +106,7 @@ class GradBuffer:
         data = self.grad_data[bucket.start:bucket.end]
         if self.distributed:
             bucket.scattered = torch.empty((bucket.end - bucket.start) // self.dp, dtype=data.dtype, device=data.device)
-            bucket.work = dist.reduce_scatter_tensor(bucket.scattered, data, group=self.dp_group, async_op=True)
+            bucket.work = reduce_scatter_single(bucket.scattered, data, self.dp_group, async_op=True)
         else:
             bucket.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
 
@@ -140,7 +142,7 @@ class GradBuffer:
         for bucket in reversed(self.buckets):
             a, b = bucket.shard(self.dp_rank, self.dp)
             shard = self.param_data[a:b].clone()
-            bucket.gather = dist.all_gather_into_tensor(self.param_data[bucket.start:bucket.end], shard, group=self.dp_group, async_op=True)
+            bucket.gather = all_gather_single(self.param_data[bucket.start:bucket.end], shard, self.dp_group, async_op=True)
         if not background:
             self.wait_gathers()
 

@@ -132,7 +132,8 @@ class GradientReducer:
         """The gradients this rank's optimizer uses."""
         return [main.grad for _, main in self.main]
 
-    def norm(self) -> float:
+    def norm(self) -> torch.Tensor:
+        """The global gradient norm, as a one-element tensor on the device."""
         t = self.topology
         counted = [main.grad for param, main in self.main if id(param) in self.counted]
         total = torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted else torch.zeros((), device=t.device)
@@ -140,13 +141,14 @@ class GradientReducer:
         group = dist.group.WORLD if self.distributed else t.mp_group
         if dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
-        return float(total.sqrt())
+        return total.sqrt()
 
-    def clip(self, max_norm: float) -> float:
-        """Scale gradients so the global norm is at most max_norm (0 disables); returns the norm before."""
-        norm = self.norm()
-        if max_norm > 0 and norm == norm:
-            torch._foreach_mul_(self.grads(), min(1.0, max_norm / (norm + 1e-6)))
+    def clip(self, max_norm: float, grad_scale: torch.Tensor) -> float:
+        """Multiply the gradients by `grad_scale` (a one-element tensor), scaled down further so the global
+        norm is at most max_norm (0 disables), in one pass; returns the norm before clipping."""
+        norm = float(self.norm() * grad_scale)
+        factor = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 and norm == norm else 1.0
+        torch._foreach_mul_(self.grads(), grad_scale * factor)
         return norm
 
     def any_overflow(self, found: bool) -> bool:

@@ -19,6 +19,18 @@ import torch.distributed as dist
 Group = dist.ProcessGroup
 
 
+def all_gather_single(output: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False) -> dist.Work | None:
+    """All-gather into one tensor: torch 2.13's all_gather_single, all_gather_into_tensor before it."""
+    gather = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+    return gather(output, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False) -> dist.Work | None:
+    """Sum-reduce-scatter of one tensor: torch 2.13's reduce_scatter_single, reduce_scatter_tensor before it."""
+    scatter = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor
+    return scatter(output, x, group=group, async_op=async_op)
+
+
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, group=group)
@@ -29,7 +41,7 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     size = dist.get_world_size(group)
     out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     if dim == 0:
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        all_gather_single(out, x.contiguous(), group)
         return out
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -45,7 +57,7 @@ def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {size}")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group)
     return out
 
 

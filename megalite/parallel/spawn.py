@@ -11,7 +11,6 @@ import os
 import pickle
 import socket
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,8 +28,6 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Callable, args: tuple, out: str) -> None:
     if threads:
         torch.set_num_threads(threads)
-    # torch 2.13 deprecates collective names megalite calls; a warning per rank would clutter the output.
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed", category=FutureWarning)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

@@ -17,12 +17,15 @@ import torch.distributed as dist
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK when asked for (or 'auto' and available), else cpu."""
+    """cuda:(LOCAL_RANK mod visible devices) when asked for (or 'auto' and available), else cpu. The
+    modulo serves launchers that give each process one GPU through CUDA_VISIBLE_DEVICES (each then
+    sees device 0 only, whatever its LOCAL_RANK)."""
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("train.device=cuda but torch sees no CUDA device; use --train.device=cpu or auto")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
     return torch.device("cpu")
 
 
@@ -35,6 +38,11 @@ def init_process_group(device: torch.device, timeout_minutes: float = 10.0) -> N
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        # On a timeout torch's NCCL watchdog by default kills the process from its own thread, before
+        # Python can say which rank and group hung. CleanUpOnly (2) aborts the hung communicators and
+        # leaves the error to the training thread, which exits with megalite's message (timeouts.py).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = timedelta(minutes=timeout_minutes)
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **_attempt_store(timeout))
@@ -60,14 +68,16 @@ def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
     return torch.arange(world_size).view(pp, world_size // (tp * pp), tp)
 
 
-def _groups_along(grid: torch.Tensor, rank: int, keep: tuple[int, ...], timeout: timedelta | None = None) -> dist.ProcessGroup:
+def _groups_along(grid: torch.Tensor, rank: int, keep: tuple[int, ...], name: str,
+                  timeout: timedelta | None = None) -> dist.ProcessGroup:
     """Create every group that varies only along grid dims `keep` (all ranks must call this in the same
     order) and return the one holding `rank`. `timeout`: torch gives new groups its 30-minute default,
-    not the world group's, so the collective timeout must be passed to each."""
+    not the world group's, so the collective timeout must be passed to each. `name` becomes the
+    group's description, which NCCL's error messages and megalite's timeout message show."""
     moved = grid.permute(*[d for d in range(3) if d not in keep], *keep)
     mine = None
     for ranks in moved.reshape(-1, math.prod(grid.shape[d] for d in keep)).tolist():
-        group = dist.new_group(ranks, timeout=timeout)
+        group = dist.new_group(ranks, timeout=timeout, group_desc=name)
         if rank in ranks:
             mine = group
     return mine
@@ -96,14 +106,12 @@ class Topology:
         grid = rank_grid(self.world_size, self.tp, self.pp)
         self.pp_rank, self.dp_rank, self.tp_rank = ((grid == self.rank).nonzero()[0]).tolist()
         timeout = timedelta(minutes=self.timeout_minutes) if self.timeout_minutes is not None else None
-        self.tp_group = _groups_along(grid, self.rank, (2,), timeout)
-        self.dp_group = _groups_along(grid, self.rank, (1,), timeout)
-        self.pp_group = _groups_along(grid, self.rank, (0,), timeout)
-        self.mp_group = _groups_along(grid, self.rank, (0, 2), timeout)
+        self.tp_group = _groups_along(grid, self.rank, (2,), "tensor-parallel", timeout)
+        self.dp_group = _groups_along(grid, self.rank, (1,), "data-parallel", timeout)
+        self.pp_group = _groups_along(grid, self.rank, (0,), "pipeline-parallel", timeout)
+        self.mp_group = _groups_along(grid, self.rank, (0, 2), "model-parallel", timeout)
         if self.pp > 1:
-            self.embedding_group = _groups_along(grid[[0, -1]], self.rank, (0,), timeout)
-        self.next_rank = int(grid[(self.pp_rank + 1) % self.pp, self.dp_rank, self.tp_rank])
-        self.prev_rank = int(grid[(self.pp_rank - 1) % self.pp, self.dp_rank, self.tp_rank])
+            self.embedding_group = _groups_along(grid[[0, -1]], self.rank, (0,), "embedding", timeout)
 
     @property
     def dp(self) -> int:
@@ -116,6 +124,11 @@ class Topology:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+    def named_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """This rank's groups by the description they were created with."""
+        groups = (self.tp_group, self.dp_group, self.pp_group, self.mp_group, self.embedding_group)
+        return {group.group_desc: group for group in groups if group is not None}
 
     @property
     def is_logging_rank(self) -> bool:

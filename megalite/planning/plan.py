@@ -13,7 +13,7 @@ from megalite.training.flops import PEAK_TFLOPS, training_flops_per_token
 GIB = 2**30
 # Memory torch.cuda reports per device (MiB), and the row of training/flops.py's peak table.
 GPUS = {
-    "h100": (81_559, "H100"), "h200": (143_771, "H200"), "gh200": (97_871, "GH200"), "b200": (183_359, "B200"),
+    "h100": (81_559, "H100 SXM"), "h200": (143_771, "H200"), "gh200": (97_871, "GH200"), "b200": (183_359, "B200"),
     "a100": (81_051, "A100"), "a100-40gb": (40_536, "A100"), "l40s": (46_068, "L40S"), "a10g": (22_731, "A10G"),
     "v100": (32_510, "V100"),
 }

@@ -10,21 +10,39 @@ counted: this is model FLOPs utilisation, not hardware FLOPs.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from megalite.config import ModelConfig
 
-# Dense peak TFLOP/s per device (no sparsity), by precision. fp32 is the non-tensor-core rate.
+# Dense peak TFLOP/s per device model (no sparsity), by precision; fp32 is the non-tensor-core rate.
+# Variants of one chip differ (an H100 PCIe has 76% of an SXM's tensor throughput), so MFU keys on the
+# exact model, and a device megalite cannot place reads n/a rather than a wrong figure.
 PEAK_TFLOPS = {
+    "H100 SXM": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
     "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
+    "H800": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H800 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
     "GH200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
     "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp32": 80.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "A800": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
     "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
     "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2},
     "V100": {"fp16": 125.0, "fp32": 15.7},
 }
+# torch.cuda.get_device_name -> row above; the first match wins ("NVIDIA H100 80GB HBM3" is the SXM
+# part, "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" say so; SXM and PCIe A100s share their peaks).
+DEVICE_MODELS = (
+    (r"\bGH200\b", "GH200"), (r"\bH200 NVL\b", "H200 NVL"), (r"\bH200\b", "H200"),
+    (r"\bH100 NVL\b", "H100 NVL"), (r"\bH100 PCIe\b", "H100 PCIe"), (r"\bH100\b.*\b(SXM|HBM3)", "H100 SXM"),
+    (r"\bH800 PCIe\b", "H800 PCIe"), (r"\bH800\b", "H800"), (r"\bA100\b", "A100"), (r"\bA800\b", "A800"),
+    (r"\bB200\b", "B200"), (r"\bL40S\b", "L40S"), (r"\bA10G\b", "A10G"), (r"\bV100\b", "V100"),
+)
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
@@ -40,14 +58,16 @@ def training_flops_per_token(cfg: ModelConfig) -> float:
     return 6 * matmul_parameters(cfg) + attention
 
 
+def device_model(name: str) -> str | None:
+    """The PEAK_TFLOPS row of a CUDA device name, or None when megalite cannot tell the exact model."""
+    return next((model for pattern, model in DEVICE_MODELS if re.search(pattern, name, re.IGNORECASE)), None)
+
+
 def peak_tflops(device: torch.device, precision: str, override: float | None) -> float | None:
     """The device's peak for this precision, or None when unknown (MFU is then reported as n/a)."""
     if override:
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_TFLOPS[key].get(precision)
-    return None
+    model = device_model(torch.cuda.get_device_name(device))
+    return PEAK_TFLOPS[model].get(precision) if model else None

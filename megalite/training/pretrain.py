@@ -21,6 +21,7 @@ from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml
 from megalite.data.build import build_training_data, tokenizer_from_config
 from megalite.data.loader import micro_batches
+from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, synchronize
 from megalite.training.build import build_rank_model
 from megalite.training.evaluate import evaluate
@@ -268,9 +269,9 @@ def pretrain(cfg: Config) -> RunResult:
         except BaseException as error:
             run.profiler.close()
             run.writer.close(exit_code=1)
-            if isinstance(error, RuntimeError) and "timed out" in str(error).lower():
-                raise RuntimeError(f"rank {topology.rank}: a collective timed out after parallel.timeout_minutes={cfg.parallel.timeout_minutes}; "
-                                   "another rank died or hangs (check its log), or steps are slower than that: then raise the timeout") from error
+            message = collective_timeout_message(error, topology.rank, cfg.parallel.timeout_minutes, topology.named_groups())
+            if message:
+                raise RuntimeError(message) from error
             raise
         dist.barrier()
         return result

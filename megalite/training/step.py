@@ -1,9 +1,14 @@
 """One optimizer step: forward/backward over the micro batches, gradient reduction across
 data-parallel replicas, unscale and overflow check, clipping, and the update.
 
-Each micro batch's loss is its summed token loss divided by the token count of the whole
-global batch (all data-parallel ranks together), so the gradient and the reported loss
-are the global batch's per-token mean in every layout, loss masks included.
+The gradient and the reported loss are the global batch's per-token mean (all data-parallel
+ranks together, loss masks included) in every layout. The global count of unmasked tokens is
+only known after a collective, and a collective at the start of the step would queue on the
+data-parallel communicator behind the previous step's overlapped parameter gathers, stalling
+the first forward. So, as Megatron-LM does, each micro batch's summed token loss is divided by
+the number of positions in the global batch (known without communication), the token count is
+all-reduced together with the loss after the schedule, and the gradients are corrected by
+positions / tokens (exactly 1 when nothing is masked) in the clipping multiply.
 """
 
 from __future__ import annotations
@@ -40,12 +45,6 @@ class StepResult:
     diverged: bool = False  # skipped for a NaN/Inf gradient norm (not an fp16 overflow the loss scaler handles)
 
 
-def global_token_count(batches: list[Batch], topology: Topology) -> torch.Tensor:
-    count = sum(b.loss_mask.sum() for b in batches).to(topology.device, torch.float32).reshape(1)
-    dist.all_reduce(count, group=topology.dp_group)
-    return count
-
-
 @dataclass
 class Pipeline:
     """How this rank runs its micro batches: the schedule, its stage, and the p2p channel (pp > 1)."""
@@ -69,8 +68,8 @@ class Pipeline:
 def train_step(model: GPTModel, optimizer: torch.optim.Optimizer, scaler: LossScaler, reducer: GradientReducer,
                batches: list[Batch], topology: Topology, precision: str, clip_grad: float, pipeline: Pipeline) -> StepResult:
     reducer.zero()
-    total_tokens = global_token_count(batches, topology)
     batches = [b.to(topology.device) for b in batches]
+    positions = sum(b.loss_mask.numel() for b in batches) * topology.dp
     loss_sum = torch.zeros(1, device=topology.device)
 
     def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -80,22 +79,26 @@ def train_step(model: GPTModel, optimizer: torch.optim.Optimizer, scaler: LossSc
             out = model(batch.tokens, batch.labels, batch.position_ids, hidden=hidden, chunk=chunk)
         if not model.stage.is_last_chunk(chunk):
             return out
-        loss = (out * batch.loss_mask).sum() / total_tokens
+        loss = (out * batch.loss_mask).sum() / positions
         loss_sum = loss_sum + loss.detach()
         return loss * scaler.scale
 
     run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace, reducer.start_sync)
     reducer.reduce()
-    dist.all_reduce(loss_sum, group=topology.dp_group)
+    tokens = sum(b.loss_mask.sum(dtype=torch.float64) for b in batches).reshape(1)  # exact beyond 2^24 tokens
+    totals = torch.cat((loss_sum.double(), tokens))
+    dist.all_reduce(totals, group=topology.dp_group)
+    correction = (positions / totals[1].clamp(min=1.0)).float()
+    loss, tokens = float(totals[0] * correction), int(totals[1].item())
     overflow = reducer.any_overflow(scaler.unscale_and_check(reducer.grads()))
     scaler.update(overflow)
     if overflow:
         reducer.after_step()
-        return StepResult(float(loss_sum), float("nan"), True, int(total_tokens.item()))
-    grad_norm = reducer.clip(clip_grad)
+        return StepResult(loss, float("nan"), True, tokens)
+    grad_norm = reducer.clip(clip_grad, correction)
     if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
         reducer.after_step()
-        return StepResult(float(loss_sum), grad_norm, True, int(total_tokens.item()), diverged=True)
+        return StepResult(loss, grad_norm, True, tokens, diverged=True)
     optimizer.step()
     reducer.after_step()
-    return StepResult(float(loss_sum), grad_norm, False, int(total_tokens.item()))
+    return StepResult(loss, grad_norm, False, tokens)

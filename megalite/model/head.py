@@ -1,0 +1,49 @@
+"""The LM head: logits, or per-token cross-entropy without materialising log-probabilities,
+on one device (fused, model/cross_entropy.py) or over a vocabulary split across tensor-parallel
+ranks (parallel/cross_entropy.py).
+
+It is a module that reads its weight inside its own forward, so a forward pre-hook sees every
+read: the distributed optimizer's overlapped parameter gather waits there for the head's bucket.
+With embeddings tied on the same stage it owns no weight and is handed the embedding's, which
+the same forward has already read through the embedding module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.model.cross_entropy import linear_cross_entropy
+from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.layers import ShardSpec, TPContext
+from megalite.parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
+
+
+class LMHead(nn.Module):
+    """Rows of the (padded) vocabulary split across the tensor-parallel group; only the first
+    `vocab_size` rows are ever scored."""
+
+    def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, tp: TPContext, owns_weight: bool) -> None:
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.weight = nn.Parameter(torch.empty(padded_vocab_size // tp.size, hidden_size)) if owns_weight else None
+        self.shard_specs = {"weight": ShardSpec(0)}
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x [seq (/tp under SP), batch, hidden] -> fp32 losses [batch, seq] given labels [batch, seq],
+        else logits [batch, seq, vocab]; `weight` is the tied embedding when this head owns none."""
+        weight = self.weight if weight is None else weight
+        if self.tp.size == 1:
+            if labels is None:
+                return F.linear(x, weight[: self.vocab_size]).transpose(0, 1)
+            losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.t().flatten(), self.vocab_size)
+            return losses.view(labels.shape[1], labels.shape[0]).t()
+        tp = self.tp
+        x = gather_from_sp(x, tp.group) if tp.sequence_parallel else copy_to_tp(x, tp.group)
+        logits = F.linear(x, weight)
+        if labels is None:
+            return gather_from_tp(logits, tp.group)[..., : self.vocab_size].transpose(0, 1)
+        start = tp.rank * logits.shape[-1]
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.t().flatten(), start, self.vocab_size, tp.group)
+        return losses.view(labels.shape[1], labels.shape[0]).t()

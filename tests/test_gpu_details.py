@@ -1,0 +1,94 @@
+"""Details that only GPU clusters would show, checked on CPU: the device a rank picks, the NCCL
+error-handling mode that lets megalite report a timeout, the timeout message naming the rank and
+the group, and the MFU peak of the exact device model."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.parallel import topology as topology_module
+from megalite.parallel.timeouts import collective_timeout_message
+from megalite.parallel.topology import Topology, pick_device
+from megalite.training.flops import PEAK_TFLOPS, device_model
+
+from distributed import run_ranks
+
+
+def test_each_rank_takes_local_rank_modulo_the_visible_devices(monkeypatch):
+    """Launchers that hand each process one GPU (CUDA_VISIBLE_DEVICES) leave every rank seeing device 0."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert pick_device("auto", 6) == torch.device("cuda", 2) and chosen == [torch.device("cuda", 2)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("cuda", 5) == torch.device("cuda", 0)
+
+
+def test_nccl_process_group_leaves_timeouts_to_the_training_thread(monkeypatch):
+    """NCCL's watchdog would kill the process from its own thread on a timeout; CleanUpOnly (2) aborts the
+    hung communicators and lets the error reach megalite's handler. A value the user set is kept."""
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append(backend))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    topology_module.init_process_group(torch.device("cuda", 0))
+    assert calls == ["nccl"] and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    topology_module.init_process_group(torch.device("cuda", 0))
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    topology_module.init_process_group(torch.device("cpu"))
+    assert calls[-1] == "gloo"
+
+
+def test_an_nccl_timeout_names_the_rank_and_the_group():
+    topology = Topology.from_environment("cpu")
+    try:
+        watchdog = ("NCCL communicator was aborted on rank 0. Original reason for failure was: [PG ID 2 PG GUID 3(data-parallel) "
+                    "Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=1, "
+                    "NumelOut=1, Timeout(ms)=600000) ran for 600042 milliseconds before timing out.")
+        message = collective_timeout_message(dist.DistBackendError(watchdog), 0, 10.0, topology.named_groups())
+        assert message == ("rank 0: a collective timed out after parallel.timeout_minutes=10.0; another rank died or hangs "
+                           "in the data-parallel group (ranks [0]) (check its log), or steps are slower than that: then raise "
+                           "the timeout")
+        assert collective_timeout_message(ValueError("timed out"), 0, 10.0, {}) is None
+        assert collective_timeout_message(RuntimeError("CUDA out of memory"), 0, 10.0, {}) is None
+    finally:
+        dist.destroy_process_group()
+
+
+def _time_out_in_a_group(rank: int, world_size: int) -> str | None:
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=2), group_desc="tensor-parallel")
+    if rank == 1:
+        time.sleep(4)  # never joins the collective below
+        return None
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+    except RuntimeError as error:
+        return collective_timeout_message(error, rank, 0.03, {"tensor-parallel": group})
+    return "no timeout"
+
+
+def test_a_gloo_timeout_names_the_group_it_happened_in():
+    message = run_ranks(2, _time_out_in_a_group)[0]
+    assert message.startswith("rank 0: a collective timed out after parallel.timeout_minutes=0.03; another rank died or "
+                              "hangs in the tensor-parallel group (ranks [0, 1])"), message
+
+
+@pytest.mark.parametrize("name, model, bf16", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.0), ("NVIDIA H100 PCIe", "H100 PCIe", 756.0),
+    ("NVIDIA H100 NVL", "H100 NVL", 835.0), ("NVIDIA H200", "H200", 989.0), ("NVIDIA H200 NVL", "H200 NVL", 835.0),
+    ("NVIDIA GH200 480GB", "GH200", 989.0), ("NVIDIA H800", "H800", 989.0), ("NVIDIA H800 PCIe", "H800 PCIe", 756.0),
+    ("NVIDIA A100-SXM4-80GB", "A100", 312.0), ("NVIDIA A100 80GB PCIe", "A100", 312.0),
+    ("NVIDIA A800-SXM4-80GB", "A800", 312.0), ("NVIDIA H100", None, None), ("NVIDIA GeForce RTX 4090", None, None),
+])
+def test_mfu_peak_is_that_of_the_exact_device_model(name, model, bf16):
+    assert device_model(name) == model
+    assert (PEAK_TFLOPS[model]["bf16"] if model else None) == bf16
