@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import netrc
+import os
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Optional
+from urllib.parse import urlparse
 
 import torch
 
@@ -181,6 +185,7 @@ class LoggingConfig:
     wandb_name: Optional[str] = _f(None, "W&B run name")
     wandb_mode: Literal["online", "offline", "disabled"] = _f("online", "offline writes the run locally for a later `wandb sync`")
     wandb_dir: Optional[str] = _f(None, "where W&B writes its files (default: checkpoint.save, else ./wandb)")
+    wandb_timeout: float = _f(30.0, "seconds W&B may hold up the run: an online start that takes longer falls back to offline, and the end of training waits at most this long for W&B to finish")
     profile_steps: Optional[list[int]] = _f(None, "[a, b]: record a torch.profiler trace of steps a..b (inclusive) on logging.profile_ranks")
     profile_ranks: Optional[list[int]] = _f(None, "global ranks that profile (default: [0])")
     profile_dir: str = _f("profiles", "where profiler traces go: rank<R>_steps<a>-<b>.pt.trace.json (Chrome trace) and .txt (top operators)")
@@ -345,10 +350,36 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
 
 
 def _check_logging(cfg: Config, world_size: int) -> list[str]:
-    errors = profile_config_errors(cfg.logging, world_size)
-    if cfg.logging.log_interval < 1:
-        errors.append(f"logging.log_interval={cfg.logging.log_interval} must be >= 1")
+    log = cfg.logging
+    errors = profile_config_errors(log, world_size)
+    if log.log_interval < 1:
+        errors.append(f"logging.log_interval={log.log_interval} must be >= 1")
+    if log.wandb_timeout <= 0:
+        errors.append(f"logging.wandb_timeout={log.wandb_timeout} must be > 0 seconds")
+    if log.wandb_project and log.wandb_mode == "online" and not wandb_credentials():
+        host = urlparse(os.environ.get("WANDB_BASE_URL", WANDB_HOST)).hostname
+        errors.append(f"logging.wandb_mode=online but no W&B API key was found (WANDB_API_KEY is unset and {_netrc_path()} has "
+                      f"no entry for {host}): run `wandb login`, or export WANDB_API_KEY=<your key>, or pass "
+                      "--logging.wandb_mode=offline and upload the run later with `wandb sync`")
     return errors
+
+
+WANDB_HOST = "https://api.wandb.ai"
+
+
+def _netrc_path() -> Path:
+    return Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+
+
+def wandb_credentials() -> bool:
+    """Whether W&B will find an API key: WANDB_API_KEY, or the netrc entry `wandb login` writes for the server."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", WANDB_HOST)).hostname
+    try:
+        return netrc.netrc(_netrc_path()).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def profile_config_errors(cfg: LoggingConfig, world_size: int | None = None) -> list[str]:

@@ -1,19 +1,22 @@
 """Where metrics go: a console line, a JSON-lines file, Weights & Biases and a progress bar.
 
 Only the logging rank (the last rank, which sits on the last pipeline stage) writes, so
-each logged step appears exactly once in every sink.
+each logged step appears exactly once in every sink. W&B runs in a process of its own
+(wandb_logger.py), so it can neither stop nor stall training.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from megalite.config import Config
+from megalite.training.wandb_logger import WandbLogger
 
 
 def _format(value: Any) -> str:
@@ -26,32 +29,30 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+def wandb_enabled(cfg: Config) -> bool:
+    return bool(cfg.logging.wandb_project) and cfg.logging.wandb_mode != "disabled"
+
+
 class MetricsWriter:
+    """`wandb_run_id`: the W&B run to log to (every rank agrees on it; a resumed run passes the saved one)."""
+
     def __init__(self, cfg: Config, enabled: bool, start_step: int, wandb_run_id: str | None) -> None:
         self.enabled = enabled
         self.file = Path(cfg.logging.metrics_file) if enabled and cfg.logging.metrics_file else None
+        self.file_lock = threading.Lock()  # the W&B supervisor notes a fallback from its own thread
         if self.file:
             self.file.parent.mkdir(parents=True, exist_ok=True)
         self.bar = tqdm(total=cfg.train.train_iters, initial=start_step, unit="step", dynamic_ncols=True, disable=None) if enabled and cfg.logging.progress_bar else None
-        self.wandb_run = self._init_wandb(cfg, wandb_run_id) if enabled else None
+        self.wandb = self._start_wandb(cfg, wandb_run_id) if enabled and wandb_enabled(cfg) and wandb_run_id else None
+        self.wandb_dir: str | None = None
 
-    @staticmethod
-    def _init_wandb(cfg: Config, run_id: str | None):
+    def _start_wandb(self, cfg: Config, run_id: str) -> WandbLogger:
         log = cfg.logging
-        if not log.wandb_project or log.wandb_mode == "disabled":
-            return None
-        import wandb
-
         directory = Path(log.wandb_dir or cfg.checkpoint.save or ".")
         directory.mkdir(parents=True, exist_ok=True)
-        return wandb.init(
-            project=log.wandb_project, entity=log.wandb_entity, name=log.wandb_name, mode=log.wandb_mode,
-            config=cfg.to_dict(), dir=str(directory), id=run_id, resume="allow" if run_id else None,
-        )
-
-    @property
-    def wandb_run_id(self) -> str | None:
-        return self.wandb_run.id if self.wandb_run else None
+        settings = {"project": log.wandb_project, "entity": log.wandb_entity, "name": log.wandb_name, "config": cfg.to_dict(),
+                    "dir": str(directory), "id": run_id, "resume": "allow"}
+        return WandbLogger(settings, log.wandb_mode, log.wandb_timeout, self.print, self.note)
 
     def print(self, line: str) -> None:
         if not self.enabled:
@@ -71,17 +72,21 @@ class MetricsWriter:
             return
         parts = [f"step {record['step']}"] + [f"{label} {_format(record.get(key))}" for key, label in console_keys.items()]
         self.print(" | ".join(parts))
+        self.note(record)
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, record["step"])
+
+    def note(self, record: dict[str, Any]) -> None:
+        """Append one record to the metrics file."""
         if self.file:
-            with self.file.open("a") as f:
+            with self.file_lock, self.file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        if self.wandb_run:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
 
     def close(self, exit_code: int = 0) -> None:
         """Finish every sink once; a failed run is marked failed in W&B."""
         if self.bar:
             self.bar.close()
             self.bar = None
-        if self.wandb_run:
-            self.wandb_run.finish(exit_code=exit_code)
-            self.wandb_run = None
+        if self.wandb:
+            self.wandb_dir = self.wandb.close(exit_code)
+            self.wandb = None

@@ -28,12 +28,13 @@ from megalite.training.evaluate import evaluate
 from megalite.training.flops import peak_tflops, training_flops_per_token
 from megalite.training.loss_scaler import LossScaler
 from megalite.training.lr_schedule import learning_rate
-from megalite.training.metrics import MetricsWriter
+from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.optimizer import build_optimizer, set_learning_rate
 from megalite.training.profiling import Profiler
 from megalite.parallel.schedules import Trace
 from megalite.training.step import StepResult, train_step
 from megalite.training.trace import write_chrome_trace
+from megalite.training.wandb_logger import new_run_id
 
 _CONSOLE = {"loss": "loss", "lr": "lr", "grad_norm": "grad norm", "loss_scale": "loss scale", "skipped_steps": "skipped",
             "tokens_per_sec": "tokens/s", "tflops_per_device": "TFLOP/s/device", "mfu": "MFU", "peak_memory_gib": "peak mem GiB"}
@@ -71,8 +72,11 @@ class Run:
         self.state = TrainingState(step=0, consumed_samples=0, loss_scaler=self.scaler.state_dict())
         self.started = time.monotonic()
         self.resumed_from, self.damaged = self._resume()
+        if wandb_enabled(cfg) and not self.state.wandb_run_id:  # chosen now, saved in every checkpoint
+            chosen = [new_run_id()]
+            dist.broadcast_object_list(chosen, src=0)
+            self.state.wandb_run_id = chosen[0]
         self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)
-        self.state.wandb_run_id = self.writer.wandb_run_id
         self.flops_per_token = training_flops_per_token(cfg.model)
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
         self.saved_step, self.diverged_in_a_row = -1, 0
@@ -198,9 +202,8 @@ class Run:
             self.checkpointer.wait()
         self.profiler.close()
         self.result.final_step = step
-        if self.writer.wandb_run:
-            self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_run.dir, self.writer.wandb_run.id
         self.writer.close()
+        self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_dir, self.state.wandb_run_id
         return self.result
 
     def _announce(self) -> None:
