@@ -16,7 +16,7 @@ from megalite.data.batches import BatchMaker
 from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
 from megalite.parallel.layers import parameter_shards, unshard
-from megalite.parallel.schedules import schedule_ops
+from megalite.parallel.schedules import StageInfo, communication_plan, schedule_ops
 from megalite.parallel.topology import Topology
 from megalite.training.build import build_rank_model
 from megalite.training.loss_scaler import LossScaler
@@ -176,3 +176,19 @@ def test_checkpoint_saved_at_tp2_pp2_vp2_resumes_on_one_device(tmp_path):
     reference = _run(tmp_path, 1)
     first = _run(tmp_path, 4, "--parallel.tp=2", "--parallel.pp=2", "--parallel.vp=2", "--train.exit_interval=2", *ckpt)
     assert first + _run(tmp_path, 1, *ckpt) == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("pp, vp, m", LAYOUTS)
+def test_communication_plan_receives_at_most_a_few_messages_ahead(pp, vp, m):
+    """Each message is posted by sender and receiver in the same round, before the op that needs it;
+    a rank holds at most 4 received messages its next operations have not consumed yet."""
+    plans = communication_plan("1f1b", pp, vp, m)
+    for rank in range(pp):
+        stage, held, peak = StageInfo(pp, vp, rank), set(), 0
+        for index, op in enumerate(schedule_ops("1f1b", pp, vp, rank, m)):
+            held |= {msg for rounds in plans[rank][index] for msg in rounds if msg.dst == rank}
+            peak = max(peak, len(held))
+            need = stage.needs(op)
+            assert need is None or need in held, f"rank {rank} op {op} runs before {need} arrives"
+            held.discard(need)
+        assert not held and peak <= 4, (rank, peak)
