@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
 from megalite.model.kv_cache import LayerCache
 from megalite.model.rope import apply_rope
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPContext
+from megalite.parallel.random import checkpoint_with_rng
 
 
 class SelfAttention(nn.Module):
@@ -50,7 +50,7 @@ class SelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         if self.recompute_core and self.training:
-            out = checkpoint(self._core, q, k, v, use_reentrant=False)
+            out = checkpoint_with_rng(self._core, q, k, v, tracker=self.tp.rng)
         else:
             out = self._core(q, k, v)
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megalite.config import Config, ModelConfig
 from megalite.model.attention import SelfAttention
@@ -22,6 +21,7 @@ from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.layers import TPContext, VocabParallelEmbedding, parameter_shards
 from megalite.parallel.pipeline_layout import StageLayout
+from megalite.parallel.random import checkpoint_with_rng
 
 
 class TransformerLayer(nn.Module):
@@ -130,7 +130,7 @@ class GPTModel(nn.Module):
         for index in range(*self.stage.chunks[chunk]):
             layer = self.layers[str(index)]
             if self.recompute_full and self.training:
-                x = checkpoint(layer, x, rope, use_reentrant=False)
+                x = checkpoint_with_rng(layer, x, rope, tracker=self.tp.rng)
             else:
                 x = layer(x, rope, None if cache is None else cache[index])
         if not self.stage.is_last_chunk(chunk):
