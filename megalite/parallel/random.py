@@ -10,6 +10,7 @@ on by then: `checkpoint_with_rng` restores them too.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -19,11 +20,20 @@ TENSOR_PARALLEL = "tensor-parallel"
 _TP_SEED_OFFSET = 2718  # Megatron-LM's offset, so the TP stream never equals the default one
 
 
+@dataclass(frozen=True)
+class RNGSnapshot:
+    """The tracker at a checkpointed forward: every stream's saved state and the forks open then.
+    The innermost open stream's live state is the generator's, which torch's checkpoint saves itself."""
+
+    states: dict[str, torch.Tensor]
+    forks: tuple[str, ...]
+
+
 class RNGTracker:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.states: dict[str, torch.Tensor] = {}
-        self.active: set[str] = set()
+        self.forks: list[str] = []  # streams forked now, innermost last; the generator is drawing from the last
 
     def _get(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
@@ -45,31 +55,41 @@ class RNGTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = TENSOR_PARALLEL) -> Iterator[None]:
-        """Run the block on stream `name`, then restore the default stream. Inside a fork of the same
-        stream the block just goes on drawing from it: loading the stream's saved state again would
-        repeat the numbers the outer block already drew."""
-        if name in self.active:
+        """Run the block on stream `name`, then go back to the stream it interrupted (or the default one).
+
+        Inside a fork of the same stream the block just goes on drawing from it: loading the saved
+        state again would repeat the numbers the outer block drew (under SP, attention dropout would
+        repeat the hidden dropout's). Switching to another stream first saves the interrupted one's
+        state, so a fork of it further in continues it too."""
+        outer = self.forks[-1] if self.forks else None
+        if name == outer:
             yield
             return
-        saved = self._get()
+        interrupted = self._get()
+        if outer is not None:
+            self.states[outer] = interrupted
         self._set(self.states[name])
-        self.active.add(name)
+        self.forks.append(name)
         try:
             yield
         finally:
-            self.active.discard(name)
+            self.forks.pop()
             self.states[name] = self._get()
-            self._set(saved)
+            self._set(interrupted if outer is None else self.states[outer])
+
+    def snapshot(self) -> RNGSnapshot:
+        return RNGSnapshot(dict(self.states), tuple(self.forks))
 
     @contextlib.contextmanager
-    def replaying(self, states: dict[str, torch.Tensor]) -> Iterator[None]:
-        """Run the block with the streams as `states` (a snapshot), then put back where they are now."""
-        current = dict(self.states)
-        self.states = dict(states)
+    def replaying(self, snapshot: RNGSnapshot) -> Iterator[None]:
+        """Run the block (a recompute) with the streams and open forks of `snapshot`, then put back the
+        present ones: the recompute draws what the forward drew and the present streams do not move."""
+        present = self.states, self.forks
+        self.states, self.forks = dict(snapshot.states), list(snapshot.forks)
         try:
             yield
         finally:
-            self.states = current
+            self.states, self.forks = present
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.states)
@@ -80,12 +100,12 @@ class RNGTracker:
 
 def checkpoint_with_rng(function: Callable[..., Any], *args: Any, tracker: RNGTracker | None) -> Any:
     """torch's non-reentrant activation checkpoint of function(*args) whose recompute also sees the
-    tracker's streams as they were at the forward, so dropout draws the same masks."""
+    tracker as it was at the forward (streams and open forks), so dropout draws the same masks."""
     if tracker is None:
         return checkpoint(function, *args, use_reentrant=False)
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return contextlib.nullcontext(), tracker.replaying(dict(tracker.states))
+        return contextlib.nullcontext(), tracker.replaying(tracker.snapshot())
 
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
 
