@@ -170,6 +170,8 @@ class CheckpointConfig:
     async_save: bool = _f(False, "write checkpoint files in a background thread; training stalls only to copy state to host memory")
     keep_last: Optional[int] = _f(None, "keep only this many newest checkpoints (older ones deleted after a newer one is complete)")
     fallback: bool = _f(True, "if the latest checkpoint is damaged (missing, truncated or corrupt file), resume from the previous complete one")
+    load_optimizer: bool = _f(True, "false: resume the weights only and start Adam's moments and step afresh (Megatron-LM's --no-load-optim)")
+    load_timeout_minutes: float = _f(60.0, "how long ranks that finished reading a checkpoint wait for the slowest one (through the store, not a collective)")
 
 
 @dataclass
@@ -329,6 +331,8 @@ def _check_checkpoint(cfg: Config, world_size: int) -> list[str]:
         return ["checkpoint.save_interval is set but checkpoint.save is not; give a directory with --checkpoint.save=DIR"]
     if c.keep_last is not None and c.keep_last < 1:
         return [f"checkpoint.keep_last={c.keep_last} must be >= 1 or unset"]
+    if c.load_timeout_minutes <= 0:
+        return [f"checkpoint.load_timeout_minutes={c.load_timeout_minutes} must be > 0"]
     return []
 
 

@@ -4,15 +4,16 @@ moment leaves the previous checkpoint intact and `latest` pointing at a complete
     root/latest                      the last complete iteration's number, replaced atomically
     root/iter_0000100/
         config.yaml  state.json      the run's config; step, consumed samples, loss scaler, W&B id
-        index.json                   every piece (global name, kind, shard, range, file, key) and
-                                     every file's size and CRC-32, written last
+        index.json                   every piece (global name, kind, shard, range, file, key, CRC-32
+                                     of each block of BLOCK_BYTES) and every file's size and CRC-32,
+                                     written last
         rank_00003.safetensors       the pieces rank 3 owns (sharded_state.py)
         rng/rank_00003.pt            rank 3's RNG streams (tensors only: loaded with weights_only)
 
 Each rank writes its files into `iter_0000100.tmp/` plus a small `rank_XXXXX.json` saying what
 it wrote; once every rank is done, rank 0 merges those into index.json, fsyncs, renames the
 directory and only then rewrites `latest`. Nothing here is pickled code: safetensors, JSON,
-YAML, and RNG tensors loaded with `weights_only=True`.
+YAML, and RNG tensors loaded with `weights_only=True`. Reading is in reader.py.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megalite.checkpoint.sharded_state import Piece, assemble
+from megalite.checkpoint.reader import INDEX
+from megalite.checkpoint.sharded_state import Piece
 
 FORMAT_VERSION = 2
 LATEST = "latest"
-INDEX = "index.json"
+BLOCK_BYTES = 4 << 20  # a resuming rank reads and verifies whole blocks: at most two more per piece than it needs
 
 
 def iteration_dir(root: str | Path, step: int) -> Path:
@@ -66,7 +67,8 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tenso
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         files[name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
-        listed = [{**piece.to_json(), "file": name, "key": str(i)} for i, (piece, _) in enumerate(pieces)]
+        listed = [{**piece.to_json(), "file": name, "key": str(i), "block_bytes": BLOCK_BYTES, "crc32_blocks": _block_crcs(t)}
+                  for i, (piece, t) in enumerate(pieces)]
     if rng is not None:
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(rng, tmp / "rng" / f"rank_{rank:05d}.pt")
@@ -122,45 +124,14 @@ def problem_with(path: Path, checksums: bool = True) -> str | None:
     return None
 
 
+def _block_crcs(tensor: torch.Tensor) -> list[int]:
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return [zlib.crc32(raw[i:i + BLOCK_BYTES].numpy()) for i in range(0, raw.numel(), BLOCK_BYTES)]
+
+
 def _crc32(file: Path) -> int:
     crc = 0
     with open(file, "rb") as f:
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
     return crc
-
-
-class CheckpointReader:
-    """Global tensors of a published checkpoint, rebuilt on demand from the pieces of any layout."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        index = json.loads((path / INDEX).read_text())
-        self.pieces: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        for entry in index["pieces"]:
-            self.pieces.setdefault((entry["name"], entry["kind"]), []).append(entry)
-        self._files: dict[str, Any] = {}
-
-    def names(self, kind: str = "model") -> dict[str, list[int]]:
-        """Global shapes of the tensors saved with this kind, by name."""
-        return {name: entries[0]["shape"] for (name, k), entries in self.pieces.items() if k == kind}
-
-    def read(self, name: str, kind: str) -> torch.Tensor | None:
-        entries = self.pieces.get((name, kind))
-        if not entries:
-            return None
-        loaded = []
-        for e in entries:
-            if e["file"] not in self._files:
-                self._files[e["file"]] = safe_open(self.path / e["file"], framework="pt")
-            fields = {k: e[k] for k in ("name", "kind", "shape", "shard", "lo", "hi")}
-            loaded.append((Piece(**fields), self._files[e["file"]].get_tensor(e["key"])))
-        return assemble(loaded, str(self.path))
-
-    def rng(self, rank: int) -> dict[str, torch.Tensor] | None:
-        """This rank's RNG streams (rank 0's when the checkpoint was written by fewer ranks)."""
-        folder = self.path / "rng"
-        if not folder.is_dir():
-            return None
-        file = folder / f"rank_{rank:05d}.pt"
-        return torch.load(file if file.is_file() else folder / "rank_00000.pt", weights_only=True)

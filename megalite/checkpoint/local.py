@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.files import (LATEST, CheckpointReader, complete_iterations, finalize, iteration_dir, problem_with,
+from megalite.checkpoint.files import (LATEST, complete_iterations, finalize, iteration_dir, problem_with,
                                        write_rank_files, write_run_files)
+from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.parallel.random import RNGTracker
 from megalite.parallel.topology import Topology
@@ -148,36 +149,50 @@ def _candidates(root: Path) -> list[Path]:
     return [latest] + [p for p in found if int(p.name[5:]) < int(text)]
 
 
-def choose_checkpoint(load: str, fallback: bool) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from and the damaged ones skipped on the way.
-
-    `load` is an iteration directory (exactly that one) or a root (its latest complete one; a
-    damaged latest falls back to the previous complete one when `fallback`). None: no checkpoint yet.
-    """
+def checkpoint_candidates(load: str) -> tuple[list[Path], bool]:
+    """The checkpoints to try, in order, and whether `load` names one iteration directory exactly (then
+    only it); a root gives its latest complete one first, then older ones (the fallbacks)."""
     path = Path(load)
     if path.name.startswith("iter_") or (path / "state.json").exists():
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint.load={load} does not exist; fix the path")
-        problem = problem_with(path)
-        if problem:
-            raise ValueError(f"{problem}; resume from another iter_* directory")
-        return path, []
-    skipped = []
-    for candidate in _candidates(path) if path.is_dir() else []:
-        problem = problem_with(candidate)
+        return [path], True
+    return (_candidates(path) if path.is_dir() else []), False
+
+
+def give_up_unless_fallback(problems: list[str], exact: bool, fallback: bool) -> None:
+    """After a damaged candidate: stop unless the next one may be tried."""
+    if exact:
+        raise ValueError(f"{problems[-1]}; resume from another iter_* directory")
+    if not fallback:
+        raise ValueError(f"{problems[-1]}; set checkpoint.fallback=true to resume from the previous complete checkpoint")
+
+
+def none_complete(load: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"no complete checkpoint in {load}: " + "; ".join(problems))
+
+
+def choose_checkpoint(load: str, fallback: bool, checksums: bool = True) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from and the damaged ones skipped on the way (every file's size, and
+    with `checksums` its CRC-32, checked). None: no checkpoint yet."""
+    paths, exact = checkpoint_candidates(load)
+    skipped: list[str] = []
+    for candidate in paths:
+        problem = problem_with(candidate, checksums)
         if problem is None:
             return candidate, skipped
-        if not fallback:
-            raise ValueError(f"{problem}; set checkpoint.fallback=true to resume from the previous complete checkpoint")
         skipped.append(problem)
-    if skipped:
-        raise ValueError(f"no complete checkpoint in {load}: " + "; ".join(skipped))
+        give_up_unless_fallback(skipped, exact, fallback)
+    none_complete(load, skipped)
     return None, []
 
 
-def load_checkpoint(path: Path, sharded: ShardedState, topology: Topology) -> tuple[TrainingState, dict[str, torch.Tensor] | None, bool]:
-    """Restore model and optimizer (resliced for this rank's layout); returns the training state,
-    this rank's RNG streams (None in a weights-only checkpoint) and whether optimizer state was loaded."""
+def load_checkpoint(path: Path, sharded: ShardedState, topology: Topology,
+                    load_optimizer: bool = True) -> tuple[TrainingState, dict[str, torch.Tensor] | None, bool, int]:
+    """Restore what this rank holds of the model and optimizer, whatever layout saved them; returns the
+    training state, this rank's RNG streams (None in a weights-only checkpoint), whether optimizer
+    state was loaded and the bytes this rank read."""
     reader = CheckpointReader(path)
     saved, expected = reader.names("model"), sharded.shapes()
     mismatched = [f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(v)}" for k, v in expected.items() if k in saved and saved[k] != v]
@@ -185,6 +200,6 @@ def load_checkpoint(path: Path, sharded: ShardedState, topology: Topology) -> tu
     if missing or mismatched:
         raise ValueError(f"checkpoint {path} does not fit this model (was it saved with another model config?): "
                          f"missing {missing}, shape mismatches {mismatched}")
-    loaded_optimizer = sharded.load(reader.read)
+    loaded_optimizer = sharded.load(reader, load_optimizer)
     state = TrainingState.from_json((path / "state.json").read_text())
-    return state, reader.rng(topology.rank), loaded_optimizer
+    return state, reader.rng(topology.rank), loaded_optimizer, reader.bytes_read

@@ -7,9 +7,9 @@ parallel/layers.py ShardSpec) and the range. That is exactly what a rank holds: 
 and under the distributed optimizer a flat slice of it, which is not a rectangular box of
 the global tensor, so we describe pieces this way instead of with box offsets (and store them
 with safetensors + a JSON index rather than torch.distributed.checkpoint, whose planner wants
-boxes and whose metadata is pickled). Loading rebuilds a global tensor from its pieces and
-cuts out the new rank's shard and range, so tp, pp, vp, dp and the distributed optimizer may
-all differ between save and load.
+boxes and whose metadata is pickled). Loading reads, of each tensor, only the new rank's shard
+and range (reader.py), so tp, pp, vp, dp and the distributed optimizer may all differ between
+save and load.
 
 Kinds of piece per parameter: `model` (in the parameter's dtype), `main_param` (fp32 main
 weights when parameters are bf16/fp16), Adam's `exp_avg`, `exp_avg_sq` and `step`.
@@ -18,12 +18,13 @@ weights when parameters are bf16/fp16), Adam's `exp_avg`, `exp_avg_sq` and `step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from megalite.parallel.layers import ShardSpec, TPContext, parameter_shards, shard, unshard
+from megalite.checkpoint.reader import CheckpointReader, Target
+from megalite.parallel.layers import ShardSpec, TPContext, parameter_shards
 from megalite.parallel.topology import Topology
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -120,58 +121,35 @@ class ShardedState:
                 add("step", torch.as_tensor(state["step"], dtype=torch.float32), 0, 1, [1], None)
         return out
 
-    def load(self, read: Callable[[str, str], torch.Tensor | None]) -> bool:
-        """Load this rank's slices; `read(name, kind)` returns a global tensor or None when the
-        checkpoint has no such piece. Returns whether optimizer state was found and loaded."""
-        stepped: dict[int, list[Entry]] = {}
+    def load(self, reader: CheckpointReader, load_optimizer: bool = True) -> bool:
+        """Load what this rank steps (under the distributed optimizer only its own slices: the rest of each
+        parameter comes from the parameter all-gather afterwards) and, unless `load_optimizer` is false,
+        Adam's state. Returns whether optimizer state was loaded: False for a weights-only checkpoint;
+        a checkpoint with only part of it is refused."""
         for e in self.entries:
-            stepped.setdefault(id(e.param), []).append(e)
-        for local, stored, param in self.params:
-            best = read(stored, MAIN)  # fp32 main weights are the exact ones when saved
-            best = read(stored, "model") if best is None else best
-            param.data.copy_(self._tp_part(local, best).view_as(param))
-            for e in stepped.get(id(param), []):
-                e.main.data.copy_(self._local(e, best).view_as(e.main))
+            target = self._target(e)
+            values = reader.read_part(e.stored, MAIN, target)
+            values = reader.read_part(e.stored, "model", target) if values is None else values
+            e.main.data.copy_(values.view_as(e.main))
+            e.param.data.view(-1)[e.lo:e.hi].copy_(values)
+        if not load_optimizer or not reader.kinds() & {*MOMENTS, "step"}:
+            return False
         state: dict[int, dict[str, torch.Tensor]] = {}
         for e in self.entries:
-            values = {kind: read(e.stored, kind) for kind in (*MOMENTS, "step")}
-            if any(v is None for v in values.values()):
-                return False
-            state[e.index] = {kind: self._local(e, v).view_as(e.main) for kind, v in values.items() if kind != "step"}
-            state[e.index]["step"] = values["step"].reshape(())
+            values = {kind: reader.read_part(e.stored, kind, self._target(e)) for kind in MOMENTS}
+            values["step"] = reader.read_part(e.stored, "step", Target((1,), None, 0, 1))
+            missing = [kind for kind, value in values.items() if value is None]
+            if missing:
+                raise ValueError(f"checkpoint {reader.path} has optimizer state, but not {', '.join(missing)} of {e.stored} "
+                                 "(saved by another optimizer implementation?): Adam would restart silently; pass "
+                                 "--checkpoint.load_optimizer=false to resume the weights with fresh optimizer state")
+            state[e.index] = {kind: values[kind].view_as(e.main) for kind in MOMENTS} | {"step": values["step"].reshape(())}
         current = self.optimizer.state_dict()
         self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
         return True
 
-    def _tp_part(self, local: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's tensor-parallel shard of a global tensor (all of it when not sharded)."""
-        spec = self._spec(local)
-        return shard(full, spec, self.tp.rank, self.tp.size) if spec is not None else full
-
-    def _local(self, entry: Entry, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a global tensor, flattened to the entry's stepped range."""
-        return self._tp_part(entry.local, full).reshape(-1)[entry.lo:entry.hi]
-
-
-def assemble(pieces: list[tuple[Piece, torch.Tensor]], where: str) -> torch.Tensor:
-    """A global tensor from all its saved pieces (of one kind), whatever layout wrote them."""
-    first = pieces[0][0]
-    shape, count = first.shape, first.shard[3] if first.shard else 1
-    shard_shape = list(shape)
-    if first.shard:
-        shard_shape[first.shard[0]] //= count
-    numel = int(torch.Size(shard_shape).numel())
-    shards = []
-    for index in range(count):
-        flat = torch.empty(numel, dtype=pieces[0][1].dtype)
-        covered = 0
-        for piece, tensor in pieces:
-            if (piece.shard[2] if piece.shard else 0) == index:
-                flat[piece.lo:piece.hi] = tensor
-                covered += piece.hi - piece.lo
-        if covered != numel:
-            raise ValueError(f"{where}: {first.name}/{first.kind} shard {index} has {covered} of {numel} elements; the checkpoint is incomplete")
-        shards.append(flat.view(shard_shape))
-    if not first.shard:
-        return shards[0]
-    return unshard(shards, ShardSpec(first.shard[0], first.shard[1]))
+    def _target(self, entry: Entry) -> Target:
+        """The slice of the global tensor that `entry` steps: this rank's TP shard, its stepped flat range."""
+        spec = self._spec(entry.local)
+        shard = (spec.dim, spec.blocks, self.tp.rank, self.tp.size) if spec else None
+        return Target(tuple(self._global_shape(entry.local, entry.param)), shard, entry.lo, entry.hi)

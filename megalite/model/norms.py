@@ -1,4 +1,6 @@
 """Normalisation layers: NVIDIA apex's fused kernels on CUDA when installed, torch's otherwise.
+apex's norms keep only what backward needs (less activation memory than torch's, see the planner);
+unmeasured on GPUs here.
 
 Both compute the same function with the same parameters (`weight`, and `bias` for
 LayerNorm), so checkpoints do not depend on which implementation ran.
@@ -13,10 +15,13 @@ from torch import nn
 
 
 def _apex_norm(name: str):
-    """The apex class `name` when apex (the NVIDIA one) imports and CUDA is usable."""
+    """The apex class `name` when NVIDIA apex is installed with its compiled extension and CUDA is usable.
+    A Python-only apex build (or PyPI's unrelated `apex`) imports fine and fails at the first forward,
+    so the extension itself must import."""
     if not torch.cuda.is_available():
         return None
     try:
+        importlib.import_module("fused_layer_norm_cuda")
         return getattr(importlib.import_module("apex.normalization"), name)
     except (ImportError, AttributeError):
         return None

@@ -155,6 +155,13 @@ class GradientReducer:
         """Whether any rank found inf/nan, so all ranks skip the same steps."""
         return bool(self.topology.max_over_ranks([float(found)])[0])
 
+    def gather_params(self) -> None:
+        """Every parameter whole again from the ranks that own its slices (distributed optimizer), e.g.
+        after a resume that loaded only this rank's slices."""
+        if self.distributed:
+            for buffer in self.buffers:
+                buffer.gather_params(background=False)
+
     def after_step(self) -> None:
         """Write fp32 main weights back into bf16/fp16 parameters and share updated shards (distributed
         optimizer); drop .grad so the next backward starts clean."""

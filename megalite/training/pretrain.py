@@ -15,7 +15,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.local import Checkpointer, TrainingState, choose_checkpoint, load_checkpoint, rng_state, set_rng_state
+from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
+from megalite.checkpoint.resume import resume
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml
@@ -71,6 +72,7 @@ class Run:
         self.checkpointer = Checkpointer(c.save, topology, c.async_save, c.keep_last) if c.save else None
         self.state = TrainingState(step=0, consumed_samples=0, loss_scaler=self.scaler.state_dict())
         self.started = time.monotonic()
+        self.notes: list[str] = []
         self.resumed_from, self.damaged = self._resume()
         if wandb_enabled(cfg) and not self.state.wandb_run_id:  # chosen now, saved in every checkpoint
             chosen = [new_run_id()]
@@ -83,32 +85,26 @@ class Run:
         self.result = RunResult()
 
     def _resume(self) -> tuple[Path | None, list[str]]:
-        """Resume from checkpoint.load (default: checkpoint.save, so a restarted job continues). Rank 0
-        picks the checkpoint (checking every file's size and checksum) and tells the others."""
+        """Resume from checkpoint.load (default: checkpoint.save, so a restarted job continues); every rank
+        reads only what it holds (checkpoint/resume.py)."""
         c = self.cfg.checkpoint
         load = c.load or c.save
         if not load:
             return None, []
         if c.load and c.load != c.save and not Path(c.load).exists():
             raise FileNotFoundError(f"checkpoint.load={c.load} does not exist; fix the path or drop --checkpoint.load to start from scratch")
-        choice: list = [None]
-        if self.topology.rank == 0:
-            try:
-                found, damaged = choose_checkpoint(load, c.fallback)
-                choice = [(str(found) if found else None, damaged)]
-            except (OSError, ValueError) as error:
-                choice = [error]
-        dist.broadcast_object_list(choice, src=0)
-        if isinstance(choice[0], BaseException):
-            raise choice[0]
-        found, damaged = choice[0]
-        if found is None:
-            return None, damaged
-        self.state, rng, _ = load_checkpoint(Path(found), self.sharded, self.topology)
-        if rng is not None:
-            set_rng_state(rng, self.topology.device, self.tp.rng)
+        resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes)
+        if resumed is None:
+            return None, []
+        self.reducer.gather_params()  # the distributed optimizer's ranks loaded only their own slices
+        self.state = resumed.state
+        if resumed.rng is not None:
+            set_rng_state(resumed.rng, self.topology.device, self.tp.rng)
         self.scaler.load_state_dict(self.state.loss_scaler)
-        return Path(found), damaged
+        if not resumed.optimizer_loaded:
+            why = "checkpoint.load_optimizer=false" if not c.load_optimizer else "the checkpoint holds weights only"
+            self.notes.append(f"optimizer state not loaded ({why}): Adam's moments and step start from zero")
+        return resumed.path, resumed.skipped
 
     def train(self) -> RunResult:
         cfg, start = self.cfg, self.state.step
@@ -216,6 +212,8 @@ class Run:
         )
         for problem in self.damaged:
             self.writer.print(f"skipped a damaged checkpoint: {problem}")
+        for note in self.notes:
+            self.writer.print(note)
         if self.resumed_from:
             self.writer.print(f"resumed from {self.resumed_from} at step {self.state.step} ({self.state.consumed_samples} samples consumed)")
         elif cfg.checkpoint.load or cfg.checkpoint.save:
