@@ -1,5 +1,5 @@
 """Helpers for multi-process tests: gloo ranks in fresh processes (megalite.parallel.spawn), and
-pretrain_gpt.py under torchrun with its metrics file."""
+pretrain_gpt.py under torchrun with its metrics file (`tiny_run` for a test file's tiny model)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,11 @@ def pretrain_torchrun(nproc: int, args: list[str], timeout: int = 600) -> None:
 def metrics(path: Path) -> list[dict]:
     """The training-step records of a metrics file (evaluation records left out)."""
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def tiny_run(tmp_path: Path, nproc: int, *extra: str, base: list[str], name: str = "") -> list[dict]:
+    """One short run of a test file's tiny model: its `base` arguments, a metrics file under tmp_path
+    named by nproc and `name` (or the number of extras), then `extra`, which win; returns the records."""
+    path = tmp_path / f"metrics-{nproc}-{name or len(extra)}.jsonl"
+    pretrain_torchrun(nproc, [*base, f"--logging.metrics_file={path}", *extra])
+    return metrics(path)

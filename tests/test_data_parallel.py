@@ -13,24 +13,18 @@ from megalite.parallel.topology import Topology
 from megalite.training.build import build_rank_model
 
 from conftest import tiny_config
-from distributed import metrics as read_metrics, pretrain_torchrun, run_ranks
+from distributed import run_ranks, tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ["--model.family=llama", "--model.num_query_groups=4"]
-
-
-def _metrics_of(tmp_path: Path, nproc: int, *extra: str, name: str = "") -> Path:
-    metrics = tmp_path / f"metrics-{nproc}-{name or len(extra)}.jsonl"
-    args = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
-            "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=8", "--train.train_iters=5",
-            "--optim.clip_grad=0.5", "--parallel.bucket_size=5000", "--logging.progress_bar=false", "--logging.log_interval=1",
-            "--data.mock=true", "--data.num_workers=0", f"--logging.metrics_file={metrics}", *extra]
-    pretrain_torchrun(nproc, args)
-    return metrics
+TINY = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
+        "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=8", "--train.train_iters=5",
+        "--optim.clip_grad=0.5", "--parallel.bucket_size=5000", "--logging.progress_bar=false",
+        "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0"]
 
 
 def _run(tmp_path: Path, nproc: int, *extra: str, name: str = "") -> list[float]:
-    records = read_metrics(_metrics_of(tmp_path, nproc, *extra, name=name))
+    records = tiny_run(tmp_path, nproc, *extra, base=TINY, name=name)
     assert all(r["grad_norm"] > 0.5 for r in records), "clipping must be active in these tests"
     return [r["loss"] for r in records]
 
@@ -56,8 +50,8 @@ def test_tied_embeddings_across_stages_with_distributed_optimizer(tmp_path):
     """The word embeddings live on the first and last stage with different buffer layouts; their
     gradients must be combined before the reduce-scatter (a higher LR makes any error visible)."""
     fast = ["--optim.lr=1e-2", "--optim.min_lr=1e-3"]
-    one = read_metrics(_metrics_of(tmp_path, 1, *fast))
-    split = read_metrics(_metrics_of(tmp_path, 4, *fast, "--parallel.pp=2", "--parallel.distributed_optimizer=true"))
+    one = tiny_run(tmp_path, 1, *fast, base=TINY)
+    split = tiny_run(tmp_path, 4, *fast, "--parallel.pp=2", "--parallel.distributed_optimizer=true", base=TINY)
     assert [r["grad_norm"] for r in split] == pytest.approx([r["grad_norm"] for r in one], rel=1e-6)
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in one], rel=1e-6)
 

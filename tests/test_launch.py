@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import metrics as read_metrics, pretrain_torchrun
+from distributed import tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -17,15 +17,10 @@ TINY = [
 ]
 
 
-def _torchrun(nproc: int, metrics: Path, *extra: str) -> list[dict]:
-    pretrain_torchrun(nproc, [*TINY, f"--logging.metrics_file={metrics}", *extra])
-    return read_metrics(metrics)
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_data_parallel_matches_one_process(tmp_path, family):
-    one = _torchrun(1, tmp_path / "one.jsonl", f"--model.family={family}")
-    two = _torchrun(2, tmp_path / "two.jsonl", f"--model.family={family}")
+    one = tiny_run(tmp_path, 1, f"--model.family={family}", base=TINY)
+    two = tiny_run(tmp_path, 2, f"--model.family={family}", base=TINY)
     assert [r["step"] for r in two] == [1, 2, 3, 4]
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)

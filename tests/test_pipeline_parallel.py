@@ -25,7 +25,7 @@ from megalite.training.optimizer import build_optimizer, set_learning_rate
 from megalite.training.step import train_step
 
 from conftest import tiny_config
-from distributed import metrics as read_metrics, pretrain_torchrun, run_ranks
+from distributed import pretrain_torchrun, run_ranks, tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [(pp, vp, m) for pp in (2, 4, 8) for vp in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp)] + [(2, 1, 3), (4, 1, 2), (4, 1, 7)]
@@ -161,14 +161,13 @@ def test_trace_shows_every_op_once_per_step(tmp_path):
     assert "peak stored activations 5" in names[0] and "peak stored activations 3" in names[1]
 
 
+TINY = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
+        "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=4",
+        "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0"]
+
+
 def _run(tmp_path: Path, nproc: int, *extra: str) -> list[float]:
-    metrics = tmp_path / f"metrics-{nproc}-{len(extra)}.jsonl"
-    args = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
-            "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=4",
-            "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0",
-            f"--logging.metrics_file={metrics}", *extra]
-    pretrain_torchrun(nproc, args)
-    return [r["loss"] for r in read_metrics(metrics)]
+    return [r["loss"] for r in tiny_run(tmp_path, nproc, *extra, base=TINY)]
 
 
 def test_checkpoint_saved_at_tp2_pp2_vp2_resumes_on_one_device(tmp_path):

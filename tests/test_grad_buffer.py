@@ -1,0 +1,150 @@
+"""GradBuffer's layout and reduction, pinned down where they are easy to break: bucket boundaries,
+padding to dp for the distributed optimizer, which rank owns which elements, which buckets reduce
+during backward and which only in `finish`, and the sums themselves on 2 gloo ranks.
+
+Parameters have 1, 3, 5, 2 and 4 elements (creation order) and buckets hold 6 elements, so one
+bucket closes exactly at the size, one overshoots it (a parameter is never split), one is left over.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.parallel.grad_buffer import GradBuffer
+
+from distributed import run_ranks
+
+SIZES = [1, 3, 5, 2, 4]
+BUCKET = 6
+
+
+def _params(seed: int = 0) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(n, generator=g)) for n in SIZES]
+
+
+def _buffer(params: list[nn.Parameter], dp: int = 1, dp_rank: int = 0, distributed: bool = False,
+            overlap: bool = True, held: frozenset[int] = frozenset()) -> GradBuffer:
+    group = dist.group.WORLD if dist.is_initialized() else None
+    return GradBuffer(params, BUCKET, group, dp, dp_rank, distributed, overlap, held)
+
+
+def _layout(buffer: GradBuffer, params: list[nn.Parameter]) -> list[tuple[int, int, list[int]]]:
+    """Each bucket as (start, end, its parameters by creation index)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    return [(b.start, b.end, [index[id(p)] for p in b.params]) for b in buffer.buckets]
+
+
+def test_buckets_fill_in_reverse_creation_order_and_close_at_bucket_size():
+    """Backward produces gradients roughly last parameter first, so buckets fill in that order."""
+    params = _params()
+    buffer = _buffer(params)
+    assert _layout(buffer, params) == [(0, 6, [4, 3]), (6, 14, [2, 1]), (14, 15, [0])]
+    buffer.grad_data.copy_(torch.arange(15.0))
+    starts = [14, 11, 6, 4, 0]  # main_grad is a view of the buffer at the parameter's offset
+    for param, start in zip(params, starts):
+        assert torch.equal(param.main_grad, torch.arange(start, start + param.numel(), dtype=torch.float32))
+
+
+def test_distributed_buckets_pad_to_multiple_of_dp_and_keep_parameter_values():
+    """Reduce-scatter needs equal shards: every bucket is padded to a multiple of dp, and the
+    parameters move into a flat buffer of the same layout without changing value."""
+    params = _params()
+    values = [p.detach().clone() for p in params]
+    buffer = _buffer(params, dp=4, distributed=True)
+    assert _layout(buffer, params) == [(0, 8, [4, 3]), (8, 16, [2, 1]), (16, 20, [0])]
+    assert buffer.grad_data.numel() == buffer.param_data.numel() == 20
+    for param, value in zip(params, values):
+        assert torch.equal(param.detach(), value)
+    assert torch.equal(buffer.param_data[[6, 7, 17, 18, 19]], torch.zeros(5))
+    buffer.param_data[5] = 99.0  # the last element of parameter 3: parameters are views of the buffer
+    assert params[3][-1].item() == 99.0
+
+
+def _owned_elements(dp: int) -> dict[int, list[tuple[int, int, int]]]:
+    """param index -> (lo, hi, rank) for each range that some rank's optimizer shard owns."""
+    owned: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(SIZES))}
+    for rank in range(dp):
+        params = _params()
+        index = {id(p): i for i, p in enumerate(params)}
+        for param, lo, hi in _buffer(params, dp=dp, dp_rank=rank, distributed=True).owned_ranges():
+            owned[index[id(param)]].append((lo, hi, rank))
+    return owned
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4])
+def test_owned_ranges_are_disjoint_and_cover_every_parameter(dp):
+    """Every element is stepped by exactly one rank; padding is owned by none."""
+    for i, ranges in _owned_elements(dp).items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == SIZES[i], f"param {i}: {ranges}"
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), f"param {i}: {ranges}"
+
+
+def test_without_distributed_optimizer_each_rank_owns_whole_parameters():
+    params = _params()
+    index = {id(p): i for i, p in enumerate(params)}
+    owned = [(index[id(p)], lo, hi) for p, lo, hi in _buffer(params, dp=2, dp_rank=1).owned_ranges()]
+    assert owned == [(i, 0, SIZES[i]) for i in reversed(range(len(SIZES)))]
+
+
+def _backward(params: list[nn.Parameter], inputs: list[torch.Tensor], scale: float) -> None:
+    sum(scale * (p * x).sum() for p, x in zip(params, inputs)).backward()
+
+
+def _step(rank: int, distributed: bool, overlap: bool) -> dict:
+    """Two micro batches (the second after start_sync) on a buffer whose parameter 0 is held; rank r's
+    micro batch k scales the gradient by (r + 1) * (k + 1)."""
+    params = _params()
+    inputs = _params(seed=1)
+    buffer = _buffer(params, dp=2, dp_rank=rank, distributed=distributed, overlap=overlap,
+                     held=frozenset({id(params[0])}))
+    buffer.zero()
+    _backward(params, inputs, (rank + 1) * 1.0)
+    accumulating = [b.work is not None for b in buffer.buckets]
+    buffer.start_sync()
+    _backward(params, inputs, (rank + 1) * 2.0)
+    syncing = [b.work is not None for b in buffer.buckets]
+    buffer.finish()
+    index = {id(p): i for i, p in enumerate(params)}
+    owned = [(index[id(p)], lo, hi) for p, lo, hi in buffer.owned_ranges()]
+    return {"accumulating": accumulating, "syncing": syncing, "owned": owned,
+            "grads": [p.main_grad.clone() for p in params], "inputs": [x.detach() for x in inputs]}
+
+
+def _two_ranks(rank: int, world_size: int) -> dict:
+    return {(d, o): _step(rank, d, o) for d in (False, True) for o in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps() -> list[dict]:
+    """One spawn of 2 gloo ranks runs every (distributed, overlap) case."""
+    return run_ranks(2, _two_ranks)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_only_the_last_micro_batch_launches_and_held_buckets_wait_for_finish(two_rank_steps, distributed, overlap):
+    """Earlier micro batches only accumulate; with overlap, a bucket launches during the last backward
+    unless it holds a held (tied) parameter, which must first be combined with another stage's."""
+    for result in two_rank_steps:
+        step = result[(distributed, overlap)]
+        assert step["accumulating"] == [False, False, False]
+        assert step["syncing"] == [overlap, overlap, False]
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_reduction_sums_both_micro_batches_over_ranks(two_rank_steps, distributed, overlap):
+    """All-reduce: every element is the sum over ranks and micro batches, (1 + 2) * (1 + 2) = 9 times
+    the input. Reduce-scatter: the elements a rank owns are (the rest is not read by its optimizer)."""
+    for result in two_rank_steps:
+        step = result[(distributed, overlap)]
+        for i, lo, hi in step["owned"]:
+            expected = 9 * step["inputs"][i][lo:hi]
+            assert torch.allclose(step["grads"][i][lo:hi], expected, rtol=1e-6, atol=0), f"param {i}"
+        if not distributed:
+            assert sorted(i for i, _, _ in step["owned"]) == list(range(len(SIZES)))
