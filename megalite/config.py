@@ -340,7 +340,10 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
     d = cfg.data
     corpus = bool(d.paths or d.train_paths)
     if d.mock and corpus:
-        return ["data.mock=true and data.paths/train_paths are both set; choose one"]
+        named = [f"data.{name}" for name in ("paths", "train_paths", "valid_paths") if getattr(d, name)]
+        unset = " ".join(f"--{name}=null" for name in named)
+        return [f"data.mock=true and {', '.join(named)} are both set; choose one: {unset} for synthetic tokens, "
+                "or --data.mock=false for the corpus"]
     if not d.mock and not corpus:
         return ["no training data: give --data.paths=PREFIX (from tools/preprocess_data.py) or --data.mock=true for synthetic tokens"]
     errors = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import sys
 import typing
 from pathlib import Path
@@ -131,7 +132,35 @@ def parse_config(argv: Sequence[str]) -> Config:
         load_yaml(cfg, config_file)
     for key, value in pairs:
         set_field(cfg, key, value, "command line")
+    if config_file:
+        _command_line_picks_data_source(cfg, {key for key, _ in pairs}, config_file)
     return cfg
+
+
+_CORPUS = ("paths", "train_paths", "valid_paths")
+
+
+def _command_line_picks_data_source(cfg: Config, given: set[str], config_file: str) -> None:
+    """The data source is two groups of fields (data.mock, the corpus fields), so "the command line wins" needs
+    a rule: a source named on the command line drops the other source taken from the YAML, and one line says so.
+    Both sources named on the same level are left for validate() to refuse."""
+    d = cfg.data
+    named = [name for name in _CORPUS if f"data.{name}" in given and getattr(d, name) is not None]
+    if d.mock and "data.mock" in given and not named:
+        dropped = [name for name in _CORPUS if getattr(d, name) is not None]
+        for name in dropped:
+            setattr(d, name, None)
+        if dropped:
+            _say(f"--data.mock=true: ignoring data.{', data.'.join(dropped)} from {config_file}")
+    elif d.mock and named and "data.mock" not in given:
+        d.mock = False
+        _say(f"--data.{named[0]} given: ignoring data.mock=true from {config_file}")
+
+
+def _say(line: str) -> None:
+    """Print once per job, not once per rank (torchrun sets RANK; a plain run has none)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
 
 
 def help_text(prog: str = "pretrain_gpt.py") -> str:

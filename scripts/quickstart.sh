@@ -2,8 +2,8 @@
 # Install megalite into .venv, fetch the real assets (GPT-2 tokenizer, Shakespeare), preprocess
 # the corpus into a Megatron .bin/.idx dataset, and pretrain a small GPT on it with torchrun:
 # every local GPU, or 2 data-parallel CPU processes (gloo) when there is none. Then convert the
-# checkpoint to a Hugging Face model and continue a prompt greedily with both megalite's
-# tools/generate.py and transformers' generate (the two continuations are the same).
+# checkpoint to a Hugging Face model, sample a continuation of a prompt with tools/generate.py,
+# and check that greedy decoding gives the same tokens in megalite and in transformers.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 bash scripts/get_assets.sh
@@ -22,19 +22,37 @@ torchrun --standalone --nproc_per_node="$NPROC" pretrain_gpt.py --config example
 python tools/convert_checkpoint.py --to-hf --load "$OUT/checkpoints" --save "$OUT/hf"
 PROMPT="ROMEO:"
 echo
-echo "== megalite: tools/generate.py, greedy =="
-python tools/generate.py --load "$OUT/checkpoints" --prompt "$PROMPT" --max-new-tokens 40 --temperature 0
-echo "== transformers: generate on the converted model, greedy =="
-python - "$OUT/hf" "$PROMPT" <<'PY'
+echo "== megalite: tools/generate.py, a seeded top-k sample =="
+python tools/generate.py --load "$OUT/checkpoints" --prompt "$PROMPT" --max-new-tokens 60 \
+  --temperature 0.8 --top-k 40 --seed 1
+# Greedy decoding of a model this small soon repeats newlines, so equal greedy tokens prove little:
+# the converted model is also checked on the logits of a line of verse.
+echo "== megalite and transformers (the converted model) agree =="
+python - "$OUT/checkpoints" "$OUT/hf" "$PROMPT" <<'PY'
 import sys
 
+import torch
 import transformers
 
-path, prompt = sys.argv[1:]
-tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-model = transformers.AutoModelForCausalLM.from_pretrained(path)
-tokens = tokenizer(prompt, return_tensors="pt").input_ids
-print(tokenizer.decode(model.generate(tokens, max_new_tokens=40, do_sample=False)[0]))
+from megalite.inference.generate import Sampling, generate, load_model
+
+checkpoint, hf_dir, prompt = sys.argv[1:]
+model, _, tokenizer = load_model(checkpoint, torch.device("cpu"))
+hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+greedy = Sampling(max_new_tokens=40, temperature=0, stop_tokens=(tokenizer.eod,))
+ours = generate(model, tokenizer.encode(prompt), greedy)
+inputs = hf_tokenizer(prompt, return_tensors="pt")
+out = hf_model.generate(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=hf_tokenizer.eos_token_id)
+theirs = out[0, inputs.input_ids.shape[1]:].tolist()
+if ours != theirs:
+    sys.exit(f"greedy continuations differ:\n  megalite     {tokenizer.decode(ours)!r}\n"
+             f"  transformers {hf_tokenizer.decode(theirs)!r}")
+print(f"greedy, the same {len(ours)} tokens in both: {prompt + tokenizer.decode(ours)!r}")
+verse = torch.tensor([tokenizer.encode("But soft, what light through yonder window breaks?")])
+with torch.no_grad():
+    gap = (model(verse) - hf_model(verse).logits).abs().max().item()
+print(f"logits on a line of verse ({verse.shape[1]} tokens): max |megalite - transformers| = {gap:.1e}")
 PY
 echo
 echo "quickstart done:"

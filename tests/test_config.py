@@ -110,6 +110,43 @@ def test_data_source_is_required_and_unambiguous(args, message):
         validate(parse_config(args), 1)
 
 
+CORPUS_YAML = "data:\n  train_paths: [/d/a]\n  valid_paths: [/d/b]\n  tokenizer_type: GPT2BPETokenizer\n"
+
+
+def test_command_line_mock_drops_the_yaml_corpus_and_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    path = _yaml(tmp_path, CORPUS_YAML)
+    cfg = parse_config(["--config", path, "--data.mock=true"])
+    validate(cfg, 1)
+    assert cfg.data.mock and cfg.data.train_paths is None and cfg.data.valid_paths is None
+    assert capsys.readouterr().out == f"--data.mock=true: ignoring data.train_paths, data.valid_paths from {path}\n"
+    monkeypatch.setenv("RANK", "1")  # under torchrun only rank 0 says it
+    parse_config(["--config", path, "--data.mock=true"])
+    assert capsys.readouterr().out == ""
+
+
+def test_command_line_corpus_drops_the_yaml_mock(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    path = _yaml(tmp_path, "data:\n  mock: true\n  tokenizer_type: NullTokenizer\n")
+    cfg = parse_config(["--config", path, "--data.paths=/d/a"])
+    validate(cfg, 1)
+    assert not cfg.data.mock and cfg.data.paths == ["/d/a"]
+    assert capsys.readouterr().out == f"--data.paths given: ignoring data.mock=true from {path}\n"
+
+
+@pytest.mark.parametrize("where", ["yaml", "command line"])
+def test_mock_and_corpus_on_one_level_name_the_flag_to_add(tmp_path, where):
+    if where == "yaml":
+        args = ["--config", _yaml(tmp_path, CORPUS_YAML + "  mock: true\n")]
+    else:
+        args = ["--data.mock=true", "--data.train_paths=/d/a", "--data.valid_paths=/d/b",
+                "--data.tokenizer_type=NullTokenizer"]
+    with pytest.raises(ConfigError) as error:
+        validate(parse_config(args), 1)
+    assert ("data.mock=true and data.train_paths, data.valid_paths are both set; choose one: --data.train_paths=null "
+            "--data.valid_paths=null for synthetic tokens, or --data.mock=false for the corpus") in str(error.value)
+
+
 def test_yaml_dump_round_trips():
     cfg = parse_config(["--model.family=llama", "--model.num_query_groups=2", "--optim.decay_style=wsd"])
     assert config_from_yaml_text(dump_yaml(cfg), "test") == cfg

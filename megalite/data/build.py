@@ -40,6 +40,13 @@ def tokenizer_from_config(cfg: DataConfig, vocab_size: int) -> Tokenizer | None:
                            tokenizer_model=cfg.tokenizer_model, vocab_size=vocab_size)
 
 
+def training_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer | None:
+    """The tokenizer a training run reads its corpus with; it sets model.vocab_size. Mock data has none: its
+    tokens are ids below model.vocab_size, so tokenizer files the config still names are never opened (they need
+    not exist)."""
+    return None if cfg.mock else tokenizer_from_config(cfg, vocab_size)
+
+
 def _split_dataset(prefix: str, split: str, index: int, num_samples: int, cfg: Config, rank: int) -> GPTDataset | None:
     documents = IndexedDataset(prefix)
     ids = split_documents(len(documents), split)[index]

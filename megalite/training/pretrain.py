@@ -20,7 +20,7 @@ from megalite.checkpoint.resume import resume
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml
-from megalite.data.build import build_training_data, tokenizer_from_config
+from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import micro_batches
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, synchronize
@@ -56,7 +56,7 @@ class Run:
         self.cfg, self.topology = cfg, topology
         self.profiler = Profiler(cfg.logging, topology.rank, topology.device)  # first: a memory snapshot then sees every allocation
         self.gbs = cfg.batch_size(topology.world_size)
-        tokenizer = tokenizer_from_config(cfg.data, cfg.model.vocab_size)
+        tokenizer = training_tokenizer(cfg.data, cfg.model.vocab_size)
         if tokenizer is not None:
             cfg.model.vocab_size = tokenizer.vocab_size
         valid_samples = cfg.train.eval_iters * self.gbs if cfg.train.eval_interval else 0
