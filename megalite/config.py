@@ -21,8 +21,6 @@ from urllib.parse import urlparse
 
 import torch
 
-from megalite.parallel.pipeline_layout import chunk_layer_counts
-
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix; the message says which field and how."""
@@ -42,20 +40,50 @@ def _f(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
 
+@dataclass(frozen=True)
+class Features:
+    """The architecture choices the model is built from. Model code reads these, never the family,
+    so a model that mixes features (a Llama with biases, a GPT-2 with RoPE) needs no new code path."""
+
+    bias: bool
+    gated_mlp: bool
+    norm: Literal["layernorm", "rmsnorm"]
+    position_embedding: Literal["learned", "rope"]
+    tie_embeddings: bool
+
+
+# Each family's features: the defaults of the ModelConfig fields of the same names.
+FAMILY_FEATURES: dict[str, Features] = {
+    "gpt2": Features(bias=True, gated_mlp=False, norm="layernorm", position_embedding="learned", tie_embeddings=True),
+    "llama": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False),
+}
+
+
 @dataclass
 class ModelConfig:
-    family: Literal["gpt2", "llama"] = _f("gpt2", "gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings; llama: RoPE, RMSNorm, SwiGLU, GQA, no biases")
+    family: Literal["gpt2", "llama"] = _f("gpt2", "gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings; "
+                                          "llama: RoPE, RMSNorm, SwiGLU, no biases (the defaults of the feature fields below)")
     num_layers: int = _f(2, "number of transformer layers")
     hidden_size: int = _f(128, "model width")
     num_attention_heads: int = _f(4, "query heads")
     num_query_groups: Optional[int] = _f(None, "key/value heads for grouped-query attention (default: num_attention_heads)")
-    ffn_hidden_size: Optional[int] = _f(None, "MLP width (default: 4*hidden for gpt2, 8/3*hidden rounded up to 64 for llama)")
+    ffn_hidden_size: Optional[int] = _f(
+        None, "MLP width (default: 4*hidden, or 8/3*hidden rounded up to 64 with a gated MLP)")
     seq_length: int = _f(128, "tokens per sample")
-    max_position_embeddings: Optional[int] = _f(None, "size of the learned position table for gpt2 (default: seq_length)")
+    max_position_embeddings: Optional[int] = _f(
+        None, "positions the model covers: rows of the learned table or of RoPE's (default: seq_length)")
     vocab_size: int = _f(50257, "vocabulary size, used with mock data (a tokenizer sets it otherwise)")
     make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this; padded entries never take probability mass")
+    bias: Optional[bool] = _f(
+        None, "biases in the linear layers; LayerNorm keeps its own (default: gpt2 true, llama false)")
+    gated_mlp: Optional[bool] = _f(
+        None, "SwiGLU MLP (gate and up projections) instead of GELU (default: gpt2 false, llama true)")
+    norm: Optional[Literal["layernorm", "rmsnorm"]] = _f(
+        None, "normalisation layers (default: gpt2 layernorm, llama rmsnorm)")
+    position_embedding: Optional[Literal["learned", "rope"]] = _f(
+        None, "learned: a position table added to the embeddings; rope: rotary (default: gpt2 learned, llama rope)")
     tie_embeddings: Optional[bool] = _f(None, "share input embedding and LM head (default: true for gpt2, false for llama)")
-    rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (position_embedding=rope)")
     norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm / RMSNorm")
     init_std: float = _f(0.02, "std of the normal init; output projections use init_std/sqrt(2*num_layers)")
     hidden_dropout: float = _f(0.0, "dropout after attention and MLP (and on embeddings)")
@@ -70,16 +98,24 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def features(self) -> Features:
+        """The family's features with every set feature field in their place; derived on each read,
+        so a family changed after construction changes the defaults too."""
+        chosen = {f.name: getattr(self, f.name) for f in dataclasses.fields(Features)}
+        return dataclasses.replace(FAMILY_FEATURES[self.family], **{k: v for k, v in chosen.items() if v is not None})
+
+    @property
     def ffn_size(self) -> int:
+        """A gated MLP's two input projections get 2/3 of the width each, keeping the parameters of 4*hidden."""
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        if self.family == "gpt2":
-            return 4 * self.hidden_size
-        return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+        if self.features.gated_mlp:
+            return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+        return 4 * self.hidden_size
 
     @property
     def tied(self) -> bool:
-        return self.family == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+        return self.features.tie_embeddings
 
     @property
     def positions(self) -> int:
@@ -106,6 +142,11 @@ class ParallelConfig:
     overlap_param_gather: bool = _f(False, "distributed optimizer: all-gather updated parameters in the background, each bucket awaited by the next forward's first use")
     grad_reduce_dtype: Literal["fp32", "bf16"] = _f("fp32", "dtype gradients accumulate and are reduced in (bf16 halves the traffic, loses precision)")
     timeout_minutes: float = _f(10.0, "collective timeout: a rank that died or hangs makes the others fail after this long instead of waiting forever")
+
+    @property
+    def sequence_parallel_active(self) -> bool:
+        """Sequence parallelism shards along the tensor-parallel group, so with tp = 1 it changes nothing."""
+        return self.sequence_parallel and self.tp > 1
 
 
 @dataclass
@@ -236,8 +277,9 @@ def _check_model(cfg: Config, world_size: int) -> list[str]:
         errors.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}; pick heads that divide the width")
     if m.num_attention_heads % m.kv_heads:
         errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={m.kv_heads}; use a divisor of the head count")
-    if m.family == "llama" and m.head_dim % 2:
-        errors.append(f"RoPE needs an even head dim, got hidden_size/heads={m.head_dim}")
+    if m.features.position_embedding == "rope" and m.head_dim % 2:
+        errors.append(f"RoPE (model.position_embedding=rope) needs an even head dim, got hidden_size/heads="
+                      f"{m.head_dim}; change the width or the head count")
     if m.positions < m.seq_length:
         errors.append(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}; raise it or leave it unset")
     if m.make_vocab_size_divisible_by % cfg.parallel.tp:
@@ -262,13 +304,29 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
     for value, what in ((m.num_attention_heads, "model.num_attention_heads"), (m.kv_heads, "model.num_query_groups (KV heads)"), (m.ffn_size, "the MLP width (model.ffn_hidden_size)")):
         if value % p.tp:
             errors.append(f"{what}={value} is not divisible by parallel.tp={p.tp}: every tensor-parallel rank holds whole heads/slices; pick a tp that divides it")
-    if p.sequence_parallel and p.tp > 1 and m.seq_length % p.tp:
+    if p.sequence_parallel_active and m.seq_length % p.tp:
         errors.append(f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, which sequence parallelism shards it over")
     if p.overlap_param_gather and not p.distributed_optimizer:
         errors.append("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true (only sharded parameters are gathered)")
     if p.bucket_size < 1:
         errors.append(f"parallel.bucket_size={p.bucket_size} must be >= 1")
     return errors
+
+
+def chunk_layer_counts(num_layers: int, chunks: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers per global chunk; raises ValueError (with the fix) when they cannot be split evenly.
+    A fact about the config (validate() checks it), which parallel/pipeline_layout.py turns into stage layouts."""
+    fixed = {0: first, chunks - 1: last} if chunks > 1 else {}
+    fixed = {i: n for i, n in fixed.items() if n is not None}
+    middle = chunks - len(fixed)
+    rest = num_layers - sum(fixed.values())
+    if any(n < 1 for n in fixed.values()) or rest < middle or (middle and rest % middle) or (not middle and rest):
+        raise ValueError(
+            f"cannot split {num_layers} layers into {chunks} pipeline chunks (pp * vp) with first_stage_layers={first}, "
+            f"last_stage_layers={last}: every chunk needs >= 1 layer and the remaining chunks an equal share"
+        )
+    share = rest // middle if middle else 0
+    return [fixed.get(i, share) for i in range(chunks)]
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> list[str]:

@@ -163,13 +163,20 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
+def _choices(tp: Any) -> tuple[str, ...]:
+    """The values a Literal field accepts, also an optional one (e.g. model.norm), for --help; () for other types."""
+    if typing.get_origin(tp) is typing.Union:
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
+
+
 def help_text(prog: str = "pretrain_gpt.py") -> str:
     lines = [f"usage: {prog} [--config FILE.yaml] [--section.field=value ...]", ""]
     for section, cls in SECTIONS.items():
         lines.append(f"{section}:")
         types = _field_types(section)
         for f in dataclasses.fields(cls):
-            kind = typing.get_args(types[f.name]) if typing.get_origin(types[f.name]) is typing.Literal else None
+            kind = _choices(types[f.name])
             choices = f" {{{'|'.join(kind)}}}" if kind else ""
             lines.append(f"  --{section}.{f.name}{choices} (default: {f.default})  {f.metadata['doc']}")
         lines.append("")

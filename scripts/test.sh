@@ -3,5 +3,6 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 bash scripts/get_assets.sh  # setup_env.sh left us in the repo root
+ruff check --output-format=concise .  # pyproject.toml [tool.ruff]: lines <= 120, no unused imports or names
 export OMP_NUM_THREADS=1 WANDB_SILENT=true
 python -m pytest -q tests "$@"

@@ -47,7 +47,8 @@ def assets() -> Path:
 
 @pytest.fixture(scope="session")
 def trained_checkpoint(assets, tmp_path_factory):
-    """family -> root of a checkpoint trained at tp=2 x pp=2 on Shakespeare (tests/trained.py), built once per session."""
+    """family -> root of a checkpoint trained at tp=2 x pp=2 on Shakespeare (tests/trained.py),
+    built once per session."""
     from trained import train_tp2_pp2
 
     built: dict[str, Path] = {}

@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pretrain_torchrun(nproc: int, args: list[str], timeout: int = 600) -> None:
     """Run pretrain_gpt.py under torchrun on `nproc` CPU processes (one thread each); fail with its stderr."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "pretrain_gpt.py"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "pretrain_gpt.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                          timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -27,7 +27,8 @@ def _resume(root, **checkpoint):
 def test_truncated_shard_is_named_and_falls_back(saved):
     shard = saved / "iter_0000004" / "rank_00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
-    with pytest.raises(ValueError, match=r"iter_0000004: rank_00000.safetensors is truncated .*checkpoint.fallback=true"):
+    with pytest.raises(ValueError,
+                       match=r"iter_0000004: rank_00000.safetensors is truncated .*checkpoint.fallback=true"):
         _resume(saved, fallback=False)
     found, skipped = choose_checkpoint(str(saved), fallback=True)
     assert found.name == "iter_0000002" and "truncated" in skipped[0]
@@ -76,7 +77,8 @@ def test_no_temporary_directories_remain(saved):
 
 def test_keep_last_prunes_only_after_a_newer_checkpoint_is_complete(tmp_path):
     root = tmp_path / "ckpt"
-    pretrain(tiny_config(train={"train_iters": 6}, checkpoint={"save": str(root), "save_interval": 2, "keep_last": 2, "async_save": True}))
+    pretrain(tiny_config(train={"train_iters": 6},
+                         checkpoint={"save": str(root), "save_interval": 2, "keep_last": 2, "async_save": True}))
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "iter_0000006", "latest"]
 
 
@@ -92,9 +94,10 @@ def test_diverging_steps_are_skipped_then_stop_with_a_checkpoint(tmp_path):
     """An absurd LR makes the weights blow up: every later step has a NaN/Inf gradient norm, is
     skipped (weights untouched), and after train.max_skipped_steps in a row the run stops, saving."""
     root = tmp_path / "ckpt"
-    cfg = tiny_config(train={"train_iters": 20, "max_skipped_steps": 3}, optim={"lr": 1e30, "min_lr": 0.0, "clip_grad": 0.0},
-                      checkpoint={"save": str(root)})
-    with pytest.raises(FloatingPointError, match=r"3 consecutive steps had a NaN/Inf .*last good weights are in .*iter_"):
+    cfg = tiny_config(train={"train_iters": 20, "max_skipped_steps": 3},
+                      optim={"lr": 1e30, "min_lr": 0.0, "clip_grad": 0.0}, checkpoint={"save": str(root)})
+    with pytest.raises(FloatingPointError,
+                       match=r"3 consecutive steps had a NaN/Inf .*last good weights are in .*iter_"):
         pretrain(cfg)
     state = json.loads((root / f"iter_{int((root / 'latest').read_text()):07d}" / "state.json").read_text())
     assert state["skipped_steps"] >= 3 and state["step"] < 20

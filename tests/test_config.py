@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from megalite.config import SECTIONS, Config, ConfigError, validate
+from megalite.config import FAMILY_FEATURES, SECTIONS, Config, ConfigError, Features, validate
 from megalite.config_cli import config_from_yaml_text, dump_yaml, help_text, parse_config
+from megalite.model.gpt import GPTModel
+from megalite.training.pretrain import pretrain
+
+from conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,6 +156,68 @@ def test_mock_and_corpus_on_one_level_name_the_flag_to_add(tmp_path, where):
 def test_yaml_dump_round_trips():
     cfg = parse_config(["--model.family=llama", "--model.num_query_groups=2", "--optim.decay_style=wsd"])
     assert config_from_yaml_text(dump_yaml(cfg), "test") == cfg
+
+
+def test_model_features_come_from_the_family_unless_set():
+    cfg = parse_config(["--model.family=llama", "--model.bias=true", "--model.norm=none"])
+    assert cfg.model.features == Features(bias=True, gated_mlp=True, norm="rmsnorm", position_embedding="rope",
+                                          tie_embeddings=False)
+    assert config_from_yaml_text(dump_yaml(cfg), "test") == cfg
+    cfg.model.bias = None
+    cfg.model.family = "gpt2"  # tools change the family of a built config: the defaults follow
+    assert cfg.model.features == FAMILY_FEATURES["gpt2"] and cfg.model.tied
+    assert cfg.model.ffn_size == 4 * cfg.model.hidden_size
+    cfg.model.gated_mlp = True
+    assert cfg.model.ffn_size == 64 * 6  # 8/3 * 128 rounded up to 64
+    with pytest.raises(ConfigError, match="model.norm: 'LayerNorm' is not one of layernorm, rmsnorm"):
+        parse_config(["--model.norm=LayerNorm"])
+
+
+def test_odd_head_dim_is_refused_for_rope_only():
+    odd = {"hidden_size": 60, "num_attention_heads": 4, "num_query_groups": None}  # head dim 15
+    with pytest.raises(ConfigError, match=r"model.position_embedding=rope\) needs an even head dim"):
+        validate(tiny_config("gpt2", model={**odd, "position_embedding": "rope"}), 1)
+    validate(tiny_config("llama", model={**odd, "position_embedding": "learned"}), 1)
+
+
+def _parameter_shapes(family: str, **features) -> dict[str, tuple[int, ...]]:
+    cfg = tiny_config(family, model=features)
+    return {n: tuple(p.shape) for n, p in GPTModel(cfg.model, torch.device("meta"), seed=0).named_parameters()}
+
+
+LINEAR_BIASES = {f"layers.{i}.{linear}.bias" for i in range(2)
+                 for linear in ("attention.linear_qkv", "attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+NORM_BIASES = {f"layers.{i}.{norm}.bias" for i in range(2) for norm in ("input_norm", "pre_mlp_norm")}
+NORM_BIASES |= {"final_norm.bias"}
+POSITIONS = {"embedding.position_embeddings.weight"}
+
+
+@pytest.mark.parametrize("family, feature, value, added, removed", [
+    ("llama", "bias", True, LINEAR_BIASES, set()),
+    ("gpt2", "bias", False, set(), LINEAR_BIASES),
+    ("llama", "position_embedding", "learned", POSITIONS, set()),
+    ("gpt2", "position_embedding", "rope", set(), POSITIONS),
+    ("llama", "norm", "layernorm", NORM_BIASES, set()),
+    ("gpt2", "norm", "rmsnorm", set(), NORM_BIASES),
+    ("llama", "tie_embeddings", True, set(), {"lm_head.weight"}),
+    ("gpt2", "tie_embeddings", False, {"lm_head.weight"}, set()),
+])
+def test_a_feature_override_adds_or_removes_exactly_its_parameters(family, feature, value, added, removed):
+    base, changed = _parameter_shapes(family), _parameter_shapes(family, **{feature: value})
+    assert set(changed) - set(base) == added and set(base) - set(changed) == removed
+
+
+@pytest.mark.parametrize("family, gated, ffn", [("gpt2", True, 192), ("llama", False, 4 * 64)])
+def test_gated_mlp_override_sets_the_mlp_shapes(family, gated, ffn):
+    shapes = _parameter_shapes(family, gated_mlp=gated)
+    assert shapes["layers.0.mlp.linear_fc1.weight"] == ((2 if gated else 1) * ffn, 64)
+    assert shapes["layers.0.mlp.linear_fc2.weight"] == (64, ffn)
+
+
+def test_a_llama_with_biases_and_learned_positions_trains():
+    cfg = tiny_config("llama", model={"bias": True, "position_embedding": "learned"}, train={"train_iters": 2})
+    losses = list(pretrain(cfg).losses.values())
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 
 def test_help_lists_every_field_with_default_and_doc():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megalite.parallel.topology import Topology
-from megalite.training.build import build_rank_model
+from megalite.training.build import build_trainer
 
 from conftest import tiny_config
 from distributed import run_ranks, tiny_run
@@ -70,16 +70,15 @@ def test_distributed_optimizer_checkpoint_resumes_elsewhere(tmp_path, reference)
 
 def _shards(rank: int, world_size: int) -> list[tuple[str, int, int]]:
     cfg = tiny_config(parallel={"distributed_optimizer": True, "bucket_size": 3000})
-    parts = build_rank_model(cfg, Topology(rank, world_size, torch.device("cpu")))
-    names = {id(p): n for n, p in parts.model.named_parameters()}
-    return [(names[id(param)], *main.owner_range) for param, main in parts.reducer.main]
+    parts = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu")))
+    return [(m.name, m.start, m.end) for m in parts.optimizer.shards()]
 
 
 def test_optimizer_shards_are_disjoint_and_cover_every_parameter():
     cfg = tiny_config()
     from megalite.model.gpt import GPTModel
 
-    sizes = {n: p.numel() for n, p in GPTModel(cfg, torch.device("cpu")).named_parameters()}
+    sizes = {n: p.numel() for n, p in GPTModel(cfg.model, torch.device("cpu"), seed=cfg.train.seed).named_parameters()}
     covered = {n: [] for n in sizes}
     for rank_shards in run_ranks(4, _shards):
         for name, lo, hi in rank_shards:

@@ -35,7 +35,8 @@ def _data(paths: list[str], **extra) -> dict:
 def test_trains_on_a_blend_with_validation(tmp_path):
     a, b = _corpus(tmp_path / "a", 300, 1), _corpus(tmp_path / "b", 200, 2)
     cfg = tiny_config(data=_data(["0.7", a, "0.3", b], split="90,10,0", eod_mask_loss=True, reset_position_ids=True),
-                      train={"train_iters": 6, "eval_interval": 3, "eval_iters": 2}, checkpoint={"save": str(tmp_path / "ckpt")})
+                      train={"train_iters": 6, "eval_interval": 3, "eval_iters": 2},
+                      checkpoint={"save": str(tmp_path / "ckpt")})
     result = pretrain(cfg)
     assert len(result.losses) == 6 and all(math.isfinite(l) for l in result.losses.values())
     assert result.val_loss is not None and math.isfinite(result.val_loss)
@@ -62,9 +63,10 @@ def test_separate_train_and_valid_paths(tmp_path):
 
 def _torchrun(nproc: int, metrics: Path, corpus: str, cache: Path) -> list[float]:
     args = ["--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=4", "--model.seq_length=32",
-            f"--model.vocab_size={VOCAB}", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=3",
-            "--logging.progress_bar=false", "--logging.log_interval=1", f"--logging.metrics_file={metrics}",
-            f"--data.paths={corpus}", "--data.tokenizer_type=NullTokenizer", f"--data.cache_dir={cache}", "--data.num_workers=1"]
+            f"--model.vocab_size={VOCAB}", "--train.micro_batch_size=1", "--train.global_batch_size=4",
+            "--train.train_iters=3", "--logging.progress_bar=false", "--logging.log_interval=1",
+            f"--logging.metrics_file={metrics}", f"--data.paths={corpus}", "--data.tokenizer_type=NullTokenizer",
+            f"--data.cache_dir={cache}", "--data.num_workers=1"]
     pretrain_torchrun(nproc, args)
     return [r["loss"] for r in read_metrics(metrics)]
 

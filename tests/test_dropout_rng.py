@@ -12,9 +12,7 @@ from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
 from megalite.parallel.random import RNGTracker, checkpoint_with_rng
 from megalite.parallel.topology import Topology
-from megalite.training.build import build_rank_model
-from megalite.training.loss_scaler import LossScaler
-from megalite.training.optimizer import build_optimizer
+from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
 from conftest import tiny_config
@@ -85,14 +83,12 @@ def _train(family: str, tp: int, sp: bool, recompute: str, topology: Topology) -
     cfg = tiny_config(family, model={"hidden_dropout": 0.1, "attention_dropout": 0.1},
                       parallel={"tp": tp, "sequence_parallel": sp}, train={"recompute": recompute, "train_iters": 3})
     torch.manual_seed(cfg.train.seed)
-    parts = build_rank_model(cfg, topology)
-    optimizer = build_optimizer(parts.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
+    parts = build_trainer(cfg, topology)
     data, gbs, losses = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), 4, []
     for step in range(3):
         window = (step * gbs, (step + 1) * gbs, 2, topology.dp, topology.dp_rank, 0, topology.device)
         batches = list(micro_batches(data, BatchMaker(), *window))
-        result = train_step(parts.model, optimizer, LossScaler(), parts.reducer, batches, topology, "fp32", 1.0,
-                            parts.pipeline)
+        result = train_step(parts, batches)
         losses.append(result.loss)
     return losses, [p.main_grad.clone() for p in parts.model.parameters()]
 

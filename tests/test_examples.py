@@ -32,8 +32,8 @@ def test_tiny_cpu_example_validates_for_two_processes():
 def test_example_validates_and_states_the_planner_verdict(path):
     """The `# plan:` comment is a command to run; the `# ->` line under it is what it prints last."""
     found = PLAN_LINE.search(path.read_text())
-    assert found, (f"{path.name}: add '# plan: python tools/plan.py --config examples/{path.name} --world-size N --gpu GPU' "
-                   "and under it '# -> ' followed by the verdict that command prints last")
+    assert found, (f"{path.name}: add '# plan: python tools/plan.py --config examples/{path.name} "
+                   "--world-size N --gpu GPU' and under it '# -> ' followed by the verdict that command prints last")
     config, world, gpu, verdict = found.groups()
     assert config == f"examples/{path.name}"
     cfg = parse_config(["--config", str(path)])
@@ -45,7 +45,7 @@ def build_on_meta(path: Path) -> GPTModel:
     """The one-device model with parameters on the meta device: shapes, no memory, no initialisation."""
     cfg = parse_config(["--config", str(path)])
     cfg.parallel.tp = cfg.parallel.pp = cfg.parallel.vp = 1
-    return GPTModel(cfg, torch.device("meta"))
+    return GPTModel(cfg.model, torch.device("meta"), seed=cfg.train.seed)
 
 
 # Published sizes: GPT-2 small 124,439,808 (Hugging Face's count, vocabulary 50257 unpadded), Llama-3.2-1B

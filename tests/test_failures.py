@@ -39,7 +39,8 @@ from megalite.training.pretrain import pretrain
 from distributed import metrics as read_metrics, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-QUIET = ["--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0", "--train.device=cpu"]
+QUIET = ["--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0",
+         "--train.device=cpu"]
 
 
 def _losses(args: list[str]) -> dict[int, float]:
@@ -100,7 +101,8 @@ def test_checkpoint_resumes_at_every_layout(tmp_path):
 # signal sent after step 2 or 3 lands seconds before the last step.
 STEPS = 12
 SLOW = ["--model.num_layers=4", "--model.hidden_size=128", "--model.num_attention_heads=4", "--model.seq_length=128",
-        "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", f"--train.train_iters={STEPS}"]
+        "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4",
+        f"--train.train_iters={STEPS}"]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,8 @@ class Job:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
                str(ROOT / "pretrain_gpt.py"), *QUIET, *args]
         with self.log.open("w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def output(self) -> str:
         return self.log.read_text()
@@ -126,7 +129,8 @@ class Job:
         """Poll until `condition()` holds; fail if the job ends first."""
         deadline = time.monotonic() + timeout
         while not condition():
-            assert self.proc.poll() is None, f"the job ended (exit {self.proc.returncode}) before the test acted:\n{self.output()[-3000:]}"
+            assert self.proc.poll() is None, (f"the job ended (exit {self.proc.returncode}) before the test acted:\n"
+                                              f"{self.output()[-3000:]}")
             assert time.monotonic() < deadline, f"condition not reached in {timeout} s:\n{self.output()[-3000:]}"
             time.sleep(0.05)
 
@@ -164,7 +168,8 @@ def _logged(metrics: Path) -> list[int]:
 
 def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path, slow_reference):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    job = Job(tmp_path, 2, [*SLOW, f"--checkpoint.save={ckpt}", "--checkpoint.save_interval=2", f"--logging.metrics_file={metrics}"],
+    job = Job(tmp_path, 2, [*SLOW, f"--checkpoint.save={ckpt}", "--checkpoint.save_interval=2",
+                            f"--logging.metrics_file={metrics}"],
               "--max-restarts=1")
     job.wait_until(lambda: (ckpt / "latest").exists() and len(_logged(metrics)) >= 3)
     job.workers()[0].kill()  # SIGKILL; rank 0, so the logging rank (1) never dies mid-line
@@ -189,7 +194,8 @@ def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path,
 
 def test_sigterm_saves_where_the_run_stopped_and_exits_zero(tmp_path, slow_reference):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    job = Job(tmp_path, 2, [*SLOW, f"--checkpoint.save={ckpt}", f"--logging.metrics_file={metrics}"])  # no save_interval
+    job = Job(tmp_path, 2, [*SLOW, f"--checkpoint.save={ckpt}",
+                            f"--logging.metrics_file={metrics}"])  # no save_interval
     job.wait_until(lambda: len(_logged(metrics)) >= 2)
     job.workers()[0].send_signal(signal.SIGTERM)  # one rank gets it; all must agree to stop
     out = job.finish()
@@ -197,7 +203,8 @@ def test_sigterm_saves_where_the_run_stopped_and_exits_zero(tmp_path, slow_refer
     reached = _logged(metrics)[-1]
     assert 2 <= reached < STEPS and f"SIGTERM received (preemption?): saved to resume later at step {reached}" in out
     assert (ckpt / "latest").read_text().strip() == str(reached)
-    assert [p.name for p in ckpt.glob("iter_*")] == [f"iter_{reached:07d}"] and problem_with(ckpt / f"iter_{reached:07d}") is None
+    assert ([p.name for p in ckpt.glob("iter_*")] == [f"iter_{reached:07d}"]
+            and problem_with(ckpt / f"iter_{reached:07d}") is None)
     rest = _losses([*SLOW, f"--checkpoint.load={ckpt}"])
     assert sorted(rest) == list(range(reached + 1, STEPS + 1))
     assert list(rest.values()) == pytest.approx([slow_reference[s] for s in rest], rel=1e-5)
@@ -209,7 +216,8 @@ def test_sigterm_saves_where_the_run_stopped_and_exits_zero(tmp_path, slow_refer
 
 def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    job = Job(tmp_path, 2, [*SLOW, "--train.train_iters=1000", "--parallel.timeout_minutes=0.2", f"--logging.metrics_file={metrics}"])
+    job = Job(tmp_path, 2, [*SLOW, "--train.train_iters=1000", "--parallel.timeout_minutes=0.2",
+                            f"--logging.metrics_file={metrics}"])
     job.wait_until(lambda: len(_logged(metrics)) >= 2)
     workers = job.workers()
     workers[1].suspend()  # SIGSTOP: alive, its sockets open, but it never joins another collective
@@ -220,7 +228,8 @@ def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path):
         workers[1].kill()
     out = job.finish()
     assert job.proc.returncode != 0
-    assert "rank 0: a collective timed out after parallel.timeout_minutes=0.2; another rank died or hangs" in out, out[-3000:]
+    assert ("rank 0: a collective timed out after parallel.timeout_minutes=0.2; another rank died or hangs"
+            in out), out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +274,8 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path, small_referenc
     """Saves at steps 2, 4, 6; the process dies inside the save of step 4. The next run resumes
     from step 2, bit-exactly, and its first save removes the dead save's directory."""
     ckpt = tmp_path / "ckpt"
-    args = [*SMALL, f"--checkpoint.save={ckpt}", "--checkpoint.save_interval=2", f"--checkpoint.async_save={str(async_save).lower()}"]
+    args = [*SMALL, f"--checkpoint.save={ckpt}", "--checkpoint.save_interval=2",
+            f"--checkpoint.async_save={str(async_save).lower()}"]
     died = subprocess.run([sys.executable, "-c", _KILL_ON_SECOND_SAVE, where, *QUIET, *args], check=False, cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert died.returncode == -signal.SIGKILL, died.stderr[-3000:]
@@ -309,7 +319,8 @@ def test_async_save_writes_the_same_checkpoints_and_resumes_bit_exactly(tmp_path
     layout = [*SMALL, "--parallel.distributed_optimizer=true"]
     sync, async_, resumed = _spawn(2, [
         [*layout, f"--checkpoint.save={tmp_path / 'sync'}", "--checkpoint.save_interval=2"],
-        [*layout, f"--checkpoint.save={tmp_path / 'async'}", "--checkpoint.save_interval=2", "--checkpoint.async_save=true"],
+        [*layout, f"--checkpoint.save={tmp_path / 'async'}", "--checkpoint.save_interval=2",
+         "--checkpoint.async_save=true"],
         [*layout, f"--checkpoint.load={tmp_path / 'async' / 'iter_0000002'}"],
     ])
     assert async_ == sync and sorted(sync) == list(range(1, 7))

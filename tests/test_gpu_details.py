@@ -51,13 +51,14 @@ def test_nccl_process_group_leaves_timeouts_to_the_training_thread(monkeypatch):
 def test_an_nccl_timeout_names_the_rank_and_the_group():
     topology = Topology.from_environment("cpu")
     try:
-        watchdog = ("NCCL communicator was aborted on rank 0. Original reason for failure was: [PG ID 2 PG GUID 3(data-parallel) "
-                    "Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=1, "
-                    "NumelOut=1, Timeout(ms)=600000) ran for 600042 milliseconds before timing out.")
+        watchdog = ("NCCL communicator was aborted on rank 0. Original reason for failure was: "
+                    "[PG ID 2 PG GUID 3(data-parallel) Rank 0] Watchdog caught collective operation timeout: "
+                    "WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
+                    "ran for 600042 milliseconds before timing out.")
         message = collective_timeout_message(dist.DistBackendError(watchdog), 0, 10.0, topology.named_groups())
-        assert message == ("rank 0: a collective timed out after parallel.timeout_minutes=10.0; another rank died or hangs "
-                           "in the data-parallel group (ranks [0]) (check its log), or steps are slower than that: then raise "
-                           "the timeout")
+        assert message == ("rank 0: a collective timed out after parallel.timeout_minutes=10.0; another rank died "
+                           "or hangs in the data-parallel group (ranks [0]) (check its log), or steps are slower "
+                           "than that: then raise the timeout")
         assert collective_timeout_message(ValueError("timed out"), 0, 10.0, {}) is None
         assert collective_timeout_message(RuntimeError("CUDA out of memory"), 0, 10.0, {}) is None
     finally:
@@ -78,8 +79,8 @@ def _time_out_in_a_group(rank: int, world_size: int) -> str | None:
 
 def test_a_gloo_timeout_names_the_group_it_happened_in():
     message = run_ranks(2, _time_out_in_a_group)[0]
-    assert message.startswith("rank 0: a collective timed out after parallel.timeout_minutes=0.03; another rank died or "
-                              "hangs in the tensor-parallel group (ranks [0, 1])"), message
+    assert message.startswith("rank 0: a collective timed out after parallel.timeout_minutes=0.03; "
+                              "another rank died or hangs in the tensor-parallel group (ranks [0, 1])"), message
 
 
 @pytest.mark.parametrize("name, model, bf16", [

@@ -21,7 +21,7 @@ FAMILIES = {
 def _pair(name: str):
     overrides, hf_class = FAMILIES[name]
     cfg = tiny_config("gpt2" if name == "gpt2" else "llama", model=overrides)
-    model = GPTModel(cfg, torch.device("cpu")).eval()
+    model = GPTModel(cfg.model, torch.device("cpu"), seed=cfg.train.seed).eval()
     hf = hf_class(hf_config(cfg.model)).eval()
     return cfg, model, hf
 
@@ -59,13 +59,25 @@ def test_round_trip_is_exact(name):
 def test_loss_ignores_vocab_padding():
     """Padded vocabulary rows never take probability mass: changing them changes nothing."""
     cfg = tiny_config(model={"vocab_size": 250})
-    model = GPTModel(cfg, torch.device("cpu"))
+    model = GPTModel(cfg.model, torch.device("cpu"), seed=cfg.train.seed)
     tokens = torch.randint(0, 250, (2, 16))
     before = model(tokens, tokens)
     with torch.no_grad():
         model.embedding.word_embeddings.weight[250:] = 100.0
     torch.testing.assert_close(model(tokens, tokens), before, atol=0, rtol=0)
     assert cfg.model.padded_vocab_size == 256
+
+
+@pytest.mark.parametrize("family, feature, value, message", [
+    ("llama", "bias", True, "model.bias=true, but LlamaForCausalLM \\(model.family=llama\\) computes bias=false"),
+    ("gpt2", "position_embedding", "rope", "model.position_embedding=rope, but GPT2LMHeadModel"),
+])
+def test_a_model_whose_features_differ_from_its_family_is_not_converted(family, feature, value, message):
+    cfg = tiny_config(family, model={feature: value})
+    state = GPTModel(cfg.model, torch.device("cpu"), seed=cfg.train.seed).state_dict()
+    for convert in (lambda: hf_config(cfg.model), lambda: to_hf(state, cfg.model)):
+        with pytest.raises(ValueError, match=message):
+            convert()
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

@@ -198,10 +198,12 @@ def test_merge_cli(tmp_path, capsys):
     tool.main(["--input", str(shards), "--output-prefix", str(shards / "merged")])
     assert files(str(shards / "merged")) == whole
     summary = capsys.readouterr().out
-    assert summary.count("\n") == 1 and "merged 3 datasets" in summary and "4 documents, 4 sequences, 7 uint16 tokens" in summary
+    assert (summary.count("\n") == 1 and "merged 3 datasets" in summary
+            and "4 documents, 4 sequences, 7 uint16 tokens" in summary)
     tool.main(["--input", str(shards), "--output-prefix", str(shards / "merged")])  # a re-run skips its own output
     assert files(str(shards / "merged")) == whole
-    tool.main(["--input", str(shards / "a"), str(shards / "b.idx"), str(shards / "c"), "--output-prefix", str(tmp_path / "p")])
+    tool.main(["--input", str(shards / "a"), str(shards / "b.idx"), str(shards / "c"),
+               "--output-prefix", str(tmp_path / "p")])
     assert files(str(tmp_path / "p")) == whole
     with pytest.raises(SystemExit, match="1"):
         tool.main(["--input", str(shards / "a"), str(tmp_path / "nowhere"), "--output-prefix", str(tmp_path / "q")])

@@ -82,7 +82,8 @@ def test_scripts_need_an_existing_config(script):
     assert done.returncode == 2 and "config file 'nowhere.yaml' not found" in done.stderr
 
 
-@pytest.mark.parametrize("script", ["train_single_node.sh", "train_multi_node.sh", "lib_launch.sh", "slurm/pretrain.sbatch"])
+@pytest.mark.parametrize("script",
+                         ["train_single_node.sh", "train_multi_node.sh", "lib_launch.sh", "slurm/pretrain.sbatch"])
 def test_script_syntax(script):
     done = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -116,10 +117,12 @@ def test_slurm_script_requeues_when_warned_of_the_time_limit(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     metrics, log = tmp_path / "metrics.jsonl", tmp_path / "scontrol.log"
-    env = _env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1",
-               SLURM_JOB_NODELIST="node0", MASTER_PORT=str(free_port()), NPROC_PER_NODE="2", SCONTROL_LOG=str(log))
-    job = subprocess.Popen(["bash", str(SCRIPTS / "slurm/pretrain.sbatch"), str(_config(tmp_path)), "--train.train_iters=100000",
-                            f"--logging.metrics_file={metrics}"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+    env = _env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="4242",
+               SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="node0", MASTER_PORT=str(free_port()), NPROC_PER_NODE="2",
+               SCONTROL_LOG=str(log))
+    job = subprocess.Popen(["bash", str(SCRIPTS / "slurm/pretrain.sbatch"), str(_config(tmp_path)),
+                            "--train.train_iters=100000", f"--logging.metrics_file={metrics}"],
+                           env=env, cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     _wait_for_first_step(metrics, job)
     job.send_signal(signal.SIGUSR1)

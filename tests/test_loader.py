@@ -20,14 +20,18 @@ class Numbers:
 
 def _global_batches(dp: int, mb: int, gbs: int, steps: int, first: int = 0, workers: int = 0) -> list[set[int]]:
     """The set of sample ids each global batch contains, gathered over all dp ranks."""
-    per_rank = [list(micro_batches(Numbers(), BatchMaker(), first, first + steps * gbs, mb, dp, r, workers, torch.device("cpu"))) for r in range(dp)]
+    per_rank = [list(micro_batches(Numbers(), BatchMaker(), first, first + steps * gbs, mb, dp, r, workers,
+                                   torch.device("cpu")))
+                for r in range(dp)]
     per_step = gbs // (mb * dp)
-    return [{int(t) for r in range(dp) for b in per_rank[r][s * per_step:(s + 1) * per_step] for t in b.tokens[:, 0]} for s in range(steps)]
+    return [{int(t) for r in range(dp) for b in per_rank[r][s * per_step:(s + 1) * per_step] for t in b.tokens[:, 0]}
+            for s in range(steps)]
 
 
 @pytest.mark.parametrize("dp, mb", [(2, 1), (4, 2), (8, 1), (1, 8)])
 def test_global_batches_do_not_depend_on_dp_or_micro_batch(dp, mb):
-    assert _global_batches(dp, mb, 8, 3) == _global_batches(1, 1, 8, 3) == [set(range(s * 8, s * 8 + 8)) for s in range(3)]
+    assert (_global_batches(dp, mb, 8, 3) == _global_batches(1, 1, 8, 3)
+            == [set(range(s * 8, s * 8 + 8)) for s in range(3)])
 
 
 def test_resume_from_consumed_samples_after_dp_change():

@@ -9,7 +9,8 @@ from megalite.training.loss_scaler import LossScaler
 
 
 def test_hysteresis_window_and_floor():
-    scaler = LossScaler.for_precision("fp16", OptimConfig(initial_loss_scale=8.0, hysteresis=2, loss_scale_window=3, min_loss_scale=2.0))
+    scaler = LossScaler.for_precision("fp16", OptimConfig(initial_loss_scale=8.0, hysteresis=2, loss_scale_window=3,
+                                                          min_loss_scale=2.0))
     scaler.update(True)
     assert scaler.scale == 8.0
     scaler.update(True)

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from megalite.config_cli import parse_config
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.schedules import StageInfo, run_schedule
+from megalite.parallel.pipeline_layout import PipelineStage
+from megalite.parallel.schedules import run_schedule
 from megalite.parallel.topology import Topology
 from megalite.training.pretrain import pretrain
 
@@ -106,13 +107,13 @@ def _executor_ranks(rank: int, world_size: int) -> list[tuple[tuple, RankRecord]
     comm = PipelineComm(topology, (3, 1, 4), torch.float32)
     results = []
     for name, vp, m in _schedule_cases(world_size):
-        me = StageInfo(world_size, vp, rank)
+        me = PipelineStage(world_size, vp, rank)
         weights = torch.linspace(1.0, 2.0, vp * world_size).view(vp, world_size)[:, rank].clone().requires_grad_()
 
         def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
             x = torch.full((3, 1, 4), 1.0 + microbatch) if hidden is None else hidden
             out = x * weights[chunk] + chunk
-            return out.sum() if me.is_last(chunk) else out
+            return out.sum() if me.is_last_chunk(chunk) else out
 
         with CommRecorder(rank) as recorder, torch.set_grad_enabled(name != "forward"):
             run_schedule(name, m, forward_step, me, comm)

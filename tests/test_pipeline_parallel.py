@@ -16,12 +16,11 @@ from megalite.data.batches import BatchMaker
 from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
 from megalite.parallel.layers import parameter_shards, unshard
-from megalite.parallel.schedules import StageInfo, communication_plan, schedule_ops
+from megalite.parallel.pipeline_layout import PipelineStage
+from megalite.parallel.schedules import communication_plan, needs, schedule_ops
 from megalite.parallel.topology import Topology
-from megalite.training.build import build_rank_model
-from megalite.training.loss_scaler import LossScaler
+from megalite.training.build import build_trainer
 from megalite.training.lr_schedule import learning_rate
-from megalite.training.optimizer import build_optimizer, set_learning_rate
 from megalite.training.step import train_step
 
 from conftest import tiny_config
@@ -86,22 +85,21 @@ def _config(family: str, pp: int, vp: int, tp: int, sp: bool, first: int | None 
 
 def _train(cfg, topology: Topology) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Three steps; returns this rank's step losses and its full gradients by one-device name."""
-    parts = build_rank_model(cfg, topology)
-    optimizer = build_optimizer(parts.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
-    scaler, data, gbs = LossScaler.for_precision("fp32", cfg.optim), MockDataset(250, 32, cfg.train.seed), 8
+    parts = build_trainer(cfg, topology)
+    data, gbs = MockDataset(250, 32, cfg.train.seed), 8
     losses = []
     for step in range(3):
         batches = list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, 1, topology.dp, topology.dp_rank, 0, topology.device))
-        set_learning_rate(optimizer, learning_rate(step + 1, cfg.optim, 3))
-        losses.append(train_step(parts.model, optimizer, scaler, parts.reducer, batches, topology, "fp32", 1.0, parts.pipeline).loss)
-    shards, aliases, grads = parameter_shards(parts.model), parts.model.aliases(), {}
+        parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, 3))
+        losses.append(train_step(parts, batches).loss)
+    shards, copies, grads = parameter_shards(parts.model), parts.model.tied_copies(), {}
     for name, param in parts.model.named_parameters():
         grad = param.main_grad
         if name in shards and topology.tp > 1:
             pieces = [torch.empty_like(grad) for _ in range(topology.tp)]
             dist.all_gather(pieces, grad, group=topology.tp_group)
             grad = unshard(pieces, shards[name])
-        grads[aliases.get(name, name)] = grad
+        grads[copies.get(name, name)] = grad
     return losses, grads
 
 
@@ -183,11 +181,11 @@ def test_communication_plan_receives_at_most_a_few_messages_ahead(pp, vp, m):
     a rank holds at most 4 received messages its next operations have not consumed yet."""
     plans = communication_plan("1f1b", pp, vp, m)
     for rank in range(pp):
-        stage, held, peak = StageInfo(pp, vp, rank), set(), 0
+        stage, held, peak = PipelineStage(pp, vp, rank), set(), 0
         for index, op in enumerate(schedule_ops("1f1b", pp, vp, rank, m)):
             held |= {msg for rounds in plans[rank][index] for msg in rounds if msg.dst == rank}
             peak = max(peak, len(held))
-            need = stage.needs(op)
+            need = needs(stage, op)
             assert need is None or need in held, f"rank {rank} op {op} runs before {need} arrives"
             held.discard(need)
         assert not held and peak <= 4, (rank, peak)

@@ -15,7 +15,7 @@ from megalite.parallel.layers import TPContext
 from megalite.parallel.topology import Topology
 from megalite.planning.memory import chunk_activation_bytes, peak_activations, stage_memory, state_bytes
 from megalite.planning.parameters import rank_parameters, stage_layout
-from megalite.training.build import build_model, build_rank_model
+from megalite.training.build import build_model, build_trainer
 from megalite.training.step import precision_context
 from tools import plan as plan_tool
 from tools.memory_report import rank_memory
@@ -37,10 +37,23 @@ def _model_config(family: str, **sections: dict) -> Config:
 def test_parameter_counts_equal_the_built_model(tp, pp, vp, family, tied):
     cfg = _model_config(family, parallel={"tp": tp, "pp": pp, "vp": vp}, model={"tie_embeddings": tied})
     for pp_rank in range(pp):
-        model = GPTModel(cfg, torch.device("cpu"), TPContext(rank=0, size=tp), stage_layout(cfg, pp_rank))
+        tp_context = TPContext(rank=0, size=tp)
+        model = GPTModel(cfg.model, torch.device("cpu"), tp_context, stage_layout(cfg, pp_rank), seed=cfg.train.seed)
         params = rank_parameters(cfg, pp_rank)
         assert params.total == sum(p.numel() for p in model.parameters())
         assert params.largest == max(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family, features", [
+    ("llama", {"bias": True, "position_embedding": "learned", "norm": "layernorm"}),
+    ("gpt2", {"bias": False, "gated_mlp": True, "position_embedding": "rope"}),
+    ("gpt2", {"norm": "rmsnorm"}),
+])
+def test_parameter_counts_follow_feature_overrides(family, features):
+    cfg = _model_config(family, parallel={"tp": 2, "pp": 2}, model=features)
+    for pp_rank in range(2):
+        model = GPTModel(cfg.model, torch.device("meta"), TPContext(rank=0, size=2), stage_layout(cfg, pp_rank), seed=0)
+        assert rank_parameters(cfg, pp_rank).total == sum(p.numel() for p in model.parameters())
 
 
 def test_bytes_per_parameter_follow_megatron_accounting():
@@ -121,7 +134,7 @@ def test_activations_of_a_middle_pipeline_chunk():
 
 def _tensor_parallel_activations(rank: int, world_size: int, cfg: Config) -> tuple[int, int]:
     torch.set_num_threads(1)
-    parts = build_rank_model(cfg, Topology(rank, world_size, torch.device("cpu"), tp=world_size))
+    parts = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), tp=world_size))
     parts.model.train()
     return saved_bytes(parts.model, cfg), chunk_activation_bytes(cfg, 0, "cpu")[0]
 

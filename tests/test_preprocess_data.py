@@ -103,7 +103,8 @@ def test_every_format_gives_the_same_documents(tmp_path, gpt2_flags, gpt2, texts
     outputs = {}
     for name, (path, extra) in all_formats(tmp_path, texts).items():
         prefix = tmp_path / "out" / name.replace(" ", "_")
-        assert run_tool("--input", path, "--output-prefix", prefix, *gpt2_flags, "--append-eod", "--workers", 1, *extra) == 0
+        assert run_tool("--input", path, "--output-prefix", prefix, *gpt2_flags, "--append-eod", "--workers", 1,
+                        *extra) == 0
         assert documents(f"{prefix}_text_document") == expected, name
         outputs[name] = [Path(f"{prefix}_text_document{s}").read_bytes() for s in (".bin", ".idx")]
     assert all(files == outputs["jsonl"] for files in outputs.values())
@@ -173,7 +174,8 @@ def test_bad_records_are_skipped_counted_and_listed(tmp_path, gpt2_flags, gpt2, 
                     "--rejects", rejects, "--workers", 2) == 0
     assert documents(tmp_path / "out_text_document") == [gpt2.encode(t) + [gpt2.eod] for t in good]
     listed = [json.loads(line) for line in rejects.read_text().splitlines()]
-    assert [(r["file"], r["line"], r["reason"]) for r in listed] == [(str(source), n, why) for n, why in expected.items()]
+    assert ([(r["file"], r["line"], r["reason"]) for r in listed]
+            == [(str(source), n, why) for n, why in expected.items()])
     out = capsys.readouterr().out
     assert f"{len(good)} docs" in out
     counts = {reason: list(expected.values()).count(reason) for reason in set(expected.values())}
@@ -183,7 +185,8 @@ def test_bad_records_are_skipped_counted_and_listed(tmp_path, gpt2_flags, gpt2, 
 def test_strict_fails_at_the_first_bad_line_and_writes_nothing(tmp_path, gpt2_flags, texts, capsys):
     source = tmp_path / "bad.jsonl"
     _, expected = bad_input(source, texts)
-    assert run_tool("--input", source, "--output-prefix", tmp_path / "out", *gpt2_flags, "--strict", "--workers", 2) == 1
+    assert run_tool("--input", source, "--output-prefix", tmp_path / "out", *gpt2_flags, "--strict",
+                    "--workers", 2) == 1
     first = min(expected)
     assert f"{source}:{first}: {expected[first]}" in capsys.readouterr().err
     assert final_files(tmp_path) == []
@@ -195,7 +198,8 @@ def test_workers_1_and_2_give_identical_bytes(tmp_path, gpt2_flags, texts, monke
     outputs = []
     for workers in (1, 2):
         prefix = tmp_path / f"w{workers}"
-        assert run_tool("--input", source, "--output-prefix", prefix, *gpt2_flags, "--append-eod", "--workers", workers) == 0
+        assert run_tool("--input", source, "--output-prefix", prefix, *gpt2_flags, "--append-eod",
+                        "--workers", workers) == 0
         outputs.append([Path(f"{prefix}_text_document{s}").read_bytes() for s in (".bin", ".idx")])
     assert outputs[0] == outputs[1]
     assert len(IndexedDataset(f"{tmp_path}/w2_text_document")) == 3 * len(texts)
@@ -223,7 +227,8 @@ def big_input(path: Path, texts: list[str], megabytes: float) -> Path:
 
 
 def start_tool(tmp_path: Path, source: Path, gpt2_flags: list[str], workers: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(TOOL), "--input", str(source), "--output-prefix", str(tmp_path / "out"),
+    return subprocess.Popen([sys.executable, str(TOOL), "--input", str(source),
+                             "--output-prefix", str(tmp_path / "out"),
                              *gpt2_flags, "--workers", str(workers), "--log-interval", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -264,7 +269,8 @@ def test_a_dead_worker_fails_the_run_promptly(tmp_path, gpt2_flags, texts):
 
 
 def test_a_worker_exception_fails_the_run(tmp_path, gpt2_flags, texts, monkeypatch):
-    assert multiprocessing.get_start_method() == "fork", "the workers must inherit the patch below (Linux default start method)"
+    assert multiprocessing.get_start_method() == "fork", ("the workers must inherit the patch below "
+                                                          "(Linux default start method)")
     def broken(*args):
         raise RuntimeError("injected worker failure")
 

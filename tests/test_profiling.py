@@ -49,7 +49,8 @@ def test_other_ranks_record_nothing(tmp_path):
     _train(Profiler(cfg, rank=0, device=CPU), range(1, 4))
     assert not (tmp_path / "profiles").exists()
     _train(Profiler(cfg, rank=1, device=CPU), range(1, 4))
-    assert _step_ranges(tmp_path / "profiles" / "rank1_steps1-2.pt.trace.json") == {"megalite step 1", "megalite step 2"}
+    assert (_step_ranges(tmp_path / "profiles" / "rank1_steps1-2.pt.trace.json")
+            == {"megalite step 1", "megalite step 2"})
 
 
 def test_a_run_that_stops_inside_the_range_still_writes_its_trace(tmp_path):
@@ -85,6 +86,7 @@ def test_profiler_refuses_a_bad_range():
 
 
 def test_command_line_sets_the_fields():
-    cfg = parse_config(["--logging.profile_steps=[5, 6]", "--logging.profile_ranks", "0,3", "--logging.memory_snapshot=snap_{rank}.pickle"])
+    cfg = parse_config(["--logging.profile_steps=[5, 6]", "--logging.profile_ranks", "0,3",
+                        "--logging.memory_snapshot=snap_{rank}.pickle"])
     assert (cfg.logging.profile_steps, cfg.logging.profile_ranks) == ([5, 6], [0, 3])
     assert profile_config_errors(cfg.logging, 4) == []

@@ -19,11 +19,9 @@ import torch
 
 from megalite.checkpoint.local import load_checkpoint
 from megalite.checkpoint.model_io import read_model_tensors, write_model_checkpoint
-from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config_cli import parse_config
 from megalite.parallel.topology import Topology
-from megalite.training.build import build_rank_model
-from megalite.training.optimizer import build_optimizer
+from megalite.training.build import build_trainer
 from megalite.training.pretrain import pretrain
 
 from distributed import run_ranks
@@ -45,9 +43,7 @@ def _bytes_read(rank: int, world_size: int, path: str, layout: list[str]) -> tup
     per slice it steps)."""
     cfg = parse_config([*ARGS, *layout])
     topology = Topology(rank, world_size, torch.device("cpu"), tp=cfg.parallel.tp, pp=cfg.parallel.pp)
-    parts = build_rank_model(cfg, topology)
-    optimizer = build_optimizer(parts.reducer.param_groups(0.1), cfg.optim, topology.device)
-    sharded = ShardedState(parts.model, optimizer, parts.tp, topology, parts.reducer.main)
+    sharded = build_trainer(cfg, topology).sharded_state()
     return load_checkpoint(Path(path), sharded, topology)[3], sum(12 * (e.hi - e.lo) + 4 for e in sharded.entries)
 
 

@@ -40,12 +40,13 @@ def test_perplexity_on_shakespeare_equals_transformers(smollm2, assets):
     hf, tokenizer, root = smollm2
     tokens = torch.tensor([tokenizer(passage(assets, 1500), add_special_tokens=False)["input_ids"][:256]])
     model, cfg, _ = load_model(root, CPU)
-    assert (cfg.model.num_attention_heads, cfg.model.kv_heads, cfg.model.tied, cfg.model.rope_theta) == (9, 3, True, 100000.0)
+    assert ((cfg.model.num_attention_heads, cfg.model.kv_heads, cfg.model.tied, cfg.model.rope_theta)
+            == (9, 3, True, 100000.0))
     with torch.no_grad():
         ours = math.exp(model(tokens[:, :-1], tokens[:, 1:]).mean().item())
         theirs = math.exp(hf(tokens, labels=tokens).loss.item())
-    print(f"SmolLM2-135M perplexity on {tokens.shape[1]} Shakespeare tokens: megalite {ours:.6f}, transformers {theirs:.6f} "
-          f"(relative difference {abs(ours / theirs - 1):.1e})")
+    print(f"SmolLM2-135M perplexity on {tokens.shape[1]} Shakespeare tokens: megalite {ours:.6f}, "
+          f"transformers {theirs:.6f} (relative difference {abs(ours / theirs - 1):.1e})")
     assert ours == pytest.approx(theirs, rel=1e-3)
     assert theirs < 100  # a trained model: uniform guessing over 49152 tokens would be 49152
 
@@ -74,8 +75,9 @@ def test_continued_pretraining_at_tp3_starts_from_that_loss(smollm2, assets, tmp
     metrics = tmp_path / "metrics.jsonl"
     pretrain_torchrun(3, ["--config", str(root / "iter_0000000" / "config.yaml"), f"--checkpoint.load={root}",
                           "--parallel.tp=3", "--model.make_vocab_size_divisible_by=384", "--model.seq_length=64",
-                          "--train.micro_batch_size=1", "--train.train_iters=3", "--optim.lr=1e-4", "--optim.min_lr=1e-4",
-                          f"--data.train_paths={tmp_path / 'passage'}", f"--data.cache_dir={tmp_path / 'cache'}",
+                          "--train.micro_batch_size=1", "--train.train_iters=3", "--optim.lr=1e-4",
+                          "--optim.min_lr=1e-4", f"--data.train_paths={tmp_path / 'passage'}",
+                          f"--data.cache_dir={tmp_path / 'cache'}",
                           "--data.num_workers=0", "--logging.log_interval=1", f"--logging.metrics_file={metrics}",
                           "--logging.progress_bar=false"])
     losses = [r["loss"] for r in read_metrics(metrics)]

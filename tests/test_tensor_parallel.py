@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megalite.config import ParallelConfig
 from megalite.model.gpt import GPTModel
-from megalite.parallel.grads import GradientReducer
+from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.layers import TPContext, parameter_shards, unshard
 from megalite.parallel.topology import Topology
 
@@ -28,7 +28,8 @@ def _config(family: str):
 
 
 def _reference(family: str, tokens: torch.Tensor):
-    model = GPTModel(_config(family), torch.device("cpu"))
+    cfg = _config(family)
+    model = GPTModel(cfg.model, torch.device("cpu"), seed=cfg.train.seed)
     losses = model(tokens, tokens.roll(-1, 1))
     losses.sum().backward()
     with torch.no_grad():
@@ -50,8 +51,9 @@ def _tp_run(rank: int, world_size: int) -> list[str]:
     for family, sp in CASES:
         ref_logits, ref_losses, ref_grads = _reference(family, tokens)
         tp = TPContext.from_topology(topology, sp, seed=1234)
-        model = GPTModel(_config(family), torch.device("cpu"), tp)
-        reducer = GradientReducer(model, model.chunk_parameters(), topology, ParallelConfig(tp=world_size, sequence_parallel=sp))
+        cfg = _config(family)
+        model = GPTModel(cfg.model, torch.device("cpu"), tp, seed=cfg.train.seed)
+        reducer = DataParallelGrads(model, model.chunk_parameters(), topology, ParallelConfig(tp=world_size, sequence_parallel=sp))
         losses = model(tokens, tokens.roll(-1, 1))
         losses.sum().backward()
         reducer.reduce()

@@ -88,7 +88,8 @@ def test_sentencepiece_botchan(assets, botchan_model, monkeypatch):
     sp = build_tokenizer("SentencePieceTokenizer", tokenizer_model=botchan_model)
     assert isinstance(sp, SentencePieceTokenizer)
     assert (sp.eod, sp.vocab_size) == (sp._sp.eos_id(), 1000)
-    lines = [line for line in (assets / "sentencepiece/botchan.txt").read_text(encoding="utf-8-sig").splitlines()[:300] if line]
+    lines = [line for line in (assets / "sentencepiece/botchan.txt").read_text(encoding="utf-8-sig").splitlines()[:300]
+             if line]
     ids = sp.encode_batch(lines)
     assert all(0 <= i < 1000 and i != sp.eod for seq in ids for i in seq)
     # The 1000-piece model has no piece for a few characters (digits, '#'): those lines hold <unk>.
@@ -116,7 +117,8 @@ def test_null_tokenizer():
 @pytest.mark.parametrize("kind", TOKENIZER_TYPES)
 def test_encode_batch_equals_encode(kind, gpt2_files, botchan_model, hamlet, tmp_path):
     gpt2_backend(gpt2_files).save(str(tmp_path / "tokenizer.json"))
-    model = {"HuggingFaceTokenizer": str(tmp_path / "tokenizer.json"), "SentencePieceTokenizer": botchan_model}.get(kind)
+    model = {"HuggingFaceTokenizer": str(tmp_path / "tokenizer.json"),
+             "SentencePieceTokenizer": botchan_model}.get(kind)
     tok = build_tokenizer(kind, **gpt2_files, tokenizer_model=model, vocab_size=300)
     texts = [" ".join(str(ord(c) % 300) for c in p) for p in hamlet] if kind == "NullTokenizer" else hamlet
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
@@ -127,7 +129,8 @@ def test_clear_errors(gpt2_files, tmp_path):
     with pytest.raises(FileNotFoundError, match=rf"data\.vocab_file / --vocab-file: file {missing} does not exist"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=missing, merge_file=gpt2_files["merge_file"])
     with pytest.raises(FileNotFoundError, match=r"data\.merge_file / --merge-file: .*merges\.txt does not exist"):
-        build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files["vocab_file"], merge_file=str(tmp_path / "merges.txt"))
+        build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files["vocab_file"],
+                        merge_file=str(tmp_path / "merges.txt"))
     with pytest.raises(ValueError, match=r"merge_file is required .* data\.merge_file / --merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files["vocab_file"])
     for kind in ("HuggingFaceTokenizer", "SentencePieceTokenizer"):
@@ -137,7 +140,8 @@ def test_clear_errors(gpt2_files, tmp_path):
             build_tokenizer(kind)
     with pytest.raises(ValueError, match=r"vocab_size is required .* model\.vocab_size / --vocab-size"):
         build_tokenizer("NullTokenizer")
-    with pytest.raises(ValueError, match=r"data\.tokenizer_model / --tokenizer-model: .*merges\.txt is not a tokenizer\.json"):
+    with pytest.raises(ValueError,
+                       match=r"data\.tokenizer_model / --tokenizer-model: .*merges\.txt is not a tokenizer\.json"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=gpt2_files["merge_file"])
     with pytest.raises(ValueError, match="unknown tokenizer type 'GPT2'; valid types: " + ", ".join(TOKENIZER_TYPES)):
         build_tokenizer("GPT2")

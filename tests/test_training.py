@@ -60,7 +60,8 @@ def test_fp16_overflow_skips_steps_until_the_scale_fits(tmp_path):
     )
     pretrain(cfg)
     records = [json.loads(l) for l in metrics.read_text().splitlines()]
-    assert records[0]["skipped_steps"] == 1 and records[0]["loss_scale"] == 2.0**39 and math.isnan(records[0]["grad_norm"])
+    assert (records[0]["skipped_steps"] == 1 and records[0]["loss_scale"] == 2.0**39
+            and math.isnan(records[0]["grad_norm"]))
     skipped = records[-1]["skipped_steps"]
     assert 1 <= skipped < 30 and records[-1]["loss_scale"] == 2.0 ** (40 - skipped)
     assert all(math.isfinite(r["grad_norm"]) for r in records[skipped:])
@@ -68,7 +69,8 @@ def test_fp16_overflow_skips_steps_until_the_scale_fits(tmp_path):
 
 def test_metrics_file_holds_one_object_per_logged_step(tmp_path):
     metrics = tmp_path / "m" / "metrics.jsonl"
-    result = pretrain(tiny_config(train={"train_iters": 6, "eval_interval": 3, "eval_iters": 1}, logging={"metrics_file": str(metrics), "log_interval": 2}))
+    result = pretrain(tiny_config(train={"train_iters": 6, "eval_interval": 3, "eval_iters": 1},
+                                  logging={"metrics_file": str(metrics), "log_interval": 2}))
     records = [json.loads(l) for l in metrics.read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [2, 4, 6]
@@ -77,7 +79,8 @@ def test_metrics_file_holds_one_object_per_logged_step(tmp_path):
         assert {"lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "peak_memory_gib"} <= r.keys()
         assert r["tokens_per_sec"] > 0 and r["mfu"] is None
     evals = [r for r in records if "val_loss" in r]
-    assert [r["step"] for r in evals] == [3, 6] and evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
+    assert ([r["step"] for r in evals] == [3, 6]
+            and evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"])))
 
 
 def test_wandb_offline_run_receives_config_and_metrics(tmp_path):

@@ -48,7 +48,8 @@ def test_online_without_a_key_is_refused_before_anything_starts(monkeypatch, tmp
     with pytest.raises(ConfigError) as refused:
         pretrain(_config(tmp_path))
     message = str(refused.value)
-    assert "wandb login" in message and "WANDB_API_KEY" in message and "--logging.wandb_mode=offline" in message, message
+    assert ("wandb login" in message and "WANDB_API_KEY" in message
+            and "--logging.wandb_mode=offline" in message), message
     assert not dist.is_initialized() and not (tmp_path / "ckpt").exists()
     (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "0" * 40 + "\n")
     validate(_config(tmp_path), 1)  # what `wandb login` writes is enough

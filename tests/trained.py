@@ -19,8 +19,10 @@ PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt")
 def tokenizer_args(family: str, assets: Path) -> dict[str, str]:
     """GPT-2 BPE for gpt2, the Mistral SentencePiece model for llama: both tokenizer exports get tested."""
     if family == "gpt2":
-        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(assets / "gpt2/vocab.json"), "merge_file": str(assets / "gpt2/merges.txt")}
-    return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": str(assets / "sentencepiece/mistral_tokenizer_v1.model")}
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(assets / "gpt2/vocab.json"),
+                "merge_file": str(assets / "gpt2/merges.txt")}
+    return {"tokenizer_type": "SentencePieceTokenizer",
+            "tokenizer_model": str(assets / "sentencepiece/mistral_tokenizer_v1.model")}
 
 
 def tokenizer(family: str, assets: Path) -> Tokenizer:
@@ -43,7 +45,8 @@ def _corpus(family: str, assets: Path, prefix: Path) -> str:
 
 MODELS = {
     "gpt2": ["--model.family=gpt2"],
-    "llama": ["--model.family=llama", "--model.num_query_groups=2", "--model.rope_theta=5000", "--model.tie_embeddings=false"],
+    "llama": ["--model.family=llama", "--model.num_query_groups=2", "--model.rope_theta=5000",
+              "--model.tie_embeddings=false"],
 }
 
 
@@ -53,8 +56,8 @@ def train_tp2_pp2(family: str, assets: Path, root: Path) -> Path:
     data = [f"--data.{k}={v}" for k, v in tokenizer_args(family, assets).items()]
     args = [*MODELS[family], "--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=4",
             "--model.seq_length=64", "--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch_size=2",
-            "--train.global_batch_size=4", "--train.train_iters=4", "--optim.lr=3e-3", f"--data.train_paths={corpus}", *data,
-            f"--data.cache_dir={root / 'cache'}", "--data.num_workers=0", f"--checkpoint.save={root / 'ckpt'}",
+            "--train.global_batch_size=4", "--train.train_iters=4", "--optim.lr=3e-3", f"--data.train_paths={corpus}",
+            *data, f"--data.cache_dir={root / 'cache'}", "--data.num_workers=0", f"--checkpoint.save={root / 'ckpt'}",
             "--logging.progress_bar=false"]
     pretrain_torchrun(4, args)
     return root / "ckpt"

@@ -43,7 +43,8 @@ def read_run(run_dir: str | Path) -> dict:
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
         elif kind in ("run", "config"):
             updates = record.run.config.update if kind == "run" else record.config.update
             config.update({item.key: json.loads(item.value_json) for item in updates})

@@ -42,15 +42,12 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state
-from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml, load_yaml
 from megalite.data.batches import BatchMaker
 from megalite.data.mock import MockDataset
 from megalite.parallel.topology import Topology
-from megalite.training.build import build_rank_model
-from megalite.training.loss_scaler import LossScaler
-from megalite.training.optimizer import build_optimizer
+from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,17 +85,14 @@ class Trained:
         self.cfg = cfg
         self.topology = Topology.from_environment("cpu", cfg.parallel.timeout_minutes)
         torch.manual_seed(cfg.train.seed)
-        parts = build_rank_model(cfg, self.topology)
-        self.optimizer = build_optimizer(parts.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, self.topology.device)
+        parts = build_trainer(cfg, self.topology)
         sample = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)[0]
-        scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
         begin = time.perf_counter()
-        train_step(parts.model, self.optimizer, scaler, parts.reducer, [BatchMaker()([sample])], self.topology,
-                   cfg.train.precision, cfg.optim.clip_grad, parts.pipeline)
+        train_step(parts, [BatchMaker()([sample])])
         self.step_seconds = time.perf_counter() - begin
-        self.sharded = ShardedState(parts.model, self.optimizer, parts.tp, self.topology, parts.reducer.main)
+        self.sharded = parts.sharded_state()
         self.rng = rng_state(self.topology.device, parts.tp.rng)
-        self.state = TrainingState(step=1, consumed_samples=1, loss_scaler=scaler.state_dict())
+        self.state = TrainingState(step=1, consumed_samples=1, loss_scaler=parts.scaler.state_dict())
         self.params = sum(p.numel() for p in parts.model.parameters())
         self.yaml = dump_yaml(cfg)
 

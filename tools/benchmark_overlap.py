@@ -5,12 +5,12 @@ Why: overlap launches each gradient bucket's reduction as soon as the last micro
 backward has produced it, so that the transfer runs while backward goes on; a step should then
 wait less on communication than one that reduces everything after backward. This tool checks
 that on 2 gloo ranks with 1 intra-op thread each. Each rank runs megalite's own `train_step`
-on mock data; the wait is `reducer.wait_seconds`, the time blocked in the reductions' wait()
+on mock data; the wait is `grads.wait_seconds`, the time blocked in the reductions' wait()
 after backward (with the distributed optimizer, the parameter all-gather after the update is in
 the step time, not in the wait). A rank that finishes backward first also waits there for its
 peer, which overlap cannot help, so the table shows the wait of the rank that waited least as
 the transfer time left unhidden, next to the ranks' mean. "Reduction alone" is the same
-reduction with no backward to hide behind (`reducer.reduce()` right after a barrier).
+reduction with no backward to hide behind (`grads.reduce()` right after a barrier).
 
 The default model keeps the vocabulary small so that most gradients belong to the layers: the
 word-embedding gradient is complete only at the very end of backward, so its bucket can never
@@ -37,9 +37,7 @@ from megalite.data.batches import Batch, BatchMaker
 from megalite.data.mock import MockDataset
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
-from megalite.training.build import RankModel, build_rank_model
-from megalite.training.loss_scaler import LossScaler
-from megalite.training.optimizer import build_optimizer
+from megalite.training.build import Trainer, build_trainer
 from megalite.training.step import train_step
 
 CASES = [(distributed, overlap) for distributed in (False, True) for overlap in (False, True)]
@@ -83,32 +81,27 @@ class Case:
     """One configuration's model, optimizer and timings on this rank."""
 
     cfg: Config
-    parts: RankModel
-    optimizer: torch.optim.Optimizer
-    scaler: LossScaler
+    parts: Trainer
     batches: list[Batch]
     timings: dict[str, list[float]] = field(default_factory=lambda: {"steps": [], "waits": [], "alone": []})
 
     @classmethod
     def build(cls, topology: Topology, cfg: Config, microbatches: int) -> Case:
-        parts = build_rank_model(cfg, topology)
-        optimizer = build_optimizer(parts.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
-        return cls(cfg, parts, optimizer, LossScaler.for_precision(cfg.train.precision, cfg.optim), mock_batches(cfg, topology.dp_rank, microbatches))
+        return cls(cfg, build_trainer(cfg, topology), mock_batches(cfg, topology.dp_rank, microbatches))
 
     def step(self, topology: Topology) -> tuple[float, float]:
-        """One train_step after a barrier: (seconds, reducer.wait_seconds)."""
+        """One train_step after a barrier: (seconds, grads.wait_seconds)."""
         dist.barrier()
         start = time.perf_counter()
-        train_step(self.parts.model, self.optimizer, self.scaler, self.parts.reducer, self.batches, topology,
-                   self.cfg.train.precision, self.cfg.optim.clip_grad, self.parts.pipeline)
-        return time.perf_counter() - start, self.parts.reducer.wait_seconds
+        train_step(self.parts, self.batches)
+        return time.perf_counter() - start, self.parts.grads.wait_seconds
 
     def reduce_alone(self) -> float:
         """The reduction after a barrier, with no backward to hide it behind (the grads are zeros)."""
-        self.parts.reducer.zero()
+        self.parts.grads.zero()
         dist.barrier()
-        self.parts.reducer.reduce()
-        return self.parts.reducer.wait_seconds
+        self.parts.grads.reduce()
+        return self.parts.grads.wait_seconds
 
 
 def time_cases(topology: Topology, args: argparse.Namespace) -> list[dict]:
@@ -124,7 +117,7 @@ def time_cases(topology: Topology, args: argparse.Namespace) -> list[dict]:
     for _ in range(args.iters):
         for case in cases:
             case.timings["alone"].append(case.reduce_alone())
-    buffers = cases[0].parts.reducer.buffers
+    buffers = cases[0].parts.grads.buffers
     return [{**case.timings, "numel": sum(p.numel() for p in case.parts.model.parameters()),
              "buckets": sum(len(b.buckets) for b in buffers)} for case in cases]
 

@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.schedules import StageInfo, Trace, run_schedule
+from megalite.parallel.pipeline_layout import PipelineStage
+from megalite.parallel.schedules import Trace, run_schedule
 from megalite.parallel.topology import Topology
 
 SHAPE = (8, 1, 16)  # [seq, micro batch, hidden] of the messages: small, so transfers cost little
@@ -117,12 +118,12 @@ def late_recv_latency(rank: int, rounds: int = 10) -> float:
 def time_case(case: Case, comm: PipelineComm, rank: int, args: argparse.Namespace) -> dict:
     """This rank's step times and times without a pipeline (seconds, one per timed step, each
     after a barrier), its peak of stored activations and the late-receive latency."""
-    stage = StageInfo(case.pp, case.vp, rank)
+    stage = PipelineStage(case.pp, case.vp, rank)
 
     def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
         x = torch.zeros(SHAPE, requires_grad=True) if hidden is None else hidden  # so the first chunk's backward runs
         out = chunk_step(x, case, args)
-        return out.sum() if stage.is_last(chunk) else out
+        return out.sum() if stage.is_last_chunk(chunk) else out
 
     latency, steps, no_pipeline, trace = late_recv_latency(rank), [], [], Trace()
     for i in range(args.warmup + args.iters):

@@ -96,7 +96,8 @@ def time_raw(texts: list[str], vocab: str, merges: str) -> tuple[dict[str, float
 _LAUNCHER = """import resource, subprocess, sys, time
 start = time.perf_counter()
 done = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-sys.exit(done.stderr) if done.returncode else print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+sys.exit(done.stderr) if done.returncode else print(time.perf_counter() - start, \
+resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
 
 
@@ -129,10 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     best: dict[str, list[float]] = {}
     for _ in range(args.repeats):
         raw, raw_tokens = time_raw(texts, vocab, merges)
-        tool_seconds, peak, tool_tokens, documents = time_tool(corpus, os.path.join(work, "bench"), args.assets, args.workers)
+        tool_seconds, peak, tool_tokens, documents = time_tool(corpus, os.path.join(work, "bench"), args.assets,
+                                                               args.workers)
         for name, seconds in {**raw, "preprocess_data.py": tool_seconds}.items():
             best.setdefault(name, []).append(seconds)
-        print("  " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in {**raw, "tool": tool_seconds}.items()), flush=True)
+        print("  " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in {**raw, "tool": tool_seconds}.items()),
+              flush=True)
     if tool_tokens - documents != raw_tokens:
         sys.exit(f"token counts differ: tool {tool_tokens - documents:,} (without eod) vs raw {raw_tokens:,}")
     best = {name: min(times) for name, times in best.items()}
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:>36}: {seconds:6.2f} s  {text_mb / seconds:6.2f} MB/s  {raw_tokens / seconds:12,.0f} tokens/s")
     tool = best.pop("preprocess_data.py")
     fastest = min(best, key=best.get)
-    print(f"{'ratio tool / raw':>36}: {best['raw encode_batch -> ids lists'] / tool:.1%} against encode_batch -> ids lists, "
+    print(f"{'ratio tool / raw':>36}: {best['raw encode_batch -> ids lists'] / tool:.1%} "
+          "against encode_batch -> ids lists, "
           f"{best[fastest] / tool:.1%} against the fastest raw variant ({fastest})")
     print(f"{'peak RSS of one tool process':>36}: {peak:.0f} MiB")
 

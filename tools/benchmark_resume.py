@@ -38,8 +38,7 @@ from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config_cli import dump_yaml, parse_config
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
-from megalite.training.build import build_rank_model
-from megalite.training.optimizer import build_optimizer
+from megalite.training.build import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 # (saved layout, [(world size, resumed layout), ...]) per model: dp * tp * pp ranks each.
@@ -59,12 +58,11 @@ def _config(model: str, layout: list[str]):
 
 
 def _rank_state(cfg, topology: Topology) -> ShardedState:
-    parts = build_rank_model(cfg, topology)
-    optimizer = build_optimizer(parts.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
-    for _, main in parts.reducer.main:
-        main.grad = torch.zeros_like(main)
-    optimizer.step()  # creates Adam's state
-    return ShardedState(parts.model, optimizer, parts.tp, topology, parts.reducer.main)
+    parts = build_trainer(cfg, topology)
+    for m in parts.optimizer.shards():
+        m.main.grad = torch.zeros_like(m.main)
+    parts.optimizer.optimizer.step()  # creates Adam's state
+    return parts.sharded_state()
 
 
 def _in_turns(rank: int, world_size: int, work) -> object:

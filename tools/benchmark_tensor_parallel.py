@@ -124,7 +124,7 @@ class Case:
     @classmethod
     def build(cls, tp: TPContext, threads: int, args: argparse.Namespace) -> Case:
         m, cpu = model_config(args), torch.device("cpu")
-        layer = TransformerLayer(m, cpu, tp, recompute_core=False)
+        layer = TransformerLayer(m, cpu, tp)
         generator = torch.Generator().manual_seed(args.seed)  # the same draws on every rank, as their shapes match
         with torch.no_grad():  # timing only: any finite weights (not torch.empty's garbage, which may hold denormals)
             for param in layer.parameters():
@@ -132,7 +132,8 @@ class Case:
         x, grad = (torch.randn(args.seq, args.micro_batch, args.hidden, generator=generator) for _ in range(2))
         if tp.sequence_parallel:
             x, grad = x.chunk(tp.size)[tp.rank], grad.chunk(tp.size)[tp.rank]
-        rope = rope_for(rope_tables(m.positions, m.head_dim, m.rope_theta, cpu), args.seq, None) if m.family == "llama" else None
+        rope = (rope_for(rope_tables(m.positions, m.head_dim, m.rope_theta, cpu), args.seq, None)
+                if m.features.position_embedding == "rope" else None)
         return cls(layer, x.clone().requires_grad_(), grad, rope, threads)
 
     def fwd_bwd_seconds(self, precision: str) -> float:

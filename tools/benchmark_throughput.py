@@ -33,10 +33,9 @@ from megalite.checkpoint.hf_mapping import hf_config
 from megalite.config import Config
 from megalite.data.batches import Batch, BatchMaker
 from megalite.parallel.topology import Topology, synchronize
-from megalite.training.build import build_rank_model
+from megalite.training.build import build_trainer
 from megalite.training.flops import training_flops_per_token
-from megalite.training.loss_scaler import LossScaler
-from megalite.training.optimizer import build_optimizer, param_groups
+from megalite.parallel.distributed_optimizer import adamw, decay_groups
 from megalite.training.step import precision_context, train_step
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -116,11 +115,9 @@ def median_step_seconds(step: Callable[[], None], warmup: int, timed: int, devic
 
 def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Callable[[], None]:
     """One megalite optimizer step as pretraining runs it (model, optimizer, compile as pretrain.py builds them)."""
-    parts = build_rank_model(cfg, topology)
-    model = parts.model.train()
-    optimizer = build_optimizer(parts.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
-    scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-    return lambda: train_step(model, optimizer, scaler, parts.reducer, [batch], topology, cfg.train.precision, cfg.optim.clip_grad, parts.pipeline)
+    trainer = build_trainer(cfg, topology)
+    trainer.model.train()
+    return lambda: train_step(trainer, [batch])
 
 
 def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool) -> Callable[[], None]:
@@ -132,8 +129,9 @@ def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool) -> Cal
     torch.manual_seed(cfg.train.seed)
     model = transformers.GPT2LMHeadModel(hf_config(cfg.model)).to(device).train()
     o = cfg.optim
-    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                                  eps=o.adam_eps, fused=fused or None)
+    groups = decay_groups(((n, p, p) for n, p in model.named_parameters()), o.weight_decay)
+    optimizer = adamw(groups, o) if fused else torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                                                 eps=o.adam_eps)
     tokens = batch.tokens.to(device)
 
     def step() -> None:

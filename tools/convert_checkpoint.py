@@ -25,12 +25,14 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to-hf", action="store_true", help="megalite checkpoint -> Hugging Face directory")
-    direction.add_argument("--from-hf", action="store_true", help="Hugging Face directory or .gguf file -> megalite checkpoint")
+    direction.add_argument("--from-hf", action="store_true",
+                           help="Hugging Face directory or .gguf file -> megalite checkpoint")
     parser.add_argument("--load", required=True, help="what to convert")
     parser.add_argument("--save", required=True, help="the output directory (must not exist or be empty)")
     parser.add_argument("--max-shard-size", default="2GB", help="--to-hf: largest safetensors shard (default 2GB)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                        help="--from-hf: pad the vocabulary to a multiple of this (it must be divisible by the tp you train at)")
+                        help="--from-hf: pad the vocabulary to a multiple of this "
+                             "(it must be divisible by the tp you train at)")
     args = parser.parse_args(argv)
     try:
         if args.to_hf:

@@ -35,9 +35,7 @@ from megalite.data.mock import MockDataset
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
 from megalite.planning.memory import state_bytes
-from megalite.training.build import build_rank_model
-from megalite.training.loss_scaler import LossScaler
-from megalite.training.optimizer import build_optimizer
+from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
 # A GPT-2-shaped model of 29M parameters: 8 ranks of it (444 MiB of tensors each) fit easily in 24 GB.
@@ -94,17 +92,13 @@ def mock_batches(cfg: Config, dp_rank: int, count: int) -> list[Batch]:
 def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     """Build this rank's model and optimizer, train one step, and measure what stays allocated."""
     topology = Topology(rank, world_size, torch.device("cpu"), tp=cfg.parallel.tp, pp=cfg.parallel.pp)
-    parts = build_rank_model(cfg, topology)
-    reducer, params = parts.reducer, list(parts.model.parameters())
-    optimizer = build_optimizer(reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
-    batches = mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size))
-    train_step(parts.model, optimizer, LossScaler.for_precision(cfg.train.precision, cfg.optim), reducer, batches,
-               topology, cfg.train.precision, cfg.optim.clip_grad, parts.pipeline)
+    parts = build_trainer(cfg, topology)
+    params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]
+    train_step(parts, mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size)))
     held = storages(params)
-    grads = storages([b.grad_data for b in reducer.buffers] + [t.grad for t in params + [m for _, m in reducer.main]
-                                                               if t.grad is not None])
-    main = {k: v for k, v in storages(m for _, m in reducer.main).items() if k not in held}
-    state = storages(t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    grads = storages([b.grad_data for b in parts.grads.buffers] + [t.grad for t in params + mains if t.grad is not None])
+    main = {k: v for k, v in storages(mains).items() if k not in held}
+    state = storages(t for s in parts.optimizer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     sizes = {name: sum(found.values()) for name, found in zip(CATEGORIES, (held, grads, main, state))}
     return {**sizes, "rank": rank, "numel": sum(p.numel() for p in params)}
 

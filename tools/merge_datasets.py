@@ -31,7 +31,8 @@ def input_prefixes(inputs: list[str], output_prefix: str) -> list[str]:
     prefixes = []
     for entry in inputs:
         if os.path.isdir(entry):
-            found = sorted(os.path.join(entry, name[: -len(".idx")]) for name in os.listdir(entry) if name.endswith(".idx"))
+            found = sorted(os.path.join(entry, name[: -len(".idx")])
+                           for name in os.listdir(entry) if name.endswith(".idx"))
             prefixes += [p for p in found if os.path.abspath(p) != os.path.abspath(output_prefix)]
         else:
             prefixes.append(entry.removesuffix(".idx").removesuffix(".bin"))

@@ -68,7 +68,8 @@ def draw(events: dict[int, list[dict]], names: dict[int, str], title: str, outpu
             ax.text(start + width / 2, row, str(e["args"]["microbatch"]), ha="center", va="center", fontsize=8)
     ax.set_yticks(range(len(ranks)), [names.get(r, f"rank {r}").split(";")[0] + ")" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("milliseconds since the step's first operation; numbers: micro batch; a box includes waiting for its input")
+    ax.set_xlabel("milliseconds since the step's first operation; numbers: micro batch; "
+                  "a box includes waiting for its input")
     ax.set_title(title)
     legend = [Patch(color=shade(blues, c), label=f"forward, chunk {c}") for c in range(chunks)]
     legend += [Patch(color=shade(oranges, c), label=f"backward, chunk {c}") for c in range(chunks)]
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     events, names = load_step(trace, args.step)
     chunks = 1 + max(e["args"]["chunk"] for evs in events.values() for e in evs)
     microbatches = 1 + max(e["args"]["microbatch"] for evs in events.values() for e in evs)
-    title = args.title or f"pipeline schedule: {len(events)} ranks, {chunks} chunks per rank, {microbatches} micro batches"
+    title = args.title or (f"pipeline schedule: {len(events)} ranks, {chunks} chunks per rank, "
+                           f"{microbatches} micro batches")
     draw(events, names, title, args.output)
     print(f"wrote {args.output}")
 

@@ -2,7 +2,7 @@
 
 Why: "tensor-parallel ranks are adjacent, then data-parallel, then pipeline" is easy to say and
 easy to misread; the picture shows which GPUs of which node form each group. Ranks come from
-megalite.parallel.topology.rank_grid, the function training uses. Each box is a GPU: its global
+megalite.parallel.topology.RankGrid, the grid training uses. Each box is a GPU: its global
 rank and (pp, dp, tp) coordinates; colour = pipeline stage; a thick outline = one tensor-parallel group.
 
     python tools/plot_rank_grid.py docs/images/rank_grid.png --tp 2 --pp 2 --dp 4 --gpus-per-node 8
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megalite.parallel.topology import rank_grid
+from megalite.parallel.topology import RankGrid
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,12 +36,12 @@ def draw(tp: int, pp: int, dp: int, per_node: int, output: Path) -> None:
     from matplotlib.patches import Rectangle
 
     world = tp * pp * dp
-    grid = rank_grid(world, tp, pp)  # [pp, dp, tp] -> global rank
-    where = {int(grid[s, d, t]): (s, d, t) for s in range(pp) for d in range(dp) for t in range(tp)}
+    grid = RankGrid(tp=tp, dp=dp, pp=pp)
     nodes = -(-world // per_node)
     colours = plt.get_cmap("Pastel1")
     fig, ax = plt.subplots(figsize=(1.5 * per_node + 1.5, 1.5 * nodes + 1.2))
-    for rank, (s, d, t) in where.items():
+    for rank in range(world):
+        s, d, t = (grid.coords(rank)[axis] for axis in ("pp", "dp", "tp"))
         node, gpu = divmod(rank, per_node)
         ax.add_patch(Rectangle((gpu, -node), 0.92, 0.8, facecolor=colours(s), edgecolor="grey"))
         ax.text(gpu + 0.46, -node + 0.52, f"rank {rank}", ha="center", fontsize=10, weight="bold")

@@ -81,9 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
     g.add_argument("--rejects", metavar="FILE", help="write every skipped record as a JSON line: file, line, reason")
-    g.add_argument("--strict", action="store_true", help="fail at the first bad record (naming file and line), writing nothing")
+    g.add_argument("--strict", action="store_true",
+                   help="fail at the first bad record (naming file and line), writing nothing")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=usable_cores(), help="tokenizing processes (default: all usable cores)")
+    g.add_argument("--workers", type=int, default=usable_cores(),
+                   help="tokenizing processes (default: all usable cores)")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="documents between progress lines when stderr is not a terminal (a terminal gets a bar)")
     args = p.parse_args(argv)
@@ -112,7 +114,8 @@ class Stats:
         seconds = max(time.perf_counter() - self.start, 1e-9)
         tokens = sum(self.tokens.values())
         return (f"{self.documents:,} docs, {tokens:,} tokens, {self.bytes / 1e6:,.1f} MB in {seconds:.1f} s: "
-                f"{self.documents / seconds:,.0f} docs/s, {self.bytes / 1e6 / seconds:.2f} MB/s, {tokens / seconds:,.0f} tokens/s")
+                f"{self.documents / seconds:,.0f} docs/s, {self.bytes / 1e6 / seconds:.2f} MB/s, "
+                f"{tokens / seconds:,.0f} tokens/s")
 
 
 class Progress:
@@ -235,7 +238,8 @@ def summary(stats: Stats, prefix: str, keys: list[str]) -> str:
     lines = [f"done: {stats.rates()}"]
     lines += [f"  {prefix}_{key}_document.bin/.idx: {stats.tokens[key]:,} tokens" for key in keys]
     skipped = sum(stats.skipped.values())
-    lines.append(f"  skipped {skipped:,} records" + (": " + ", ".join(f"{r} {n:,}" for r, n in sorted(stats.skipped.items())) if skipped else ""))
+    lines.append(f"  skipped {skipped:,} records"
+                 + (": " + ", ".join(f"{r} {n:,}" for r, n in sorted(stats.skipped.items())) if skipped else ""))
     return "\n".join(lines)
 
 

@@ -57,7 +57,8 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tensor]], rng: dict[str, torch.Tensor] | None) -> None:
+def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tensor]],
+                     rng: dict[str, torch.Tensor] | None) -> None:
     """One rank's share of a checkpoint (runs in a background thread under async save)."""
     name = f"rank_{rank:05d}.safetensors"
     files, listed = {}, []
@@ -67,7 +68,8 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tenso
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         files[name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
-        listed = [{**piece.to_json(), "file": name, "key": str(i), "block_bytes": BLOCK_BYTES, "crc32_blocks": _block_crcs(t)}
+        listed = [{**piece.to_json(), "file": name, "key": str(i), "block_bytes": BLOCK_BYTES,
+                   "crc32_blocks": _block_crcs(t)}
                   for i, (piece, t) in enumerate(pieces)]
     if rng is not None:
         (tmp / "rng").mkdir(exist_ok=True)
@@ -118,7 +120,8 @@ def problem_with(path: Path, checksums: bool = True) -> str | None:
         if not file.is_file():
             return f"checkpoint {path} is incomplete: {name} is missing"
         if file.stat().st_size != expected["bytes"]:
-            return f"checkpoint {path}: {name} is truncated ({file.stat().st_size} bytes, index says {expected['bytes']})"
+            return (f"checkpoint {path}: {name} is truncated ({file.stat().st_size} bytes, "
+                    f"index says {expected['bytes']})")
         if checksums and _crc32(file) != expected["crc32"]:
             return f"checkpoint {path}: {name} is corrupt (CRC-32 differs from the index)"
     return None

@@ -5,22 +5,40 @@ nowhere else: megalite's fused QKV is ordered by query group (see model/attentio
 and its vocabulary is padded; GPT-2's HF Conv1D stores weights transposed. The configs map
 both ways too (`hf_config`, `model_config_from_hf`); an HF config describing a network
 megalite does not compute (another activation, biases in Llama, RoPE scaling) is refused
-rather than converted into a different model.
+rather than converted into a different model, and so is a megalite model whose features
+(model.bias, gated_mlp, norm, position_embedding) differ from its family's HF architecture.
+The family picks the HF architecture and with it every tensor name below.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from megalite.config import ModelConfig
+from megalite.config import FAMILY_FEATURES, ModelConfig
 
 StateDict = dict[str, torch.Tensor]
+
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+def check_hf_features(cfg: ModelConfig) -> None:
+    """Raise ValueError, naming the field, when `cfg` computes something its family's HF class cannot:
+    the HF model would silently compute another network. Both classes tie embeddings or not."""
+    family = dataclasses.asdict(FAMILY_FEATURES[cfg.family])
+    for name, value in dataclasses.asdict(cfg.features).items():
+        if name != "tie_embeddings" and value != family[name]:
+            raise ValueError(f"model.{name}={str(value).lower()}, but {HF_CLASSES[cfg.family]} "
+                             f"(model.family={cfg.family}) computes {name}={str(family[name]).lower()}; "
+                             "this model has no Hugging Face equivalent and cannot be converted")
 
 
 def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None):
     """The transformers config describing the same network as `cfg` (token ids: its tokenizer's, if any)."""
     from transformers import GPT2Config, LlamaConfig
 
+    check_hf_features(cfg)
     tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
     if cfg.family == "gpt2":
         return GPT2Config(
@@ -146,6 +164,7 @@ def _is_conv1d(hf_name: str) -> bool:
 
 def to_hf(state: StateDict, cfg: ModelConfig) -> StateDict:
     """megalite full state dict -> HF state dict."""
+    check_hf_features(cfg)
     out = {}
     for ours, theirs in _plain_names(cfg).items():
         out[theirs] = state[ours].t() if _is_conv1d(theirs) else state[ours]
@@ -168,6 +187,7 @@ def to_hf(state: StateDict, cfg: ModelConfig) -> StateDict:
 
 def from_hf(hf: StateDict, cfg: ModelConfig) -> StateDict:
     """HF state dict -> megalite full state dict (padded vocabulary rows are zero)."""
+    check_hf_features(cfg)
     out = {}
     for ours, theirs in _plain_names(cfg).items():
         out[ours] = hf[theirs].t() if _is_conv1d(theirs) else hf[theirs]

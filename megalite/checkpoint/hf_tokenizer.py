@@ -29,8 +29,9 @@ def _check_paths(data: DataConfig, source: str) -> None:
     for name in ("vocab_file", "merge_file", "tokenizer_model"):
         path = getattr(data, name)
         if path is not None and not os.path.exists(path):
-            raise FileNotFoundError(f"{source}: data.{name}={path} does not exist (relative paths are taken from the current "
-                                    "directory: run the conversion where training ran, or fix the path in config.yaml)")
+            raise FileNotFoundError(f"{source}: data.{name}={path} does not exist (relative paths are taken from "
+                                    "the current directory: run the conversion where training ran, or fix the path "
+                                    "in config.yaml)")
 
 
 def hf_tokenizer(data: DataConfig, vocab_size: int, source: str):
@@ -48,7 +49,8 @@ def hf_tokenizer(data: DataConfig, vocab_size: int, source: str):
         return _sentencepiece_as_llama(data.tokenizer_model)
     # GPT-2 BPE or a bare tokenizer.json: wrap the very tokenizers object megalite encoded with
     eod = ours.backend.id_to_token(ours.eod)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token=eod, eos_token=eod, unk_token=eod)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token=eod, eos_token=eod,
+                                                unk_token=eod)
 
 
 def _sentencepiece_as_llama(model_file: str):
@@ -70,8 +72,8 @@ def _sentencepiece_as_llama(model_file: str):
     proto = sentencepiece_model_pb2.ModelProto.FromString(Path(model_file).read_bytes())
     if proto.trainer_spec.model_type != proto.trainer_spec.BPE:
         kind = proto.trainer_spec.ModelType.Name(proto.trainer_spec.model_type)
-        raise ValueError(f"data.tokenizer_model={model_file} is a SentencePiece {kind} model; exporting it to Hugging Face "
-                         "is supported for BPE models (Llama, Mistral) only")
+        raise ValueError(f"data.tokenizer_model={model_file} is a SentencePiece {kind} model; exporting it to "
+                         "Hugging Face is supported for BPE models (Llama, Mistral) only")
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(model_file, Path(tmp) / "tokenizer.model")
         tokenizer = transformers.LlamaTokenizer.from_pretrained(tmp, local_files_only=True)
@@ -93,7 +95,8 @@ def _sentencepiece_as_llama(model_file: str):
 
 def has_tokenizer(directory: Path) -> bool:
     """Whether an HF model directory ships tokenizer files."""
-    return any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+    return any((directory / name).is_file()
+               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
 
 
 def keep_tokenizer(tokenizer, root: Path) -> dict[str, str]:

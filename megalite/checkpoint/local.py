@@ -145,7 +145,8 @@ def _candidates(root: Path) -> list[Path]:
         raise ValueError(f"{pointer}: expected an iteration number, found {text!r}; fix or delete the file")
     latest = iteration_dir(root, int(text))
     if not latest.is_dir():
-        raise FileNotFoundError(f"{pointer} names iteration {text} but {latest} does not exist; point it at an existing iter_* directory")
+        raise FileNotFoundError(f"{pointer} names iteration {text} but {latest} does not exist; "
+                                "point it at an existing iter_* directory")
     return [latest] + [p for p in found if int(p.name[5:]) < int(text)]
 
 
@@ -165,7 +166,8 @@ def give_up_unless_fallback(problems: list[str], exact: bool, fallback: bool) ->
     if exact:
         raise ValueError(f"{problems[-1]}; resume from another iter_* directory")
     if not fallback:
-        raise ValueError(f"{problems[-1]}; set checkpoint.fallback=true to resume from the previous complete checkpoint")
+        raise ValueError(f"{problems[-1]}; set checkpoint.fallback=true to resume from the previous complete "
+                         "checkpoint")
 
 
 def none_complete(load: str, problems: list[str]) -> None:
@@ -195,7 +197,8 @@ def load_checkpoint(path: Path, sharded: ShardedState, topology: Topology,
     state was loaded and the bytes this rank read."""
     reader = CheckpointReader(path)
     saved, expected = reader.names("model"), sharded.shapes()
-    mismatched = [f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(v)}" for k, v in expected.items() if k in saved and saved[k] != v]
+    mismatched = [f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(v)}"
+                  for k, v in expected.items() if k in saved and saved[k] != v]
     missing = sorted(expected.keys() - saved.keys())
     if missing or mismatched:
         raise ValueError(f"checkpoint {path} does not fit this model (was it saved with another model config?): "

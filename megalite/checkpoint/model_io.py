@@ -23,7 +23,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """One complete iteration's directory from either itself or a checkpoint root (its latest)."""
     found, _ = choose_checkpoint(str(path), fallback=False)
     if found is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint directory (with a `latest` file) nor an iter_* directory")
+        raise FileNotFoundError(f"{path} is neither a checkpoint directory (with a `latest` file) "
+                                "nor an iter_* directory")
     return found
 
 
@@ -47,7 +48,8 @@ def write_model_checkpoint(root: str | Path, cfg: Config, tensors: dict[str, tor
     final = iteration_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    pieces = [(Piece(name, "model", list(t.shape), None, 0, t.numel()), t.detach().reshape(-1)) for name, t in tensors.items()]
+    pieces = [(Piece(name, "model", list(t.shape), None, 0, t.numel()), t.detach().reshape(-1))
+              for name, t in tensors.items()]
     write_rank_files(tmp, 0, pieces, rng=None)
     write_run_files(tmp, dump_yaml(cfg), TrainingState(step, 0).__dict__)
     finalize(tmp, final)

@@ -85,7 +85,8 @@ class CheckpointReader:
     def read(self, name: str, kind: str) -> torch.Tensor | None:
         """The whole global tensor, or None when the checkpoint has no such piece."""
         entries = self.pieces.get((name, kind))
-        return None if not entries else self.read_part(name, kind, Target.whole(entries[0]["shape"])).view(entries[0]["shape"])
+        return (None if not entries
+                else self.read_part(name, kind, Target.whole(entries[0]["shape"])).view(entries[0]["shape"]))
 
     def read_part(self, name: str, kind: str, target: Target) -> torch.Tensor | None:
         """The flat range `target` holds of tensor `name`, or None when the checkpoint has no such piece."""
@@ -94,11 +95,12 @@ class CheckpointReader:
             return None
         saved = entries[0]["shard"]
         same_split = (saved is None and target.shard is None) or (
-            saved is not None and target.shard is not None and list(saved[:2]) + [saved[3]] == [*target.shard[:2], target.shard[3]])
+            saved is not None and target.shard is not None
+            and list(saved[:2]) + [saved[3]] == [*target.shard[:2], target.shard[3]])
         if same_split:
             index = target.shard[2] if target.shard else 0
-            return self._flat_range([e for e in entries if (e["shard"][2] if e["shard"] else 0) == index], target.lo, target.hi,
-                                    f"{name}/{kind}")
+            return self._flat_range([e for e in entries if (e["shard"][2] if e["shard"] else 0) == index],
+                                    target.lo, target.hi, f"{name}/{kind}")
         return self._resplit(name, kind, entries, target)
 
     def _resplit(self, name: str, kind: str, entries: list[dict[str, Any]], target: Target) -> torch.Tensor:
@@ -139,7 +141,8 @@ class CheckpointReader:
             out[a - lo:b - lo] = values
             covered += b - a
         if covered != hi - lo:
-            raise DamagedCheckpoint(f"{self.path}: {what} has {covered} of the {hi - lo} elements this rank needs; the checkpoint is incomplete")
+            raise DamagedCheckpoint(f"{self.path}: {what} has {covered} of the {hi - lo} elements this rank needs; "
+                                    "the checkpoint is incomplete")
         return out
 
     def _file(self, name: str) -> Any:
@@ -164,8 +167,8 @@ class CheckpointReader:
         self.bytes_read += values.numel() * size
         for i, part in enumerate(values.split(block), start=first):
             if zlib.crc32(part.contiguous().view(torch.uint8).numpy()) != entry["crc32_blocks"][i]:
-                raise DamagedCheckpoint(f"checkpoint {self.path}: {entry['file']} is corrupt (CRC-32 differs from the index in "
-                                 f"{entry['name']}/{entry['kind']}, block {i})")
+                raise DamagedCheckpoint(f"checkpoint {self.path}: {entry['file']} is corrupt (CRC-32 differs from "
+                                        f"the index in {entry['name']}/{entry['kind']}, block {i})")
         return values[a - first * block:b - first * block]
 
     def _verify_file(self, name: str) -> None:

@@ -45,7 +45,8 @@ def _plan(load: str) -> tuple[list[tuple[str, str | None]], bool, str]:
     return [(str(p), problem_with(p, checksums=False)) for p in paths], exact, secrets.token_hex(8)
 
 
-def _agree(topology: Topology, key: str, problem: tuple[str, bool] | None, timeout: timedelta) -> tuple[str, bool] | None:
+def _agree(topology: Topology, key: str, problem: tuple[str, bool] | None,
+           timeout: timedelta) -> tuple[str, bool] | None:
     """The first (problem, damaged) any rank reported under `key`, once every rank has reported."""
     store = dist.distributed_c10d._get_default_store()
     if problem is not None:
@@ -59,7 +60,8 @@ def _agree(topology: Topology, key: str, problem: tuple[str, bool] | None, timeo
     return value[1:], value[0] == "1"
 
 
-def _attempt(path: Path, sharded: ShardedState, topology: Topology, load_optimizer: bool) -> tuple[tuple | None, Exception | None]:
+def _attempt(path: Path, sharded: ShardedState, topology: Topology,
+             load_optimizer: bool) -> tuple[tuple | None, Exception | None]:
     """Load one candidate: ((state, rng, optimizer loaded, bytes read), None) or (None, the error)."""
     try:
         return load_checkpoint(path, sharded, topology, load_optimizer), None
@@ -89,8 +91,10 @@ def resume(load: str, fallback: bool, sharded: ShardedState, topology: Topology,
             failure = _agree(topology, f"megalite/resume/{nonce}/{attempt}", mine, timedelta(minutes=timeout_minutes))
             if failure is not None:  # also where this rank's load succeeded: no state of a rejected checkpoint survives
                 sharded.optimizer.state.clear()
-            if failure is not None and not failure[1]:  # not damage: every rank stops, the one that met it with its error
-                raise error if error is not None else RuntimeError(f"resuming from {path} failed on another rank: {failure[0]}")
+            # not damage: every rank stops, the one that met it with its error
+            if failure is not None and not failure[1]:
+                raise error if error is not None else RuntimeError(f"resuming from {path} failed on another rank: "
+                                                                   f"{failure[0]}")
         if failure is None:
             return Resumed(Path(path), *outcome, skipped)
         skipped.append(failure[0])

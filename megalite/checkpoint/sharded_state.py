@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from megalite.checkpoint.reader import CheckpointReader, Target
+from megalite.parallel.distributed_optimizer import DistributedOptimizer
 from megalite.parallel.layers import ShardSpec, TPContext, parameter_shards
 from megalite.parallel.topology import Topology
 
@@ -55,27 +56,22 @@ class Entry:
     index: int  # position among the optimizer's parameters
     lo: int
     hi: int
-    alias: bool  # a copy of another stage's parameter (tied embeddings): saved by the owner
+    tied_copy: bool  # a copy of another stage's parameter (tied embeddings): saved by the owner
 
 
 class ShardedState:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tp: TPContext, topology: Topology,
-                 stepped: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """`stepped` pairs each model parameter with the tensor the optimizer steps for it (itself, an
-        fp32 copy, or a flat slice with `owner_range` under the distributed optimizer)."""
-        self.optimizer, self.tp, self.topology = optimizer, tp, topology
+    def __init__(self, model: nn.Module, optimizer: DistributedOptimizer, tp: TPContext, topology: Topology) -> None:
+        """What this rank holds of the model, and what `optimizer` steps of it (its `shards()`: whole
+        parameters or fp32 copies, or flat slices under the distributed optimizer)."""
+        self.optimizer, self.tp, self.topology = optimizer.optimizer, tp, topology
         self.specs = parameter_shards(model)
-        aliases = model.aliases() if hasattr(model, "aliases") else {}
-        names = {id(p): n for n, p in model.named_parameters()}
-        order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        self.distributed = any(hasattr(main, "owner_range") for _, main in stepped)
-        # Every parameter, also those whose optimizer shard another data-parallel rank owns (not in `stepped`).
-        self.params = [(n, aliases.get(n, n), p) for n, p in model.named_parameters()]
-        self.entries = []
-        for param, main in stepped:
-            local = names[id(param)]
-            lo, hi = getattr(main, "owner_range", (0, param.numel()))
-            self.entries.append(Entry(local, aliases.get(local, local), param, main, order[id(main)], lo, hi, local in aliases))
+        copies = model.tied_copies()
+        order = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        self.distributed = optimizer.distributed
+        # Every parameter, also those whose optimizer shard another data-parallel rank owns (not stepped here).
+        self.params = [(n, copies.get(n, n), p) for n, p in model.named_parameters()]
+        self.entries = [Entry(m.name, copies.get(m.name, m.name), m.param, m.main, order[id(m.main)], m.start, m.end,
+                              m.name in copies) for m in optimizer.shards()]
 
     def _spec(self, local: str) -> ShardSpec | None:
         return self.specs.get(local) if self.tp.size > 1 else None
@@ -95,7 +91,7 @@ class ShardedState:
         (or, under the distributed optimizer, every DP rank its own range), tied copies by their owner."""
         t = self.topology
         replicated_tp = self._spec(entry.local) is None and t.tp_rank != 0
-        return not entry.alias and not replicated_tp and (self.distributed or t.dp_rank == 0)
+        return not entry.tied_copy and not replicated_tp and (self.distributed or t.dp_rank == 0)
 
     def pieces(self) -> list[tuple[Piece, torch.Tensor]]:
         """This rank's pieces and their tensors (views of live state: copy before training continues)."""

@@ -71,7 +71,8 @@ def _blend(paths: list[str], split: str, index: int, num_samples: int, cfg: Conf
     return BlendedDataset([d for _, d in kept], [w for w, _ in kept], num_samples)
 
 
-def build_training_data(cfg: Config, rank: int, tokenizer: Tokenizer | None, train_samples: int, valid_samples: int) -> TrainingData:
+def build_training_data(cfg: Config, rank: int, tokenizer: Tokenizer | None, train_samples: int,
+                        valid_samples: int) -> TrainingData:
     d, m = cfg.data, cfg.model
     if d.mock:
         maker = BatchMaker()
@@ -83,7 +84,9 @@ def build_training_data(cfg: Config, rank: int, tokenizer: Tokenizer | None, tra
         valid = _blend(d.paths, d.split, VALID, valid_samples, cfg, rank) if valid_samples else None
     else:
         train = _blend(d.train_paths, "1,0,0", TRAIN, train_samples, cfg, rank)
-        valid = _blend(d.valid_paths, "1,0,0", TRAIN, valid_samples, cfg, rank) if d.valid_paths and valid_samples else None
+        valid = (_blend(d.valid_paths, "1,0,0", TRAIN, valid_samples, cfg, rank)
+                 if d.valid_paths and valid_samples else None)
     if train is None:
-        raise ValueError(f"data.split={d.split} leaves no training documents in {d.paths}; give the train part a weight")
+        raise ValueError(f"data.split={d.split} leaves no training documents in {d.paths}; "
+                         "give the train part a weight")
     return TrainingData(train, valid, maker)

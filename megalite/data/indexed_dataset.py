@@ -81,7 +81,8 @@ def _read_header(idx_path: str) -> tuple[type[np.number], int, int]:
         raise IndexedDatasetError(f"{idx_path} is {len(head)} bytes, shorter than the {_HEADER.size}-byte header")
     magic, version, code, n, d = _HEADER.unpack(head)
     if magic != MAGIC:
-        raise IndexedDatasetError(f"{idx_path} starts with {magic!r}, not the magic {MAGIC!r}: not a Megatron mmap .idx")
+        raise IndexedDatasetError(f"{idx_path} starts with {magic!r}, not the magic {MAGIC!r}: "
+                                  "not a Megatron mmap .idx")
     if version != VERSION:
         raise IndexedDatasetError(f"{idx_path} has version {version}; only version {VERSION} exists")
     if code not in DTYPE_CODES:
@@ -112,7 +113,8 @@ class IndexedDatasetWriter:
     def __enter__(self) -> IndexedDatasetWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if self._finished:  # finalize or abort was called inside the block
             return
         if exc_type is None:
@@ -130,7 +132,8 @@ class IndexedDatasetWriter:
         if not arrays:
             return
         if any(a.ndim != 1 for a in arrays):
-            raise ValueError(f"documents must be 1-D token arrays, got shapes {[a.shape for a in arrays if a.ndim != 1]}")
+            raise ValueError("documents must be 1-D token arrays, "
+                             f"got shapes {[a.shape for a in arrays if a.ndim != 1]}")
         lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
         if lengths.max() > np.iinfo(np.int32).max:
             raise ValueError(f"a document of {lengths.max()} tokens exceeds the format's int32 sequence length")
@@ -255,7 +258,8 @@ class IndexedDataset:
         lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
         n = len(lengths)
         if n and lengths.min() < 0:
-            raise IndexedDatasetError(f"{idx_path} has a negative sequence length at {int(np.argmin(lengths))}: corrupt")
+            raise IndexedDatasetError(f"{idx_path} has a negative sequence length "
+                                      f"at {int(np.argmin(lengths))}: corrupt")
         for start, expected in _pointer_chunks(lengths, itemsize):
             wrong = np.flatnonzero(pointers[start : start + len(expected)] != expected)
             if wrong.size:

@@ -108,7 +108,8 @@ class GPT2BPETokenizer(_RustTokenizer):
         backend.decoder = decoders.ByteLevel()
         eod = backend.token_to_id("<|endoftext|>")
         if eod is None:
-            raise ValueError(f"{_SOURCES['vocab_file']}: {vocab_file} has no <|endoftext|> token, so it is not a GPT-2 vocabulary")
+            raise ValueError(f"{_SOURCES['vocab_file']}: {vocab_file} has no <|endoftext|> token, "
+                             "so it is not a GPT-2 vocabulary")
         super().__init__(backend, eod)
 
 
@@ -158,7 +159,8 @@ class SentencePieceTokenizer(Tokenizer):
         path = _existing(model_file, "tokenizer_model", "SentencePiece model")
         self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
         if self._sp.eos_id() < 0:
-            raise ValueError(f"{_SOURCES['tokenizer_model']}: SentencePiece model {path} has no eos piece to end documents with")
+            raise ValueError(f"{_SOURCES['tokenizer_model']}: SentencePiece model {path} has no eos piece "
+                             "to end documents with")
 
     @property
     def vocab_size(self) -> int:

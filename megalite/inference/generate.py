@@ -49,8 +49,7 @@ def load_model(path: str | Path, device: torch.device) -> tuple[GPTModel, Config
     """The one-device model of a checkpoint (root or iter_* directory) in eval mode, its config and
     tokenizer (None when its config names none)."""
     cfg, tensors = read_model_tensors(path)
-    cfg.train.recompute = "none"
-    model = GPTModel(cfg, torch.device("meta"))  # nothing to initialise: every weight comes from the checkpoint
+    model = GPTModel(cfg.model, torch.device("meta"), seed=cfg.train.seed)  # every weight comes from the checkpoint
     model.load_state_dict(tensors, assign=True)
     return model.to(device).eval(), cfg, tokenizer_from_config(cfg.data, cfg.model.vocab_size)
 

@@ -7,6 +7,9 @@ layout differs from Hugging Face's [all q][all k][all v] (the HF mapping reorder
 
 During generation a KV cache (model/kv_cache.py) supplies the keys and values of earlier
 tokens; the new tokens' queries then attend to those plus their own causal prefix.
+
+Selective recompute (model/recompute.py sets `recompute_core`) keeps only the inputs of the
+core attention and recomputes it in backward.
 """
 
 from __future__ import annotations
@@ -25,15 +28,15 @@ from megalite.parallel.random import checkpoint_with_rng
 class SelfAttention(nn.Module):
     """Each tensor-parallel rank computes whole query groups: heads/tp query and groups/tp KV heads."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, recompute_core: bool) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, cfg.head_dim
-        bias = cfg.family == "gpt2"
+        bias = cfg.features.bias
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, tp, bias)
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, bias)
         self.dropout = cfg.attention_dropout
-        self.recompute_core = recompute_core
+        self.recompute_core = False
         self.tp = tp
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.config import Config, ModelConfig
+from megalite.config import ModelConfig
 from megalite.model.attention import SelfAttention
 from megalite.model.head import LMHead
 from megalite.model.init import init_parameters
@@ -23,16 +23,22 @@ from megalite.parallel.layers import TPContext, VocabParallelEmbedding, paramete
 from megalite.parallel.pipeline_layout import StageLayout
 from megalite.parallel.random import checkpoint_with_rng
 
+# With tied embeddings split over pipeline stages, the last stage holds its own copy of the first
+# stage's word embeddings as its LM head: (the copy's name, the original's name).
+TIED_COPY = ("lm_head.weight", "embedding.word_embeddings.weight")
+
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPContext, recompute_core: bool) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPContext) -> None:
         super().__init__()
-        self.input_norm = build_norm(cfg.family, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.attention = SelfAttention(cfg, tp, recompute_core)
-        self.pre_mlp_norm = build_norm(cfg.family, cfg.hidden_size, cfg.norm_epsilon, device)
+        norm = cfg.features.norm
+        self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
+        self.attention = SelfAttention(cfg, tp)
+        self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.mlp = MLP(cfg, tp)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.tp = tp
+        self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache | None = None) -> torch.Tensor:
         with self.tp.hidden_rng():
@@ -44,7 +50,8 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp)
-        self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size) if cfg.family == "gpt2" else None
+        learned = cfg.features.position_embedding == "learned"
+        self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size) if learned else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.tp = tp
 
@@ -69,32 +76,42 @@ class GPTModel(nn.Module):
 
     Layers keep their global index as name (`layers.17...`), so every layout has the one-device
     parameter names. With tied embeddings split over pipeline stages, the last stage holds a copy
-    of the word embeddings as `lm_head.weight`, initialised identically and kept equal by
-    all-reducing its gradient with the first stage's (see parallel/grads.py).
+    of the word embeddings as `lm_head.weight` (TIED_COPY), initialised identically and kept equal
+    by all-reducing its gradient with the first stage's (see parallel/grads.py).
+
+    The constructor reads only the architecture (`cfg`) and the init `seed`; how the model is
+    trained (activation recompute: model/recompute.py) is applied to it afterwards.
     """
 
-    def __init__(self, cfg: Config, device: torch.device, tp: TPContext | None = None, stage: StageLayout | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPContext | None = None,
+                 stage: StageLayout | None = None, *, seed: int) -> None:
         super().__init__()
-        m = cfg.model
-        self.cfg, self.vocab_size, self.tp = m, m.vocab_size, tp or TPContext()
-        self.stage = stage or StageLayout.single(m.num_layers)
-        self.recompute_full = cfg.train.recompute == "full"
-        selective = cfg.train.recompute == "selective"
+        self.cfg, self.vocab_size, self.tp = cfg, cfg.vocab_size, tp or TPContext()
+        self.stage = stage or StageLayout.single(cfg.num_layers)
         with torch.device("meta"):
-            self.embedding = Embedding(m, self.tp) if self.stage.has_embedding else None
-            self.layers = nn.ModuleDict({str(i): TransformerLayer(m, device, self.tp, selective) for a, b in self.stage.chunks for i in range(a, b)})
-            self.final_norm = build_norm(m.family, m.hidden_size, m.norm_epsilon, device) if self.stage.has_head else None
-            own_weight = not (m.tied and self.stage.has_embedding)
-            self.lm_head = LMHead(m.hidden_size, m.padded_vocab_size, m.vocab_size, self.tp, own_weight) if self.stage.has_head else None
+            self._build_modules(cfg, device)
         self.to_empty(device=device)
         if device.type != "meta":  # a meta build is for shapes and counts (planner, tests): nothing to draw
-            init_parameters(self, cfg.train.seed, m, parameter_shards(self), self.tp.rank, self.tp.size, self.aliases())
+            init_parameters(self, seed, cfg, parameter_shards(self), self.tp.rank, self.tp.size, self.tied_copies())
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def aliases(self) -> dict[str, str]:
-        """Parameters that are copies of another parameter of the one-device model."""
-        tied_copy = self.cfg.tied and self.stage.has_head and not self.stage.has_embedding
-        return {"lm_head.weight": "embedding.word_embeddings.weight"} if tied_copy else {}
+    def _build_modules(self, cfg: ModelConfig, device: torch.device) -> None:
+        """The embedding, layers, final norm and LM head this stage holds (the first/last chunk's parts only there)."""
+        stage, tp = self.stage, self.tp
+        self.embedding = Embedding(cfg, tp) if stage.has_embedding else None
+        indices = [i for a, b in stage.chunks for i in range(a, b)]
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, device, tp) for i in indices})
+        self.final_norm = self.lm_head = None
+        if stage.has_head:
+            self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)
+            own_weight = not (cfg.tied and stage.has_embedding)
+            self.lm_head = LMHead(cfg.hidden_size, cfg.padded_vocab_size, cfg.vocab_size, tp, own_weight)
+
+    def tied_copies(self) -> dict[str, str]:
+        """{copy name: original name} of the tied copy this stage holds: the LM head of a last stage
+        without the embedding, when embeddings are tied; empty otherwise."""
+        holds_copy = self.cfg.tied and self.stage.has_head and not self.stage.has_embedding
+        return dict([TIED_COPY]) if holds_copy else {}
 
     def chunk_parameters(self) -> list[list[nn.Parameter]]:
         """Parameters grouped by the model chunk whose backward produces their gradients."""
@@ -106,7 +123,7 @@ class GPTModel(nn.Module):
         return groups
 
     def _rope(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.cfg.family != "llama":
+        if self.cfg.features.position_embedding != "rope":
             return None
         if tokens.device not in self._rope_cache:
             self._rope_cache[tokens.device] = rope_tables(self.cfg.positions, self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
@@ -129,7 +146,7 @@ class GPTModel(nn.Module):
         rope = self._rope(tokens, position_ids)
         for index in range(*self.stage.chunks[chunk]):
             layer = self.layers[str(index)]
-            if self.recompute_full and self.training:
+            if layer.recompute and self.training:
                 x = checkpoint_with_rng(layer, x, rope, tracker=self.tp.rng)
             else:
                 x = layer(x, rope, None if cache is None else cache[index])

@@ -37,11 +37,11 @@ def initial_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> 
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, shards: dict[str, ShardSpec], rank: int, size: int,
-                    aliases: dict[str, str]) -> None:
+                    tied_copies: dict[str, str]) -> None:
     """Fill every parameter with its slice (this tensor-parallel rank's) of the full initial value;
-    a parameter in `aliases` takes the value of the one-device parameter it copies."""
+    a tied copy ({copy name: original name}) takes the value of the one-device parameter it copies."""
     for local_name, param in model.named_parameters():
-        spec, name = shards.get(local_name), aliases.get(local_name, local_name)
+        spec, name = shards.get(local_name), tied_copies.get(local_name, local_name)
         if spec is None:
             param.copy_(initial_value(name, param.shape, seed, cfg))
             continue

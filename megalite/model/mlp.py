@@ -17,8 +17,7 @@ from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, TP
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
-        self.swiglu = cfg.family == "llama"
-        bias = cfg.family == "gpt2"
+        self.swiglu, bias = cfg.features.gated_mlp, cfg.features.bias
         blocks = 2 if self.swiglu else 1
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, blocks * cfg.ffn_size, tp, bias, blocks=blocks)
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp, bias)

@@ -27,8 +27,9 @@ def _apex_norm(name: str):
         return None
 
 
-def build_norm(family: str, hidden_size: int, eps: float, device: torch.device) -> nn.Module:
-    if family == "gpt2":
+def build_norm(kind: str, hidden_size: int, eps: float, device: torch.device) -> nn.Module:
+    """A `kind` ("layernorm" or "rmsnorm", model.norm) norm over the last dimension."""
+    if kind == "layernorm":
         fused = _apex_norm("FusedLayerNorm") if device.type == "cuda" else None
         return fused(hidden_size, eps=eps) if fused else nn.LayerNorm(hidden_size, eps=eps)
     fused = _apex_norm("FusedRMSNorm") if device.type == "cuda" else None

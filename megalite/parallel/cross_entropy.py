@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int,
+                group: dist.ProcessGroup) -> torch.Tensor:
         """logits [n, vocab_per_rank] (any float dtype), labels [n] global ids -> fp32 losses [n]."""
         logits32 = logits.float()
         padded = torch.arange(vocab_start, vocab_start + logits.shape[1], device=logits.device) >= vocab_size
@@ -44,5 +45,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int, group: dist.ProcessGroup) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int,
+                                 group: dist.ProcessGroup) -> torch.Tensor:
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, vocab_size, group)

@@ -13,22 +13,20 @@ by the token count of the whole global batch (training/step.py), so the sum is t
 mean for any (dp, micro batch) split. With the distributed optimizer, buckets are padded
 to a multiple of dp and reduce-scattered: each rank gets the reduced values of its own
 slice only, which is all its optimizer shard needs. Parameters then also live in a flat
-buffer of the same layout, so the updated shards can be all-gathered bucket by bucket, in
-forward order; with `overlap` those gathers run in the background and the next forward waits
-for a bucket only where it first uses one of its parameters (`wait_for`).
+buffer of the same layout (`param_data`), so the distributed optimizer can all-gather its
+updated shards bucket by bucket (distributed_optimizer.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.parallel.mappings import all_gather_single, reduce_scatter_single
+from megalite.parallel.mappings import reduce_scatter_single
 
 
 @dataclass
@@ -39,7 +37,6 @@ class Bucket:
     pending: set[int] = field(default_factory=set)
     work: dist.Work | None = None
     scattered: torch.Tensor | None = None
-    gather: dist.Work | None = None
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """This data-parallel rank's slice of the bucket, in buffer coordinates."""
@@ -49,7 +46,7 @@ class Bucket:
 
 class GradBuffer:
     """`held` parameters' buckets are not reduced during backward but only in `finish`, after their
-    gradients were combined with another stage's (tied embeddings, see grads.py)."""
+    gradients were combined with another stage's (tied embeddings, see ddp.py)."""
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, dp_group: dist.ProcessGroup, dp: int, dp_rank: int,
                  distributed: bool, overlap: bool, held: frozenset[int] = frozenset(), grad_dtype: torch.dtype = torch.float32) -> None:
@@ -133,32 +130,6 @@ class GradBuffer:
         self.syncing = False
         for bucket in self.buckets:
             bucket.pending = {id(p) for p in bucket.params}
-
-    def gather_params(self, background: bool) -> None:
-        """All-gather each bucket's updated parameter shards (distributed optimizer), first-used bucket
-        first; `background` leaves them in flight for `wait_for` / `wait_gathers`."""
-        if self.dp == 1:
-            return
-        for bucket in reversed(self.buckets):
-            a, b = bucket.shard(self.dp_rank, self.dp)
-            shard = self.param_data[a:b].clone()
-            bucket.gather = all_gather_single(self.param_data[bucket.start:bucket.end], shard, self.dp_group, async_op=True)
-        if not background:
-            self.wait_gathers()
-
-    def wait_for(self, params: list[nn.Parameter]) -> None:
-        """Block until the gathers that update `params` are done (no-op when none is in flight)."""
-        self._wait_gathers(self.bucket_of[id(p)] for p in params if id(p) in self.bucket_of)
-
-    def wait_gathers(self) -> None:
-        self._wait_gathers(self.buckets)
-
-    @staticmethod
-    def _wait_gathers(buckets: Iterable[Bucket]) -> None:
-        for bucket in buckets:
-            if bucket.gather is not None:
-                bucket.gather.wait()
-                bucket.gather = None
 
     def owned_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
         """(param, first, last) element ranges, within each parameter, that this rank's optimizer shard owns."""

@@ -52,9 +52,10 @@ class TPContext:
     rng: RNGTracker | None = None
 
     @classmethod
-    def from_topology(cls, topology: Topology, sequence_parallel: bool, seed: int) -> "TPContext":
+    def from_topology(cls, topology: Topology, sequence_parallel_active: bool, seed: int) -> "TPContext":
+        """`sequence_parallel_active`: ParallelConfig.sequence_parallel_active (asked for, and tp > 1)."""
         tracker = model_parallel_tracker(seed, topology.tp_rank, topology.device)
-        return cls(topology.tp_group, topology.tp_rank, topology.tp, sequence_parallel and topology.tp > 1, tracker)
+        return cls(topology.tp_group, topology.tp_rank, topology.tp, sequence_parallel_active, tracker)
 
     def region_rng(self) -> contextlib.AbstractContextManager:
         """RNG for dropout on activations that differ across TP ranks (their own heads or sequence slice)."""

@@ -25,7 +25,8 @@ def all_gather_single(output: torch.Tensor, x: torch.Tensor, group: Group, async
     return gather(output, x, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False) -> dist.Work | None:
+def reduce_scatter_single(output: torch.Tensor, x: torch.Tensor, group: Group,
+                          async_op: bool = False) -> dist.Work | None:
     """Sum-reduce-scatter of one tensor: torch 2.13's reduce_scatter_single, reduce_scatter_tensor before it."""
     scatter = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor
     return scatter(output, x, group=group, async_op=async_op)

@@ -12,49 +12,63 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megalite.config import chunk_layer_counts
+
 if TYPE_CHECKING:
     from megalite.config import Config
 
 
-def chunk_layer_counts(num_layers: int, chunks: int, first: int | None = None, last: int | None = None) -> list[int]:
-    """Layers per global chunk; raises ValueError (with the fix) when they cannot be split evenly."""
-    fixed = {0: first, chunks - 1: last} if chunks > 1 else {}
-    fixed = {i: n for i, n in fixed.items() if n is not None}
-    middle = chunks - len(fixed)
-    rest = num_layers - sum(fixed.values())
-    if any(n < 1 for n in fixed.values()) or rest < middle or (middle and rest % middle) or (not middle and rest):
-        raise ValueError(
-            f"cannot split {num_layers} layers into {chunks} pipeline chunks (pp * vp) with first_stage_layers={first}, "
-            f"last_stage_layers={last}: every chunk needs >= 1 layer and the remaining chunks an equal share"
-        )
-    share = rest // middle if middle else 0
-    return [fixed.get(i, share) for i in range(chunks)]
-
-
 @dataclass(frozen=True)
-class StageLayout:
-    """The model chunks of one pipeline rank: global layer ranges in schedule order."""
+class PipelineStage:
+    """Where a rank sits in the pipeline: its pipeline rank out of pp, holding vp model chunks.
 
-    chunks: tuple[tuple[int, int], ...]
-    has_embedding: bool
-    has_head: bool
+    The one answer to "does this chunk start or end the model", which the model (embedding, head),
+    the schedule's message routing and the loss all ask; chunk is the rank's local index 0..vp-1.
+    """
 
-    @classmethod
-    def for_rank(cls, num_layers: int, pp: int, vp: int, rank: int, first: int | None = None, last: int | None = None) -> "StageLayout":
-        counts = chunk_layer_counts(num_layers, pp * vp, first, last)
-        starts = [sum(counts[:g]) for g in range(pp * vp)]
-        mine = [rank + k * pp for k in range(vp)]
-        return cls(tuple((starts[g], starts[g] + counts[g]) for g in mine), rank == 0, rank == pp - 1)
+    pp: int
+    vp: int
+    rank: int
 
-    @classmethod
-    def single(cls, num_layers: int) -> "StageLayout":
-        return cls(((0, num_layers),), True, True)
+    @property
+    def has_embedding(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.rank == self.pp - 1
 
     def is_first_chunk(self, chunk: int) -> bool:
+        """The model's first chunk: it embeds the tokens and receives no activation."""
         return self.has_embedding and chunk == 0
 
     def is_last_chunk(self, chunk: int) -> bool:
-        return self.has_head and chunk == len(self.chunks) - 1
+        """The model's last chunk: it computes the loss and receives no gradient."""
+        return self.has_head and chunk == self.vp - 1
+
+
+@dataclass(frozen=True)
+class StageLayout(PipelineStage):
+    """A pipeline stage with the layers of its model chunks: global layer ranges in schedule order."""
+
+    chunks: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.chunks) != self.vp:
+            raise ValueError(f"pipeline rank {self.rank} has {len(self.chunks)} layer ranges for vp={self.vp} chunks")
+
+    @classmethod
+    def for_rank(cls, num_layers: int, pp: int, vp: int, rank: int, first: int | None = None,
+                 last: int | None = None) -> "StageLayout":
+        counts = chunk_layer_counts(num_layers, pp * vp, first, last)
+        starts = [sum(counts[:g]) for g in range(pp * vp)]
+        mine = [rank + k * pp for k in range(vp)]
+        return cls(pp, vp, rank, tuple((starts[g], starts[g] + counts[g]) for g in mine))
+
+    @classmethod
+    def single(cls, num_layers: int) -> "StageLayout":
+        """The whole model on one rank (no pipeline parallelism)."""
+        return cls(1, 1, 0, ((0, num_layers),))
 
 
 def stage_layout(cfg: "Config", pp_rank: int) -> StageLayout:

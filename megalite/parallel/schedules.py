@@ -1,9 +1,11 @@
 """Pipeline schedules as data, a communication plan NCCL cannot deadlock on, and one executor.
 
 A schedule is the list of operations each pipeline rank performs, in order: forward or
-backward of (model chunk, micro batch). `schedule_ops` writes Megatron-LM's orders: no
-pipelining (gradient accumulation), GPipe, 1F1B, and interleaved 1F1B with virtual chunks
-(its warm-up count and micro batch ordering).
+backward of (model chunk, micro batch). Schedules are functions registered by name with
+`@schedule(name)`, so a new one is a new function, not another branch; `schedule_ops` looks
+them up. They write Megatron-LM's orders: forward-only (evaluation), GPipe, 1F1B (no
+pipelining at pp = 1: gradient accumulation), and interleaved 1F1B with virtual chunks (its
+warm-up count and micro batch ordering).
 
 `communication_plan` decides when each message travels. It plays all ranks' lists in lock
 step (a rank runs its next operation once its input was produced at an earlier step) and,
@@ -24,70 +26,112 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from enum import Enum
+from typing import Callable, NamedTuple
 
 import torch
 
 from megalite.parallel.p2p import Exchange, Message, PipelineComm
+from megalite.parallel.pipeline_layout import PipelineStage
 
-Op = tuple[str, int, int]  # ("F" | "B", chunk, micro batch)
+
+class OpKind(str, Enum):
+    """What an operation computes. F: a chunk's forward; B: its backward (input and weight gradients
+    together). Zero-bubble schedules split B into B (input gradient, which the previous rank waits
+    for) and W (weight gradient, deferred into bubbles; it consumes and sends no message): W joins
+    here, with its branch in run_schedule, when the first such schedule lands."""
+
+    F = "F"
+    B = "B"
+
+    def __str__(self) -> str:  # "F", not "OpKind.F", in traces and messages
+        return self.value
+
+
+class Op(NamedTuple):
+    """One operation of a rank's schedule; equal to the plain tuple ("F", chunk, microbatch)."""
+
+    kind: OpKind
+    chunk: int
+    microbatch: int
+
+
+F, B = OpKind.F, OpKind.B
 ForwardStep = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
+Schedule = Callable[[int, int, int, int], list[Op]]  # (pp, vp, rank, microbatches) -> the rank's ops in order
+SCHEDULES: dict[str, Schedule] = {}
+
+
+def schedule(name: str) -> Callable[[Schedule], Schedule]:
+    """Register a schedule under `name`, the value of parallel.pipeline_schedule that selects it."""
+
+    def register(build: Schedule) -> Schedule:
+        SCHEDULES[name] = build
+        return build
+
+    return register
 
 
 def schedule_ops(name: str, pp: int, vp: int, rank: int, microbatches: int) -> list[Op]:
-    """The operations of pipeline rank `rank`, in execution order ("1f1b" is interleaved when vp > 1;
-    "forward" is forward-only, for evaluation)."""
-    m = microbatches
-    if name == "forward":
-        return [("F", chunk, i) for i in range(m) for chunk in range(vp)]
-    if name == "gpipe":
-        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
-    if pp == 1:
-        return [op for i in range(m) for op in (("F", 0, i), ("B", 0, i))]
-    if vp == 1:
+    """The operations of pipeline rank `rank` under the schedule registered as `name`, in execution order."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; the registered schedules are {sorted(SCHEDULES)}")
+    return SCHEDULES[name](pp, vp, rank, microbatches)
+
+
+@schedule("forward")
+def forward_only(pp: int, vp: int, rank: int, m: int) -> list[Op]:
+    """Forwards only, for evaluation: each micro batch through this rank's chunks in turn."""
+    return [Op(F, chunk, i) for i in range(m) for chunk in range(vp)]
+
+
+@schedule("gpipe")
+def gpipe(pp: int, vp: int, rank: int, m: int) -> list[Op]:
+    """Every forward, then every backward: simple, but all m micro batches' activations are held."""
+    return [Op(F, 0, i) for i in range(m)] + [Op(B, 0, i) for i in range(m)]
+
+
+@schedule("1f1b")
+def one_f_one_b(pp: int, vp: int, rank: int, m: int) -> list[Op]:
+    """1F1B: after a warm-up of forwards, alternate one forward and one backward, so a rank holds at
+    most pp - rank micro batches' activations; interleaved over the rank's chunks when vp > 1."""
+    if pp == 1 or vp == 1:  # pp = 1: the whole model is one chunk
         warmup = min(pp - rank - 1, m)
-        steady = [op for i in range(m - warmup) for op in (("F", 0, warmup + i), ("B", 0, i))]
-        return [("F", 0, i) for i in range(warmup)] + steady + [("B", 0, i) for i in range(m - warmup, m)]
+        steady = [op for i in range(m - warmup) for op in (Op(F, 0, warmup + i), Op(B, 0, i))]
+        return [Op(F, 0, i) for i in range(warmup)] + steady + [Op(B, 0, i) for i in range(m - warmup, m)]
+    return _interleaved(pp, vp, rank, m)
+
+
+def _interleaved(pp: int, vp: int, rank: int, m: int) -> list[Op]:
+    """Megatron-LM's interleaved 1F1B: micro batches go through the chunks in groups of pp, with its
+    warm-up count (every forward first when m == pp)."""
     total = m * vp
     warmup = total if m == pp else min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
 
-    def virtual(k: int, forward: bool) -> Op:
+    def virtual(k: int, kind: OpKind) -> Op:
         chunk = (k % (pp * vp)) // pp
-        return ("F" if forward else "B", chunk if forward else vp - 1 - chunk, (k // (pp * vp)) * pp + k % pp)
+        return Op(kind, chunk if kind == F else vp - 1 - chunk, (k // (pp * vp)) * pp + k % pp)
 
-    steady = [op for i in range(total - warmup) for op in (virtual(warmup + i, True), virtual(i, False))]
-    return [virtual(k, True) for k in range(warmup)] + steady + [virtual(k, False) for k in range(total - warmup, total)]
+    steady = [op for i in range(total - warmup) for op in (virtual(warmup + i, F), virtual(i, B))]
+    return [virtual(k, F) for k in range(warmup)] + steady + [virtual(k, B) for k in range(total - warmup, total)]
 
 
-@dataclass
-class StageInfo:
-    """Where a rank sits in the pipeline, for message routing."""
+def needs(stage: PipelineStage, op: Op) -> Message | None:
+    """The message `op` consumes: an activation from the previous rank, a gradient from the next."""
+    kind, chunk, mb = op
+    if kind == F:
+        return None if stage.is_first_chunk(chunk) else Message(F, chunk, mb, (stage.rank - 1) % stage.pp, stage.rank)
+    return None if stage.is_last_chunk(chunk) else Message(B, chunk, mb, (stage.rank + 1) % stage.pp, stage.rank)
 
-    pp: int
-    vp: int
-    rank: int
 
-    def is_first(self, chunk: int) -> bool:
-        return self.rank == 0 and chunk == 0
-
-    def is_last(self, chunk: int) -> bool:
-        return self.rank == self.pp - 1 and chunk == self.vp - 1
-
-    def needs(self, op: Op) -> Message | None:
-        """The message `op` consumes: an activation from the previous rank, a gradient from the next."""
-        kind, chunk, mb = op
-        if kind == "F":
-            return None if self.is_first(chunk) else Message("F", chunk, mb, (self.rank - 1) % self.pp, self.rank)
-        return None if self.is_last(chunk) else Message("B", chunk, mb, (self.rank + 1) % self.pp, self.rank)
-
-    def sends(self, op: Op) -> Message | None:
-        """The message `op` produces, named by the chunk that consumes it on the receiving rank."""
-        kind, chunk, mb = op
-        if kind == "F":
-            dst = (self.rank + 1) % self.pp
-            return None if self.is_last(chunk) else Message("F", chunk + (dst == 0), mb, self.rank, dst)
-        dst = (self.rank - 1) % self.pp
-        return None if self.is_first(chunk) else Message("B", chunk - (self.rank == 0), mb, self.rank, dst)
+def sends(stage: PipelineStage, op: Op) -> Message | None:
+    """The message `op` produces, named by the chunk that consumes it on the receiving rank."""
+    kind, chunk, mb = op
+    if kind == F:
+        dst = (stage.rank + 1) % stage.pp
+        return None if stage.is_last_chunk(chunk) else Message(F, chunk + (dst == 0), mb, stage.rank, dst)
+    dst = (stage.rank - 1) % stage.pp
+    return None if stage.is_first_chunk(chunk) else Message(B, chunk - (stage.rank == 0), mb, stage.rank, dst)
 
 
 Plan = list[list[list[Message]]]  # per operation index (and one past the last): the rounds to post before it
@@ -96,7 +140,7 @@ Plan = list[list[list[Message]]]  # per operation index (and one past the last):
 @functools.lru_cache(maxsize=64)
 def communication_plan(name: str, pp: int, vp: int, microbatches: int) -> dict[int, Plan]:
     """For every pipeline rank, the exchanges (rounds of messages) to post before each of its operations."""
-    stages = [StageInfo(pp, vp, r) for r in range(pp)]
+    stages = [PipelineStage(pp, vp, r) for r in range(pp)]
     ops = [schedule_ops(name, pp, vp, r, microbatches) for r in range(pp)]
     position, arrived = [0] * pp, [set() for _ in range(pp)]
     plans: dict[int, Plan] = {r: [[] for _ in range(len(ops[r]) + 1)] for r in range(pp)}
@@ -104,8 +148,8 @@ def communication_plan(name: str, pp: int, vp: int, microbatches: int) -> dict[i
         produced, ran = [], False
         for r, stage in enumerate(stages):
             op = ops[r][position[r]] if position[r] < len(ops[r]) else None
-            if op is not None and (stage.needs(op) is None or stage.needs(op) in arrived[r]):
-                message, ran = stage.sends(op), True
+            if op is not None and (needs(stage, op) is None or needs(stage, op) in arrived[r]):
+                message, ran = sends(stage, op), True
                 produced += [message] if message else []
                 position[r] += 1
         if not ran:
@@ -154,7 +198,7 @@ class _Mailbox:
         for exchange in self.sending:
             _released(exchange, wait=True)
         if self.arriving or self.outbox:
-            raise RuntimeError(f"pipeline messages left over: {sorted(self.arriving) + sorted(self.outbox)}")
+            raise RuntimeError(f"pipeline messages left over: {[*self.arriving, *self.outbox]}")
 
 
 def _released(exchange: Exchange, wait: bool) -> bool:
@@ -164,12 +208,12 @@ def _released(exchange: Exchange, wait: bool) -> bool:
         return False
     exchange.wait()
     for message, tensor in exchange.sent.items():
-        if message.kind == "F":
+        if message.kind == F:
             tensor.untyped_storage().resize_(0)
     return True
 
 
-def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: StageInfo, comm: PipelineComm | None,
+def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: PipelineStage, comm: PipelineComm | None,
                  trace: Trace | None = None, before_last_backward: Callable[[int], None] | None = None) -> None:
     """Run this rank's schedule; forward_step(chunk, microbatch, input) returns the chunk's output,
     or on the last chunk the (scaled) loss to differentiate. before_last_backward(chunk) runs before
@@ -177,7 +221,7 @@ def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: St
     ops = schedule_ops(name, me.pp, me.vp, me.rank, microbatches)
     plan = communication_plan(name, me.pp, me.vp, microbatches)[me.rank] if comm is not None else None
     mailbox = _Mailbox(comm, plan) if plan is not None else None
-    last_backward = {op[1]: index for index, op in enumerate(ops) if op[0] == "B"}
+    last_backward = {op.chunk: index for index, op in enumerate(ops) if op.kind == B}
     stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     for index, op in enumerate(ops):
         kind, chunk, mb = op
@@ -186,9 +230,9 @@ def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: St
         if before_last_backward is not None and last_backward.get(chunk) == index:
             before_last_backward(chunk)
         start = time.perf_counter()
-        need = me.needs(op)
+        need = needs(me, op)
         received = mailbox.take(need) if need is not None else None
-        if kind == "F":
+        if kind == F:
             hidden = None if received is None else received.requires_grad_()
             result = forward_step(chunk, mb, hidden)
             if torch.is_grad_enabled():
@@ -197,7 +241,7 @@ def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: St
             hidden, out = stored.pop((chunk, mb))
             torch.autograd.backward(out, received)
             result = None if hidden is None else hidden.grad
-        message = me.sends(op)
+        message = sends(me, op)
         if message is not None:
             mailbox.outbox[message] = result
         if trace is not None:

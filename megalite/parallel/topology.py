@@ -7,6 +7,7 @@ only module that touches CUDA device selection; everything else asks `topology.d
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -63,20 +64,78 @@ def _attempt_store(timeout: timedelta) -> dict:
     return {"store": dist.PrefixStore(f"megalite/attempt_{attempt}", agent), "rank": rank, "world_size": world_size}
 
 
-def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
-    """Global ranks as a [pp, dp, tp] grid: tp varies fastest (stays inside a node), then dp, then pp."""
-    return torch.arange(world_size).view(pp, world_size // (tp * pp), tp)
+AXES = ("tp", "cp", "ep", "dp", "pp")  # Megatron-LM's order, fastest-varying first
 
 
-def _groups_along(grid: torch.Tensor, rank: int, keep: tuple[int, ...], name: str,
-                  timeout: timedelta | None = None) -> dist.ProcessGroup:
-    """Create every group that varies only along grid dims `keep` (all ranks must call this in the same
-    order) and return the one holding `rank`. `timeout`: torch gives new groups its 30-minute default,
-    not the world group's, so the collective timeout must be passed to each. `name` becomes the
-    group's description, which NCCL's error messages and megalite's timeout message show."""
-    moved = grid.permute(*[d for d in range(3) if d not in keep], *keep)
+@dataclass(frozen=True)
+class RankGrid:
+    """Global ranks laid out along named axes, tp varying fastest (it stays inside a node, where its
+    many small collectives are cheap), then cp, ep, dp, and pp slowest (Megatron-LM's order).
+
+    Adding a parallelism means giving its axis a size, not rewriting the arithmetic: with cp = ep = 1
+    the layout is exactly (pp, dp, tp), the one every checkpoint so far was written with."""
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "RankGrid":
+        """The grid of `world_size` ranks; data parallelism takes whatever the other axes leave."""
+        model = tp * cp * ep * pp
+        if world_size % model:
+            raise ValueError(f"world size {world_size} is not a multiple of tp * cp * ep * pp = {model}")
+        return cls(tp=tp, cp=cp, ep=ep, dp=world_size // model, pp=pp)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.size(axis) for axis in AXES)
+
+    def size(self, axis: str) -> int:
+        if axis not in AXES:
+            raise ValueError(f"unknown rank-grid axis {axis!r}; the axes are {AXES}")
+        return getattr(self, axis)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """`rank`'s coordinate along every axis."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the grid of {self.world_size} ranks")
+        coords = {}
+        for axis in AXES:
+            rank, coords[axis] = divmod(rank, self.size(axis))
+        return coords
+
+    def rank(self, coords: dict[str, int]) -> int:
+        """The global rank at `coords` (axes left out are at 0)."""
+        rank, stride = 0, 1
+        for axis in AXES:
+            rank += coords.get(axis, 0) * stride
+            stride *= self.size(axis)
+        return rank
+
+    def groups(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks that differ only along `axes`, each in ascending rank order, the groups
+        in ascending order of their first rank: the same list on every rank, as new_group needs."""
+        unknown = set(axes) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown rank-grid axes {sorted(unknown)}; the axes are {AXES}")
+        slowest_first = tuple(reversed(AXES))
+        fixed = [axis for axis in slowest_first if axis not in axes]
+        free = [axis for axis in slowest_first if axis in axes]
+        return [[self.rank({**dict(zip(fixed, at)), **dict(zip(free, along))})
+                 for along in itertools.product(*(range(self.size(axis)) for axis in free))]
+                for at in itertools.product(*(range(self.size(axis)) for axis in fixed))]
+
+
+def _my_group(groups: list[list[int]], rank: int, name: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
+    """Create every group of `groups` (all ranks must call this with the same list, in the same order) and
+    return the one holding `rank`. `timeout`: torch gives new groups its 30-minute default, not the world
+    group's, so the collective timeout must be passed to each. `name` becomes the group's description,
+    which NCCL's error messages and megalite's timeout message show."""
     mine = None
-    for ranks in moved.reshape(-1, math.prod(grid.shape[d] for d in keep)).tolist():
+    for ranks in groups:
         group = dist.new_group(ranks, timeout=timeout, group_desc=name)
         if rank in ranks:
             mine = group
@@ -85,7 +144,7 @@ def _groups_along(grid: torch.Tensor, rank: int, keep: tuple[int, ...], name: st
 
 @dataclass
 class Topology:
-    """This process's place in the (pp, dp, tp) rank grid and the process groups along each axis.
+    """This process's place in the rank grid and the process groups along its axes.
 
     Built once, after the process group exists, and handed to whatever needs a group.
     """
@@ -96,6 +155,7 @@ class Topology:
     tp: int = 1
     pp: int = 1
     timeout_minutes: float | None = None  # collective timeout of the groups (None: torch's default)
+    grid: RankGrid = field(init=False, repr=False)
     tp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
@@ -103,27 +163,22 @@ class Topology:
     embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        grid = rank_grid(self.world_size, self.tp, self.pp)
-        self.pp_rank, self.dp_rank, self.tp_rank = ((grid == self.rank).nonzero()[0]).tolist()
+        self.grid = RankGrid.for_world(self.world_size, tp=self.tp, pp=self.pp)
+        coords = self.grid.coords(self.rank)
+        self.tp_rank, self.dp_rank, self.pp_rank = coords["tp"], coords["dp"], coords["pp"]
         timeout = timedelta(minutes=self.timeout_minutes) if self.timeout_minutes is not None else None
-        self.tp_group = _groups_along(grid, self.rank, (2,), "tensor-parallel", timeout)
-        self.dp_group = _groups_along(grid, self.rank, (1,), "data-parallel", timeout)
-        self.pp_group = _groups_along(grid, self.rank, (0,), "pipeline-parallel", timeout)
-        self.mp_group = _groups_along(grid, self.rank, (0, 2), "model-parallel", timeout)
-        if self.pp > 1:
-            self.embedding_group = _groups_along(grid[[0, -1]], self.rank, (0,), "embedding", timeout)
+        grid, rank = self.grid, self.rank
+        self.tp_group = _my_group(grid.groups(("tp",)), rank, "tensor-parallel", timeout)
+        self.dp_group = _my_group(grid.groups(("dp",)), rank, "data-parallel", timeout)
+        self.pp_group = _my_group(grid.groups(("pp",)), rank, "pipeline-parallel", timeout)
+        self.mp_group = _my_group(grid.groups(("tp", "pp")), rank, "model-parallel", timeout)
+        if self.pp > 1:  # the first and last stage of each pipeline: the tied embedding's two copies
+            ends = [[ranks[0], ranks[-1]] for ranks in grid.groups(("pp",))]
+            self.embedding_group = _my_group(ends, rank, "embedding", timeout)
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
+        return self.grid.dp
 
     def named_groups(self) -> dict[str, dist.ProcessGroup | None]:
         """This rank's groups by the description they were created with."""

@@ -46,7 +46,7 @@ class Widths:
 def _norm(cfg: Config, rows: int, w: Widths) -> int:
     """LayerNorm keeps input, mean, rstd; torch's RMSNorm computes in fp32 and keeps x, x*rstd, rstd."""
     h = cfg.model.hidden_size
-    if cfg.model.family == "gpt2":
+    if cfg.model.features.norm == "layernorm":
         return rows * (h * w.layernorm_input + 2 * w.layernorm_stats)
     return rows * (2 * h * 4 + 4)
 
@@ -54,13 +54,13 @@ def _norm(cfg: Config, rows: int, w: Widths) -> int:
 def _rows(cfg: Config) -> tuple[int, int]:
     """(tokens of a micro batch, rows of the residual stream on one rank: tokens / tp under SP)."""
     tokens = cfg.model.seq_length * cfg.train.micro_batch_size
-    sp = cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
-    return tokens, tokens // cfg.parallel.tp if sp else tokens
+    return tokens, tokens // cfg.parallel.tp if cfg.parallel.sequence_parallel_active else tokens
 
 
 def layer_bytes(cfg: Config, device: str = "cuda") -> int:
     """One transformer layer's saved tensors for one micro batch on one rank."""
     m, tp, w = cfg.model, cfg.parallel.tp, Widths.of(cfg, device)
+    features = m.features
     tokens, rows = _rows(cfg)
     if cfg.train.recompute == "full":
         return rows * m.hidden_size * w.residual  # the layer's input, kept by the checkpoint
@@ -68,12 +68,12 @@ def layer_bytes(cfg: Config, device: str = "cuda") -> int:
     ffn = m.ffn_size // tp
     attention = (
         tokens * h * w.compute  # QKV input (all-gathered along the sequence under SP)
-        + tokens * (heads + 2 * groups) * d * w.compute  # fused QKV output; v (and q, k for gpt2) are views of it
-        + (tokens * (heads + groups) * d * w.compute if m.family == "llama" else 0)  # q and k after RoPE
+        + tokens * (heads + 2 * groups) * d * w.compute  # fused QKV output; v (and q, k without RoPE) are views of it
+        + (tokens * (heads + groups) * d * w.compute if features.position_embedding == "rope" else 0)  # q, k after RoPE
         + tokens * heads * d * w.compute  # attention output = projection input
         + (cfg.train.micro_batch_size * heads * m.seq_length * 4 if cfg.train.recompute == "none" else 0)  # flash logsumexp
     )
-    intermediates = 4 if m.family == "llama" else 2  # gate|up, silu(gate), product / GELU input and output
+    intermediates = 4 if features.gated_mlp else 2  # gate|up, silu(gate), product / GELU input and output
     mlp = tokens * h * w.compute + intermediates * tokens * ffn * w.compute
     dropout = 2 * rows * h if m.hidden_dropout > 0 else 0  # boolean masks after attention and MLP
     weights = layer_parameters(m, tp).sharded * w.weight_copy  # matmul weights (biases are not kept)

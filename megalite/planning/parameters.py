@@ -38,24 +38,28 @@ def _params(tp: int, sharded: list[int], replicated: list[int]) -> Parameters:
 
 def layer_parameters(m: ModelConfig, tp: int = 1) -> Parameters:
     """One transformer layer on one tensor-parallel rank."""
-    h, d, bias = m.hidden_size, m.head_dim, m.family == "gpt2"
+    h, d, bias = m.hidden_size, m.head_dim, m.features.bias
     qkv = (m.num_attention_heads + 2 * m.kv_heads) * d
-    fc1 = (2 if m.family == "llama" else 1) * m.ffn_size
-    norm = 2 * h if bias else h
+    fc1 = (2 if m.features.gated_mlp else 1) * m.ffn_size
+    norm = _norm_parameters(m)
     sharded = [h * qkv, m.num_attention_heads * d * h, h * fc1, m.ffn_size * h] + ([qkv, fc1] if bias else [])
     replicated = [norm, norm] + ([h, h] if bias else [])
     return _params(tp, sharded, replicated)
 
 
+def _norm_parameters(m: ModelConfig) -> int:
+    """LayerNorm has a weight and a bias (whatever model.bias says), RMSNorm a weight."""
+    return 2 * m.hidden_size if m.features.norm == "layernorm" else m.hidden_size
+
+
 def embedding_parameters(m: ModelConfig, tp: int = 1) -> Parameters:
-    positions = [m.positions * m.hidden_size] if m.family == "gpt2" else []
+    positions = [m.positions * m.hidden_size] if m.features.position_embedding == "learned" else []
     return _params(tp, [m.padded_vocab_size * m.hidden_size], positions)
 
 
 def head_parameters(m: ModelConfig, tp: int = 1, with_output_layer: bool = True) -> Parameters:
     """The final norm, and the LM head unless it is the (tied) word embedding on the same rank."""
-    norm = 2 * m.hidden_size if m.family == "gpt2" else m.hidden_size
-    return _params(tp, [m.padded_vocab_size * m.hidden_size] if with_output_layer else [], [norm])
+    return _params(tp, [m.padded_vocab_size * m.hidden_size] if with_output_layer else [], [_norm_parameters(m)])
 
 
 def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:

@@ -8,39 +8,60 @@ import torch
 
 from megalite.config import TORCH_DTYPES, Config
 from megalite.model.gpt import GPTModel
-from megalite.parallel.grads import GradientReducer
+from megalite.checkpoint.sharded_state import ShardedState
+from megalite.model.gpt import TIED_COPY
+from megalite.model.recompute import apply_recompute
+from megalite.parallel.ddp import DataParallelGrads
+from megalite.parallel.distributed_optimizer import DistributedOptimizer
 from megalite.parallel.layers import TPContext
+from megalite.parallel.pipeline import Pipeline
 from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.topology import Topology
-from megalite.training.step import Pipeline
-
-TIED = {"embedding.word_embeddings.weight", "lm_head.weight"}
+from megalite.training.loss_scaler import LossScaler
 
 
 @dataclass
-class RankModel:
+class Trainer:
+    """Everything one rank trains with: its model chunks and tensor-parallel context, the data-parallel
+    gradients, the optimizer, the loss scaler and the pipeline schedule with its channel."""
+
+    cfg: Config
+    topology: Topology
     model: GPTModel
     tp: TPContext
-    reducer: GradientReducer
+    grads: DataParallelGrads
+    optimizer: DistributedOptimizer
+    scaler: LossScaler
     pipeline: Pipeline
+
+    def sharded_state(self) -> ShardedState:
+        """The checkpoint's view of the model and optimizer state this rank holds."""
+        return ShardedState(self.model, self.optimizer, self.tp, self.topology)
 
 
 def build_model(cfg: Config, device: torch.device, tp: TPContext, pp_rank: int) -> GPTModel:
-    """Pipeline rank `pp_rank`'s model chunks, its tensor-parallel shards, in train.param_dtype."""
-    model = GPTModel(cfg, device, tp, stage_layout(cfg, pp_rank))
+    """Pipeline rank `pp_rank`'s model chunks, its tensor-parallel shards, in train.param_dtype,
+    with train.recompute applied."""
+    model = GPTModel(cfg.model, device, tp, stage_layout(cfg, pp_rank), seed=cfg.train.seed)
+    apply_recompute(model, cfg.train.recompute)
     for param in model.parameters():  # initialised in fp32 on every layout, then rounded once
         param.data = param.data.to(TORCH_DTYPES[cfg.train.param_dtype])
     return model
 
 
-def build_rank_model(cfg: Config, topology: Topology) -> RankModel:
+def build_trainer(cfg: Config, topology: Topology) -> Trainer:
+    """The one place that assembles training: pretrain, the tools and the tests all start here."""
     p = cfg.parallel
-    tp = TPContext.from_topology(topology, p.sequence_parallel, cfg.train.seed)
+    tp = TPContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed)
     model = build_model(cfg, topology.device, tp, topology.pp_rank)
     if cfg.train.compile:
         for layer in model.layers.values():
             layer.compile()
     names = {name for name, _ in model.named_parameters()}
-    tied = TIED & names if cfg.model.tied and topology.pp > 1 else set()
-    reducer = GradientReducer(model, model.chunk_parameters(), topology, p, tied, set(model.aliases()))
-    return RankModel(model, tp, reducer, Pipeline.build(cfg, topology))
+    tied = set(TIED_COPY) & names if cfg.model.tied and topology.pp > 1 else set()
+    copies = set(model.tied_copies())
+    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, tied, copies)
+    optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.distributed_optimizer,
+                                     p.overlap_param_gather, copies)
+    scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
+    return Trainer(cfg, topology, model, tp, grads, optimizer, scaler, Pipeline.build(cfg, topology))

@@ -7,37 +7,34 @@ import math
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config
+from megalite.data.batches import Batch
 from megalite.data.build import TrainingData
 from megalite.data.loader import micro_batches
-from megalite.parallel.topology import Topology
-from megalite.model.gpt import GPTModel
 from megalite.parallel.schedules import run_schedule
-from megalite.training.step import Pipeline, precision_context
+from megalite.training.build import Trainer
+from megalite.training.step import microbatch_forward
 
 
 @torch.no_grad()
-def evaluate(model: GPTModel, data: TrainingData, cfg: Config, topology: Topology, pipeline: Pipeline) -> tuple[float, float]:
+def evaluate(trainer: Trainer, data: TrainingData) -> tuple[float, float]:
     """(mean per-token loss, perplexity) over the first train.eval_iters global batches of the validation
     set; the value is known on the last pipeline stage (NaN elsewhere)."""
+    cfg, topology, model = trainer.cfg, trainer.topology, trainer.model
     model.eval()
     per_step = cfg.num_microbatches(topology.world_size)
     end = cfg.train.eval_iters * cfg.batch_size(topology.world_size)
     stream = micro_batches(data.valid, data.maker, 0, end, cfg.train.micro_batch_size, topology.dp, topology.dp_rank,
                            cfg.data.num_workers, topology.device)
     totals = torch.zeros(2, device=topology.device, dtype=torch.float64)
+
+    def add_losses(out: torch.Tensor, batch: Batch) -> torch.Tensor:
+        totals.add_(torch.stack(((out * batch.loss_mask).sum(), batch.loss_mask.sum())).double())
+        return out
+
     for _ in range(cfg.train.eval_iters):
         batches = [next(stream).to(topology.device) for _ in range(per_step)]
-
-        def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
-            batch = batches[microbatch]
-            with precision_context(cfg.train.precision, topology.device):
-                out = model(batch.tokens, batch.labels, batch.position_ids, hidden=hidden, chunk=chunk)
-            if model.stage.is_last_chunk(chunk):
-                totals.add_(torch.stack(((out * batch.loss_mask).sum(), batch.loss_mask.sum())).double())
-            return out
-
-        run_schedule("forward", per_step, forward_step, pipeline.stage, pipeline.comm)
+        pipeline = trainer.pipeline
+        run_schedule("forward", per_step, microbatch_forward(trainer, batches, add_losses), pipeline.stage, pipeline.comm)
     dist.all_reduce(totals, group=topology.dp_group)
     model.train()
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")

@@ -49,7 +49,7 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     h, d = cfg.hidden_size, cfg.head_dim
     qkv = h * (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
     proj = cfg.num_attention_heads * d * h
-    mlp = h * cfg.ffn_size * (3 if cfg.family == "llama" else 2)
+    mlp = h * cfg.ffn_size * (3 if cfg.features.gated_mlp else 2)
     return cfg.num_layers * (qkv + proj + mlp) + h * cfg.vocab_size
 
 

@@ -27,7 +27,8 @@ class LossScaler:
     def for_precision(cls, precision: str, cfg: OptimConfig) -> "LossScaler":
         if precision != "fp16":
             return cls()
-        return cls(cfg.initial_loss_scale, True, cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis, cfg.hysteresis)
+        return cls(cfg.initial_loss_scale, True, cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis,
+                   cfg.hysteresis)
 
     def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         """Divide grads by the scale in place; True when any is inf/nan (the step must be skipped)."""

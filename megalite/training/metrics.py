@@ -42,7 +42,9 @@ class MetricsWriter:
         self.file_lock = threading.Lock()  # the W&B supervisor notes a fallback from its own thread
         if self.file:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-        self.bar = tqdm(total=cfg.train.train_iters, initial=start_step, unit="step", dynamic_ncols=True, disable=None) if enabled and cfg.logging.progress_bar else None
+        self.bar = (tqdm(total=cfg.train.train_iters, initial=start_step, unit="step", dynamic_ncols=True,
+                         disable=None)
+                    if enabled and cfg.logging.progress_bar else None)
         self.wandb = self._start_wandb(cfg, wandb_run_id) if enabled and wandb_enabled(cfg) and wandb_run_id else None
         self.wandb_dir: str | None = None
 
@@ -50,8 +52,8 @@ class MetricsWriter:
         log = cfg.logging
         directory = Path(log.wandb_dir or cfg.checkpoint.save or ".")
         directory.mkdir(parents=True, exist_ok=True)
-        settings = {"project": log.wandb_project, "entity": log.wandb_entity, "name": log.wandb_name, "config": cfg.to_dict(),
-                    "dir": str(directory), "id": run_id, "resume": "allow"}
+        settings = {"project": log.wandb_project, "entity": log.wandb_entity, "name": log.wandb_name,
+                    "config": cfg.to_dict(), "dir": str(directory), "id": run_id, "resume": "allow"}
         return WandbLogger(settings, log.wandb_mode, log.wandb_timeout, self.print, self.note)
 
     def print(self, line: str) -> None:
@@ -70,7 +72,8 @@ class MetricsWriter:
         """Write `record` (must hold `step`) to every sink; `console_keys` maps record keys to console labels."""
         if not self.enabled:
             return
-        parts = [f"step {record['step']}"] + [f"{label} {_format(record.get(key))}" for key, label in console_keys.items()]
+        parts = [f"step {record['step']}"] + [f"{label} {_format(record.get(key))}"
+                                              for key, label in console_keys.items()]
         self.print(" | ".join(parts))
         self.note(record)
         if self.wandb:

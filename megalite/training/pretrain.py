@@ -17,20 +17,17 @@ import torch.distributed as dist
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
 from megalite.checkpoint.resume import resume
-from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config import Config, validate
 from megalite.config_cli import dump_yaml
 from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import micro_batches
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, synchronize
-from megalite.training.build import build_rank_model
+from megalite.training.build import build_trainer
 from megalite.training.evaluate import evaluate
 from megalite.training.flops import peak_tflops, training_flops_per_token
-from megalite.training.loss_scaler import LossScaler
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
-from megalite.training.optimizer import build_optimizer, set_learning_rate
 from megalite.training.profiling import Profiler
 from megalite.parallel.schedules import Trace
 from megalite.training.step import StepResult, train_step
@@ -61,16 +58,14 @@ class Run:
             cfg.model.vocab_size = tokenizer.vocab_size
         valid_samples = cfg.train.eval_iters * self.gbs if cfg.train.eval_interval else 0
         self.data = build_training_data(cfg, topology.rank, tokenizer, cfg.train.train_iters * self.gbs, valid_samples)
-        parts = build_rank_model(cfg, topology)
-        self.model, self.tp, self.reducer, self.pipeline = parts.model, parts.tp, parts.reducer, parts.pipeline
+        self.trainer = build_trainer(cfg, topology)
+        self.optimizer, self.pipeline = self.trainer.optimizer, self.trainer.pipeline
         if cfg.logging.pipeline_trace:
             self.pipeline.trace = Trace()
-        self.optimizer = build_optimizer(self.reducer.param_groups(cfg.optim.weight_decay), cfg.optim, topology.device)
-        self.scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-        self.sharded = ShardedState(self.model, self.optimizer, self.tp, topology, self.reducer.main)
+        self.sharded = self.trainer.sharded_state()
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(c.save, topology, c.async_save, c.keep_last) if c.save else None
-        self.state = TrainingState(step=0, consumed_samples=0, loss_scaler=self.scaler.state_dict())
+        self.state = TrainingState(step=0, consumed_samples=0, loss_scaler=self.trainer.scaler.state_dict())
         self.started = time.monotonic()
         self.notes: list[str] = []
         self.resumed_from, self.damaged = self._resume()
@@ -96,11 +91,11 @@ class Run:
         resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes)
         if resumed is None:
             return None, []
-        self.reducer.gather_params()  # the distributed optimizer's ranks loaded only their own slices
+        self.optimizer.gather_params()  # the distributed optimizer's ranks loaded only their own slices
         self.state = resumed.state
         if resumed.rng is not None:
-            set_rng_state(resumed.rng, self.topology.device, self.tp.rng)
-        self.scaler.load_state_dict(self.state.loss_scaler)
+            set_rng_state(resumed.rng, self.topology.device, self.trainer.tp.rng)
+        self.trainer.scaler.load_state_dict(self.state.loss_scaler)
         if not resumed.optimizer_loaded:
             why = "checkpoint.load_optimizer=false" if not c.load_optimizer else "the checkpoint holds weights only"
             self.notes.append(f"optimizer state not loaded ({why}): Adam's moments and step start from zero")
@@ -117,13 +112,13 @@ class Run:
         with _stop_flag_on(signal.SIGTERM) as sigterm:
             while self.state.step < cfg.train.train_iters:
                 step = self.state.step + 1
-                set_learning_rate(self.optimizer, learning_rate(step, cfg.optim, cfg.train.train_iters))
+                self.optimizer.set_lr(learning_rate(step, cfg.optim, cfg.train.train_iters))
                 batches = [next(stream) for _ in range(per_step)]
                 self.profiler.step_started(step)
-                result = train_step(self.model, self.optimizer, self.scaler, self.reducer, batches, t, cfg.train.precision, cfg.optim.clip_grad, self.pipeline)
+                result = train_step(self.trainer, batches)
                 self.profiler.step_finished(step)
                 self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
-                self.state.loss_scaler = self.scaler.state_dict()
+                self.state.loss_scaler = self.trainer.scaler.state_dict()
                 self._after_step(step, start, result)
                 reason = self._stop_reason(step, sigterm)
                 wanted = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
@@ -187,7 +182,7 @@ class Run:
 
     def _finish(self, start_step: int) -> RunResult:
         cfg, step = self.cfg, self.state.step
-        self.reducer.wait_params()
+        self.optimizer.wait_params()
         if step >= cfg.train.train_iters and cfg.train.eval_interval and step % cfg.train.eval_interval:
             self._evaluate()
         if self.pipeline.trace is not None and step > start_step:
@@ -224,8 +219,8 @@ class Run:
         tflops = tokens_per_sec * self.flops_per_token / self.topology.world_size / 1e12
         memory, what = peak_memory(self.topology.device)
         record = {
-            "step": step, "loss": result.loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": result.grad_norm,
-            "loss_scale": self.scaler.scale, "skipped_steps": self.state.skipped_steps, "consumed_samples": self.state.consumed_samples,
+            "step": step, "loss": result.loss, "lr": self.optimizer.lr, "grad_norm": result.grad_norm,
+            "loss_scale": self.trainer.scaler.scale, "skipped_steps": self.state.skipped_steps, "consumed_samples": self.state.consumed_samples,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.topology.world_size,
             "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
             "peak_memory_gib": memory, "peak_memory_kind": what,
@@ -240,13 +235,13 @@ class Run:
     def _evaluate(self) -> None:
         if self.data.valid is None:
             return
-        loss, ppl = evaluate(self.model, self.data, self.cfg, self.topology, self.pipeline)
+        loss, ppl = evaluate(self.trainer, self.data)
         self.result.val_loss = loss
         self.writer.log({"step": self.state.step, "val_loss": loss, "val_ppl": ppl}, {"val_loss": "validation loss", "val_ppl": "ppl"})
 
     def _save(self) -> None:
-        self.reducer.wait_params()
-        rng = rng_state(self.topology.device, self.tp.rng)
+        self.optimizer.wait_params()
+        rng = rng_state(self.topology.device, self.trainer.tp.rng)
         path = self.checkpointer.save(self.state, self.sharded, dump_yaml(self.cfg), rng)
         self.saved_step = self.state.step
         self.result.checkpoint = path

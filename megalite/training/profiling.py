@@ -41,8 +41,9 @@ class Profiler:
         self.snapshot = cfg.memory_snapshot.replace("{rank}", str(rank)) if chosen and cfg.memory_snapshot else None
         self.snapshot_after = cfg.profile_steps[1] if cfg.profile_steps else 2
         if self.snapshot and device.type != "cuda":
-            print(f"rank {rank}: logging.memory_snapshot needs a CUDA device and this run is on {device.type}: no snapshot "
-                  "will be written (logging.profile_steps still records CPU time)", file=sys.stderr, flush=True)
+            print(f"rank {rank}: logging.memory_snapshot needs a CUDA device and this run is on {device.type}: "
+                  "no snapshot will be written (logging.profile_steps still records CPU time)", file=sys.stderr,
+                  flush=True)
             self.snapshot = None
         if self.snapshot:
             torch.cuda.memory._record_memory_history(max_entries=_SNAPSHOT_ENTRIES)
@@ -87,8 +88,8 @@ class Profiler:
         self.profiler.export_chrome_trace(f"{stem}.pt.trace.json")
         sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         Path(f"{stem}.txt").write_text(self.profiler.key_averages().table(sort_by=sort_by, row_limit=30))
-        print(f"rank {self.rank}: profile of steps {self.recorded[0]}-{self.recorded[-1]} written to {stem}.pt.trace.json "
-              f"(open in https://ui.perfetto.dev) and {stem}.txt", file=sys.stderr, flush=True)
+        print(f"rank {self.rank}: profile of steps {self.recorded[0]}-{self.recorded[-1]} written to "
+              f"{stem}.pt.trace.json (open in https://ui.perfetto.dev) and {stem}.txt", file=sys.stderr, flush=True)
         self.profiler, self.steps = None, None
 
     def _dump_snapshot(self) -> None:

@@ -16,18 +16,17 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from megalite.data.batches import Batch
-from megalite.config import TORCH_DTYPES, Config
-from megalite.model.gpt import GPTModel
-from megalite.parallel.grads import GradientReducer
-from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.schedules import StageInfo, Trace, run_schedule
-from megalite.parallel.topology import Topology
-from megalite.training.loss_scaler import LossScaler
+from megalite.config import TORCH_DTYPES
+from megalite.parallel.schedules import ForwardStep, run_schedule
+
+if TYPE_CHECKING:
+    from megalite.training.build import Trainer
 
 
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -45,60 +44,55 @@ class StepResult:
     diverged: bool = False  # skipped for a NaN/Inf gradient norm (not an fp16 overflow the loss scaler handles)
 
 
-@dataclass
-class Pipeline:
-    """How this rank runs its micro batches: the schedule, its stage, and the p2p channel (pp > 1)."""
-
-    schedule: str
-    stage: StageInfo
-    comm: PipelineComm | None = None
-    trace: Trace | None = None
-
-    @classmethod
-    def build(cls, cfg: Config, topology: Topology) -> "Pipeline":
-        stage = StageInfo(topology.pp, cfg.parallel.vp, topology.pp_rank)
-        if topology.pp == 1:
-            return cls(cfg.parallel.pipeline_schedule, stage)
-        sharded = cfg.parallel.sequence_parallel and topology.tp > 1
-        seq = cfg.model.seq_length // topology.tp if sharded else cfg.model.seq_length
-        comm = PipelineComm(topology, (seq, cfg.train.micro_batch_size, cfg.model.hidden_size), TORCH_DTYPES[cfg.train.param_dtype])  # the residual stream's dtype
-        return cls(cfg.parallel.pipeline_schedule, stage, comm)
-
-
-def train_step(model: GPTModel, optimizer: torch.optim.Optimizer, scaler: LossScaler, reducer: GradientReducer,
-               batches: list[Batch], topology: Topology, precision: str, clip_grad: float, pipeline: Pipeline) -> StepResult:
-    reducer.zero()
-    batches = [b.to(topology.device) for b in batches]
-    positions = sum(b.loss_mask.numel() for b in batches) * topology.dp
-    loss_sum = torch.zeros(1, device=topology.device)
+def microbatch_forward(trainer: "Trainer", batches: list[Batch],
+                       on_last_chunk: Callable[[torch.Tensor, Batch], torch.Tensor]) -> ForwardStep:
+    """The schedule's forward step, shared by training and evaluation: run model chunk `chunk` on micro
+    batch `microbatch` in the configured precision; on the last chunk hand the per-token losses and the
+    batch to `on_last_chunk`, whose result (what backward starts from, when training) is returned."""
+    model, precision, device = trainer.model, trainer.cfg.train.precision, trainer.topology.device
 
     def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
-        nonlocal loss_sum
         batch = batches[microbatch]
-        with precision_context(precision, topology.device):
+        with precision_context(precision, device):
             out = model(batch.tokens, batch.labels, batch.position_ids, hidden=hidden, chunk=chunk)
-        if not model.stage.is_last_chunk(chunk):
-            return out
+        return on_last_chunk(out, batch) if model.stage.is_last_chunk(chunk) else out
+
+    return forward_step
+
+
+def train_step(trainer: "Trainer", batches: list[Batch]) -> StepResult:
+    """One optimizer step of `trainer` over this rank's micro batches."""
+    t, grads, optimizer, scaler = trainer.topology, trainer.grads, trainer.optimizer, trainer.scaler
+    grads.zero()
+    batches = [b.to(t.device) for b in batches]
+    positions = sum(b.loss_mask.numel() for b in batches) * t.dp
+    loss_sum = torch.zeros(1, device=t.device)
+
+    def scaled_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
+        nonlocal loss_sum
         loss = (out * batch.loss_mask).sum() / positions
         loss_sum = loss_sum + loss.detach()
         return loss * scaler.scale
 
-    run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace, reducer.start_sync)
-    reducer.reduce()
+    pipeline = trainer.pipeline
+    forward_step = microbatch_forward(trainer, batches, scaled_loss)
+    run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace,
+                 grads.start_sync)
+    grads.reduce()
+    optimizer.collect_grads()
     tokens = sum(b.loss_mask.sum(dtype=torch.float64) for b in batches).reshape(1)  # exact beyond 2^24 tokens
     totals = torch.cat((loss_sum.double(), tokens))
-    dist.all_reduce(totals, group=topology.dp_group)
+    dist.all_reduce(totals, group=t.dp_group)
     correction = (positions / totals[1].clamp(min=1.0)).float()
     loss, tokens = float(totals[0] * correction), int(totals[1].item())
-    overflow = reducer.any_overflow(scaler.unscale_and_check(reducer.grads()))
+    overflow = optimizer.any_overflow(scaler.unscale_and_check(optimizer.grads()))
     scaler.update(overflow)
     if overflow:
-        reducer.after_step()
+        optimizer.finish_step()
         return StepResult(loss, float("nan"), True, tokens)
-    grad_norm = reducer.clip(clip_grad, correction)
+    grad_norm = optimizer.clip(trainer.cfg.optim.clip_grad, correction)
     if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
-        reducer.after_step()
+        optimizer.finish_step()
         return StepResult(loss, grad_norm, True, tokens, diverged=True)
     optimizer.step()
-    reducer.after_step()
     return StepResult(loss, grad_norm, False, tokens)

@@ -96,7 +96,8 @@ class WandbLogger:
         if not self.finished.wait(self.timeout):
             self.process.kill()
             where = f"`wandb sync {Path(self.dir).parent}` uploads it" if self.dir else "nothing was written"
-            self.say(f"warning: W&B did not finish within logging.wandb_timeout={self.timeout:g} s; stopped it ({where})")
+            self.say(f"warning: W&B did not finish within logging.wandb_timeout={self.timeout:g} s; "
+                     f"stopped it ({where})")
         return self.dir
 
     def _supervise(self) -> None:

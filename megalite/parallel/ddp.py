@@ -1,0 +1,73 @@
+"""Data parallelism: this rank's gradients, reduced over its data-parallel replicas.
+
+Gradients accumulate in one flat buffer per model chunk (grad_buffer.py) whose buckets reduce
+over the data-parallel group while backward goes on. Two kinds of gradient need more than
+that reduction before the optimizer may read them, and are finished here:
+- tied word embeddings split over pipeline stages: the first stage's embedding and the last
+  stage's tied copy are summed over the embedding group, before the data-parallel reduction
+  (the two stages' buffers differ in layout, so after a reduce-scatter a rank would own
+  different slices of the embedding on each stage);
+- under sequence parallelism, a replicated parameter's gradient (norm weights, biases of row-
+  parallel layers) is partial on each tensor-parallel rank, which saw only its slice of the
+  sequence: it is summed over the tensor-parallel group (buffer layouts are identical there).
+What the optimizer then does with the gradients lives in distributed_optimizer.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.config import TORCH_DTYPES, ParallelConfig
+from megalite.parallel.grad_buffer import GradBuffer
+from megalite.parallel.layers import parameter_shards
+from megalite.parallel.topology import Topology
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum tensors over `group` in place, in one collective over a flat copy."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(chunk.view_as(t))
+
+
+class DataParallelGrads:
+    """`chunks`: the parameters of each model chunk, in the order its backward produces them.
+    `tied`: the names of this rank's parameters summed with another pipeline stage's (the word
+    embeddings and their tied copy, when the model ties them and pp > 1). `tied_copies`: the
+    names of the parameters that copy another one (never counted as replicated weights)."""
+
+    def __init__(self, model: nn.Module, chunks: list[list[nn.Parameter]], topology: Topology, cfg: ParallelConfig,
+                 tied: set[str] = frozenset(), tied_copies: set[str] = frozenset()) -> None:
+        self.topology, self.sequence_parallel = topology, cfg.sequence_parallel_active
+        shards = parameter_shards(model)
+        named = list(model.named_parameters())
+        self.replicated = [p for n, p in named if n not in shards and n not in tied_copies]
+        self.tied = [p for n, p in named if n in tied]
+        held = frozenset(id(p) for p in self.tied)
+        self.buffers = [GradBuffer(params, cfg.bucket_size, topology.dp_group, topology.dp, topology.dp_rank,
+                                   cfg.distributed_optimizer, cfg.overlap_grad_reduce, held,
+                                   TORCH_DTYPES[cfg.grad_reduce_dtype]) for params in chunks if params]
+        self.wait_seconds = 0.0
+
+    def zero(self) -> None:
+        for buffer in self.buffers:
+            buffer.zero()
+
+    def start_sync(self, chunk: int) -> None:
+        """The next backward is chunk `chunk`'s last of the step: reduce its buckets as they fill."""
+        self.buffers[chunk].start_sync()
+
+    def reduce(self) -> None:
+        """Every gradient final: summed over the embedding group, reduced over data-parallel replicas
+        (each rank's own slice under the distributed optimizer), summed over TP where SP left it partial."""
+        t = self.topology
+        if self.tied and t.embedding_group is not None:
+            all_reduce_flat([p.main_grad for p in self.tied], t.embedding_group)
+        self.wait_seconds = sum(buffer.finish() for buffer in self.buffers)
+        if self.sequence_parallel:
+            all_reduce_flat([p.main_grad for p in self.replicated], t.tp_group)

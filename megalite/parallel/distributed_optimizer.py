@@ -1,0 +1,206 @@
+"""The optimizer over fp32 main parameters, sharded over data-parallel ranks or not.
+
+AdamW steps fp32 "main" tensors (`MainParam`): with the distributed optimizer (ZeRO-1) only
+the flat slices of each parameter this data-parallel rank owns in its gradient buffer's
+layout (grad_buffer.py), afterwards all-gathered into every replica's parameters; without
+it, whole parameters. Parameters kept in bf16/fp16 (`train.param_dtype`) get fp32 copies as
+main tensors, written back after each step so small updates are not lost to rounding
+(Megatron-LM's --bf16); fp32 ones are stepped in place.
+
+The global gradient norm counts each element once: tensor-parallel shards on every rank,
+replicated parameters on TP rank 0, tied copies never, each data-parallel slice on its owner.
+
+With `parallel.overlap_param_gather` the all-gathers stay in flight after the step, launched
+in forward order; a forward pre-hook on each module waits only for the buckets holding its
+own parameters, and direct weight reads elsewhere call `wait_for`.
+
+The update is torch's fused AdamW, one multi-tensor kernel on CPU and CUDA alike. It is the
+upstreamed form of NVIDIA apex's FusedAdam (pytorch/pytorch#71274), so megalite does not use
+apex's: apex kept Adam's step in the param groups, where checkpoints did not find it, and a
+resume silently restarted Adam's moments. One optimizer means one checkpoint format.
+
+ZeRO-2/3 (gradients and parameters sharded too) and CPU offload of the main weights and
+Adam's state extend this class: the owned ranges, the gather and the write-back are theirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.config import OptimConfig
+from megalite.parallel.grad_buffer import Bucket, GradBuffer
+from megalite.parallel.layers import parameter_shards
+from megalite.parallel.mappings import all_gather_single
+from megalite.parallel.topology import Topology
+
+
+@dataclass
+class MainParam:
+    """Elements [start, end) of `param` (flattened), stepped as the fp32 tensor `main` with the
+    gradient view `grad`. `main` shares the parameter's storage when the parameter is fp32."""
+
+    name: str
+    param: nn.Parameter
+    main: torch.Tensor
+    grad: torch.Tensor
+    start: int
+    end: int
+
+    @property
+    def is_copy(self) -> bool:
+        """Whether `main` is an fp32 copy to write back into a bf16/fp16 parameter."""
+        return self.param.dtype != self.main.dtype
+
+    @property
+    def target(self) -> torch.Tensor:
+        """The part of the parameter's data that `main` updates, shaped as `main`."""
+        return self.param.data.view(-1)[self.start:self.end].view_as(self.main)
+
+
+def decay_groups(entries: Iterable[tuple[str, torch.Tensor, torch.Tensor]], weight_decay: float) -> list[dict]:
+    """Optimizer groups from (name, model parameter, tensor to step): no weight decay on biases and
+    norm weights (decided on the model parameter, whatever slice of it is stepped)."""
+    decay, no_decay = [], []
+    for name, param, stepped in entries:
+        (no_decay if param.ndim < 2 or name.endswith("bias") else decay).append(stepped)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch's fused AdamW over `groups` (see decay_groups)."""
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=True)
+
+
+class DistributedOptimizer:
+    """`buffers`: the gradient buffers of data parallelism (ddp.py), whose layout decides each rank's
+    slices. `tied_copies`: names of parameters that copy another (left out of the norm)."""
+
+    def __init__(self, model: nn.Module, buffers: list[GradBuffer], topology: Topology, cfg: OptimConfig,
+                 distributed: bool, overlap_param_gather: bool, tied_copies: set[str] = frozenset()) -> None:
+        self.topology, self.buffers, self.distributed = topology, buffers, distributed
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.params = [self._main_param(names[id(param)], param, lo, hi)
+                       for buffer in buffers for param, lo, hi in buffer.owned_ranges()]
+        shards = parameter_shards(model)
+        self._counted = [m for m in self.params if m.name not in tied_copies and (m.name in shards or topology.tp_rank == 0)]
+        self._copies = [(m.target, m.main) for m in self.params if m.is_copy]
+        self.optimizer = adamw(decay_groups(((m.name, m.param, m.main) for m in self.params), cfg.weight_decay), cfg)
+        self._gathers: dict[int, dist.Work] = {}
+        self.gather_in_background = distributed and overlap_param_gather
+        if self.gather_in_background:
+            self._wait_before_use(model)
+
+    def _main_param(self, name: str, param: nn.Parameter, lo: int, hi: int) -> MainParam:
+        grad = param.main_grad.view(-1)[lo:hi] if self.distributed else param.main_grad
+        if param.dtype != torch.float32:
+            target = param.data.view(-1)[lo:hi] if self.distributed else param.data
+            main = nn.Parameter(target.float(), requires_grad=False)
+        else:
+            main = nn.Parameter(param.data.view(-1)[lo:hi], requires_grad=False) if self.distributed else param
+        return MainParam(name, param, main, grad, lo, hi)
+
+    def shards(self) -> list[MainParam]:
+        """What this rank steps, for checkpoints: each parameter's owned range and its fp32 tensor."""
+        return self.params
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def collect_grads(self) -> None:
+        """Point each main tensor at its (reduced) gradient, in fp32."""
+        for m in self.params:
+            m.main.grad = m.grad if m.grad.dtype == m.main.dtype else m.grad.to(m.main.dtype)
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients this rank's optimizer uses."""
+        return [m.main.grad for m in self.params]
+
+    def any_overflow(self, found: bool) -> bool:
+        """Whether any rank found inf/nan, so all ranks skip the same steps."""
+        return bool(self.topology.max_over_ranks([float(found)])[0])
+
+    def norm(self) -> torch.Tensor:
+        """The global gradient norm, as a one-element tensor on the device."""
+        t = self.topology
+        counted = [m.main.grad for m in self._counted]
+        zero = torch.zeros((), device=t.device)
+        total = (torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted else zero).reshape(1)
+        group = dist.group.WORLD if self.distributed else t.mp_group
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        return total.sqrt()
+
+    def clip(self, max_norm: float, grad_scale: torch.Tensor) -> float:
+        """Multiply the gradients by `grad_scale` (a one-element tensor), scaled down further so the global
+        norm is at most max_norm (0 disables), in one pass; returns the norm before clipping."""
+        norm = float(self.norm() * grad_scale)
+        factor = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 and norm == norm else 1.0
+        torch._foreach_mul_(self.grads(), grad_scale * factor)
+        return norm
+
+    def step(self) -> None:
+        """Update the main parameters, then the model's (`finish_step`)."""
+        self.optimizer.step()
+        self.finish_step()
+
+    def finish_step(self) -> None:
+        """Write fp32 main weights back into bf16/fp16 parameters and share updated slices (distributed
+        optimizer); drop .grad so the next backward starts clean. Also after a skipped step."""
+        if self._copies:
+            torch._foreach_copy_([target for target, _ in self._copies], [main for _, main in self._copies])
+        if self.distributed:
+            self._gather(self.gather_in_background)
+        for m in self.params:
+            m.param.grad = m.main.grad = None
+
+    def gather_params(self) -> None:
+        """Every parameter whole again from the ranks that own its slices (distributed optimizer), e.g.
+        after a resume that loaded only this rank's slices."""
+        if self.distributed:
+            self._gather(background=False)
+
+    def _gather(self, background: bool) -> None:
+        """All-gather each bucket's updated slices, first-used bucket first; `background` leaves them in
+        flight for `wait_for` / `wait_params`."""
+        for buffer in self.buffers:
+            if buffer.dp == 1:
+                continue
+            for bucket in reversed(buffer.buckets):
+                a, b = bucket.shard(buffer.dp_rank, buffer.dp)
+                whole = buffer.param_data[bucket.start:bucket.end]
+                shard = buffer.param_data[a:b].clone()
+                self._gathers[id(bucket)] = all_gather_single(whole, shard, buffer.dp_group, async_op=True)
+        if not background:
+            self.wait_params()
+
+    def _wait_before_use(self, model: nn.Module) -> None:
+        """Forward pre-hooks that wait for the in-flight gathers of a module's own parameters."""
+        for module in model.modules():
+            params = list(module.parameters(recurse=False))
+            if params:
+                module.register_forward_pre_hook(lambda _module, _args, params=params: self.wait_for(params))
+
+    def wait_for(self, params: list[nn.Parameter]) -> None:
+        """Block until the gathers that update `params` are done (no-op when none is in flight)."""
+        if self._gathers:
+            self._wait(buffer.bucket_of[id(p)] for buffer in self.buffers for p in params if id(p) in buffer.bucket_of)
+
+    def wait_params(self) -> None:
+        """Every parameter up to date: before evaluating or saving outside a training step."""
+        self._wait(bucket for buffer in self.buffers for bucket in buffer.buckets)
+
+    def _wait(self, buckets: Iterable[Bucket]) -> None:
+        for bucket in buckets:
+            work = self._gathers.pop(id(bucket), None)
+            if work is not None:
+                work.wait()

@@ -1,0 +1,109 @@
+"""The rank grid: where each rank sits and which ranks form each group, in Megatron-LM's order (tp fastest,
+then cp, ep, dp, pp).
+
+Placement is pinned as literal data: checkpoints record which rank held which shard, so moving a rank
+would silently change what a saved checkpoint means. The group lists are pure grid arithmetic; one
+spawned test checks that Topology's process groups hold exactly those ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.topology import AXES, RankGrid, Topology
+
+from distributed import run_ranks
+
+# (tp, pp, dp) -> each rank's (pp, dp, tp) coordinates, as every layout so far placed them
+PLACEMENT = {
+    (2, 2, 2): [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)],
+    (1, 4, 1): [(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 0, 0)],
+    (1, 1, 4): [(0, 0, 0), (0, 1, 0), (0, 2, 0), (0, 3, 0)],
+    (2, 3, 1): [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1), (2, 0, 0), (2, 0, 1)],
+    (4, 1, 3): [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 1, 0), (0, 1, 1), (0, 1, 2), (0, 1, 3),
+                (0, 2, 0), (0, 2, 1), (0, 2, 2), (0, 2, 3)],
+    (2, 2, 3): [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0),
+                (1, 1, 1), (1, 2, 0), (1, 2, 1)],
+}
+
+
+@pytest.mark.parametrize("tp, pp, dp", list(PLACEMENT))
+def test_placement_is_tp_fastest_then_dp_then_pp(tp, pp, dp):
+    grid = RankGrid.for_world(tp * pp * dp, tp=tp, pp=pp)
+    assert grid.dp == dp and grid.world_size == tp * pp * dp
+    coords = [grid.coords(rank) for rank in range(grid.world_size)]
+    assert [(c["pp"], c["dp"], c["tp"]) for c in coords] == PLACEMENT[(tp, pp, dp)]
+    assert all(c["cp"] == c["ep"] == 0 for c in coords)
+    assert [grid.rank(c) for c in coords] == list(range(grid.world_size))
+
+
+def test_groups_are_megatrons_for_16_ranks_tp2_pp4():
+    """The example of Megatron-LM's initialize_model_parallel docstring (megatron/core/parallel_state.py)."""
+    grid = RankGrid.for_world(16, tp=2, pp=4)
+    assert grid.groups(("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert grid.groups(("dp",)) == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert grid.groups(("pp",)) == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert grid.groups(("tp", "pp")) == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+
+
+def test_context_parallel_sits_between_tp_and_dp():
+    grid = RankGrid(tp=2, cp=2, dp=2)
+    assert grid.groups(("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.groups(("cp",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.groups(("dp",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.groups(("tp", "cp")) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert grid.groups(("cp", "dp")) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_expert_parallel_sits_between_cp_and_dp():
+    grid = RankGrid(ep=2, dp=2, pp=2)
+    assert grid.groups(("ep",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.groups(("dp",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.groups(("pp",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_all_five_axes():
+    grid = RankGrid(tp=2, cp=2, ep=2, dp=2, pp=2)
+    assert grid.coords(0b10110) == {"tp": 0, "cp": 1, "ep": 1, "dp": 0, "pp": 1}
+    for axes in [(axis,) for axis in AXES] + [("tp", "pp"), ("tp", "cp", "ep", "dp", "pp")]:
+        groups = grid.groups(axes)
+        assert sorted(rank for ranks in groups for rank in ranks) == list(range(32)), axes
+        for ranks in groups:
+            assert len(ranks) == 2 ** len(axes) and ranks == sorted(ranks)
+            fixed = {axis: grid.coords(ranks[0])[axis] for axis in AXES if axis not in axes}
+            assert all({axis: grid.coords(rank)[axis] for axis in fixed} == fixed for rank in ranks), (axes, ranks)
+
+
+def test_bad_sizes_and_axes_say_what_is_wrong():
+    with pytest.raises(ValueError, match="not a multiple of tp"):
+        RankGrid.for_world(6, tp=4)
+    with pytest.raises(ValueError, match="unknown rank-grid axes"):
+        RankGrid(tp=2).groups(("sp",))
+    with pytest.raises(ValueError, match="outside the grid"):
+        RankGrid(tp=2).coords(2)
+
+
+def _topology_groups(rank: int, world_size: int) -> dict:
+    t = Topology(rank, world_size, torch.device("cpu"), tp=2, pp=2)
+    groups = {name: dist.get_process_group_ranks(group) for name, group in t.named_groups().items()}
+    return {"coords": (t.pp_rank, t.dp_rank, t.tp_rank), "dp": t.dp, "groups": groups}
+
+
+def test_topology_groups_hold_the_grid_groups():
+    results = run_ranks(8, _topology_groups)
+    grid = RankGrid.for_world(8, tp=2, pp=2)
+
+    def mine(groups: list[list[int]], rank: int) -> list[int]:
+        return next(ranks for ranks in groups if rank in ranks)
+
+    for rank, result in enumerate(results):
+        assert result["coords"] == PLACEMENT[(2, 2, 2)][rank] and result["dp"] == 2
+        assert result["groups"] == {
+            "tensor-parallel": mine(grid.groups(("tp",)), rank),
+            "data-parallel": mine(grid.groups(("dp",)), rank),
+            "pipeline-parallel": mine(grid.groups(("pp",)), rank),
+            "model-parallel": mine(grid.groups(("tp", "pp")), rank),
+            "embedding": mine(grid.groups(("pp",)), rank),  # pp = 2: first and last stage are the whole pipeline
+        }
