@@ -61,19 +61,22 @@ FAMILY_FEATURES: dict[str, Features] = {
 
 @dataclass
 class ModelConfig:
-    family: Literal["gpt2", "llama"] = _f("gpt2", "gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings; "
-                                          "llama: RoPE, RMSNorm, SwiGLU, no biases (the defaults of the feature fields below)")
+    family: Literal["gpt2", "llama"] = _f(
+        "gpt2", "gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings; "
+                "llama: RoPE, RMSNorm, SwiGLU, no biases (the defaults of the feature fields below)")
     num_layers: int = _f(2, "number of transformer layers")
     hidden_size: int = _f(128, "model width")
     num_attention_heads: int = _f(4, "query heads")
-    num_query_groups: Optional[int] = _f(None, "key/value heads for grouped-query attention (default: num_attention_heads)")
+    num_query_groups: Optional[int] = _f(
+        None, "key/value heads for grouped-query attention (default: num_attention_heads)")
     ffn_hidden_size: Optional[int] = _f(
         None, "MLP width (default: 4*hidden, or 8/3*hidden rounded up to 64 with a gated MLP)")
     seq_length: int = _f(128, "tokens per sample")
     max_position_embeddings: Optional[int] = _f(
         None, "positions the model covers: rows of the learned table or of RoPE's (default: seq_length)")
     vocab_size: int = _f(50257, "vocabulary size, used with mock data (a tokenizer sets it otherwise)")
-    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this; padded entries never take probability mass")
+    make_vocab_size_divisible_by: int = _f(
+        128, "pad the vocabulary to a multiple of this; padded entries never take probability mass")
     bias: Optional[bool] = _f(
         None, "biases in the linear layers; LayerNorm keeps its own (default: gpt2 true, llama false)")
     gated_mlp: Optional[bool] = _f(
@@ -82,7 +85,8 @@ class ModelConfig:
         None, "normalisation layers (default: gpt2 layernorm, llama rmsnorm)")
     position_embedding: Optional[Literal["learned", "rope"]] = _f(
         None, "learned: a position table added to the embeddings; rope: rotary (default: gpt2 learned, llama rope)")
-    tie_embeddings: Optional[bool] = _f(None, "share input embedding and LM head (default: true for gpt2, false for llama)")
+    tie_embeddings: Optional[bool] = _f(
+        None, "share input embedding and LM head (default: true for gpt2, false for llama)")
     rope_theta: float = _f(10000.0, "RoPE base frequency (position_embedding=rope)")
     norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm / RMSNorm")
     init_std: float = _f(0.02, "std of the normal init; output projections use init_std/sqrt(2*num_layers)")
@@ -132,16 +136,25 @@ class ParallelConfig:
     tp: int = _f(1, "tensor-parallel size")
     pp: int = _f(1, "pipeline-parallel size")
     vp: int = _f(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)")
-    pipeline_schedule: Literal["1f1b", "gpipe"] = _f("1f1b", "1f1b (interleaved when vp > 1) or gpipe (all forwards, then all backwards; vp = 1)")
-    first_stage_layers: Optional[int] = _f(None, "layers of the first pipeline chunk (it also holds the embedding); the rest are split evenly")
+    pipeline_schedule: Literal["1f1b", "gpipe"] = _f(
+        "1f1b", "1f1b (interleaved when vp > 1) or gpipe (all forwards, then all backwards; vp = 1)")
+    first_stage_layers: Optional[int] = _f(
+        None, "layers of the first pipeline chunk (it also holds the embedding); the rest are split evenly")
     last_stage_layers: Optional[int] = _f(None, "layers of the last pipeline chunk (it also holds the head and loss)")
-    sequence_parallel: bool = _f(False, "shard norm/dropout activations along the sequence inside the tensor-parallel group")
-    distributed_optimizer: bool = _f(False, "shard optimizer state and fp32 main weights across data-parallel ranks (ZeRO-1)")
+    sequence_parallel: bool = _f(
+        False, "shard norm/dropout activations along the sequence inside the tensor-parallel group")
+    distributed_optimizer: bool = _f(
+        False, "shard optimizer state and fp32 main weights across data-parallel ranks (ZeRO-1)")
     bucket_size: int = _f(40_000_000, "gradient elements per data-parallel reduction bucket")
     overlap_grad_reduce: bool = _f(True, "reduce each bucket as soon as its gradients are ready, during backward")
-    overlap_param_gather: bool = _f(False, "distributed optimizer: all-gather updated parameters in the background, each bucket awaited by the next forward's first use")
-    grad_reduce_dtype: Literal["fp32", "bf16"] = _f("fp32", "dtype gradients accumulate and are reduced in (bf16 halves the traffic, loses precision)")
-    timeout_minutes: float = _f(10.0, "collective timeout: a rank that died or hangs makes the others fail after this long instead of waiting forever")
+    overlap_param_gather: bool = _f(
+        False, "distributed optimizer: all-gather updated parameters in the background, "
+               "each bucket awaited by the next forward's first use")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = _f(
+        "fp32", "dtype gradients accumulate and are reduced in (bf16 halves the traffic, loses precision)")
+    timeout_minutes: float = _f(
+        10.0, "collective timeout: a rank that died or hangs makes the "
+              "others fail after this long instead of waiting forever")
 
     @property
     def sequence_parallel_active(self) -> bool:
@@ -152,16 +165,28 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     micro_batch_size: int = _f(1, "samples per micro batch per data-parallel rank")
-    global_batch_size: Optional[int] = _f(None, "samples per optimizer step (default: micro_batch_size * dp); must be a multiple of micro_batch_size * dp")
+    global_batch_size: Optional[int] = _f(
+        None, "samples per optimizer step (default: micro_batch_size * dp); "
+              "must be a multiple of micro_batch_size * dp")
     train_iters: int = _f(100, "optimizer steps to train for")
-    exit_interval: Optional[int] = _f(None, "stop cleanly when the step is a multiple of this (saving a checkpoint when checkpoint.save is set)")
-    exit_duration_mins: Optional[float] = _f(None, "stop cleanly (saving a checkpoint) once this many minutes have passed since start, e.g. before a job's wall-clock limit")
-    max_skipped_steps: int = _f(10, "stop (saving the last good state) after this many consecutive steps skipped for a NaN/Inf loss or gradient norm")
+    exit_interval: Optional[int] = _f(
+        None, "stop cleanly when the step is a multiple of this (saving a checkpoint when checkpoint.save is set)")
+    exit_duration_mins: Optional[float] = _f(
+        None, "stop cleanly (saving a checkpoint) once this many minutes have passed since start, "
+              "e.g. before a job's wall-clock limit")
+    max_skipped_steps: int = _f(
+        10, "stop (saving the last good state) after this many "
+            "consecutive steps skipped for a NaN/Inf loss or gradient norm")
     seed: int = _f(1234, "seed of init, data order and dropout")
-    precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32; bf16 autocast; fp16 autocast with dynamic loss scaling")
-    param_dtype: Literal["fp32", "bf16", "fp16"] = _f("fp32", "dtype of the model's parameters; bf16/fp16 (= train.precision) keep fp32 main weights in the optimizer, as Megatron-LM's --bf16")
-    recompute: Literal["none", "selective", "full"] = _f("none", "activation recompute: selective = core attention, full = whole layers")
-    eval_interval: Optional[int] = _f(None, "evaluate on the validation set every this many steps (and at the end); none disables")
+    precision: Literal["fp32", "bf16", "fp16"] = _f(
+        "fp32", "fp32; bf16 autocast; fp16 autocast with dynamic loss scaling")
+    param_dtype: Literal["fp32", "bf16", "fp16"] = _f(
+        "fp32", "dtype of the model's parameters; bf16/fp16 "
+                "(= train.precision) keep fp32 main weights in the optimizer, as Megatron-LM's --bf16")
+    recompute: Literal["none", "selective", "full"] = _f(
+        "none", "activation recompute: selective = core attention, full = whole layers")
+    eval_interval: Optional[int] = _f(
+        None, "evaluate on the validation set every this many steps (and at the end); none disables")
     eval_iters: int = _f(10, "global batches per evaluation")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: cuda when available (one GPU per LOCAL_RANK), else cpu")
     compile: bool = _f(False, "torch.compile each transformer layer")
@@ -172,7 +197,8 @@ class OptimConfig:
     lr: float = _f(3e-4, "peak learning rate")
     min_lr: float = _f(3e-5, "learning rate at the end of decay")
     warmup_iters: int = _f(0, "linear warmup steps")
-    decay_style: Literal["cosine", "linear", "constant", "wsd"] = _f("cosine", "decay after warmup; wsd = constant then decay over optim.wsd_decay_iters")
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = _f(
+        "cosine", "decay after warmup; wsd = constant then decay over optim.wsd_decay_iters")
     decay_iters: Optional[int] = _f(None, "steps from start to the end of decay (default: train.train_iters)")
     wsd_decay_iters: Optional[int] = _f(None, "length of the final decay phase of wsd (default: 20% of decay_iters)")
     weight_decay: float = _f(0.1, "decoupled weight decay (not applied to biases and norms)")
@@ -188,16 +214,23 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    mock: bool = _f(False, "synthetic tokens, a deterministic function of train.seed and the global sample index (no corpus needed)")
-    paths: Optional[list[str]] = _f(None, "blend of preprocessed prefixes: [0.7, /data/a_text_document, 0.3, /data/b_text_document] or one prefix")
+    mock: bool = _f(
+        False, "synthetic tokens, a deterministic function of train.seed and the global sample index "
+               "(no corpus needed)")
+    paths: Optional[list[str]] = _f(
+        None, "blend of preprocessed prefixes: [0.7, /data/a_text_document, 0.3, /data/b_text_document] or one prefix")
     split: str = _f("969,30,1", "train,valid,test weights over the documents of data.paths")
     train_paths: Optional[list[str]] = _f(None, "training blend, instead of splitting data.paths")
     valid_paths: Optional[list[str]] = _f(None, "validation blend, instead of splitting data.paths")
-    cache_dir: Optional[str] = _f(None, "where index files (.npy) are cached (default: a cache/ folder next to the first prefix)")
-    tokenizer_type: Optional[Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]] = _f(None, "tokenizer the corpus was preprocessed with; sets model.vocab_size")
+    cache_dir: Optional[str] = _f(
+        None, "where index files (.npy) are cached (default: a cache/ folder next to the first prefix)")
+    tokenizer_type: Optional[Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
+                                     "NullTokenizer"]] = _f(
+        None, "tokenizer the corpus was preprocessed with; sets model.vocab_size")
     vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: vocab.json")
     merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: merges.txt")
-    tokenizer_model: Optional[str] = _f(None, "SentencePiece .model file, or a Hugging Face tokenizer directory / tokenizer.json")
+    tokenizer_model: Optional[str] = _f(
+        None, "SentencePiece .model file, or a Hugging Face tokenizer directory / tokenizer.json")
     reset_position_ids: bool = _f(False, "restart position ids after every end-of-document token")
     eod_mask_loss: bool = _f(False, "no loss on predictions made from an end-of-document token")
     num_workers: int = _f(2, "background data-loading processes per rank (0 loads in the training process)")
@@ -206,33 +239,53 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = _f(None, "directory to save checkpoints into (iter_XXXXXXX/ and a latest file)")
-    load: Optional[str] = _f(None, "resume from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory (default: checkpoint.save, so a restarted job resumes)")
+    load: Optional[str] = _f(
+        None, "resume from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory "
+              "(default: checkpoint.save, so a restarted job resumes)")
     save_interval: Optional[int] = _f(None, "save every this many steps (and at the end of training)")
-    async_save: bool = _f(False, "write checkpoint files in a background thread; training stalls only to copy state to host memory")
-    keep_last: Optional[int] = _f(None, "keep only this many newest checkpoints (older ones deleted after a newer one is complete)")
-    fallback: bool = _f(True, "if the latest checkpoint is damaged (missing, truncated or corrupt file), resume from the previous complete one")
-    load_optimizer: bool = _f(True, "false: resume the weights only and start Adam's moments and step afresh (Megatron-LM's --no-load-optim)")
-    load_timeout_minutes: float = _f(60.0, "how long ranks that finished reading a checkpoint wait for the slowest one (through the store, not a collective)")
+    async_save: bool = _f(
+        False, "write checkpoint files in a background thread; training stalls only to copy state to host memory")
+    keep_last: Optional[int] = _f(
+        None, "keep only this many newest checkpoints (older ones deleted after a newer one is complete)")
+    fallback: bool = _f(
+        True, "if the latest checkpoint is damaged (missing, truncated or corrupt file), "
+              "resume from the previous complete one")
+    load_optimizer: bool = _f(
+        True, "false: resume the weights only and start Adam's moments and step afresh (Megatron-LM's --no-load-optim)")
+    load_timeout_minutes: float = _f(
+        60.0, "how long ranks that finished reading a checkpoint wait for the slowest one (through the store, "
+              "not a collective)")
 
 
 @dataclass
 class LoggingConfig:
     log_interval: int = _f(10, "steps between metric lines")
     metrics_file: Optional[str] = _f(None, "append one JSON object per logged step to this file")
-    pipeline_trace: Optional[str] = _f(None, "write the first pipeline_trace_steps steps' schedule (every forward/backward of every rank) to this Chrome-trace JSON")
+    pipeline_trace: Optional[str] = _f(
+        None, "write the first pipeline_trace_steps steps' schedule "
+              "(every forward/backward of every rank) to this Chrome-trace JSON")
     pipeline_trace_steps: int = _f(2, "how many steps the pipeline trace records")
     progress_bar: bool = _f(True, "show a progress bar on the logging rank")
-    peak_tflops: Optional[float] = _f(None, "per-device peak TFLOP/s for MFU (default: table lookup by device; n/a when unknown)")
+    peak_tflops: Optional[float] = _f(
+        None, "per-device peak TFLOP/s for MFU (default: table lookup by device; n/a when unknown)")
     wandb_project: Optional[str] = _f(None, "Weights & Biases project; none disables W&B")
     wandb_entity: Optional[str] = _f(None, "W&B entity (team or user)")
     wandb_name: Optional[str] = _f(None, "W&B run name")
-    wandb_mode: Literal["online", "offline", "disabled"] = _f("online", "offline writes the run locally for a later `wandb sync`")
+    wandb_mode: Literal["online", "offline", "disabled"] = _f(
+        "online", "offline writes the run locally for a later `wandb sync`")
     wandb_dir: Optional[str] = _f(None, "where W&B writes its files (default: checkpoint.save, else ./wandb)")
-    wandb_timeout: float = _f(30.0, "seconds W&B may hold up the run: an online start that takes longer falls back to offline, and the end of training waits at most this long for W&B to finish")
-    profile_steps: Optional[list[int]] = _f(None, "[a, b]: record a torch.profiler trace of steps a..b (inclusive) on logging.profile_ranks")
+    wandb_timeout: float = _f(
+        30.0, "seconds W&B may hold up the run: an online start that takes longer falls back to offline, "
+              "and the end of training waits at most this long for W&B to finish")
+    profile_steps: Optional[list[int]] = _f(
+        None, "[a, b]: record a torch.profiler trace of steps a..b (inclusive) on logging.profile_ranks")
     profile_ranks: Optional[list[int]] = _f(None, "global ranks that profile (default: [0])")
-    profile_dir: str = _f("profiles", "where profiler traces go: rank<R>_steps<a>-<b>.pt.trace.json (Chrome trace) and .txt (top operators)")
-    memory_snapshot: Optional[str] = _f(None, "CUDA only: record the allocator's history from start-up and dump it to this pickle after profile_steps (default: step 2) or at exit; '{rank}' in the path is replaced by the rank")
+    profile_dir: str = _f(
+        "profiles", "where profiler traces go: rank<R>_steps<a>-<b>.pt.trace.json (Chrome trace) and .txt "
+                    "(top operators)")
+    memory_snapshot: Optional[str] = _f(
+        None, "CUDA only: record the allocator's history from start-up and dump it to this pickle after profile_steps "
+              "(default: step 2) or at exit; '{rank}' in the path is replaced by the rank")
 
 
 @dataclass
@@ -268,22 +321,27 @@ def validate(cfg: Config, world_size: int) -> None:
 
 def _check_model(cfg: Config, world_size: int) -> list[str]:
     m, errors = cfg.model, []
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "make_vocab_size_divisible_by"):
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                 "make_vocab_size_divisible_by"):
         if getattr(m, name) < 1:
             errors.append(f"model.{name}={getattr(m, name)} must be >= 1")
     if errors:
         return errors
     if m.hidden_size % m.num_attention_heads:
-        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}; pick heads that divide the width")
+        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by "
+                      f"model.num_attention_heads={m.num_attention_heads}; pick heads that divide the width")
     if m.num_attention_heads % m.kv_heads:
-        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={m.kv_heads}; use a divisor of the head count")
+        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                      f"model.num_query_groups={m.kv_heads}; use a divisor of the head count")
     if m.features.position_embedding == "rope" and m.head_dim % 2:
         errors.append(f"RoPE (model.position_embedding=rope) needs an even head dim, got hidden_size/heads="
                       f"{m.head_dim}; change the width or the head count")
     if m.positions < m.seq_length:
-        errors.append(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}; raise it or leave it unset")
+        errors.append(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}; "
+                      "raise it or leave it unset")
     if m.make_vocab_size_divisible_by % cfg.parallel.tp:
-        errors.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be divisible by parallel.tp={cfg.parallel.tp} so the padded vocabulary does not depend on the layout")
+        errors.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be divisible by "
+                      f"parallel.tp={cfg.parallel.tp} so the padded vocabulary does not depend on the layout")
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:
             errors.append(f"model.{name}={getattr(m, name)} must be in [0, 1)")
@@ -298,16 +356,22 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
     if errors:
         return errors
     if world_size % (p.tp * p.pp):
-        errors.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={p.tp * p.pp}; launch a multiple of tp*pp processes (dp = world/(tp*pp))")
+        errors.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={p.tp * p.pp}; "
+                      "launch a multiple of tp*pp processes (dp = world/(tp*pp))")
     errors += _check_pipeline(cfg, world_size)
     m = cfg.model
-    for value, what in ((m.num_attention_heads, "model.num_attention_heads"), (m.kv_heads, "model.num_query_groups (KV heads)"), (m.ffn_size, "the MLP width (model.ffn_hidden_size)")):
+    for value, what in ((m.num_attention_heads, "model.num_attention_heads"),
+                        (m.kv_heads, "model.num_query_groups (KV heads)"),
+                        (m.ffn_size, "the MLP width (model.ffn_hidden_size)")):
         if value % p.tp:
-            errors.append(f"{what}={value} is not divisible by parallel.tp={p.tp}: every tensor-parallel rank holds whole heads/slices; pick a tp that divides it")
+            errors.append(f"{what}={value} is not divisible by parallel.tp={p.tp}: every tensor-parallel rank holds "
+                          "whole heads/slices; pick a tp that divides it")
     if p.sequence_parallel_active and m.seq_length % p.tp:
-        errors.append(f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, which sequence parallelism shards it over")
+        errors.append(f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, "
+                      "which sequence parallelism shards it over")
     if p.overlap_param_gather and not p.distributed_optimizer:
-        errors.append("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true (only sharded parameters are gathered)")
+        errors.append("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true "
+                      "(only sharded parameters are gathered)")
     if p.bucket_size < 1:
         errors.append(f"parallel.bucket_size={p.bucket_size} must be >= 1")
     return errors
@@ -322,8 +386,9 @@ def chunk_layer_counts(num_layers: int, chunks: int, first: int | None = None, l
     rest = num_layers - sum(fixed.values())
     if any(n < 1 for n in fixed.values()) or rest < middle or (middle and rest % middle) or (not middle and rest):
         raise ValueError(
-            f"cannot split {num_layers} layers into {chunks} pipeline chunks (pp * vp) with first_stage_layers={first}, "
-            f"last_stage_layers={last}: every chunk needs >= 1 layer and the remaining chunks an equal share"
+            f"cannot split {num_layers} layers into {chunks} pipeline chunks (pp * vp) with "
+            f"first_stage_layers={first}, last_stage_layers={last}: every chunk needs >= 1 layer and the remaining "
+            "chunks an equal share"
         )
     share = rest // middle if middle else 0
     return [fixed.get(i, share) for i in range(chunks)]
@@ -336,14 +401,16 @@ def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
     if p.vp > 1 and p.pipeline_schedule == "gpipe":
         errors.append("parallel.pipeline_schedule=gpipe runs one chunk per rank; set parallel.vp=1 or use 1f1b")
     try:
-        chunk_layer_counts(cfg.model.num_layers, p.pp * p.vp, p.first_stage_layers if p.pp > 1 else None, p.last_stage_layers if p.pp > 1 else None)
+        chunk_layer_counts(cfg.model.num_layers, p.pp * p.vp, p.first_stage_layers if p.pp > 1 else None,
+                           p.last_stage_layers if p.pp > 1 else None)
     except ValueError as err:
         errors.append(f"model.num_layers / parallel.pp, vp, first_stage_layers, last_stage_layers: {err}")
     if p.vp > 1 and world_size % (p.tp * p.pp) == 0 and cfg.train.micro_batch_size > 0:
         microbatches = cfg.num_microbatches(world_size)
         if microbatches % p.pp:
-            errors.append(f"interleaved 1F1B (parallel.vp={p.vp}) needs the number of micro batches ({microbatches} = global batch / "
-                          f"(micro batch * dp)) to be a multiple of parallel.pp={p.pp}; change train.global_batch_size")
+            errors.append(f"interleaved 1F1B (parallel.vp={p.vp}) needs the number of micro batches "
+                          f"({microbatches} = global batch / (micro batch * dp)) to be a multiple of "
+                          f"parallel.pp={p.pp}; change train.global_batch_size")
     return errors
 
 
@@ -356,9 +423,12 @@ def _check_train(cfg: Config, world_size: int) -> list[str]:
         per_step = t.micro_batch_size * dp
         gbs = cfg.batch_size(world_size)
         if gbs % per_step:
-            errors.append(f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size*dp={t.micro_batch_size}*{dp}={per_step}; use a multiple of {per_step}")
+            errors.append(f"train.global_batch_size={gbs} is not divisible by "
+                          f"train.micro_batch_size*dp={t.micro_batch_size}*{dp}={per_step}; "
+                          f"use a multiple of {per_step}")
     if t.param_dtype != "fp32" and t.param_dtype != t.precision:
-        errors.append(f"train.param_dtype={t.param_dtype} needs train.precision={t.param_dtype} (got {t.precision}); set both, or param_dtype=fp32")
+        errors.append(f"train.param_dtype={t.param_dtype} needs train.precision={t.param_dtype} (got {t.precision}); "
+                      "set both, or param_dtype=fp32")
     if t.max_skipped_steps < 1:
         errors.append(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
     for name in ("exit_interval", "eval_interval", "exit_duration_mins"):
@@ -375,7 +445,8 @@ def _check_optim(cfg: Config, world_size: int) -> list[str]:
     if o.warmup_iters < 0 or o.warmup_iters > decay:
         errors.append(f"optim.warmup_iters={o.warmup_iters} must be in [0, decay_iters={decay}]")
     if o.wsd_decay_iters is not None and not 0 <= o.wsd_decay_iters <= decay - o.warmup_iters:
-        errors.append(f"optim.wsd_decay_iters={o.wsd_decay_iters} must be in [0, decay_iters - warmup_iters = {decay - o.warmup_iters}]")
+        errors.append(f"optim.wsd_decay_iters={o.wsd_decay_iters} must be in "
+                      f"[0, decay_iters - warmup_iters = {decay - o.warmup_iters}]")
     if o.clip_grad < 0 or o.weight_decay < 0:
         errors.append("optim.clip_grad and optim.weight_decay must be >= 0")
     return errors
@@ -386,7 +457,8 @@ def _check_checkpoint(cfg: Config, world_size: int) -> list[str]:
     if c.save_interval is not None and c.save_interval < 1:
         return [f"checkpoint.save_interval={c.save_interval} must be >= 1 or unset"]
     if c.save_interval and not c.save:
-        return ["checkpoint.save_interval is set but checkpoint.save is not; give a directory with --checkpoint.save=DIR"]
+        return ["checkpoint.save_interval is set but checkpoint.save is not; "
+                "give a directory with --checkpoint.save=DIR"]
     if c.keep_last is not None and c.keep_last < 1:
         return [f"checkpoint.keep_last={c.keep_last} must be >= 1 or unset"]
     if c.load_timeout_minutes <= 0:
@@ -403,12 +475,14 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
         return [f"data.mock=true and {', '.join(named)} are both set; choose one: {unset} for synthetic tokens, "
                 "or --data.mock=false for the corpus"]
     if not d.mock and not corpus:
-        return ["no training data: give --data.paths=PREFIX (from tools/preprocess_data.py) or --data.mock=true for synthetic tokens"]
+        return ["no training data: give --data.paths=PREFIX (from tools/preprocess_data.py) "
+                "or --data.mock=true for synthetic tokens"]
     errors = []
     if d.paths and d.train_paths:
         errors.append("give either data.paths (split by data.split) or data.train_paths/valid_paths, not both")
     if corpus and not d.tokenizer_type:
-        errors.append("data.tokenizer_type is required with a corpus (the one it was preprocessed with), e.g. --data.tokenizer_type=GPT2BPETokenizer")
+        errors.append("data.tokenizer_type is required with a corpus (the one it was preprocessed with), "
+                      "e.g. --data.tokenizer_type=GPT2BPETokenizer")
     if d.num_workers < 0:
         errors.append(f"data.num_workers={d.num_workers} must be >= 0")
     return errors
@@ -423,9 +497,10 @@ def _check_logging(cfg: Config, world_size: int) -> list[str]:
         errors.append(f"logging.wandb_timeout={log.wandb_timeout} must be > 0 seconds")
     if log.wandb_project and log.wandb_mode == "online" and not wandb_credentials():
         host = urlparse(os.environ.get("WANDB_BASE_URL", WANDB_HOST)).hostname
-        errors.append(f"logging.wandb_mode=online but no W&B API key was found (WANDB_API_KEY is unset and {_netrc_path()} has "
-                      f"no entry for {host}): run `wandb login`, or export WANDB_API_KEY=<your key>, or pass "
-                      "--logging.wandb_mode=offline and upload the run later with `wandb sync`")
+        errors.append(f"logging.wandb_mode=online but no W&B API key was found (WANDB_API_KEY is unset and "
+                      f"{_netrc_path()} has no entry for {host}): run `wandb login`, "
+                      "or export WANDB_API_KEY=<your key>, or pass --logging.wandb_mode=offline "
+                      "and upload the run later with `wandb sync`")
     return errors
 
 
@@ -448,8 +523,8 @@ def wandb_credentials() -> bool:
 
 
 def profile_config_errors(cfg: LoggingConfig, world_size: int | None = None) -> list[str]:
-    """Problems with the profiling fields, each with its fix (also checked by megalite.training.profiling.Profiler); ranks
-    are checked against the world size when it is given."""
+    """Problems with the profiling fields, each with its fix (also checked by megalite.training.profiling.Profiler);
+    ranks are checked against the world size when it is given."""
     errors = []
     steps = cfg.profile_steps
     if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
@@ -457,9 +532,11 @@ def profile_config_errors(cfg: LoggingConfig, world_size: int | None = None) -> 
     ranks = profile_ranks(cfg)
     bad = [r for r in ranks if r < 0 or (world_size is not None and r >= world_size)]
     if bad:
-        errors.append(f"logging.profile_ranks={ranks} lists ranks outside the job (world size {world_size}); use 0..world size - 1")
+        errors.append(f"logging.profile_ranks={ranks} lists ranks outside the job (world size {world_size}); "
+                      "use 0..world size - 1")
     if cfg.memory_snapshot and len(ranks) > 1 and "{rank}" not in cfg.memory_snapshot:
-        errors.append(f"logging.memory_snapshot={cfg.memory_snapshot} is written by {len(ranks)} ranks; put '{{rank}}' in the path")
+        errors.append(f"logging.memory_snapshot={cfg.memory_snapshot} is written by {len(ranks)} ranks; "
+                      f"put '{{rank}}' in the path")
     return errors
 
 

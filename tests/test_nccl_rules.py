@@ -141,17 +141,19 @@ TINY = ["--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock
 RUNS = {
     "gpt2 tp2 x pp2 (vp2) x dp2, SP, distributed optimizer, overlapped gathers, bf16 parameters":
         ["--model.family=gpt2", "--model.num_layers=4", "--parallel.tp=2", "--parallel.pp=2", "--parallel.vp=2",
-         "--parallel.sequence_parallel=true", "--parallel.distributed_optimizer=true", "--parallel.overlap_param_gather=true",
-         "--train.precision=bf16", "--train.param_dtype=bf16", "--train.global_batch_size=8", "--parallel.bucket_size=2000"],
+         "--parallel.sequence_parallel=true", "--parallel.distributed_optimizer=true",
+         "--parallel.overlap_param_gather=true", "--train.precision=bf16", "--train.param_dtype=bf16",
+         "--train.global_batch_size=8", "--parallel.bucket_size=2000"],
     "llama tp2 x pp4, SP, uneven first/last stages": [
-        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=6", "--parallel.tp=2", "--parallel.pp=4",
-        "--parallel.sequence_parallel=true", "--parallel.first_stage_layers=1", "--parallel.last_stage_layers=1",
-        "--train.global_batch_size=6"],
-    "gpt2 pp8 GPipe": ["--model.family=gpt2", "--model.num_layers=8", "--parallel.pp=8", "--parallel.pipeline_schedule=gpipe",
-                       "--train.global_batch_size=3"],
+        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=6", "--parallel.tp=2",
+        "--parallel.pp=4", "--parallel.sequence_parallel=true", "--parallel.first_stage_layers=1",
+        "--parallel.last_stage_layers=1", "--train.global_batch_size=6"],
+    "gpt2 pp8 GPipe": ["--model.family=gpt2", "--model.num_layers=8", "--parallel.pp=8",
+                       "--parallel.pipeline_schedule=gpipe", "--train.global_batch_size=3"],
     "llama pp2 (vp3) x dp4, distributed optimizer": [
-        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=6", "--parallel.pp=2", "--parallel.vp=3",
-        "--parallel.distributed_optimizer=true", "--train.global_batch_size=16", "--parallel.bucket_size=3000"],
+        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=6", "--parallel.pp=2",
+        "--parallel.vp=3", "--parallel.distributed_optimizer=true", "--train.global_batch_size=16",
+        "--parallel.bucket_size=3000"],
 }
 
 

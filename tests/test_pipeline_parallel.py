@@ -27,7 +27,8 @@ from conftest import tiny_config
 from distributed import pretrain_torchrun, run_ranks, tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = [(pp, vp, m) for pp in (2, 4, 8) for vp in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp)] + [(2, 1, 3), (4, 1, 2), (4, 1, 7)]
+LAYOUTS = ([(pp, vp, m) for pp in (2, 4, 8) for vp in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp)]
+           + [(2, 1, 3), (4, 1, 2), (4, 1, 7)])
 
 
 def _warmup(pp: int, vp: int, rank: int, m: int) -> int:
@@ -77,8 +78,10 @@ def test_no_deadlock(pp, vp, m):
 
 
 def _config(family: str, pp: int, vp: int, tp: int, sp: bool, first: int | None = None, last: int | None = None):
-    overrides = {"num_layers": 8, "num_attention_heads": 8, "vocab_size": 250, "num_query_groups": 4 if family == "llama" else None}
-    parallel = {"pp": pp, "vp": vp, "tp": tp, "sequence_parallel": sp, "first_stage_layers": first, "last_stage_layers": last}
+    overrides = {"num_layers": 8, "num_attention_heads": 8, "vocab_size": 250,
+                 "num_query_groups": 4 if family == "llama" else None}
+    parallel = {"pp": pp, "vp": vp, "tp": tp, "sequence_parallel": sp, "first_stage_layers": first,
+                "last_stage_layers": last}
     return tiny_config(family, model=overrides, parallel=parallel,
                        train={"micro_batch_size": 1, "global_batch_size": 8, "train_iters": 3})
 
@@ -89,7 +92,8 @@ def _train(cfg, topology: Topology) -> tuple[list[float], dict[str, torch.Tensor
     data, gbs = MockDataset(250, 32, cfg.train.seed), 8
     losses = []
     for step in range(3):
-        batches = list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, 1, topology.dp, topology.dp_rank, 0, topology.device))
+        batches = list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, 1, topology.dp, topology.dp_rank,
+                                     0, topology.device))
         parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, 3))
         losses.append(train_step(parts, batches).loss)
     shards, copies, grads = parameter_shards(parts.model), parts.model.tied_copies(), {}
@@ -104,7 +108,8 @@ def _train(cfg, topology: Topology) -> tuple[list[float], dict[str, torch.Tensor
 
 
 CASES = {2: [(f, 2, vp, 1, False) for f in ("gpt2", "llama") for vp in (1, 2)] + [("gpt2", 2, 1, 1, False, 3, 5)],
-         4: [(f, 4, vp, 1, False) for f in ("gpt2", "llama") for vp in (1, 2)] + [(f, 2, vp, 2, vp == 2) for f in ("gpt2", "llama") for vp in (1, 2)],
+         4: [(f, 4, vp, 1, False) for f in ("gpt2", "llama") for vp in (1, 2)]
+            + [(f, 2, vp, 2, vp == 2) for f in ("gpt2", "llama") for vp in (1, 2)],
          8: [(f, 4, vp, 2, vp == 2) for f in ("gpt2", "llama") for vp in (1, 2)]}
 
 
@@ -146,10 +151,11 @@ def test_pipeline_layouts_match_one_device(world_size, references):
 
 def test_trace_shows_every_op_once_per_step(tmp_path):
     trace = tmp_path / "trace.json"
-    args = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
-            "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=3",
-            "--logging.progress_bar=false", "--data.mock=true", "--data.num_workers=0", "--parallel.pp=2", "--parallel.vp=2",
-            f"--logging.pipeline_trace={trace}", "--logging.pipeline_trace_steps=2"]
+    args = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8",
+            "--model.seq_length=32", "--model.vocab_size=250", "--train.micro_batch_size=1",
+            "--train.global_batch_size=4", "--train.train_iters=3", "--logging.progress_bar=false", "--data.mock=true",
+            "--data.num_workers=0", "--parallel.pp=2", "--parallel.vp=2", f"--logging.pipeline_trace={trace}",
+            "--logging.pipeline_trace_steps=2"]
     pretrain_torchrun(2, args)
     events = json.loads(trace.read_text())["traceEvents"]
     for rank in (0, 1):

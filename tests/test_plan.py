@@ -71,7 +71,8 @@ def test_bytes_per_parameter_follow_megatron_accounting():
     {"tp": 2, "pp": 1, "dp": 2, "distributed_optimizer": False, "param_dtype": "fp32"},
 ])
 def test_model_state_matches_measured_tensors(layout):
-    cfg = _model_config("gpt2", parallel={"tp": layout["tp"], "pp": layout["pp"], "distributed_optimizer": layout["distributed_optimizer"]},
+    cfg = _model_config("gpt2", parallel={"tp": layout["tp"], "pp": layout["pp"],
+                                          "distributed_optimizer": layout["distributed_optimizer"]},
                         train={"param_dtype": layout["param_dtype"], "precision": layout["param_dtype"]})
     cfg.model.hidden_size, cfg.model.vocab_size = 128, 1000  # big enough that bucket padding is noise
     world = layout["tp"] * layout["pp"] * layout["dp"]
@@ -80,7 +81,8 @@ def test_model_state_matches_measured_tensors(layout):
         pp_rank = measured["rank"] // (layout["tp"] * layout["dp"])
         planned = stage_memory(cfg, world, pp_rank, "cpu")
         assert measured["numel"] == planned.parameters.total
-        for key, value in (("params", planned.weights), ("grads", planned.gradients), ("main", planned.main_weights), ("state", planned.optimizer)):
+        for key, value in (("params", planned.weights), ("grads", planned.gradients), ("main", planned.main_weights),
+                           ("state", planned.optimizer)):
             assert measured[key] == pytest.approx(value, rel=0.1, abs=4096), key
 
 
@@ -97,9 +99,11 @@ def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: tor
         return t
 
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length), generator=generator)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),
+                           generator=generator)
     mask = torch.ones(tokens.shape)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), precision_context(cfg.train.precision, torch.device("cpu")):
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          precision_context(cfg.train.precision, torch.device("cpu"))):
         out = model(tokens, tokens, hidden=hidden, chunk=chunk)
         if out.shape == tokens.shape:
             (out * mask).sum()
@@ -128,7 +132,8 @@ def test_activations_of_a_middle_pipeline_chunk():
     """The last stage's chunk of pp=2 starts from a received hidden state (no embedding)."""
     cfg = _model_config("llama", parallel={"pp": 2}, train={"precision": "bf16", "param_dtype": "bf16"})
     model = one_device_model(cfg, 1)
-    hidden = torch.randn(cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    hidden = torch.randn(cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size, dtype=torch.bfloat16,
+                         requires_grad=True)
     assert saved_bytes(model, cfg, hidden=hidden) == pytest.approx(chunk_activation_bytes(cfg, 1, "cpu")[0], rel=0.1)
 
 
@@ -164,7 +169,8 @@ def test_in_flight_micro_batches_follow_the_schedule(pp, vp, microbatches):
 def test_planner_verdict_and_exit_status(capsys):
     assert plan_tool.main(["--config", "examples/gpt2_125m.yaml", "--world-size", "8"]) == 0
     assert "fits: " in capsys.readouterr().out
-    too_big = ["--config", "examples/llama_70b.yaml", "--world-size", "32", "--train.recompute=none", "--gpu", "a100-40gb"]
+    too_big = ["--config", "examples/llama_70b.yaml", "--world-size", "32", "--train.recompute=none",
+               "--gpu", "a100-40gb"]
     assert plan_tool.main(too_big) == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("does not fit: ")
     assert plan_tool.main(["--config", "examples/llama_70b.yaml", "--world-size", "12"]) == 2

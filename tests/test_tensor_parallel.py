@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.config import ParallelConfig
 from megalite.model.gpt import GPTModel
-from megalite.parallel.ddp import DataParallelGrads
-from megalite.parallel.layers import TPContext, parameter_shards, unshard
+from megalite.parallel.layers import parameter_shards, unshard
 from megalite.parallel.topology import Topology
+from megalite.training.build import build_trainer
 
 from conftest import tiny_config
 from distributed import metrics as read_metrics, pretrain_torchrun, run_ranks
@@ -22,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = [(family, sp) for family in ("gpt2", "llama") for sp in (False, True)]
 
 
-def _config(family: str):
+def _config(family: str, **sections):
     # vocab 250 pads to 256: with tp=4 the last rank's vocabulary slice is partly padding
-    return tiny_config(family, model={"vocab_size": 250, "num_query_groups": 4 if family == "llama" else None, "num_attention_heads": 8})
+    model = {"vocab_size": 250, "num_query_groups": 4 if family == "llama" else None, "num_attention_heads": 8}
+    return tiny_config(family, model=model, **sections)
 
 
 def _reference(family: str, tokens: torch.Tensor):
@@ -50,13 +50,11 @@ def _tp_run(rank: int, world_size: int) -> list[str]:
     tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
     for family, sp in CASES:
         ref_logits, ref_losses, ref_grads = _reference(family, tokens)
-        tp = TPContext.from_topology(topology, sp, seed=1234)
-        cfg = _config(family)
-        model = GPTModel(cfg.model, torch.device("cpu"), tp, seed=cfg.train.seed)
-        reducer = DataParallelGrads(model, model.chunk_parameters(), topology, ParallelConfig(tp=world_size, sequence_parallel=sp))
+        trainer = build_trainer(_config(family, parallel={"tp": world_size, "sequence_parallel": sp}), topology)
+        model = trainer.model
         losses = model(tokens, tokens.roll(-1, 1))
         losses.sum().backward()
-        reducer.reduce()
+        trainer.grads.reduce()
         with torch.no_grad():
             logits = model(tokens)
         checks = {"logits": (logits, ref_logits), "losses": (losses.detach(), ref_losses)}
@@ -66,7 +64,8 @@ def _tp_run(rank: int, world_size: int) -> list[str]:
             checks[f"grad {name}"] = (grad, ref_grads[name])
         for what, (got, want) in checks.items():
             if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5, rtol=0):
-                diff = (got - want).abs().max().item() if got.shape == want.shape else f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+                same = got.shape == want.shape
+                diff = (got - want).abs().max().item() if same else f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
                 failures.append(f"{family} sp={sp} {what}: {diff}")
     return failures
 
@@ -80,16 +79,19 @@ def test_tensor_parallel_matches_one_device(world_size):
 def _torchrun_losses(tmp_path: Path, nproc: int, family: str, extra: list[str]) -> list[float]:
     metrics = tmp_path / f"m{nproc}{family}{len(extra)}.jsonl"
     args = ["--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
-            "--model.vocab_size=250", f"--model.family={family}", "--train.micro_batch_size=2", "--train.global_batch_size=4",
+            "--model.vocab_size=250", f"--model.family={family}", "--train.micro_batch_size=2",
+            "--train.global_batch_size=4",
             "--train.train_iters=5", "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true",
             "--data.num_workers=0", f"--logging.metrics_file={metrics}", *extra]
     pretrain_torchrun(nproc, args)
     return [r["loss"] for r in read_metrics(metrics)]
 
 
-@pytest.mark.parametrize("family, nproc, extra", [("gpt2", 2, ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
-                                                  ("llama", 2, ["--parallel.tp=2"]),
-                                                  ("llama", 4, ["--parallel.tp=2", "--parallel.sequence_parallel=true"])])
+@pytest.mark.parametrize("family, nproc, extra", [
+    ("gpt2", 2, ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    ("llama", 2, ["--parallel.tp=2"]),
+    ("llama", 4, ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+])
 def test_five_steps_equal_one_device(tmp_path, family, nproc, extra):
     """Five optimizer steps; the 4-process case is tp=2 x dp=2."""
     reference = _torchrun_losses(tmp_path, 1, family, [])
@@ -99,6 +101,7 @@ def test_five_steps_equal_one_device(tmp_path, family, nproc, extra):
 def test_checkpoint_saved_at_tp2_resumes_at_tp1(tmp_path):
     ckpt = [f"--checkpoint.save={tmp_path / 'ckpt'}", f"--checkpoint.load={tmp_path / 'ckpt'}"]
     reference = _torchrun_losses(tmp_path, 1, "llama", [])
-    first = _torchrun_losses(tmp_path, 2, "llama", ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--train.exit_interval=2", *ckpt])
+    layout = ["--parallel.tp=2", "--parallel.sequence_parallel=true"]
+    first = _torchrun_losses(tmp_path, 2, "llama", [*layout, "--train.exit_interval=2", *ckpt])
     resumed = _torchrun_losses(tmp_path, 1, "llama", ["--data.num_workers=0", *ckpt])
     assert first + resumed == pytest.approx(reference, rel=1e-5)

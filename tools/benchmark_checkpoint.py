@@ -55,8 +55,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "examples" / "gpt2_125m.yaml"), help="model config (YAML, as pretrain_gpt.py takes)")
-    p.add_argument("--param-dtype", choices=("bf16", "fp32"), help="train.param_dtype (bf16 also sets bf16 precision); default: the config's")
+    p.add_argument("--config", default=str(ROOT / "examples" / "gpt2_125m.yaml"),
+                   help="model config (YAML, as pretrain_gpt.py takes)")
+    p.add_argument("--param-dtype", choices=("bf16", "fp32"),
+                   help="train.param_dtype (bf16 also sets bf16 precision); default: the config's")
     p.add_argument("--repeats", type=int, default=5, help="timed saves of each kind")
     p.add_argument("--dir", help="where checkpoints are written (default: a temporary directory)")
     p.add_argument("--append", help="append the results as a markdown section to this file")
@@ -72,7 +74,8 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.train.param_dtype = cfg.train.precision = "bf16"
     cfg.parallel.tp = cfg.parallel.pp = cfg.parallel.vp = 1
     cfg.train.micro_batch_size = cfg.train.global_batch_size = 1
-    cfg.data.mock, cfg.data.paths, cfg.data.train_paths, cfg.data.valid_paths, cfg.data.tokenizer_type = True, None, None, None, None
+    cfg.data.mock, cfg.data.paths, cfg.data.train_paths, cfg.data.valid_paths, cfg.data.tokenizer_type = (
+        True, None, None, None, None)
     cfg.train.device = "cpu"
     validate(cfg, 1)
     return cfg
@@ -139,14 +142,16 @@ def machine() -> str:
     except (OSError, StopIteration):
         model = platform.processor() or "unknown CPU"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"`lscpu` model name \"{model}\", {os.cpu_count()} cores, {memory:.0f} GiB memory, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, intra-op threads: {torch.get_num_threads()}")
+    return (f"`lscpu` model name \"{model}\", {os.cpu_count()} cores, {memory:.0f} GiB memory, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, "
+            f"intra-op threads: {torch.get_num_threads()}")
 
 
 def filesystem(path: Path) -> str:
     """The file system type and device of `path`, as df reports them."""
     try:
-        line = subprocess.run(["df", "-T", str(path)], check=False, capture_output=True, text=True).stdout.splitlines()[1].split()
+        line = (subprocess.run(["df", "-T", str(path)], check=False, capture_output=True, text=True)
+                .stdout.splitlines()[1].split())
         return f"{line[1]} on {line[0]}"
     except (OSError, IndexError):
         return "an unknown file system"
@@ -171,8 +176,9 @@ def measure(args: argparse.Namespace) -> dict:
                         results[key if "pause" in key else f"async_{key}"].append(timed[key])
                 else:
                     results["sync"].append(timed["total"])
-                print(f"repeat {i + 1}: {'async' if async_save else 'sync '} save() returned after {timed['stall']:.3f} s, "
-                      f"published after {timed['total']:.3f} s; training thread paused {timed['paused']:.3f} s "
+                print(f"repeat {i + 1}: {'async' if async_save else 'sync '} save() returned after "
+                      f"{timed['stall']:.3f} s, published after {timed['total']:.3f} s; training thread paused "
+                      f"{timed['paused']:.3f} s "
                       f"(longest {timed['longest_pause']:.3f} s)", flush=True)
             results["host_copy"].append(trained.host_copy())
     finally:
@@ -180,11 +186,13 @@ def measure(args: argparse.Namespace) -> dict:
             shutil.rmtree(base, ignore_errors=True)
     m = cfg.model
     contents = "bf16 parameters, fp32 main weights" if cfg.train.param_dtype != "fp32" else "fp32 parameters"
-    return {"results": results, "written": written, "contents": contents, "config": os.path.relpath(args.config, ROOT),
-            "filesystem": filesystem(base.parent), "params": trained.params, "step_seconds": trained.step_seconds,
+    return {"results": results, "written": written, "contents": contents,
+            "config": os.path.relpath(args.config, ROOT), "filesystem": filesystem(base.parent),
+            "params": trained.params, "step_seconds": trained.step_seconds,
             "where": str(base), "load": (load_before, os.getloadavg()),
-            "model": f"{m.family}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} "
-                     f"(padded {m.padded_vocab_size}), seq {m.seq_length}; train.param_dtype={cfg.train.param_dtype}"}
+            "model": f"{m.family}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+                     f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}; "
+                     f"train.param_dtype={cfg.train.param_dtype}"}
 
 
 def markdown(measured: dict, argv: list[str]) -> str:
@@ -193,10 +201,12 @@ def markdown(measured: dict, argv: list[str]) -> str:
     rows = [("synchronous save (`save()` returns when published)", r["sync"]),
             ("asynchronous save: stall (`save()` returns)", r["async_stall"]),
             ("asynchronous save: until published (`wait()` returns)", r["async_total"]),
-            ("asynchronous save: training thread paused while the files were written (sum of pauses > 20 ms)", r["paused"]),
+            ("asynchronous save: training thread paused while the files were written (sum of pauses > 20 ms)",
+             r["paused"]),
             ("asynchronous save: the longest of those pauses", r["longest_pause"]),
             ("host copy of the state alone", r["host_copy"])]
-    table = "\n".join(f"| {name} | {median(values):.3f} | {min(values):.3f}-{max(values):.3f} |" for name, values in rows)
+    table = "\n".join(f"| {name} | {median(values):.3f} | {min(values):.3f}-{max(values):.3f} |"
+                      for name, values in rows)
     (a1, a5, a15), (b1, b5, b15) = measured["load"]
     command = " ".join(["python tools/benchmark_checkpoint.py", *map(shlex.quote, argv)])
     return f"""

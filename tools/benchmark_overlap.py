@@ -63,16 +63,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace, distributed: bool, overlap: bool) -> Config:
     cfg = Config()
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size, m.seq_length = args.layers, args.hidden, args.heads, args.vocab, args.seq
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size, m.seq_length = (
+        args.layers, args.hidden, args.heads, args.vocab, args.seq)
     p.distributed_optimizer, p.overlap_grad_reduce, p.bucket_size = distributed, overlap, args.bucket_size
-    t.micro_batch_size, t.global_batch_size, t.precision = args.micro_batch, args.micro_batch * args.microbatches * WORLD_SIZE, args.precision
+    t.micro_batch_size, t.global_batch_size, t.precision = (
+        args.micro_batch, args.micro_batch * args.microbatches * WORLD_SIZE, args.precision)
     cfg.data.mock = True
     return cfg
 
 
 def mock_batches(cfg: Config, dp_rank: int, count: int) -> list[Batch]:
     """`count` micro batches of mock data, different on each data-parallel rank."""
-    data, make, mbs = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), BatchMaker(), cfg.train.micro_batch_size
+    data, make, mbs = (MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), BatchMaker(),
+                       cfg.train.micro_batch_size)
     return [make([data[(dp_rank * count + i) * mbs + j] for j in range(mbs)]) for i in range(count)]
 
 
@@ -107,7 +110,8 @@ class Case:
 def time_cases(topology: Topology, args: argparse.Namespace) -> list[dict]:
     """All configurations side by side, timed in turns (step i of each, then step i + 1), so that
     load from other processes on the machine spreads over all of them alike."""
-    cases = [Case.build(topology, build_config(args, distributed, overlap), args.microbatches) for distributed, overlap in CASES]
+    cases = [Case.build(topology, build_config(args, distributed, overlap), args.microbatches)
+             for distributed, overlap in CASES]
     for i in range(args.warmup + args.iters):
         for case in cases:
             seconds, wait = case.step(topology)
@@ -147,10 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     m, first = build_config(args, False, False).model, per_rank[0][0]
     print(f"gpt2: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size}, "
           f"{first['numel'] / 1e6:.1f}M parameters in {first['buckets']} buckets of >= {args.bucket_size:,} elements; "
-          f"seq {args.seq}, micro batch {args.micro_batch}, {args.microbatches} micro batches/step/rank, {args.precision}; "
-          f"{WORLD_SIZE} gloo ranks x 1 thread; torch {torch.__version__}; median of {args.iters} steps after {args.warmup} warmup")
-    print("| distributed optimizer | overlap_grad_reduce | step ms | wait ms, last rank out of backward (share of step) "
-          "| wait ms, mean of ranks | reduction alone ms |")
+          f"seq {args.seq}, micro batch {args.micro_batch}, {args.microbatches} micro batches/step/rank, "
+          f"{args.precision}; {WORLD_SIZE} gloo ranks x 1 thread; torch {torch.__version__}; "
+          f"median of {args.iters} steps after {args.warmup} warmup")
+    print("| distributed optimizer | overlap_grad_reduce | step ms "
+          "| wait ms, last rank out of backward (share of step) | wait ms, mean of ranks | reduction alone ms |")
     print("|---|---|---|---|---|---|")
     for index, (distributed, overlap) in enumerate(CASES):
         print(row(distributed, overlap, [timings[index] for timings in per_rank]))

@@ -177,8 +177,9 @@ def row(case: Case, ranks: list[dict], args: argparse.Namespace) -> str:
     bubble, bubble_np = (step - ideal) / ideal, (step - no_pipeline) / no_pipeline
     peaks = ",".join(str(r["peak"]) for r in ranks)
     expected = ",".join(str(case.expected_peak(rank)) for rank in range(case.pp))
-    return (f"| {case.schedule} | {case.pp} | {case.vp} | {case.m} | {1e3 * step:.0f} | {1e3 * ideal:.0f} | {1e3 * no_pipeline:.0f} "
-            f"| {theory:.3f} | {bubble:.3f} ({bubble / theory:.2f}x) | {bubble_np:.3f} ({bubble_np / theory:.2f}x) "
+    return (f"| {case.schedule} | {case.pp} | {case.vp} | {case.m} | {1e3 * step:.0f} | {1e3 * ideal:.0f} "
+            f"| {1e3 * no_pipeline:.0f} | {theory:.3f} | {bubble:.3f} ({bubble / theory:.2f}x) "
+            f"| {bubble_np:.3f} ({bubble_np / theory:.2f}x) "
             f"| {1e3 * ranks[1]['latency']:.2f} | {peaks} ({expected}) |")
 
 

@@ -46,7 +46,8 @@ PLANS = {
     "125m": (["--parallel.tp=2", "--parallel.pp=2"], [
         (4, ["--parallel.tp=2", "--parallel.pp=2"]), (8, ["--parallel.tp=2", "--parallel.pp=2"]),
         (4, ["--parallel.tp=4"]), (2, ["--parallel.pp=2"]), (1, [])]),
-    "1.3b": (["--parallel.pp=8"], [(8, ["--parallel.pp=8"]), (8, ["--parallel.pp=4"]), (4, ["--parallel.tp=2", "--parallel.pp=2"])]),
+    "1.3b": (["--parallel.pp=8"], [
+        (8, ["--parallel.pp=8"]), (8, ["--parallel.pp=4"]), (4, ["--parallel.tp=2", "--parallel.pp=2"])]),
 }
 SAVE_WORLD = 8
 
@@ -122,15 +123,17 @@ def main() -> None:
         size = sum(f.stat().st_size for f in final.glob("rank_*.safetensors"))
         print(f"GPT-2 {args.model}, saved at {' '.join(PLANS[args.model][0]) or 'one device'} x dp "
               f"{SAVE_WORLD}: {size / 2**30:.2f} GiB in {time.perf_counter() - begin:.0f} s (CPU: {_cpu()})")
-        print("| resumed at | ranks | bytes read per rank (min-max) | all ranks / checkpoint | slowest rank's load | per-rank rate |")
+        print("| resumed at | ranks | bytes read per rank (min-max) | all ranks / checkpoint | slowest rank's load "
+              "| per-rank rate |")
         print("|---|---|---|---|---|---|")
         for world, layout in PLANS[args.model][1]:
             results = run_on_ranks(world, _load, args.model, layout, str(final))
             reads, seconds = [r[0] for r in results], [r[1] for r in results]
             slow = max(range(world), key=lambda r: seconds[r])
             cache = "cold" if all(r[2] for r in results) else "page cache kept"
-            print(f"| {' '.join(layout) or 'one device'} | {world} | {min(reads) / 2**30:.3f}-{max(reads) / 2**30:.3f} GiB | "
-                  f"{sum(reads) / size:.2f} | {seconds[slow]:.1f} s ({cache}) | {reads[slow] / seconds[slow] / 2**30:.2f} GiB/s |")
+            print(f"| {' '.join(layout) or 'one device'} | {world} | "
+                  f"{min(reads) / 2**30:.3f}-{max(reads) / 2**30:.3f} GiB | {sum(reads) / size:.2f} | "
+                  f"{seconds[slow]:.1f} s ({cache}) | {reads[slow] / seconds[slow] / 2**30:.2f} GiB/s |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     peak = measure_peak_tflops(device, _DTYPES[args.precision])
     flops_per_token = training_flops_per_token(cfg.model)
     tokens_per_step = args.micro_batch * args.seq
-    print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")
     print(f"model gpt2 L={args.layers} h={args.hidden} heads={args.heads} seq={args.seq} mb={args.micro_batch} "
           f"vocab={args.vocab}, precision {args.precision}, {flops_per_token / 1e6:.1f} MFLOP/token")
     print(f"measured matmul peak: {peak:.3f} TFLOP/s ({args.precision}, {device.type})")
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         seconds = median_step_seconds(build(), args.warmup, args.steps, device)
         tokens_per_s[name] = tokens_per_step / seconds
         mfu = tokens_per_s[name] * flops_per_token / (peak * 1e12)
-        print(f"{name:<12} {seconds * 1e3:8.1f} ms/step {tokens_per_s[name]:10.1f} tokens/s  MFU {mfu:6.1%}", flush=True)
+        print(f"{name:<12} {seconds * 1e3:8.1f} ms/step {tokens_per_s[name]:10.1f} tokens/s  MFU {mfu:6.1%}",
+              flush=True)
         gc.collect()
     print(f"megalite / huggingface: {tokens_per_s['megalite'] / tokens_per_s['huggingface']:.3f}x")
 

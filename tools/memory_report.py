@@ -40,7 +40,8 @@ from megalite.training.step import train_step
 
 # A GPT-2-shaped model of 29M parameters: 8 ranks of it (444 MiB of tensors each) fit easily in 24 GB.
 DEFAULT_MODEL = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 32000, "seq_length": 256}
-MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads", "vocab": "vocab_size", "seq": "seq_length"}
+MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads", "vocab": "vocab_size",
+               "seq": "seq_length"}
 CATEGORIES = ("params", "grads", "main", "state")
 
 
@@ -52,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel sizes, one layout each")
-    p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16", help="train.param_dtype (bf16 also sets bf16 precision)")
+    p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="train.param_dtype (bf16 also sets bf16 precision)")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="only with (or --no-... only without); default: both")
     return p.parse_args(argv)
@@ -80,12 +82,14 @@ def build_config(args: argparse.Namespace, dp: int, distributed: bool) -> Config
 
 def storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     """Bytes of each distinct storage behind `tensors`, keyed by its address."""
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().nbytes()}
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tensors if t.untyped_storage().nbytes()}
 
 
 def mock_batches(cfg: Config, dp_rank: int, count: int) -> list[Batch]:
     """`count` micro batches of mock data, different on each data-parallel rank."""
-    data, make, mbs = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), BatchMaker(), cfg.train.micro_batch_size
+    data, make, mbs = (MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), BatchMaker(),
+                       cfg.train.micro_batch_size)
     return [make([data[(dp_rank * count + i) * mbs + j] for j in range(mbs)]) for i in range(count)]
 
 
@@ -96,9 +100,11 @@ def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]
     train_step(parts, mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size)))
     held = storages(params)
-    grads = storages([b.grad_data for b in parts.grads.buffers] + [t.grad for t in params + mains if t.grad is not None])
+    grads = storages([b.grad_data for b in parts.grads.buffers]
+                     + [t.grad for t in params + mains if t.grad is not None])
     main = {k: v for k, v in storages(mains).items() if k not in held}
-    state = storages(t for s in parts.optimizer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    state = storages(t for s in parts.optimizer.optimizer.state.values() for t in s.values()
+                     if isinstance(t, torch.Tensor))
     sizes = {name: sum(found.values()) for name, found in zip(CATEGORIES, (held, grads, main, state))}
     return {**sizes, "rank": rank, "numel": sum(p.numel() for p in params)}
 
@@ -126,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     modes = [False, True] if args.distributed_optimizer is None else [args.distributed_optimizer]
     m = build_config(args, 1, False).model
-    print(f"{m.family}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} "
-          f"(padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; {args.param_dtype} parameters; torch {torch.__version__}")
+    print(f"{m.family}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+          f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; "
+          f"{args.param_dtype} parameters; torch {torch.__version__}")
     print("| dp | distributed optimizer | rank shown | parameters held | params MiB | grads MiB | main weights MiB "
           "| optimizer state MiB | total MiB | total MiB over ranks | bytes/param | expected |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

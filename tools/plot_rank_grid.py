@@ -47,7 +47,8 @@ def draw(tp: int, pp: int, dp: int, per_node: int, output: Path) -> None:
         ax.text(gpu + 0.46, -node + 0.52, f"rank {rank}", ha="center", fontsize=10, weight="bold")
         ax.text(gpu + 0.46, -node + 0.2, f"pp {s} dp {d} tp {t}", ha="center", fontsize=8)
         if t == 0:  # outline the whole tensor-parallel group (adjacent ranks, inside one node)
-            ax.add_patch(Rectangle((gpu - 0.04, -node - 0.05), tp - 0.04, 0.9, fill=False, linewidth=2.5, edgecolor="black"))
+            ax.add_patch(Rectangle((gpu - 0.04, -node - 0.05), tp - 0.04, 0.9, fill=False, linewidth=2.5,
+                                   edgecolor="black"))
     for node in range(nodes):
         ax.text(-0.2, -node + 0.4, f"node {node}", ha="right", va="center", fontsize=11)
     ax.set_xlim(-1.4, per_node + 0.1)

@@ -48,7 +48,8 @@ def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2G
     tied = {"lm_head.weight"} if cfg.model.tied else set()
     if result.unexpected_keys or set(result.missing_keys) - tied:
         raise ValueError(f"{load}: the {type(model).__name__} built from its config does not match its tensors: "
-                         f"missing {sorted(set(result.missing_keys) - tied)}, unexpected {sorted(result.unexpected_keys)}")
+                         f"missing {sorted(set(result.missing_keys) - tied)}, "
+                         f"unexpected {sorted(result.unexpected_keys)}")
     model.tie_weights()
     tmp = save.with_name(save.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -73,7 +74,8 @@ def load_hf(source: str | Path):
     if not gguf and not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True, **gguf)
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf) if gguf or has_tokenizer(directory) else None
+    tokenizer = (AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
+                 if gguf or has_tokenizer(directory) else None)
     return model, tokenizer
 
 
@@ -85,7 +87,8 @@ def hf_to_megalite(load: str | Path, save: str | Path, make_vocab_size_divisible
     return hf_model_to_megalite(model, tokenizer, save, f"{load} (config.json)", make_vocab_size_divisible_by)
 
 
-def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_vocab_size_divisible_by: int = 128) -> Path:
+def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str,
+                         make_vocab_size_divisible_by: int = 128) -> Path:
     """Write a weights-only megalite checkpoint of a loaded GPT2LMHeadModel / LlamaForCausalLM, with its
     tokenizer (if any) under save/tokenizer; returns the iteration directory, whose config.yaml holds the
     derived model config and names the tokenizer. `source` names the model in errors."""
@@ -97,7 +100,8 @@ def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_v
     tied = {"lm_head.weight"} if cfg.model.tied else set()
     unused = set(hf_state) - set(to_hf(tensors, cfg.model)) - tied
     if unused:
-        raise ValueError(f"{source}: tensors {sorted(unused)} have no place in megalite's {cfg.model.family}; this model cannot be converted")
+        raise ValueError(f"{source}: tensors {sorted(unused)} have no place in megalite's {cfg.model.family}; "
+                         "this model cannot be converted")
     save.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
         cfg.data = DataConfig(**keep_tokenizer(tokenizer, save))

@@ -67,8 +67,8 @@ def _check_fixed(hf, fixed: dict[str, tuple], source: str) -> None:
     for name, allowed in fixed.items():
         value = getattr(hf, name, allowed[0])
         if value not in allowed:
-            raise ValueError(f"{source}: {name}={value!r}, but megalite's {hf.model_type} computes {name}={allowed[0]!r}; "
-                             "this model cannot be converted")
+            raise ValueError(f"{source}: {name}={value!r}, but megalite's {hf.model_type} computes "
+                             f"{name}={allowed[0]!r}; this model cannot be converted")
 
 
 def model_config_from_hf(hf, source: str) -> ModelConfig:
@@ -79,26 +79,30 @@ def model_config_from_hf(hf, source: str) -> ModelConfig:
         _check_fixed(hf, _GPT2_FIXED, source)
         return ModelConfig(
             family="gpt2", num_layers=hf.n_layer, hidden_size=hf.n_embd, num_attention_heads=hf.n_head,
-            ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, seq_length=hf.n_positions, max_position_embeddings=hf.n_positions,
-            vocab_size=hf.vocab_size, tie_embeddings=hf.tie_word_embeddings, norm_epsilon=hf.layer_norm_epsilon,
-            init_std=hf.initializer_range, hidden_dropout=hf.resid_pdrop, attention_dropout=hf.attn_pdrop,
+            ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, seq_length=hf.n_positions,
+            max_position_embeddings=hf.n_positions, vocab_size=hf.vocab_size, tie_embeddings=hf.tie_word_embeddings,
+            norm_epsilon=hf.layer_norm_epsilon, init_std=hf.initializer_range, hidden_dropout=hf.resid_pdrop,
+            attention_dropout=hf.attn_pdrop,
         )
     if hf.model_type != "llama":
-        raise ValueError(f"{source}: model_type={hf.model_type!r}; megalite converts gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM)")
+        raise ValueError(f"{source}: model_type={hf.model_type!r}; "
+                         "megalite converts gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM)")
     _check_fixed(hf, _LLAMA_FIXED, source)
     rope = hf.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{source}: rope_parameters.rope_type={rope['rope_type']!r}; megalite implements plain RoPE (default) only")
+        raise ValueError(f"{source}: rope_parameters.rope_type={rope['rope_type']!r}; "
+                         "megalite implements plain RoPE (default) only")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     if head_dim * hf.num_attention_heads != hf.hidden_size:
-        raise ValueError(f"{source}: head_dim={head_dim} x num_attention_heads={hf.num_attention_heads} != hidden_size={hf.hidden_size}; "
-                         "megalite derives head_dim as hidden_size / heads")
+        raise ValueError(f"{source}: head_dim={head_dim} x num_attention_heads={hf.num_attention_heads} "
+                         f"!= hidden_size={hf.hidden_size}; megalite derives head_dim as hidden_size / heads")
     return ModelConfig(
-        family="llama", num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
-        num_query_groups=hf.num_key_value_heads or hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
-        seq_length=hf.max_position_embeddings, max_position_embeddings=hf.max_position_embeddings, vocab_size=hf.vocab_size,
-        tie_embeddings=hf.tie_word_embeddings, rope_theta=float(rope.get("rope_theta", 10000.0)), norm_epsilon=hf.rms_norm_eps,
-        init_std=hf.initializer_range, attention_dropout=hf.attention_dropout,
+        family="llama", num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+        num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_key_value_heads or hf.num_attention_heads,
+        ffn_hidden_size=hf.intermediate_size, seq_length=hf.max_position_embeddings,
+        max_position_embeddings=hf.max_position_embeddings, vocab_size=hf.vocab_size,
+        tie_embeddings=hf.tie_word_embeddings, rope_theta=float(rope.get("rope_theta", 10000.0)),
+        norm_epsilon=hf.rms_norm_eps, init_std=hf.initializer_range, attention_dropout=hf.attention_dropout,
     )
 
 
@@ -126,7 +130,8 @@ def _gpt2_layer_names(i: int) -> dict[str, str]:
     hf, ml = f"transformer.h.{i}.", f"layers.{i}."
     names = {f"{ml}input_norm.{p}": f"{hf}ln_1.{p}" for p in ("weight", "bias")}
     names |= {f"{ml}pre_mlp_norm.{p}": f"{hf}ln_2.{p}" for p in ("weight", "bias")}
-    for ours, theirs in (("attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
+    for ours, theirs in (("attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
+                         ("mlp.linear_fc2", "mlp.c_proj")):
         names |= {f"{ml}{ours}.{p}": f"{hf}{theirs}.{p}" for p in ("weight", "bias")}
     return names
 
@@ -205,5 +210,6 @@ def from_hf(hf: StateDict, cfg: ModelConfig) -> StateDict:
             attn = f"model.layers.{i}.self_attn."
             out[f"{qkv}weight"] = _group_qkv(*(hf[f"{attn}{p}_proj.weight"] for p in "qkv"), cfg.kv_heads)
             mlp = f"model.layers.{i}.mlp."
-            out[f"layers.{i}.mlp.linear_fc1.weight"] = torch.cat((hf[f"{mlp}gate_proj.weight"], hf[f"{mlp}up_proj.weight"]))
+            out[f"layers.{i}.mlp.linear_fc1.weight"] = torch.cat((hf[f"{mlp}gate_proj.weight"],
+                                                                  hf[f"{mlp}up_proj.weight"]))
     return {k: v.contiguous() for k, v in out.items()}

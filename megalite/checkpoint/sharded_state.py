@@ -103,7 +103,8 @@ class ShardedState:
             where = [spec.dim, spec.blocks, self.tp.rank, self.tp.size] if spec else None
             shape = self._global_shape(e.local, e.param)
 
-            def add(kind: str, tensor: torch.Tensor, lo: int = e.lo, hi: int = e.hi, shape: list[int] = shape, where=where) -> None:
+            def add(kind: str, tensor: torch.Tensor, lo: int = e.lo, hi: int = e.hi, shape: list[int] = shape,
+                    where=where) -> None:
                 out.append((Piece(e.stored, kind, shape, where, lo, hi), tensor.detach().reshape(-1)))
 
             add("model", e.param.reshape(-1)[e.lo:e.hi])
@@ -136,10 +137,12 @@ class ShardedState:
             values["step"] = reader.read_part(e.stored, "step", Target((1,), None, 0, 1))
             missing = [kind for kind, value in values.items() if value is None]
             if missing:
-                raise ValueError(f"checkpoint {reader.path} has optimizer state, but not {', '.join(missing)} of {e.stored} "
-                                 "(saved by another optimizer implementation?): Adam would restart silently; pass "
-                                 "--checkpoint.load_optimizer=false to resume the weights with fresh optimizer state")
-            state[e.index] = {kind: values[kind].view_as(e.main) for kind in MOMENTS} | {"step": values["step"].reshape(())}
+                raise ValueError(f"checkpoint {reader.path} has optimizer state, but not {', '.join(missing)} of "
+                                 f"{e.stored} (saved by another optimizer implementation?): Adam would restart "
+                                 "silently; pass --checkpoint.load_optimizer=false to resume the weights with fresh "
+                                 "optimizer state")
+            state[e.index] = ({kind: values[kind].view_as(e.main) for kind in MOMENTS}
+                              | {"step": values["step"].reshape(())})
         current = self.optimizer.state_dict()
         self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
         return True

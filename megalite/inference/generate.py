@@ -38,7 +38,8 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.temperature < 0:
-            raise ValueError(f"need max_new_tokens >= 1 and temperature >= 0, got {self.max_new_tokens} and {self.temperature}")
+            raise ValueError(f"need max_new_tokens >= 1 and temperature >= 0, "
+                             f"got {self.max_new_tokens} and {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k={self.top_k} must be >= 1 (or unset for no cut)")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
@@ -76,8 +77,9 @@ def generate(model: GPTModel, prompt: list[int], sampling: Sampling) -> list[int
         raise ValueError("the prompt is empty; give at least one token")
     total = len(prompt) + sampling.max_new_tokens
     if total > model.cfg.positions:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the model's "
-                         f"{model.cfg.positions} positions (model.max_position_embeddings); shorten one of them")
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
+                         f"model's {model.cfg.positions} positions (model.max_position_embeddings); "
+                         "shorten one of them")
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
     cache = KVCache(total) if sampling.use_cache else None

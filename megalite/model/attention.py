@@ -30,7 +30,8 @@ class SelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
-        self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size, cfg.head_dim
+        self.heads, self.groups, self.head_dim = (cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size,
+                                                  cfg.head_dim)
         bias = cfg.features.bias
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, tp, bias)
@@ -39,8 +40,10 @@ class SelfAttention(nn.Module):
         self.recompute_core = False
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache | None = None) -> torch.Tensor:
-        """x: [seq (/tp under SP), batch, hidden] -> the same shape; `cache` holds (and receives) earlier tokens' k, v."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """x: [seq (/tp under SP), batch, hidden] -> the same shape; `cache` holds (and receives)
+        earlier tokens' k, v."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         per_group = self.heads // self.groups

@@ -40,7 +40,8 @@ class TransformerLayer(nn.Module):
         self.tp = tp
         self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         with self.tp.hidden_rng():
             x = x + self.dropout(self.attention(self.input_norm(x), rope, cache))
             return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
@@ -122,15 +123,18 @@ class GPTModel(nn.Module):
             groups[-1] = groups[-1] + [*self.final_norm.parameters(), *self.lm_head.parameters()]
         return groups
 
-    def _rope(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _rope(self, tokens: torch.Tensor,
+              position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.features.position_embedding != "rope":
             return None
         if tokens.device not in self._rope_cache:
-            self._rope_cache[tokens.device] = rope_tables(self.cfg.positions, self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+            self._rope_cache[tokens.device] = rope_tables(self.cfg.positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                                          tokens.device)
         return rope_for(self._rope_cache[tokens.device], tokens.shape[1], position_ids)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, chunk: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None, chunk: int = 0,
+                cache: KVCache | None = None) -> torch.Tensor:
         """Run model chunk `chunk` of this rank on one micro batch.
 
         The first chunk embeds `tokens`; others continue from `hidden` ([seq (/tp under SP), batch,
@@ -141,7 +145,8 @@ class GPTModel(nn.Module):
         cache.length unless given, and the layers store the tokens' keys and values.
         """
         if cache is not None and position_ids is None:
-            position_ids = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+            position_ids = torch.arange(cache.length, cache.length + tokens.shape[1],
+                                        device=tokens.device).expand(tokens.shape[0], -1)
         x = self.embedding(tokens, position_ids) if self.stage.is_first_chunk(chunk) else hidden
         rope = self._rope(tokens, position_ids)
         for index in range(*self.stage.chunks[chunk]):

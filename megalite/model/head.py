@@ -24,7 +24,8 @@ class LMHead(nn.Module):
     """Rows of the (padded) vocabulary split across the tensor-parallel group; only the first
     `vocab_size` rows are ever scored."""
 
-    def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, tp: TPContext, owns_weight: bool) -> None:
+    def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, tp: TPContext,
+                 owns_weight: bool) -> None:
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
         self.weight = nn.Parameter(torch.empty(padded_vocab_size // tp.size, hidden_size)) if owns_weight else None
@@ -45,5 +46,6 @@ class LMHead(nn.Module):
         if labels is None:
             return gather_from_tp(logits, tp.group)[..., : self.vocab_size].transpose(0, 1)
         start = tp.rank * logits.shape[-1]
-        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.t().flatten(), start, self.vocab_size, tp.group)
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.t().flatten(), start, self.vocab_size,
+                                              tp.group)
         return losses.view(labels.shape[1], labels.shape[0]).t()

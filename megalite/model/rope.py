@@ -14,7 +14,8 @@ def rope_tables(positions: int, head_dim: int, theta: float, device: torch.devic
     return angles.cos(), angles.sin()
 
 
-def rope_for(tables: tuple[torch.Tensor, torch.Tensor], seq: int, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_for(tables: tuple[torch.Tensor, torch.Tensor], seq: int,
+             position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin broadcastable to [seq, batch, heads, head_dim]: positions 0..seq-1, or position_ids [batch, seq]."""
     if position_ids is None:
         return tuple(t[:seq, None, None, :] for t in tables)

@@ -87,7 +87,8 @@ class DistributedOptimizer:
         self.params = [self._main_param(names[id(param)], param, lo, hi)
                        for buffer in buffers for param, lo, hi in buffer.owned_ranges()]
         shards = parameter_shards(model)
-        self._counted = [m for m in self.params if m.name not in tied_copies and (m.name in shards or topology.tp_rank == 0)]
+        self._counted = [m for m in self.params
+                         if m.name not in tied_copies and (m.name in shards or topology.tp_rank == 0)]
         self._copies = [(m.target, m.main) for m in self.params if m.is_copy]
         self.optimizer = adamw(decay_groups(((m.name, m.param, m.main) for m in self.params), cfg.weight_decay), cfg)
         self._gathers: dict[int, dist.Work] = {}

@@ -48,9 +48,11 @@ class GradBuffer:
     """`held` parameters' buckets are not reduced during backward but only in `finish`, after their
     gradients were combined with another stage's (tied embeddings, see ddp.py)."""
 
-    def __init__(self, params: list[nn.Parameter], bucket_size: int, dp_group: dist.ProcessGroup, dp: int, dp_rank: int,
-                 distributed: bool, overlap: bool, held: frozenset[int] = frozenset(), grad_dtype: torch.dtype = torch.float32) -> None:
-        self.dp_group, self.dp, self.dp_rank, self.distributed, self.overlap = dp_group, dp, dp_rank, distributed, overlap
+    def __init__(self, params: list[nn.Parameter], bucket_size: int, dp_group: dist.ProcessGroup, dp: int,
+                 dp_rank: int, distributed: bool, overlap: bool, held: frozenset[int] = frozenset(),
+                 grad_dtype: torch.dtype = torch.float32) -> None:
+        self.dp_group, self.dp, self.dp_rank, self.distributed, self.overlap = (
+            dp_group, dp, dp_rank, distributed, overlap)
         self.buckets: list[Bucket] = []
         self.offsets: dict[int, tuple[int, int]] = {}
         offset, current = 0, []

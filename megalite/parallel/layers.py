@@ -126,7 +126,8 @@ class VocabParallelEmbedding(nn.Module):
         local = tokens - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_scatter_to_sp(out, self.tp.group) if self.tp.sequence_parallel else reduce_from_tp(out, self.tp.group)
+        return (reduce_scatter_to_sp(out, self.tp.group) if self.tp.sequence_parallel
+                else reduce_from_tp(out, self.tp.group))
 
 
 def parameter_shards(model: nn.Module) -> dict[str, ShardSpec]:

@@ -46,7 +46,8 @@ def init_process_group(device: torch.device, timeout_minutes: float = 10.0) -> N
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = timedelta(minutes=timeout_minutes)
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **_attempt_store(timeout))
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                **_attempt_store(timeout))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
@@ -59,7 +60,8 @@ def _attempt_store(timeout: timedelta) -> dict:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": dist.PrefixStore(f"megalite/attempt_{attempt}", agent), "rank": rank, "world_size": world_size}
 
@@ -200,11 +202,13 @@ class Topology:
         return flags.tolist()
 
     @classmethod
-    def from_environment(cls, device_preference: str = "auto", timeout_minutes: float = 10.0, tp: int = 1, pp: int = 1) -> "Topology":
+    def from_environment(cls, device_preference: str = "auto", timeout_minutes: float = 10.0, tp: int = 1,
+                         pp: int = 1) -> "Topology":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = pick_device(device_preference, local_rank)
         init_process_group(device, timeout_minutes)
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, tp=tp, pp=pp, timeout_minutes=timeout_minutes)
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, tp=tp, pp=pp,
+                   timeout_minutes=timeout_minutes)
 
 
 def synchronize(device: torch.device) -> None:

@@ -71,7 +71,8 @@ def layer_bytes(cfg: Config, device: str = "cuda") -> int:
         + tokens * (heads + 2 * groups) * d * w.compute  # fused QKV output; v (and q, k without RoPE) are views of it
         + (tokens * (heads + groups) * d * w.compute if features.position_embedding == "rope" else 0)  # q, k after RoPE
         + tokens * heads * d * w.compute  # attention output = projection input
-        + (cfg.train.micro_batch_size * heads * m.seq_length * 4 if cfg.train.recompute == "none" else 0)  # flash logsumexp
+        + (cfg.train.micro_batch_size * heads * m.seq_length * 4
+           if cfg.train.recompute == "none" else 0)  # flash logsumexp
     )
     intermediates = 4 if features.gated_mlp else 2  # gate|up, silu(gate), product / GELU input and output
     mlp = tokens * h * w.compute + intermediates * tokens * ffn * w.compute

@@ -59,7 +59,8 @@ def transient_bytes(cfg: Config, params: Parameters, dp: int, activations: float
     bf16-reduced gradient slices for the fp32 main weights."""
     backward = params.largest * _BYTES[cfg.train.param_dtype]
     if cfg.train.recompute == "full":
-        backward += layer_bytes(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none")), device)
+        backward += layer_bytes(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none")),
+                                device)
     shards = dp if cfg.parallel.distributed_optimizer else 1
     step = params.total * 4 / shards if cfg.parallel.grad_reduce_dtype != "fp32" else 0
     return max(backward, step - activations)

@@ -28,7 +28,8 @@ class Parameters:
         return self.sharded + self.replicated
 
     def __add__(self, other: "Parameters") -> "Parameters":
-        return Parameters(self.sharded + other.sharded, self.replicated + other.replicated, max(self.largest, other.largest))
+        return Parameters(self.sharded + other.sharded, self.replicated + other.replicated,
+                          max(self.largest, other.largest))
 
 
 def _params(tp: int, sharded: list[int], replicated: list[int]) -> Parameters:

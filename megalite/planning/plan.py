@@ -104,9 +104,10 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"model: {m.family}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.kv_heads} KV), ffn {m.ffn_size}, vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}",
-        f"layout: world {plan.world_size} = tp {p.tp} x pp {p.pp} (vp {p.vp}) x dp {plan.dp}; sequence parallel {p.sequence_parallel}; "
-        f"distributed optimizer {p.distributed_optimizer}",
-        f"batch: global {cfg.batch_size(plan.world_size)} = {plan.microbatches} micro batches x {cfg.train.micro_batch_size} x dp {plan.dp}; "
+        f"layout: world {plan.world_size} = tp {p.tp} x pp {p.pp} (vp {p.vp}) x dp {plan.dp}; "
+        f"sequence parallel {p.sequence_parallel}; distributed optimizer {p.distributed_optimizer}",
+        f"batch: global {cfg.batch_size(plan.world_size)} = {plan.microbatches} micro batches x "
+        f"{cfg.train.micro_batch_size} x dp {plan.dp}; "
         f"precision {cfg.train.precision}, parameters {cfg.train.param_dtype}, recompute {cfg.train.recompute}",
         f"parameters: {plan.parameters / 1e9:.3f} B total; per GPU "
         + ", ".join(f"stage {s.pp_rank}: {s.parameters.total / 1e6:.1f} M" for s in plan.stages),
@@ -115,7 +116,8 @@ def format_plan(plan: Plan) -> str:
         f"  gradients        {_gib(w.gradients)}",
         f"  main weights     {_gib(w.main_weights)}",
         f"  optimizer state  {_gib(w.optimizer)}",
-        f"  activations      {_gib(w.activations)} (peak: {w.in_flight} forward{'s' if w.in_flight != 1 else ''} held for backward, recompute {cfg.train.recompute})",
+        f"  activations      {_gib(w.activations)} (peak: {w.in_flight} forward{'s' if w.in_flight != 1 else ''} "
+        f"held for backward, recompute {cfg.train.recompute})",
         f"  transient        {_gib(w.transient)}",
         f"  reserved         {RESERVED_GIB:.2f} GiB (CUDA context, NCCL, fragmentation)",
         f"  total            {plan.needed_gib:.2f} GiB",
@@ -125,7 +127,8 @@ def format_plan(plan: Plan) -> str:
     if plan.step_seconds is None:
         lines.append(f"step time: n/a ({plan.gpu} has no {cfg.train.precision} peak in megalite/training/flops.py)")
     else:
-        lines.append(f"step time at {plan.assumed_mfu:.0%} MFU ({plan.peak_tflops:g} TFLOP/s peak per {plan.gpu}): {plan.step_seconds:.2f} s, "
+        lines.append(f"step time at {plan.assumed_mfu:.0%} MFU ({plan.peak_tflops:g} TFLOP/s peak per {plan.gpu}): "
+                     f"{plan.step_seconds:.2f} s, "
                      f"{plan.tokens_per_step / plan.step_seconds / plan.world_size:,.0f} tokens/s per GPU")
     lines.append(plan.verdict())
     return "\n".join(lines)

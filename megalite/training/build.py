@@ -7,9 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from megalite.config import TORCH_DTYPES, Config
-from megalite.model.gpt import GPTModel
 from megalite.checkpoint.sharded_state import ShardedState
-from megalite.model.gpt import TIED_COPY
+from megalite.model.gpt import TIED_COPY, GPTModel
 from megalite.model.recompute import apply_recompute
 from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.distributed_optimizer import DistributedOptimizer

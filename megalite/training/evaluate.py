@@ -34,7 +34,8 @@ def evaluate(trainer: Trainer, data: TrainingData) -> tuple[float, float]:
     for _ in range(cfg.train.eval_iters):
         batches = [next(stream).to(topology.device) for _ in range(per_step)]
         pipeline = trainer.pipeline
-        run_schedule("forward", per_step, microbatch_forward(trainer, batches, add_losses), pipeline.stage, pipeline.comm)
+        run_schedule("forward", per_step, microbatch_forward(trainer, batches, add_losses), pipeline.stage,
+                     pipeline.comm)
     dist.all_reduce(totals, group=topology.dp_group)
     model.train()
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")

@@ -34,8 +34,9 @@ from megalite.training.step import StepResult, train_step
 from megalite.training.trace import write_chrome_trace
 from megalite.training.wandb_logger import new_run_id
 
-_CONSOLE = {"loss": "loss", "lr": "lr", "grad_norm": "grad norm", "loss_scale": "loss scale", "skipped_steps": "skipped",
-            "tokens_per_sec": "tokens/s", "tflops_per_device": "TFLOP/s/device", "mfu": "MFU", "peak_memory_gib": "peak mem GiB"}
+_CONSOLE = {"loss": "loss", "lr": "lr", "grad_norm": "grad norm", "loss_scale": "loss scale",
+            "skipped_steps": "skipped", "tokens_per_sec": "tokens/s", "tflops_per_device": "TFLOP/s/device",
+            "mfu": "MFU", "peak_memory_gib": "peak mem GiB"}
 
 
 @dataclass
@@ -51,7 +52,8 @@ class RunResult:
 class Run:
     def __init__(self, cfg: Config, topology: Topology) -> None:
         self.cfg, self.topology = cfg, topology
-        self.profiler = Profiler(cfg.logging, topology.rank, topology.device)  # first: a memory snapshot then sees every allocation
+        # first: a memory snapshot then sees every allocation
+        self.profiler = Profiler(cfg.logging, topology.rank, topology.device)
         self.gbs = cfg.batch_size(topology.world_size)
         tokenizer = training_tokenizer(cfg.data, cfg.model.vocab_size)
         if tokenizer is not None:
@@ -87,7 +89,8 @@ class Run:
         if not load:
             return None, []
         if c.load and c.load != c.save and not Path(c.load).exists():
-            raise FileNotFoundError(f"checkpoint.load={c.load} does not exist; fix the path or drop --checkpoint.load to start from scratch")
+            raise FileNotFoundError(f"checkpoint.load={c.load} does not exist; "
+                                    "fix the path or drop --checkpoint.load to start from scratch")
         resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes)
         if resumed is None:
             return None, []
@@ -105,8 +108,9 @@ class Run:
         cfg, start = self.cfg, self.state.step
         self._announce()
         t = self.topology
-        stream = micro_batches(self.data.train, self.data.maker, self.state.consumed_samples, cfg.train.train_iters * self.gbs,
-                               cfg.train.micro_batch_size, t.dp, t.dp_rank, cfg.data.num_workers, t.device)
+        stream = micro_batches(self.data.train, self.data.maker, self.state.consumed_samples,
+                               cfg.train.train_iters * self.gbs, cfg.train.micro_batch_size, t.dp, t.dp_rank,
+                               cfg.data.num_workers, t.device)
         per_step = cfg.num_microbatches(t.world_size)
         self.interval = (time.perf_counter(), 0)
         with _stop_flag_on(signal.SIGTERM) as sigterm:
@@ -157,15 +161,16 @@ class Run:
         """A NaN/Inf loss or gradient norm: the update was skipped; too many in a row stop the run."""
         self.diverged_in_a_row += 1
         limit = self.cfg.train.max_skipped_steps
-        self.writer.print(f"step {step}: loss {result.loss} / gradient norm {result.grad_norm} is not finite; update skipped "
-                          f"({self.diverged_in_a_row} in a row, train.max_skipped_steps={limit})")
+        self.writer.print(f"step {step}: loss {result.loss} / gradient norm {result.grad_norm} is not finite; "
+                          f"update skipped ({self.diverged_in_a_row} in a row, train.max_skipped_steps={limit})")
         if self.diverged_in_a_row >= limit:
             where = ""
             if self.checkpointer:
                 self._save()
                 where = f"; the last good weights are in {self.result.checkpoint}"
-            raise FloatingPointError(f"{limit} consecutive steps had a NaN/Inf loss or gradient norm (last: step {step}): training "
-                                     f"diverged{where}. Lower optim.lr, raise optim.warmup_iters or check the data, then resume")
+            raise FloatingPointError(f"{limit} consecutive steps had a NaN/Inf loss or gradient norm "
+                                     f"(last: step {step}): training diverged{where}. Lower optim.lr, "
+                                     "raise optim.warmup_iters or check the data, then resume")
 
     def _stop_reason(self, step: int, sigterm: threading.Event) -> str | None:
         """Why every rank should stop now (they agree: one rank's SIGTERM or clock stops all)."""
@@ -203,16 +208,19 @@ class Run:
         self.writer.print(f"megalite config:\n{dump_yaml(cfg)}")
         self.writer.print(
             f"world {t.world_size} (tp {t.tp}, pp {t.pp}, dp {t.dp}) on {t.device}; {params / 1e6:.2f}M parameters; "
-            f"global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x {cfg.train.micro_batch_size} x dp {t.dp}"
+            f"global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x "
+            f"{cfg.train.micro_batch_size} x dp {t.dp}"
         )
         for problem in self.damaged:
             self.writer.print(f"skipped a damaged checkpoint: {problem}")
         for note in self.notes:
             self.writer.print(note)
         if self.resumed_from:
-            self.writer.print(f"resumed from {self.resumed_from} at step {self.state.step} ({self.state.consumed_samples} samples consumed)")
+            self.writer.print(f"resumed from {self.resumed_from} at step {self.state.step} "
+                              f"({self.state.consumed_samples} samples consumed)")
         elif cfg.checkpoint.load or cfg.checkpoint.save:
-            self.writer.print(f"no checkpoint in {cfg.checkpoint.load or cfg.checkpoint.save} yet; starting from scratch")
+            self.writer.print(f"no checkpoint in {cfg.checkpoint.load or cfg.checkpoint.save} yet; "
+                              "starting from scratch")
 
     def _log_step(self, step: int, result: StepResult, steps: int, seconds: float) -> None:
         tokens_per_sec = steps * self.gbs * self.cfg.model.seq_length / seconds
@@ -220,7 +228,8 @@ class Run:
         memory, what = peak_memory(self.topology.device)
         record = {
             "step": step, "loss": result.loss, "lr": self.optimizer.lr, "grad_norm": result.grad_norm,
-            "loss_scale": self.trainer.scaler.scale, "skipped_steps": self.state.skipped_steps, "consumed_samples": self.state.consumed_samples,
+            "loss_scale": self.trainer.scaler.scale, "skipped_steps": self.state.skipped_steps,
+            "consumed_samples": self.state.consumed_samples,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.topology.world_size,
             "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
             "peak_memory_gib": memory, "peak_memory_kind": what,
@@ -237,7 +246,8 @@ class Run:
             return
         loss, ppl = evaluate(self.trainer, self.data)
         self.result.val_loss = loss
-        self.writer.log({"step": self.state.step, "val_loss": loss, "val_ppl": ppl}, {"val_loss": "validation loss", "val_ppl": "ppl"})
+        self.writer.log({"step": self.state.step, "val_loss": loss, "val_ppl": ppl},
+                        {"val_loss": "validation loss", "val_ppl": "ppl"})
 
     def _save(self) -> None:
         self.optimizer.wait_params()
@@ -256,7 +266,8 @@ def pretrain(cfg: Config) -> RunResult:
     cfg = copy.deepcopy(cfg)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     created = not dist.is_initialized()
-    topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes, cfg.parallel.tp, cfg.parallel.pp)
+    topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes, cfg.parallel.tp,
+                                         cfg.parallel.pp)
     try:
         torch.manual_seed(cfg.train.seed)
         run = Run(cfg, topology)
@@ -265,7 +276,8 @@ def pretrain(cfg: Config) -> RunResult:
         except BaseException as error:
             run.profiler.close()
             run.writer.close(exit_code=1)
-            message = collective_timeout_message(error, topology.rank, cfg.parallel.timeout_minutes, topology.named_groups())
+            message = collective_timeout_message(error, topology.rank, cfg.parallel.timeout_minutes,
+                                                 topology.named_groups())
             if message:
                 raise RuntimeError(message) from error
             raise

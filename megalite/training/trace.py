@@ -19,7 +19,8 @@ from megalite.parallel.topology import Topology
 def write_chrome_trace(path: str, trace: Trace, topology: Topology, steps: int) -> None:
     """Collective: gathers every rank's events; global rank 0 writes the file."""
     t = topology
-    mine = {"rank": t.rank, "pp": t.pp_rank, "tp": t.tp_rank, "dp": t.dp_rank, "events": trace.events, "peak_in_flight": trace.peak_in_flight}
+    mine = {"rank": t.rank, "pp": t.pp_rank, "tp": t.tp_rank, "dp": t.dp_rank, "events": trace.events,
+            "peak_in_flight": trace.peak_in_flight}
     gathered = [None] * t.world_size
     dist.all_gather_object(gathered, mine)
     if t.rank != 0:
@@ -27,12 +28,15 @@ def write_chrome_trace(path: str, trace: Trace, topology: Topology, steps: int) 
     origin = min((e[3] for r in gathered for e in r["events"]), default=0.0)
     events = []
     for r in gathered:
-        label = f"rank {r['rank']} (pp {r['pp']}, tp {r['tp']}, dp {r['dp']}; peak stored activations {r['peak_in_flight']})"
+        label = (f"rank {r['rank']} (pp {r['pp']}, tp {r['tp']}, dp {r['dp']}; "
+                 f"peak stored activations {r['peak_in_flight']})")
         events.append({"name": "process_name", "ph": "M", "pid": r["rank"], "args": {"name": label}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": r["rank"], "args": {"sort_index": r["pp"] * 10000 + r["rank"]}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": r["rank"],
+                       "args": {"sort_index": r["pp"] * 10000 + r["rank"]}})
         for kind, chunk, mb, start, end in r["events"]:
             events.append({"name": f"{kind} c{chunk} mb{mb}", "cat": kind, "ph": "X", "pid": r["rank"], "tid": 0,
-                           "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6, "args": {"chunk": chunk, "microbatch": mb}})
+                           "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6,
+                           "args": {"chunk": chunk, "microbatch": mb}})
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
