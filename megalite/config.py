@@ -3,21 +3,17 @@
 Every knob lives in a dataclass section below, with its default and a one-line doc
 (`pretrain_gpt.py --help` prints them). A run's config is built once from a YAML file
 plus `--section.field=value` overrides (see `megalite.config_cli`) and validated once
-by `validate()`, which reports every problem together with the fix, so a bad job fails
-in the first second instead of after queueing on a cluster.
+by `config_validation.validate()`, which reports every problem together with the fix, so a bad
+job fails in the first second instead of after queueing on a cluster.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import netrc
-import os
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Optional
-from urllib.parse import urlparse
 
 import torch
 
@@ -314,69 +310,6 @@ class Config:
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Raise ConfigError listing every problem at once, each with its fix."""
-    ConfigError.raise_if([e for check in _CHECKS for e in check(cfg, world_size)])
-
-
-def _check_model(cfg: Config, world_size: int) -> list[str]:
-    m, errors = cfg.model, []
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                 "make_vocab_size_divisible_by"):
-        if getattr(m, name) < 1:
-            errors.append(f"model.{name}={getattr(m, name)} must be >= 1")
-    if errors:
-        return errors
-    if m.hidden_size % m.num_attention_heads:
-        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by "
-                      f"model.num_attention_heads={m.num_attention_heads}; pick heads that divide the width")
-    if m.num_attention_heads % m.kv_heads:
-        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                      f"model.num_query_groups={m.kv_heads}; use a divisor of the head count")
-    if m.features.position_embedding == "rope" and m.head_dim % 2:
-        errors.append(f"RoPE (model.position_embedding=rope) needs an even head dim, got hidden_size/heads="
-                      f"{m.head_dim}; change the width or the head count")
-    if m.positions < m.seq_length:
-        errors.append(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}; "
-                      "raise it or leave it unset")
-    if m.make_vocab_size_divisible_by % cfg.parallel.tp:
-        errors.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be divisible by "
-                      f"parallel.tp={cfg.parallel.tp} so the padded vocabulary does not depend on the layout")
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(m, name) < 1.0:
-            errors.append(f"model.{name}={getattr(m, name)} must be in [0, 1)")
-    return errors
-
-
-def _check_parallel(cfg: Config, world_size: int) -> list[str]:
-    p, errors = cfg.parallel, []
-    for name in ("tp", "pp", "vp"):
-        if getattr(p, name) < 1:
-            errors.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
-    if errors:
-        return errors
-    if world_size % (p.tp * p.pp):
-        errors.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={p.tp * p.pp}; "
-                      "launch a multiple of tp*pp processes (dp = world/(tp*pp))")
-    errors += _check_pipeline(cfg, world_size)
-    m = cfg.model
-    for value, what in ((m.num_attention_heads, "model.num_attention_heads"),
-                        (m.kv_heads, "model.num_query_groups (KV heads)"),
-                        (m.ffn_size, "the MLP width (model.ffn_hidden_size)")):
-        if value % p.tp:
-            errors.append(f"{what}={value} is not divisible by parallel.tp={p.tp}: every tensor-parallel rank holds "
-                          "whole heads/slices; pick a tp that divides it")
-    if p.sequence_parallel_active and m.seq_length % p.tp:
-        errors.append(f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, "
-                      "which sequence parallelism shards it over")
-    if p.overlap_param_gather and not p.distributed_optimizer:
-        errors.append("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true "
-                      "(only sharded parameters are gathered)")
-    if p.bucket_size < 1:
-        errors.append(f"parallel.bucket_size={p.bucket_size} must be >= 1")
-    return errors
-
-
 def chunk_layer_counts(num_layers: int, chunks: int, first: int | None = None, last: int | None = None) -> list[int]:
     """Layers per global chunk; raises ValueError (with the fix) when they cannot be split evenly.
     A fact about the config (validate() checks it), which parallel/pipeline_layout.py turns into stage layouts."""
@@ -392,156 +325,3 @@ def chunk_layer_counts(num_layers: int, chunks: int, first: int | None = None, l
         )
     share = rest // middle if middle else 0
     return [fixed.get(i, share) for i in range(chunks)]
-
-
-def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
-    p, errors = cfg.parallel, []
-    if p.vp > 1 and p.pp == 1:
-        errors.append(f"parallel.vp={p.vp} needs pipeline parallelism (parallel.pp > 1)")
-    if p.vp > 1 and p.pipeline_schedule == "gpipe":
-        errors.append("parallel.pipeline_schedule=gpipe runs one chunk per rank; set parallel.vp=1 or use 1f1b")
-    try:
-        chunk_layer_counts(cfg.model.num_layers, p.pp * p.vp, p.first_stage_layers if p.pp > 1 else None,
-                           p.last_stage_layers if p.pp > 1 else None)
-    except ValueError as err:
-        errors.append(f"model.num_layers / parallel.pp, vp, first_stage_layers, last_stage_layers: {err}")
-    if p.vp > 1 and world_size % (p.tp * p.pp) == 0 and cfg.train.micro_batch_size > 0:
-        microbatches = cfg.num_microbatches(world_size)
-        if microbatches % p.pp:
-            errors.append(f"interleaved 1F1B (parallel.vp={p.vp}) needs the number of micro batches "
-                          f"({microbatches} = global batch / (micro batch * dp)) to be a multiple of "
-                          f"parallel.pp={p.pp}; change train.global_batch_size")
-    return errors
-
-
-def _check_train(cfg: Config, world_size: int) -> list[str]:
-    t, errors = cfg.train, []
-    if t.micro_batch_size < 1 or t.train_iters < 1:
-        return [f"train.micro_batch_size={t.micro_batch_size} and train.train_iters={t.train_iters} must be >= 1"]
-    if world_size % (cfg.parallel.tp * cfg.parallel.pp) == 0:
-        dp = cfg.data_parallel_size(world_size)
-        per_step = t.micro_batch_size * dp
-        gbs = cfg.batch_size(world_size)
-        if gbs % per_step:
-            errors.append(f"train.global_batch_size={gbs} is not divisible by "
-                          f"train.micro_batch_size*dp={t.micro_batch_size}*{dp}={per_step}; "
-                          f"use a multiple of {per_step}")
-    if t.param_dtype != "fp32" and t.param_dtype != t.precision:
-        errors.append(f"train.param_dtype={t.param_dtype} needs train.precision={t.param_dtype} (got {t.precision}); "
-                      "set both, or param_dtype=fp32")
-    if t.max_skipped_steps < 1:
-        errors.append(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
-    for name in ("exit_interval", "eval_interval", "exit_duration_mins"):
-        if getattr(t, name) is not None and getattr(t, name) <= 0:
-            errors.append(f"train.{name}={getattr(t, name)} must be positive or unset")
-    return errors
-
-
-def _check_optim(cfg: Config, world_size: int) -> list[str]:
-    o, errors = cfg.optim, []
-    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        errors.append(f"need 0 <= optim.min_lr <= optim.lr and optim.lr > 0, got lr={o.lr} min_lr={o.min_lr}")
-    decay = o.decay_iters or cfg.train.train_iters
-    if o.warmup_iters < 0 or o.warmup_iters > decay:
-        errors.append(f"optim.warmup_iters={o.warmup_iters} must be in [0, decay_iters={decay}]")
-    if o.wsd_decay_iters is not None and not 0 <= o.wsd_decay_iters <= decay - o.warmup_iters:
-        errors.append(f"optim.wsd_decay_iters={o.wsd_decay_iters} must be in "
-                      f"[0, decay_iters - warmup_iters = {decay - o.warmup_iters}]")
-    if o.clip_grad < 0 or o.weight_decay < 0:
-        errors.append("optim.clip_grad and optim.weight_decay must be >= 0")
-    return errors
-
-
-def _check_checkpoint(cfg: Config, world_size: int) -> list[str]:
-    c = cfg.checkpoint
-    if c.save_interval is not None and c.save_interval < 1:
-        return [f"checkpoint.save_interval={c.save_interval} must be >= 1 or unset"]
-    if c.save_interval and not c.save:
-        return ["checkpoint.save_interval is set but checkpoint.save is not; "
-                "give a directory with --checkpoint.save=DIR"]
-    if c.keep_last is not None and c.keep_last < 1:
-        return [f"checkpoint.keep_last={c.keep_last} must be >= 1 or unset"]
-    if c.load_timeout_minutes <= 0:
-        return [f"checkpoint.load_timeout_minutes={c.load_timeout_minutes} must be > 0"]
-    return []
-
-
-def _check_data(cfg: Config, world_size: int) -> list[str]:
-    d = cfg.data
-    corpus = bool(d.paths or d.train_paths)
-    if d.mock and corpus:
-        named = [f"data.{name}" for name in ("paths", "train_paths", "valid_paths") if getattr(d, name)]
-        unset = " ".join(f"--{name}=null" for name in named)
-        return [f"data.mock=true and {', '.join(named)} are both set; choose one: {unset} for synthetic tokens, "
-                "or --data.mock=false for the corpus"]
-    if not d.mock and not corpus:
-        return ["no training data: give --data.paths=PREFIX (from tools/preprocess_data.py) "
-                "or --data.mock=true for synthetic tokens"]
-    errors = []
-    if d.paths and d.train_paths:
-        errors.append("give either data.paths (split by data.split) or data.train_paths/valid_paths, not both")
-    if corpus and not d.tokenizer_type:
-        errors.append("data.tokenizer_type is required with a corpus (the one it was preprocessed with), "
-                      "e.g. --data.tokenizer_type=GPT2BPETokenizer")
-    if d.num_workers < 0:
-        errors.append(f"data.num_workers={d.num_workers} must be >= 0")
-    return errors
-
-
-def _check_logging(cfg: Config, world_size: int) -> list[str]:
-    log = cfg.logging
-    errors = profile_config_errors(log, world_size)
-    if log.log_interval < 1:
-        errors.append(f"logging.log_interval={log.log_interval} must be >= 1")
-    if log.wandb_timeout <= 0:
-        errors.append(f"logging.wandb_timeout={log.wandb_timeout} must be > 0 seconds")
-    if log.wandb_project and log.wandb_mode == "online" and not wandb_credentials():
-        host = urlparse(os.environ.get("WANDB_BASE_URL", WANDB_HOST)).hostname
-        errors.append(f"logging.wandb_mode=online but no W&B API key was found (WANDB_API_KEY is unset and "
-                      f"{_netrc_path()} has no entry for {host}): run `wandb login`, "
-                      "or export WANDB_API_KEY=<your key>, or pass --logging.wandb_mode=offline "
-                      "and upload the run later with `wandb sync`")
-    return errors
-
-
-WANDB_HOST = "https://api.wandb.ai"
-
-
-def _netrc_path() -> Path:
-    return Path(os.environ.get("NETRC") or Path.home() / ".netrc")
-
-
-def wandb_credentials() -> bool:
-    """Whether W&B will find an API key: WANDB_API_KEY, or the netrc entry `wandb login` writes for the server."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", WANDB_HOST)).hostname
-    try:
-        return netrc.netrc(_netrc_path()).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def profile_config_errors(cfg: LoggingConfig, world_size: int | None = None) -> list[str]:
-    """Problems with the profiling fields, each with its fix (also checked by megalite.training.profiling.Profiler);
-    ranks are checked against the world size when it is given."""
-    errors = []
-    steps = cfg.profile_steps
-    if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
-        errors.append(f"logging.profile_steps={steps} must be [first, last] with 1 <= first <= last, e.g. [5, 6]")
-    ranks = profile_ranks(cfg)
-    bad = [r for r in ranks if r < 0 or (world_size is not None and r >= world_size)]
-    if bad:
-        errors.append(f"logging.profile_ranks={ranks} lists ranks outside the job (world size {world_size}); "
-                      "use 0..world size - 1")
-    if cfg.memory_snapshot and len(ranks) > 1 and "{rank}" not in cfg.memory_snapshot:
-        errors.append(f"logging.memory_snapshot={cfg.memory_snapshot} is written by {len(ranks)} ranks; "
-                      f"put '{{rank}}' in the path")
-    return errors
-
-
-def profile_ranks(cfg: LoggingConfig) -> list[int]:
-    return [0] if cfg.profile_ranks is None else cfg.profile_ranks
-
-
-_CHECKS = (_check_model, _check_parallel, _check_train, _check_optim, _check_data, _check_checkpoint, _check_logging)

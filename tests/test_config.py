@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.config import FAMILY_FEATURES, SECTIONS, Config, ConfigError, Features, validate
+from megalite.config import FAMILY_FEATURES, SECTIONS, Config, ConfigError, Features
+from megalite.config_validation import validate
 from megalite.config_cli import config_from_yaml_text, dump_yaml, help_text, parse_config
 from megalite.model.gpt import GPTModel
 from megalite.training.pretrain import pretrain

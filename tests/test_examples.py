@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.config import validate
+from megalite.config_validation import validate
 from megalite.config_cli import parse_config
 from megalite.model.gpt import GPTModel
 from megalite.planning.parameters import model_parameters, vocabulary_padding

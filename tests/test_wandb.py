@@ -14,7 +14,8 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from megalite.config import ConfigError, validate
+from megalite.config import ConfigError
+from megalite.config_validation import validate
 from megalite.parallel.spawn import free_port
 from megalite.training.pretrain import pretrain
 

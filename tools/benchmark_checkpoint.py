@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state
-from megalite.config import Config, validate
+from megalite.config import Config
+from megalite.config_validation import validate
 from megalite.config_cli import dump_yaml, load_yaml
 from megalite.data.batches import BatchMaker
 from megalite.data.mock import MockDataset

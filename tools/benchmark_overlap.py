@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, validate
+from megalite.config import Config
+from megalite.config_validation import validate
 from megalite.data.batches import Batch, BatchMaker
 from megalite.data.mock import MockDataset
 from megalite.parallel.spawn import run_on_ranks

@@ -28,7 +28,8 @@ from collections.abc import Iterable
 
 import torch
 
-from megalite.config import Config, validate
+from megalite.config import Config
+from megalite.config_validation import validate
 from megalite.config_cli import load_yaml
 from megalite.data.batches import Batch, BatchMaker
 from megalite.data.mock import MockDataset

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megalite.config import ConfigError, validate
+from megalite.config import ConfigError
+from megalite.config_validation import validate
 from megalite.config_cli import parse_config
 from megalite.planning.plan import GPUS, format_plan, make_plan
 

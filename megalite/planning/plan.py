@@ -87,7 +87,7 @@ class Plan:
 
 
 def make_plan(cfg: Config, world_size: int, gpu: str = "h100", assumed_mfu: float = 0.4) -> Plan:
-    """The plan for a config already validated for `world_size` (megalite.config.validate)."""
+    """The plan for a config already validated for `world_size` (megalite.config_validation.validate)."""
     if gpu not in GPUS:
         raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
     if not 0 < assumed_mfu <= 1:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
 from megalite.checkpoint.resume import resume
-from megalite.config import Config, validate
+from megalite.config import Config
+from megalite.config_validation import validate
 from megalite.config_cli import dump_yaml
 from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import micro_batches

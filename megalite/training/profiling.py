@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from megalite.config import ConfigError, LoggingConfig, profile_config_errors, profile_ranks
+from megalite.config import ConfigError, LoggingConfig
+from megalite.config_validation import profile_config_errors, profile_ranks
 
 _SNAPSHOT_ENTRIES = 100_000  # allocation events kept (the oldest are dropped beyond this)
 
