@@ -140,7 +140,12 @@ class ParallelConfig:
     sequence_parallel: bool = _f(
         False, "shard norm/dropout activations along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(
-        False, "shard optimizer state and fp32 main weights across data-parallel ranks (ZeRO-1)")
+        False, "shard optimizer state and fp32 main weights across data-parallel ranks (ZeRO-1; "
+               "the same as parallel.zero_stage=1)")
+    zero_stage: Optional[int] = _f(
+        None, "what data-parallel ranks shard (DeepSpeed's stages; Megatron-FSDP's strategies): 0 nothing; "
+              "1 optimizer state and fp32 main weights (optim); 2 also gradients (optim_grads) "
+              "(default: 1 with parallel.distributed_optimizer, else 0)")
     bucket_size: int = _f(40_000_000, "gradient elements per data-parallel reduction bucket")
     overlap_grad_reduce: bool = _f(True, "reduce each bucket as soon as its gradients are ready, during backward")
     overlap_param_gather: bool = _f(
@@ -151,6 +156,13 @@ class ParallelConfig:
     timeout_minutes: float = _f(
         10.0, "collective timeout: a rank that died or hangs makes the "
               "others fail after this long instead of waiting forever")
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage in force: zero_stage, or its alias distributed_optimizer (1), or 0."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 1 if self.distributed_optimizer else 0
 
     @property
     def sequence_parallel_active(self) -> bool:

@@ -59,3 +59,12 @@ def trained_checkpoint(assets, tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, list[float]]:
+    """One device's losses of the tiny parity runs (tests/parity.py), gpt2 and llama."""
+    from parity import LLAMA, clipped_run
+
+    tmp = tmp_path_factory.mktemp("reference")
+    return {"gpt2": clipped_run(tmp, 1, name="gpt2"), "llama": clipped_run(tmp, 1, *LLAMA, name="llama")}

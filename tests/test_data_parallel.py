@@ -14,25 +14,9 @@ from megalite.training.build import build_trainer
 
 from conftest import tiny_config
 from distributed import run_ranks, tiny_run
+from parity import LLAMA, TINY, clipped_run as _run
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA = ["--model.family=llama", "--model.num_query_groups=4"]
-TINY = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
-        "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=8", "--train.train_iters=5",
-        "--optim.clip_grad=0.5", "--parallel.bucket_size=5000", "--logging.progress_bar=false",
-        "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0"]
-
-
-def _run(tmp_path: Path, nproc: int, *extra: str, name: str = "") -> list[float]:
-    records = tiny_run(tmp_path, nproc, *extra, base=TINY, name=name)
-    assert all(r["grad_norm"] > 0.5 for r in records), "clipping must be active in these tests"
-    return [r["loss"] for r in records]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, list[float]]:
-    tmp = tmp_path_factory.mktemp("reference")
-    return {"gpt2": _run(tmp, 1, name="gpt2"), "llama": _run(tmp, 1, *LLAMA, name="llama")}
 
 
 @pytest.mark.parametrize("nproc, extra", [

@@ -101,8 +101,8 @@ def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]
     train_step(parts, mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size)))
     held = storages(params)
-    grads = storages([b.grad_data for b in parts.grads.buffers]
-                     + [t.grad for t in params + mains if t.grad is not None])
+    kept = [b.grad_data if b.grad_data is not None else b.shard_data for b in parts.grads.buffers]
+    grads = storages(kept + [t.grad for t in params + mains if t.grad is not None])
     main = {k: v for k, v in storages(mains).items() if k not in held}
     state = storages(t for s in parts.optimizer.optimizer.state.values() for t in s.values()
                      if isinstance(t, torch.Tensor))

@@ -50,8 +50,8 @@ class DataParallelGrads:
         self.tied = [p for n, p in named if n in tied]
         held = frozenset(id(p) for p in self.tied)
         self.buffers = [GradBuffer(params, cfg.bucket_size, topology.dp_group, topology.dp, topology.dp_rank,
-                                   cfg.distributed_optimizer, cfg.overlap_grad_reduce, held,
-                                   TORCH_DTYPES[cfg.grad_reduce_dtype]) for params in chunks if params]
+                                   cfg.zero >= 1, cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype],
+                                   shard_grads=cfg.zero >= 2) for params in chunks if params]
         self.wait_seconds = 0.0
 
     def zero(self) -> None:
@@ -70,4 +70,6 @@ class DataParallelGrads:
             all_reduce_flat([p.main_grad for p in self.tied], t.embedding_group)
         self.wait_seconds = sum(buffer.finish() for buffer in self.buffers)
         if self.sequence_parallel:
-            all_reduce_flat([p.main_grad for p in self.replicated], t.tp_group)
+            replicated = {id(p) for p in self.replicated}
+            owned = [(b, p, lo, hi) for b in self.buffers for p, lo, hi in b.owned_ranges() if id(p) in replicated]
+            all_reduce_flat([b.owned_grad(p, lo, hi) for b, p, lo, hi in owned], t.tp_group)

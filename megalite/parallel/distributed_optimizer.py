@@ -84,7 +84,7 @@ class DistributedOptimizer:
                  distributed: bool, overlap_param_gather: bool, tied_copies: set[str] = frozenset()) -> None:
         self.topology, self.buffers, self.distributed = topology, buffers, distributed
         names = {id(p): n for n, p in model.named_parameters()}
-        self.params = [self._main_param(names[id(param)], param, lo, hi)
+        self.params = [self._main_param(names[id(param)], param, buffer, lo, hi)
                        for buffer in buffers for param, lo, hi in buffer.owned_ranges()]
         shards = parameter_shards(model)
         self._counted = [m for m in self.params
@@ -96,8 +96,8 @@ class DistributedOptimizer:
         if self.gather_in_background:
             self._wait_before_use(model)
 
-    def _main_param(self, name: str, param: nn.Parameter, lo: int, hi: int) -> MainParam:
-        grad = param.main_grad.view(-1)[lo:hi] if self.distributed else param.main_grad
+    def _main_param(self, name: str, param: nn.Parameter, buffer: GradBuffer, lo: int, hi: int) -> MainParam:
+        grad = buffer.owned_grad(param, lo, hi) if self.distributed else param.main_grad
         if param.dtype != torch.float32:
             target = param.data.view(-1)[lo:hi] if self.distributed else param.data
             main = nn.Parameter(target.float(), requires_grad=False)

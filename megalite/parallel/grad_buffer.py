@@ -37,6 +37,8 @@ class Bucket:
     pending: set[int] = field(default_factory=set)
     work: dist.Work | None = None
     scattered: torch.Tensor | None = None
+    data: torch.Tensor | None = None  # the bucket's gradients (ZeRO-2: only while they accumulate)
+    in_flight: list[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """This data-parallel rank's slice of the bucket, in buffer coordinates."""
@@ -46,13 +48,22 @@ class Bucket:
 
 class GradBuffer:
     """`held` parameters' buckets are not reduced during backward but only in `finish`, after their
-    gradients were combined with another stage's (tied embeddings, see ddp.py)."""
+    gradients were combined with another stage's (tied embeddings, see ddp.py).
+
+    `shard_grads` (ZeRO-2, with `distributed`): no full-size gradient buffer lives between micro
+    batches. A bucket's gradients accumulate in a buffer of the bucket's size, made when its first
+    gradient of a micro batch arrives; once all are in it is reduce-scattered, every micro batch,
+    and this rank's reduced slice is added into `shard_data` (the owned slices of every bucket, one
+    after another), after which the bucket's buffer is dropped. Gradient memory per rank is then
+    about 1/dp of the model's plus the buckets in flight, at the price of one reduce-scatter per
+    bucket per micro batch instead of per step. Held buckets keep their buffer until `finish`."""
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, dp_group: dist.ProcessGroup, dp: int,
                  dp_rank: int, distributed: bool, overlap: bool, held: frozenset[int] = frozenset(),
-                 grad_dtype: torch.dtype = torch.float32) -> None:
+                 grad_dtype: torch.dtype = torch.float32, shard_grads: bool = False) -> None:
         self.dp_group, self.dp, self.dp_rank, self.distributed, self.overlap = (
             dp_group, dp, dp_rank, distributed, overlap)
+        self.shard_grads = shard_grads and distributed
         self.buckets: list[Bucket] = []
         self.offsets: dict[int, tuple[int, int]] = {}
         offset, current = 0, []
@@ -65,14 +76,16 @@ class GradBuffer:
                 current = []
         if current:
             offset = self._close_bucket(current, offset)
-        device = params[0].device
-        self.grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
+        device, self.grad_dtype = params[0].device, grad_dtype
+        self.grad_data = None if self.shard_grads else torch.zeros(offset, dtype=grad_dtype, device=device)
+        self.shard_data = torch.zeros(offset // dp, dtype=grad_dtype, device=device) if self.shard_grads else None
         self.param_data = torch.zeros(offset, dtype=params[0].dtype, device=device) if distributed else None
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.held = {id(b) for b in self.buckets if any(id(p) in held for p in b.params)}
         for param in params:
             start, end = self.offsets[id(param)]
-            param.main_grad = self.grad_data[start:end].view_as(param)
+            if self.grad_data is not None:
+                param.main_grad = self.grad_data[start:end].view_as(param)
             if distributed:
                 self.param_data[start:end].copy_(param.data.view(-1))
                 param.data = self.param_data[start:end].view_as(param)
@@ -86,11 +99,27 @@ class GradBuffer:
         self.buckets.append(Bucket(start, end, params))
         return end
 
+    def _bucket_grads(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's gradient storage: a view of the full buffer, or (ZeRO-2) the bucket's own buffer,
+        made on first use with every parameter's main_grad pointing into it."""
+        if bucket.data is None:
+            if self.grad_data is not None:
+                bucket.data = self.grad_data[bucket.start:bucket.end]
+            else:
+                size, device = bucket.end - bucket.start, self.shard_data.device
+                bucket.data = torch.zeros(size, dtype=self.grad_dtype, device=device)
+                for param in bucket.params:
+                    start, end = self.offsets[id(param)]
+                    param.main_grad = bucket.data[start - bucket.start:end - bucket.start].view_as(param)
+        return bucket.data
+
     def _on_grad(self, param: nn.Parameter) -> None:
+        bucket = self.bucket_of[id(param)]
+        self._bucket_grads(bucket)
         param.main_grad.add_(param.grad)
         param.grad = None
-        bucket = self.bucket_of[id(param)]
-        if self.syncing and self.overlap and id(bucket) not in self.held:
+        every_micro_batch = self.shard_grads and id(bucket) not in self.held
+        if every_micro_batch or (self.syncing and self.overlap and id(bucket) not in self.held):
             bucket.pending.discard(id(param))
             if not bucket.pending:
                 self._launch(bucket)
@@ -100,17 +129,52 @@ class GradBuffer:
         self.syncing = True
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.shard_grads:
+            self._scatter(bucket)
+            return
         if self.dp == 1:
             return
-        data = self.grad_data[bucket.start:bucket.end]
+        data = self._bucket_grads(bucket)
         if self.distributed:
             bucket.scattered = torch.empty((bucket.end - bucket.start) // self.dp, dtype=data.dtype, device=data.device)
             bucket.work = reduce_scatter_single(bucket.scattered, data, self.dp_group, async_op=True)
         else:
             bucket.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
 
+    def _scatter(self, bucket: Bucket) -> None:
+        """ZeRO-2: reduce-scatter the bucket's gradients of this micro batch and let go of its buffer;
+        the reduced slice is added into shard_data when it lands."""
+        data, bucket.data = self._bucket_grads(bucket), None
+        for param in bucket.params:
+            param.main_grad = None
+        bucket.pending = {id(p) for p in bucket.params}
+        if self.dp == 1:
+            bucket.in_flight.append((None, data, data))
+        else:
+            out = torch.empty((bucket.end - bucket.start) // self.dp, dtype=data.dtype, device=data.device)
+            bucket.in_flight.append((reduce_scatter_single(out, data, self.dp_group, async_op=True), data, out))
+        if not self.overlap:
+            self._land(bucket)
+
+    def _land(self, bucket: Bucket) -> float:
+        """Wait for the bucket's reduce-scatters in flight and add their slices into shard_data."""
+        waited, begin = 0.0, bucket.start // self.dp
+        for work, _, out in bucket.in_flight:
+            if work is not None:
+                started = time.perf_counter()
+                work.wait()
+                waited += time.perf_counter() - started
+            self.shard_data[begin:begin + out.numel()].add_(out)
+        bucket.in_flight = []
+        return waited
+
     def finish(self) -> float:
         """Launch what has not been launched, wait for every reduction; returns seconds spent waiting."""
+        if self.shard_grads:
+            for bucket in self.buckets:
+                if bucket.data is not None:
+                    self._scatter(bucket)
+            return sum(self._land(bucket) for bucket in self.buckets)
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)
@@ -128,10 +192,21 @@ class GradBuffer:
         return waited
 
     def zero(self) -> None:
-        self.grad_data.zero_()
+        if self.grad_data is not None:
+            self.grad_data.zero_()
+        else:
+            self.shard_data.zero_()
         self.syncing = False
         for bucket in self.buckets:
             bucket.pending = {id(p) for p in bucket.params}
+
+    def owned_grad(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        """The reduced gradient of elements [lo, hi) of `param`, a range this rank owns (owned_ranges)."""
+        if not self.shard_grads:
+            return param.main_grad.view(-1)[lo:hi]
+        bucket = self.bucket_of[id(param)]
+        first = bucket.start // self.dp + self.offsets[id(param)][0] + lo - bucket.shard(self.dp_rank, self.dp)[0]
+        return self.shard_data[first:first + hi - lo]
 
     def owned_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
         """(param, first, last) element ranges, within each parameter, that this rank's optimizer shard owns."""

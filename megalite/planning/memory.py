@@ -47,9 +47,10 @@ class StageMemory:
 def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, float]:
     """(weights, gradients, main weights, optimizer state) bytes for `numel` parameters on one rank."""
     t, p = cfg.train, cfg.parallel
-    shards = dp if p.distributed_optimizer else 1
+    shards = dp if p.zero >= 1 else 1
+    grads = numel * _BYTES[p.grad_reduce_dtype] / (dp if p.zero >= 2 else 1)
     main = 0 if t.param_dtype == "fp32" else 4
-    return numel * _BYTES[t.param_dtype], numel * _BYTES[p.grad_reduce_dtype], numel * main / shards, numel * 8 / shards
+    return numel * _BYTES[t.param_dtype], grads, numel * main / shards, numel * 8 / shards
 
 
 def transient_bytes(cfg: Config, params: Parameters, dp: int, activations: float, device: str = "cuda") -> float:
@@ -61,7 +62,7 @@ def transient_bytes(cfg: Config, params: Parameters, dp: int, activations: float
     if cfg.train.recompute == "full":
         backward += layer_bytes(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none")),
                                 device)
-    shards = dp if cfg.parallel.distributed_optimizer else 1
+    shards = dp if cfg.parallel.zero >= 1 else 1
     step = params.total * 4 / shards if cfg.parallel.grad_reduce_dtype != "fp32" else 0
     return max(backward, step - activations)
 

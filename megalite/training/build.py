@@ -60,7 +60,7 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     tied = set(TIED_COPY) & names if cfg.model.tied and topology.pp > 1 else set()
     copies = set(model.tied_copies())
     grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, tied, copies)
-    optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.distributed_optimizer,
+    optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
                                      p.overlap_param_gather, copies)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
     return Trainer(cfg, topology, model, tp, grads, optimizer, scaler, Pipeline.build(cfg, topology))

@@ -1,0 +1,114 @@
+"""ZeRO stages (parallel.zero_stage): stage 2 shards gradients too. Each micro batch's buckets are
+reduce-scattered as they fill and only this rank's slice is kept; the losses equal one device's
+with clipping active, in 1D and with tensor, sequence and pipeline parallelism (tied embeddings,
+whose buckets are held until the stages are combined); checkpoints move between stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.config import ConfigError
+from megalite.config_validation import validate
+from megalite.parallel.grad_buffer import GradBuffer
+from megalite.parallel.topology import Topology
+from megalite.training.build import build_trainer
+
+from conftest import tiny_config
+from distributed import run_ranks, tiny_run
+from parity import LLAMA, TINY, clipped_run as _run
+
+STAGE2 = "--parallel.zero_stage=2"
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (2, []),
+    (2, ["--parallel.overlap_grad_reduce=false"]),
+    (4, ["--parallel.overlap_param_gather=true", "--parallel.distributed_optimizer=true"]),
+])
+def test_stage2_matches_one_device(tmp_path, reference, nproc, extra):
+    """4 and 2 micro batches per step: every one reduce-scatters, the slices accumulate."""
+    assert _run(tmp_path, nproc, STAGE2, *extra) == pytest.approx(reference["gpt2"], rel=1e-5)
+
+
+def test_stage2_with_tensor_and_sequence_parallelism(tmp_path, reference):
+    """Replicated weights' gradients, partial per TP rank under SP, are summed over TP on the owned slices."""
+    layout = ["--parallel.tp=2", "--parallel.sequence_parallel=true", STAGE2]
+    assert _run(tmp_path, 4, *LLAMA, *layout) == pytest.approx(reference["llama"], rel=1e-5)
+
+
+def test_stage2_with_tied_embeddings_across_stages(tmp_path):
+    """pp=2: the embedding's bucket is held whole until the first and last stage combined it."""
+    fast = ["--optim.lr=1e-2", "--optim.min_lr=1e-3"]
+    one = tiny_run(tmp_path, 1, *fast, base=TINY)
+    split = tiny_run(tmp_path, 4, *fast, "--parallel.pp=2", STAGE2, base=TINY)
+    assert [r["grad_norm"] for r in split] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+def test_checkpoint_moves_between_stages(tmp_path, reference):
+    """Stage 2 saves the same pieces as stage 1: a stage-2 run resumes at stage 0 on another layout."""
+    ckpt = [f"--checkpoint.save={tmp_path / 'ckpt'}", f"--checkpoint.load={tmp_path / 'ckpt'}"]
+    first = _run(tmp_path, 2, STAGE2, "--train.exit_interval=2", *ckpt, name="first")
+    second = _run(tmp_path, 2, "--parallel.tp=2", *ckpt, name="second")
+    assert first + second == pytest.approx(reference["gpt2"], rel=1e-5)
+
+
+def _gradient_bytes(rank: int, world_size: int, stage: int) -> int:
+    cfg = tiny_config(parallel={"zero_stage": stage, "bucket_size": 3000})
+    buffers = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))).grads.buffers
+    kept = [b.grad_data if b.grad_data is not None else b.shard_data for b in buffers]
+    return sum(t.numel() * t.element_size() for t in kept)
+
+
+def test_stage2_keeps_a_dp_share_of_the_gradients():
+    """Between steps a rank keeps only its slices' gradients: 1/dp of stage 1's buffers (padding aside)."""
+    stage1, stage2 = run_ranks(2, _gradient_bytes, 1)[0], run_ranks(2, _gradient_bytes, 2)[0]
+    assert stage2 * 2 == stage1
+
+
+def _micro_batches(rank: int, world_size: int) -> dict:
+    """Three micro batches on a stage-2 buffer (buckets of 6 elements): each launches its reduce-scatters
+    as its buckets fill, the held bucket (parameter 0's) only in finish. Rank r's micro batch k scales the
+    gradient by (r + 1) * (k + 1)."""
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, generator=g)) for n in (1, 3, 5, 2, 4)]
+    inputs = [torch.randn(n, generator=g) for n in (1, 3, 5, 2, 4)]
+    buffer = GradBuffer(params, 6, dist.group.WORLD, 2, rank, True, True, frozenset({id(params[0])}),
+                        shard_grads=True)
+    buffer.zero()
+    launched = []
+    for k in range(3):
+        sum((rank + 1) * (k + 1) * (p * x).sum() for p, x in zip(params, inputs)).backward()
+        launched.append([len(b.in_flight) for b in buffer.buckets])
+    buffer.finish()
+    index = {id(p): i for i, p in enumerate(params)}
+    owned = [(index[id(p)], lo, hi, buffer.owned_grad(p, lo, hi).clone()) for p, lo, hi in buffer.owned_ranges()]
+    return {"launched": launched, "owned": owned, "inputs": inputs, "kept": [p.main_grad is None for p in params]}
+
+
+def test_stage2_buffer_sums_every_micro_batch_into_the_owned_slices():
+    """(1 + 2) over ranks times (1 + 2 + 3) over micro batches = 18 times the input, on the owned slices."""
+    for result in run_ranks(2, _micro_batches):
+        assert result["launched"] == [[1, 1, 0], [2, 2, 0], [3, 3, 0]]
+        assert result["kept"] == [True] * 5  # every bucket's full-size buffer was let go
+        for i, lo, hi, grad in result["owned"]:
+            assert torch.allclose(grad, 18 * result["inputs"][i][lo:hi], rtol=1e-6, atol=0), f"param {i}"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"zero_stage": 3}, "stage 3 (parameters sharded too) is not implemented yet"),
+    ({"zero_stage": 5}, "parallel.zero_stage=5 is not available"),
+    ({"zero_stage": 0, "distributed_optimizer": True}, "drop one of them"),
+])
+def test_stage_settings_are_checked(fields, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(tiny_config(parallel=fields), 2)
+
+
+def test_distributed_optimizer_is_stage_1():
+    assert tiny_config(parallel={"distributed_optimizer": True}).parallel.zero == 1
+    assert tiny_config(parallel={"zero_stage": 2}).parallel.zero == 2
+    assert tiny_config().parallel.zero == 0
