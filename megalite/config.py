@@ -213,6 +213,8 @@ class OptimConfig:
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.95, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
+    offload: Literal["none", "cpu"] = _f(
+        "none", "cpu: keep fp32 main weights and Adam's state in host memory and step there (ZeRO-Offload)")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this; 0 disables")
     initial_loss_scale: float = _f(2.0**32, "fp16: starting loss scale")
     min_loss_scale: float = _f(1.0, "fp16: the scale never drops below this")

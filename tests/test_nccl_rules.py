@@ -154,9 +154,10 @@ RUNS = {
         "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=6", "--parallel.pp=2",
         "--parallel.vp=3", "--parallel.distributed_optimizer=true", "--train.global_batch_size=16",
         "--parallel.bucket_size=3000"],
-    "gpt2 tp2 x pp2 x dp2, SP, ZeRO-2 (reduce-scatter per micro batch), tied embeddings across stages": [
+    "gpt2 tp2 x pp2 x dp2, SP, ZeRO-2 (reduce-scatter per micro batch), CPU offload, tied embeddings": [
         "--model.family=gpt2", "--model.num_layers=4", "--parallel.tp=2", "--parallel.pp=2",
-        "--parallel.sequence_parallel=true", "--parallel.zero_stage=2", "--train.global_batch_size=4",
+        "--parallel.sequence_parallel=true", "--parallel.zero_stage=2", "--optim.offload=cpu",
+        "--train.global_batch_size=4",
         "--parallel.bucket_size=2000"],
 }
 

@@ -64,15 +64,19 @@ def test_bytes_per_parameter_follow_megatron_accounting():
     assert sum(state_bytes(cfg, 1, 8)) == 18
     cfg.parallel.distributed_optimizer = True
     assert sum(state_bytes(cfg, 1, 8)) == 6 + 12 / 8
+    cfg.parallel.zero_stage = 2
+    assert sum(state_bytes(cfg, 1, 8)) == 2 + 16 / 8
 
 
 @pytest.mark.parametrize("layout", [
     {"tp": 1, "pp": 2, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16"},
     {"tp": 2, "pp": 1, "dp": 2, "distributed_optimizer": False, "param_dtype": "fp32"},
+    {"tp": 1, "pp": 2, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16", "zero_stage": 2},
 ])
 def test_model_state_matches_measured_tensors(layout):
     cfg = _model_config("gpt2", parallel={"tp": layout["tp"], "pp": layout["pp"],
-                                          "distributed_optimizer": layout["distributed_optimizer"]},
+                                          "distributed_optimizer": layout["distributed_optimizer"],
+                                          "zero_stage": layout.get("zero_stage")},
                         train={"param_dtype": layout["param_dtype"], "precision": layout["param_dtype"]})
     cfg.model.hidden_size, cfg.model.vocab_size = 128, 1000  # big enough that bucket padding is noise
     world = layout["tp"] * layout["pp"] * layout["dp"]

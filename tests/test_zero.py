@@ -1,7 +1,8 @@
 """ZeRO stages (parallel.zero_stage): stage 2 shards gradients too. Each micro batch's buckets are
 reduce-scattered as they fill and only this rank's slice is kept; the losses equal one device's
 with clipping active, in 1D and with tensor, sequence and pipeline parallelism (tied embeddings,
-whose buckets are held until the stages are combined); checkpoints move between stages."""
+whose buckets are held until the stages are combined); checkpoints move between stages. CPU
+optimizer offload (optim.offload=cpu) with stages 1 and 2."""
 
 from __future__ import annotations
 
@@ -54,6 +55,33 @@ def test_checkpoint_moves_between_stages(tmp_path, reference):
     first = _run(tmp_path, 2, STAGE2, "--train.exit_interval=2", *ckpt, name="first")
     second = _run(tmp_path, 2, "--parallel.tp=2", *ckpt, name="second")
     assert first + second == pytest.approx(reference["gpt2"], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_cpu_offload_matches_one_device(tmp_path, reference, stage):
+    """optim.offload=cpu: main weights and Adam's state in host memory, stepped there (on this machine
+    host and device are the same memory, so this exercises the copies and the host update)."""
+    offload = ["--optim.offload=cpu", f"--parallel.zero_stage={stage}"]
+    assert _run(tmp_path, 2, *offload) == pytest.approx(reference["gpt2"], rel=1e-5)
+
+
+def test_cpu_offload_with_bf16_parameters_equals_the_device_update(tmp_path):
+    """bf16 parameters: the host update of the fp32 main weights is the device one, bit for bit."""
+    bf16 = ["--train.precision=bf16", "--train.param_dtype=bf16", "--parallel.zero_stage=2"]
+    device = _run(tmp_path, 2, *bf16, name="device")
+    assert _run(tmp_path, 2, *bf16, "--optim.offload=cpu", name="host") == device
+
+
+def _offloaded_state(rank: int, world_size: int) -> tuple[bool, bool]:
+    cfg = tiny_config(parallel={"zero_stage": 1}, optim={"offload": "cpu"})
+    optimizer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))).optimizer
+    separate = all(m.is_copy for m in optimizer.shards())
+    return separate, all(m.main.device.type == "cpu" for m in optimizer.shards())
+
+
+def test_offloaded_main_weights_are_host_copies():
+    """Even fp32 parameters get a host copy: the device keeps no fp32 optimizer state."""
+    assert run_ranks(2, _offloaded_state) == [(True, True)] * 2
 
 
 def _gradient_bytes(rank: int, world_size: int, stage: int) -> int:

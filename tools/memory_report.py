@@ -2,7 +2,7 @@
 
 Why: the distributed optimizer is there to save memory, so the saving should be a number read
 off the real tensors, not a formula. For each layout this tool starts tp*pp*dp gloo ranks on
-the CPU, builds the model as training does (`build_rank_model`, `build_optimizer`), runs one
+the CPU, builds the model as training does (`build_trainer`), runs one
 training step so that Adam's state exists, and sums numel * element_size over the distinct
 storages behind (a view counts its whole storage, once):
   - parameters: the model's parameters (with the distributed optimizer, the flat param buffer);
@@ -12,13 +12,14 @@ storages behind (a view counts its whole storage, once):
 Bytes per parameter divides the rank's total by the parameters it holds.
 
 Megatron-LM counts 18 bytes/param for bf16 parameters with fp32 main weights and grads
-(2 + 4 + 4 + 8), and 6 + 12/dp with the distributed optimizer: that is `--param-dtype bf16`
-(train.param_dtype=bf16). With fp32 parameters the optimizer steps them directly (no copy):
-4 + 4 + 8 = 16 without and 8 + 8/dp with.
+(2 + 4 + 4 + 8), and 6 + 12/dp with the distributed optimizer (ZeRO-1): that is `--param-dtype
+bf16` (train.param_dtype=bf16). ZeRO-2 shards the gradients too: 2 + 16/dp. With fp32 parameters
+the optimizer steps them directly (no copy): 4 + 4 + 8 = 16 at stage 0, 8 + 8/dp at stage 1 and
+4 + 12/dp at stage 2.
 
-    python tools/memory_report.py                        # bf16 params; dp 1, 2, 4, 8, distributed optimizer off and on
+    python tools/memory_report.py                        # bf16 params; dp 1, 2, 4, 8; ZeRO stages 0, 1, 2
     python tools/memory_report.py --param-dtype fp32
-    python tools/memory_report.py --tp 2 --pp 2 --dp 2 --distributed-optimizer --config examples/tiny_cpu.yaml
+    python tools/memory_report.py --tp 2 --pp 2 --dp 2 --zero-stage 1 --config examples/tiny_cpu.yaml
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel sizes, one layout each")
     p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                    help="train.param_dtype (bf16 also sets bf16 precision)")
-    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
-                   help="only with (or --no-... only without); default: both")
+    p.add_argument("--zero-stage", type=int, nargs="+", choices=(0, 1, 2), default=[0, 1, 2],
+                   help="parallel.zero_stage values, one table block each (1 = the distributed optimizer)")
     return p.parse_args(argv)
 
 
-def build_config(args: argparse.Namespace, dp: int, distributed: bool) -> Config:
+def build_config(args: argparse.Namespace, dp: int, stage: int) -> Config:
     cfg = Config()
     if args.config:
         load_yaml(cfg, args.config)
@@ -71,7 +72,8 @@ def build_config(args: argparse.Namespace, dp: int, distributed: bool) -> Config
     for flag, name in MODEL_FLAGS.items():
         if getattr(args, flag) is not None:
             setattr(cfg.model, name, getattr(args, flag))
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.distributed_optimizer = args.tp, args.pp, distributed
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage = args.tp, args.pp, stage
+    cfg.parallel.distributed_optimizer = stage >= 1
     if args.param_dtype != "fp32":
         cfg.train.param_dtype = cfg.train.precision = args.param_dtype
     # Mock data and pp micro batches per step (enough for any schedule): what stays allocated after
@@ -122,26 +124,24 @@ def row(cfg: Config, dp: int, ranks: list[dict[str, int]]) -> str:
 
     worst = max(ranks, key=total)
     expected = sum(state_bytes(cfg, 1, dp))  # the planner's accounting (megalite/planning/memory.py)
-    distributed = cfg.parallel.distributed_optimizer
     mib = " | ".join(f"{worst[c] / 2**20:.1f}" for c in CATEGORIES)
     spread = f"{min(map(total, ranks)) / 2**20:.1f}-{total(worst) / 2**20:.1f}"
-    return (f"| {dp} | {'on' if distributed else 'off'} | {worst['rank']} | {worst['numel'] / 1e6:.2f}M | {mib} "
+    return (f"| {dp} | {cfg.parallel.zero} | {worst['rank']} | {worst['numel'] / 1e6:.2f}M | {mib} "
             f"| {total(worst) / 2**20:.1f} | {spread} | {total(worst) / worst['numel']:.3f} | {expected:.3g} |")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    modes = [False, True] if args.distributed_optimizer is None else [args.distributed_optimizer]
-    m = build_config(args, 1, False).model
+    m = build_config(args, 1, 0).model
     print(f"{m.family}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
           f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; "
           f"{args.param_dtype} parameters; torch {torch.__version__}")
-    print("| dp | distributed optimizer | rank shown | parameters held | params MiB | grads MiB | main weights MiB "
+    print("| dp | ZeRO stage | rank shown | parameters held | params MiB | grads MiB | main weights MiB "
           "| optimizer state MiB | total MiB | total MiB over ranks | bytes/param | expected |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for distributed in modes:
+    for stage in args.zero_stage:
         for dp in args.dp:
-            cfg = build_config(args, dp, distributed)
+            cfg = build_config(args, dp, stage)
             world_size = args.tp * args.pp * dp
             validate(cfg, world_size)
             print(row(cfg, dp, run_layout(cfg, world_size)), flush=True)

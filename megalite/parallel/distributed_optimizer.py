@@ -19,8 +19,14 @@ upstreamed form of NVIDIA apex's FusedAdam (pytorch/pytorch#71274), so megalite 
 apex's: apex kept Adam's step in the param groups, where checkpoints did not find it, and a
 resume silently restarted Adam's moments. One optimizer means one checkpoint format.
 
-ZeRO-2/3 (gradients and parameters sharded too) and CPU offload of the main weights and
-Adam's state extend this class: the owned ranges, the gather and the write-back are theirs.
+With `optim.offload=cpu` (ZeRO-Offload, Megatron-LM's --optimizer-cpu-offload) the fp32 main
+weights and Adam's state live in (pinned) host memory and the update runs there, on torch's fused
+CPU AdamW: the reduced gradient slices are copied to the host after the reduction, the updated
+weights back into the parameters, each as non-blocking copies with one synchronisation. Device
+memory then holds no fp32 state at all, at the price of those two copies and a CPU update.
+
+ZeRO-2 (gradients sharded) lives in the gradient buffers (grad_buffer.py); ZeRO-3 (parameters
+sharded too) will extend the owned ranges and the gather here.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from megalite.config import OptimConfig
 from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.layers import parameter_shards
 from megalite.parallel.mappings import all_gather_single
-from megalite.parallel.topology import Topology
+from megalite.parallel.topology import Topology, synchronize
 
 
 @dataclass
@@ -53,13 +59,19 @@ class MainParam:
 
     @property
     def is_copy(self) -> bool:
-        """Whether `main` is an fp32 copy to write back into a bf16/fp16 parameter."""
-        return self.param.dtype != self.main.dtype
+        """Whether `main` is a copy to write back into the parameter (bf16/fp16 parameters, or offloaded)."""
+        return self.param.untyped_storage().data_ptr() != self.main.untyped_storage().data_ptr()
 
     @property
     def target(self) -> torch.Tensor:
         """The part of the parameter's data that `main` updates, shaped as `main`."""
         return self.param.data.view(-1)[self.start:self.end].view_as(self.main)
+
+
+def _host_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An fp32 copy of `tensor` in host memory, pinned when the device is a GPU (so copies overlap)."""
+    host = tensor.detach().to("cpu", torch.float32, copy=True)
+    return host.pin_memory() if device.type == "cuda" else host
 
 
 def decay_groups(entries: Iterable[tuple[str, torch.Tensor, torch.Tensor]], weight_decay: float) -> list[dict]:
@@ -83,6 +95,7 @@ class DistributedOptimizer:
     def __init__(self, model: nn.Module, buffers: list[GradBuffer], topology: Topology, cfg: OptimConfig,
                  distributed: bool, overlap_param_gather: bool, tied_copies: set[str] = frozenset()) -> None:
         self.topology, self.buffers, self.distributed = topology, buffers, distributed
+        self.offload = cfg.offload == "cpu"
         names = {id(p): n for n, p in model.named_parameters()}
         self.params = [self._main_param(names[id(param)], param, buffer, lo, hi)
                        for buffer in buffers for param, lo, hi in buffer.owned_ranges()]
@@ -90,6 +103,7 @@ class DistributedOptimizer:
         self._counted = [m for m in self.params
                          if m.name not in tied_copies and (m.name in shards or topology.tp_rank == 0)]
         self._copies = [(m.target, m.main) for m in self.params if m.is_copy]
+        self._host_grads = [_host_copy(m.main, topology.device) for m in self.params] if self.offload else []
         self.optimizer = adamw(decay_groups(((m.name, m.param, m.main) for m in self.params), cfg.weight_decay), cfg)
         self._gathers: dict[int, dist.Work] = {}
         self.gather_in_background = distributed and overlap_param_gather
@@ -98,9 +112,10 @@ class DistributedOptimizer:
 
     def _main_param(self, name: str, param: nn.Parameter, buffer: GradBuffer, lo: int, hi: int) -> MainParam:
         grad = buffer.owned_grad(param, lo, hi) if self.distributed else param.main_grad
-        if param.dtype != torch.float32:
+        if param.dtype != torch.float32 or self.offload:
             target = param.data.view(-1)[lo:hi] if self.distributed else param.data
-            main = nn.Parameter(target.float(), requires_grad=False)
+            fp32 = _host_copy(target, self.topology.device) if self.offload else target.float()
+            main = nn.Parameter(fp32, requires_grad=False)
         else:
             main = nn.Parameter(param.data.view(-1)[lo:hi], requires_grad=False) if self.distributed else param
         return MainParam(name, param, main, grad, lo, hi)
@@ -118,7 +133,12 @@ class DistributedOptimizer:
             group["lr"] = lr
 
     def collect_grads(self) -> None:
-        """Point each main tensor at its (reduced) gradient, in fp32."""
+        """Point each main tensor at its (reduced) gradient, in fp32: on the host when offloaded."""
+        if self.offload:
+            for m, host in zip(self.params, self._host_grads):
+                m.main.grad = host.copy_(m.grad.view_as(host), non_blocking=True)
+            synchronize(self.topology.device)
+            return
         for m in self.params:
             m.main.grad = m.grad if m.grad.dtype == m.main.dtype else m.grad.to(m.main.dtype)
 
@@ -136,6 +156,7 @@ class DistributedOptimizer:
         counted = [m.main.grad for m in self._counted]
         zero = torch.zeros((), device=t.device)
         total = (torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted else zero).reshape(1)
+        total = total.to(t.device)  # offloaded gradients are on the host; NCCL reduces device tensors
         group = dist.group.WORLD if self.distributed else t.mp_group
         if dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
@@ -146,7 +167,9 @@ class DistributedOptimizer:
         norm is at most max_norm (0 disables), in one pass; returns the norm before clipping."""
         norm = float(self.norm() * grad_scale)
         factor = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 and norm == norm else 1.0
-        torch._foreach_mul_(self.grads(), grad_scale * factor)
+        grads = self.grads()
+        if grads:
+            torch._foreach_mul_(grads, (grad_scale * factor).to(grads[0].device))
         return norm
 
     def step(self) -> None:
@@ -157,7 +180,10 @@ class DistributedOptimizer:
     def finish_step(self) -> None:
         """Write fp32 main weights back into bf16/fp16 parameters and share updated slices (distributed
         optimizer); drop .grad so the next backward starts clean. Also after a skipped step."""
-        if self._copies:
+        if self.offload:
+            for target, main in self._copies:
+                target.copy_(main, non_blocking=True)
+        elif self._copies:
             torch._foreach_copy_([target for target, _ in self._copies], [main for _, main in self._copies])
         if self.distributed:
             self._gather(self.gather_in_background)
