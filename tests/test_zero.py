@@ -49,11 +49,16 @@ def test_stage2_with_tied_embeddings_across_stages(tmp_path):
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in one], rel=1e-5)
 
 
-def test_checkpoint_moves_between_stages(tmp_path, reference):
-    """Stage 2 saves the same pieces as stage 1: a stage-2 run resumes at stage 0 on another layout."""
+@pytest.mark.parametrize("saved, resumed", [
+    ([STAGE2], ["--parallel.tp=2"]),
+    (["--parallel.zero_stage=1", "--optim.offload=cpu"], [STAGE2]),
+])
+def test_checkpoint_moves_between_stages(tmp_path, reference, saved, resumed):
+    """Every stage, offloaded or not, saves the same pieces: a stage-2 run resumes at stage 0 on another
+    layout, an offloaded stage-1 run at stage 2 on the device, both continuing the uninterrupted run."""
     ckpt = [f"--checkpoint.save={tmp_path / 'ckpt'}", f"--checkpoint.load={tmp_path / 'ckpt'}"]
-    first = _run(tmp_path, 2, STAGE2, "--train.exit_interval=2", *ckpt, name="first")
-    second = _run(tmp_path, 2, "--parallel.tp=2", *ckpt, name="second")
+    first = _run(tmp_path, 2, *saved, "--train.exit_interval=2", *ckpt, name="first")
+    second = _run(tmp_path, 2, *resumed, *ckpt, name="second")
     assert first + second == pytest.approx(reference["gpt2"], rel=1e-5)
 
 
