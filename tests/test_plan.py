@@ -66,6 +66,8 @@ def test_bytes_per_parameter_follow_megatron_accounting():
     assert sum(state_bytes(cfg, 1, 8)) == 6 + 12 / 8
     cfg.parallel.zero_stage = 2
     assert sum(state_bytes(cfg, 1, 8)) == 2 + 16 / 8
+    cfg.optim.offload = "cpu"  # main weights and moments leave the device
+    assert sum(state_bytes(cfg, 1, 8)) == 2 + 4 / 8
 
 
 @pytest.mark.parametrize("layout", [

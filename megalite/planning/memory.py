@@ -45,10 +45,13 @@ class StageMemory:
 
 
 def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, float]:
-    """(weights, gradients, main weights, optimizer state) bytes for `numel` parameters on one rank."""
+    """(weights, gradients, main weights, optimizer state) device bytes for `numel` parameters on one rank;
+    offloaded (optim.offload=cpu) main weights and optimizer state live in host memory instead."""
     t, p = cfg.train, cfg.parallel
     shards = dp if p.zero >= 1 else 1
     grads = numel * _BYTES[p.grad_reduce_dtype] / (dp if p.zero >= 2 else 1)
+    if cfg.optim.offload == "cpu":
+        return numel * _BYTES[t.param_dtype], grads, 0.0, 0.0
     main = 0 if t.param_dtype == "fp32" else 4
     return numel * _BYTES[t.param_dtype], grads, numel * main / shards, numel * 8 / shards
 

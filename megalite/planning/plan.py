@@ -105,7 +105,7 @@ def format_plan(plan: Plan) -> str:
         f"model: {m.family}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.kv_heads} KV), ffn {m.ffn_size}, vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}",
         f"layout: world {plan.world_size} = tp {p.tp} x pp {p.pp} (vp {p.vp}) x dp {plan.dp}; "
-        f"sequence parallel {p.sequence_parallel}; ZeRO stage {p.zero}",
+        f"sequence parallel {p.sequence_parallel}; ZeRO stage {p.zero}, optimizer offload {cfg.optim.offload}",
         f"batch: global {cfg.batch_size(plan.world_size)} = {plan.microbatches} micro batches x "
         f"{cfg.train.micro_batch_size} x dp {plan.dp}; "
         f"precision {cfg.train.precision}, parameters {cfg.train.param_dtype}, recompute {cfg.train.recompute}",
