@@ -112,12 +112,13 @@ class DistributedOptimizer:
 
     def _main_param(self, name: str, param: nn.Parameter, buffer: GradBuffer, lo: int, hi: int) -> MainParam:
         grad = buffer.owned_grad(param, lo, hi) if self.distributed else param.main_grad
-        if param.dtype != torch.float32 or self.offload:
-            target = param.data.view(-1)[lo:hi] if self.distributed else param.data
-            fp32 = _host_copy(target, self.topology.device) if self.offload else target.float()
-            main = nn.Parameter(fp32, requires_grad=False)
-        else:
-            main = nn.Parameter(param.data.view(-1)[lo:hi], requires_grad=False) if self.distributed else param
+        target = param.data.view(-1)[lo:hi] if self.distributed else param.data
+        if self.offload:
+            main = nn.Parameter(_host_copy(target, self.topology.device), requires_grad=False)
+        elif param.dtype != torch.float32:
+            main = nn.Parameter(target.float(), requires_grad=False)
+        else:  # stepped in place
+            main = nn.Parameter(target, requires_grad=False) if self.distributed else param
         return MainParam(name, param, main, grad, lo, hi)
 
     def shards(self) -> list[MainParam]:

@@ -35,10 +35,13 @@ class Bucket:
     end: int
     params: list[nn.Parameter]
     pending: set[int] = field(default_factory=set)
-    work: dist.Work | None = None
-    scattered: torch.Tensor | None = None
     data: torch.Tensor | None = None  # the bucket's gradients (ZeRO-2: only while they accumulate)
-    in_flight: list[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    in_flight: list[tuple[dist.Work | None, torch.Tensor]] = field(default_factory=list)  # (work, its result)
+
+    @property
+    def work(self) -> dist.Work | None:
+        """The reduction launched last and not yet landed."""
+        return self.in_flight[-1][0] if self.in_flight else None
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """This data-parallel rank's slice of the bucket, in buffer coordinates."""
@@ -129,67 +132,51 @@ class GradBuffer:
         self.syncing = True
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.shard_grads:
-            self._scatter(bucket)
-            return
-        if self.dp == 1:
+        """Start the bucket's reduction: all-reduce in place, or reduce-scatter into a new slice (ZeRO-1/2).
+        ZeRO-2 lets go of the bucket's buffer for this micro batch (the collective keeps it alive)."""
+        if self.dp == 1 and not self.shard_grads:
             return
         data = self._bucket_grads(bucket)
-        if self.distributed:
-            bucket.scattered = torch.empty((bucket.end - bucket.start) // self.dp, dtype=data.dtype, device=data.device)
-            bucket.work = reduce_scatter_single(bucket.scattered, data, self.dp_group, async_op=True)
-        else:
-            bucket.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
-
-    def _scatter(self, bucket: Bucket) -> None:
-        """ZeRO-2: reduce-scatter the bucket's gradients of this micro batch and let go of its buffer;
-        the reduced slice is added into shard_data when it lands."""
-        data, bucket.data = self._bucket_grads(bucket), None
-        for param in bucket.params:
-            param.main_grad = None
-        bucket.pending = {id(p) for p in bucket.params}
+        if self.shard_grads:
+            bucket.data, bucket.pending = None, {id(p) for p in bucket.params}
+            for param in bucket.params:
+                param.main_grad = None
         if self.dp == 1:
-            bucket.in_flight.append((None, data, data))
-        else:
+            bucket.in_flight.append((None, data))
+        elif self.distributed:
             out = torch.empty((bucket.end - bucket.start) // self.dp, dtype=data.dtype, device=data.device)
-            bucket.in_flight.append((reduce_scatter_single(out, data, self.dp_group, async_op=True), data, out))
-        if not self.overlap:
+            bucket.in_flight.append((reduce_scatter_single(out, data, self.dp_group, async_op=True), out))
+        else:
+            bucket.in_flight.append((dist.all_reduce(data, group=self.dp_group, async_op=True), data))
+        if self.shard_grads and not self.overlap:
             self._land(bucket)
 
     def _land(self, bucket: Bucket) -> float:
-        """Wait for the bucket's reduce-scatters in flight and add their slices into shard_data."""
-        waited, begin = 0.0, bucket.start // self.dp
-        for work, _, out in bucket.in_flight:
+        """Wait for the bucket's reductions in flight and put this rank's slice in place: added into
+        shard_data (ZeRO-2, one per micro batch) or copied into the full buffer (ZeRO-1); returns the
+        seconds spent waiting."""
+        waited = 0.0
+        for work, result in bucket.in_flight:
             if work is not None:
-                started = time.perf_counter()
+                begin = time.perf_counter()
                 work.wait()
-                waited += time.perf_counter() - started
-            self.shard_data[begin:begin + out.numel()].add_(out)
+                waited += time.perf_counter() - begin
+            if self.shard_grads:
+                first = bucket.start // self.dp
+                self.shard_data[first:first + result.numel()].add_(result)
+            elif self.distributed:
+                a, b = bucket.shard(self.dp_rank, self.dp)
+                self.grad_data[a:b].copy_(result)
         bucket.in_flight = []
         return waited
 
     def finish(self) -> float:
         """Launch what has not been launched, wait for every reduction; returns seconds spent waiting."""
-        if self.shard_grads:
-            for bucket in self.buckets:
-                if bucket.data is not None:
-                    self._scatter(bucket)
-            return sum(self._land(bucket) for bucket in self.buckets)
         for bucket in self.buckets:
-            if bucket.work is None:
+            unlaunched = bucket.data is not None if self.shard_grads else not bucket.in_flight
+            if unlaunched:  # ZeRO-2: gradients accumulated since its last launch; else: not launched this step
                 self._launch(bucket)
-        waited = 0.0
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                begin = time.perf_counter()
-                bucket.work.wait()
-                waited += time.perf_counter() - begin
-                bucket.work = None
-            if bucket.scattered is not None:
-                a, b = bucket.shard(self.dp_rank, self.dp)
-                self.grad_data[a:b].copy_(bucket.scattered)
-                bucket.scattered = None
-        return waited
+        return sum(self._land(bucket) for bucket in self.buckets)
 
     def zero(self) -> None:
         if self.grad_data is not None:
