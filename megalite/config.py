@@ -144,13 +144,14 @@ class ParallelConfig:
                "the same as parallel.zero_stage=1)")
     zero_stage: Optional[int] = _f(
         None, "what data-parallel ranks shard (DeepSpeed's stages; Megatron-FSDP's strategies): 0 nothing; "
-              "1 optimizer state and fp32 main weights (optim); 2 also gradients (optim_grads) "
+              "1 optimizer state and fp32 main weights (optim); 2 also gradients (optim_grads); "
+              "3 also parameters, gathered per layer around its use (optim_grads_params) "
               "(default: 1 with parallel.distributed_optimizer, else 0)")
     bucket_size: int = _f(40_000_000, "gradient elements per data-parallel reduction bucket")
     overlap_grad_reduce: bool = _f(True, "reduce each bucket as soon as its gradients are ready, during backward")
     overlap_param_gather: bool = _f(
-        False, "distributed optimizer: all-gather updated parameters in the background, "
-               "each bucket awaited by the next forward's first use")
+        False, "zero stages 1-2: all-gather updated parameters in the background, each bucket awaited by "
+               "the next forward's first use (stage 3 always gathers ahead, one layer in advance)")
     grad_reduce_dtype: Literal["fp32", "bf16"] = _f(
         "fp32", "dtype gradients accumulate and are reduced in (bf16 halves the traffic, loses precision)")
     timeout_minutes: float = _f(

@@ -70,9 +70,9 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
     if p.sequence_parallel_active and m.seq_length % p.tp:
         errors.append(f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, "
                       "which sequence parallelism shards it over")
-    if p.zero_stage is not None and p.zero_stage not in (0, 1, 2):
-        errors.append(f"parallel.zero_stage={p.zero_stage} is not available: use 0, 1 (optimizer state sharded) "
-                      "or 2 (also gradients); stage 3 (parameters sharded too) is not implemented yet")
+    if p.zero_stage is not None and p.zero_stage not in (0, 1, 2, 3):
+        errors.append(f"parallel.zero_stage={p.zero_stage} is not available: use 0, 1 (optimizer state sharded), "
+                      "2 (also gradients) or 3 (also parameters)")
     if p.distributed_optimizer and p.zero_stage == 0:
         errors.append("parallel.distributed_optimizer=true is parallel.zero_stage=1, but parallel.zero_stage=0 is "
                       "set too; drop one of them")

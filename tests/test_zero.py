@@ -22,6 +22,7 @@ from distributed import run_ranks, tiny_run
 from parity import LLAMA, TINY, clipped_run as _run
 
 STAGE2 = "--parallel.zero_stage=2"
+STAGE3 = "--parallel.zero_stage=3"
 
 
 @pytest.mark.parametrize("nproc, extra", [
@@ -47,6 +48,25 @@ def test_stage2_with_tied_embeddings_across_stages(tmp_path):
     split = tiny_run(tmp_path, 4, *fast, "--parallel.pp=2", STAGE2, base=TINY)
     assert [r["grad_norm"] for r in split] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (2, []),
+    (4, ["--train.recompute=full"]),
+])
+def test_stage3_matches_one_device(tmp_path, reference, nproc, extra):
+    """Parameters sharded: every layer gathered before its forward and its backward, freed after each."""
+    assert _run(tmp_path, nproc, STAGE3, *extra) == pytest.approx(reference["gpt2"], rel=1e-5)
+
+
+@pytest.mark.parametrize("family, layout", [
+    ("llama", ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    ("gpt2", ["--parallel.pp=2", "--parallel.vp=2"]),
+])
+def test_stage3_with_model_parallelism(tmp_path, reference, family, layout):
+    """Each pipeline chunk sharded over its data-parallel group; TP shards sharded again over dp."""
+    model = LLAMA if family == "llama" else []
+    assert _run(tmp_path, 4, *model, *layout, STAGE3) == pytest.approx(reference[family], rel=1e-5)
 
 
 @pytest.mark.parametrize("saved, resumed", [

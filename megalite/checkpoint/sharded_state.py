@@ -53,6 +53,7 @@ class Entry:
     stored: str
     param: nn.Parameter
     main: torch.Tensor
+    weights: torch.Tensor  # where the stepped elements of the parameter are stored (flat)
     index: int  # position among the optimizer's parameters
     lo: int
     hi: int
@@ -70,8 +71,8 @@ class ShardedState:
         self.distributed = optimizer.distributed
         # Every parameter, also those whose optimizer shard another data-parallel rank owns (not stepped here).
         self.params = [(n, copies.get(n, n), p) for n, p in model.named_parameters()]
-        self.entries = [Entry(m.name, copies.get(m.name, m.name), m.param, m.main, order[id(m.main)], m.start, m.end,
-                              m.name in copies) for m in optimizer.shards()]
+        self.entries = [Entry(m.name, copies.get(m.name, m.name), m.param, m.main, m.weights, order[id(m.main)],
+                              m.start, m.end, m.name in copies) for m in optimizer.shards()]
 
     def _spec(self, local: str) -> ShardSpec | None:
         return self.specs.get(local) if self.tp.size > 1 else None
@@ -107,7 +108,7 @@ class ShardedState:
                     where=where) -> None:
                 out.append((Piece(e.stored, kind, shape, where, lo, hi), tensor.detach().reshape(-1)))
 
-            add("model", e.param.reshape(-1)[e.lo:e.hi])
+            add("model", e.weights)
             if e.main.dtype != e.param.dtype:
                 add(MAIN, e.main)
             state = self.optimizer.state.get(e.main, {})
@@ -128,7 +129,7 @@ class ShardedState:
             values = reader.read_part(e.stored, MAIN, target)
             values = reader.read_part(e.stored, "model", target) if values is None else values
             e.main.data.copy_(values.view_as(e.main))
-            e.param.data.view(-1)[e.lo:e.hi].copy_(values)
+            e.weights.copy_(values)
         if not load_optimizer or not reader.kinds() & {*MOMENTS, "step"}:
             return False
         state: dict[int, dict[str, torch.Tensor]] = {}

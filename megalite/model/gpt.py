@@ -123,6 +123,18 @@ class GPTModel(nn.Module):
             groups[-1] = groups[-1] + [*self.final_norm.parameters(), *self.lm_head.parameters()]
         return groups
 
+    def chunk_modules(self) -> list[list[tuple[nn.Module, list[nn.Parameter]]]]:
+        """Per model chunk, the modules its forward runs, in order, each with the parameters its forward
+        reads (the LM head of tied embeddings on this stage reads the word embeddings): ZeRO-3's gather units."""
+        chunks = [[(self.layers[str(i)], list(self.layers[str(i)].parameters())) for i in range(a, b)]
+                  for a, b in self.stage.chunks]
+        if self.embedding is not None:
+            chunks[0].insert(0, (self.embedding, list(self.embedding.parameters())))
+        if self.stage.has_head:
+            head = [self.lm_head.weight if self.lm_head.weight is not None else self.embedding.word_embeddings.weight]
+            chunks[-1] += [(self.final_norm, list(self.final_norm.parameters())), (self.lm_head, head)]
+        return chunks
+
     def _rope(self, tokens: torch.Tensor,
               position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.cfg.features.position_embedding != "rope":

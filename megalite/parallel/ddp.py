@@ -39,10 +39,12 @@ class DataParallelGrads:
     """`chunks`: the parameters of each model chunk, in the order its backward produces them.
     `tied`: the names of this rank's parameters summed with another pipeline stage's (the word
     embeddings and their tied copy, when the model ties them and pp > 1). `tied_copies`: the
-    names of the parameters that copy another one (never counted as replicated weights)."""
+    names of the parameters that copy another one (never counted as replicated weights). `units`: each
+    parameter's ZeRO-3 gather unit (zero3.py unit_index), which buckets do not straddle."""
 
     def __init__(self, model: nn.Module, chunks: list[list[nn.Parameter]], topology: Topology, cfg: ParallelConfig,
-                 tied: set[str] = frozenset(), tied_copies: set[str] = frozenset()) -> None:
+                 tied: set[str] = frozenset(), tied_copies: set[str] = frozenset(),
+                 units: dict[int, int] | None = None) -> None:
         self.topology, self.sequence_parallel = topology, cfg.sequence_parallel_active
         shards = parameter_shards(model)
         named = list(model.named_parameters())
@@ -51,7 +53,8 @@ class DataParallelGrads:
         held = frozenset(id(p) for p in self.tied)
         self.buffers = [GradBuffer(params, cfg.bucket_size, topology.dp_group, topology.dp, topology.dp_rank,
                                    cfg.zero >= 1, cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype],
-                                   shard_grads=cfg.zero >= 2) for params in chunks if params]
+                                   shard_grads=cfg.zero >= 2, shard_params=cfg.zero >= 3, units=units)
+                        for params in chunks if params]
         self.wait_seconds = 0.0
 
     def zero(self) -> None:

@@ -25,8 +25,9 @@ CPU AdamW: the reduced gradient slices are copied to the host after the reductio
 weights back into the parameters, each as non-blocking copies with one synchronisation. Device
 memory then holds no fp32 state at all, at the price of those two copies and a CPU update.
 
-ZeRO-2 (gradients sharded) lives in the gradient buffers (grad_buffer.py); ZeRO-3 (parameters
-sharded too) will extend the owned ranges and the gather here.
+ZeRO-2 (gradients sharded) lives in the gradient buffers (grad_buffer.py). Under ZeRO-3 (parameters
+sharded too) the owned slices are this rank's parameter shard itself: the step updates it and
+nothing is gathered afterwards, the next forward gathers each layer when it needs it (zero3.py).
 """
 
 from __future__ import annotations
@@ -48,24 +49,21 @@ from megalite.parallel.topology import Topology, synchronize
 @dataclass
 class MainParam:
     """Elements [start, end) of `param` (flattened), stepped as the fp32 tensor `main` with the
-    gradient view `grad`. `main` shares the parameter's storage when the parameter is fp32."""
+    gradient view `grad`; `weights` is where those elements are stored (a view of the parameter, or
+    under ZeRO-3 of this rank's parameter shard). `main` shares that storage when the parameter is fp32."""
 
     name: str
     param: nn.Parameter
     main: torch.Tensor
     grad: torch.Tensor
+    weights: torch.Tensor
     start: int
     end: int
 
     @property
     def is_copy(self) -> bool:
-        """Whether `main` is a copy to write back into the parameter (bf16/fp16 parameters, or offloaded)."""
-        return self.param.untyped_storage().data_ptr() != self.main.untyped_storage().data_ptr()
-
-    @property
-    def target(self) -> torch.Tensor:
-        """The part of the parameter's data that `main` updates, shaped as `main`."""
-        return self.param.data.view(-1)[self.start:self.end].view_as(self.main)
+        """Whether `main` is a copy to write back into the weights (bf16/fp16 parameters, or offloaded)."""
+        return self.weights.untyped_storage().data_ptr() != self.main.untyped_storage().data_ptr()
 
 
 def _host_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -102,24 +100,24 @@ class DistributedOptimizer:
         shards = parameter_shards(model)
         self._counted = [m for m in self.params
                          if m.name not in tied_copies and (m.name in shards or topology.tp_rank == 0)]
-        self._copies = [(m.target, m.main) for m in self.params if m.is_copy]
+        self._copies = [(m.weights.view_as(m.main), m.main) for m in self.params if m.is_copy]
         self._host_grads = [_host_copy(m.main, topology.device) for m in self.params] if self.offload else []
         self.optimizer = adamw(decay_groups(((m.name, m.param, m.main) for m in self.params), cfg.weight_decay), cfg)
         self._gathers: dict[int, dist.Work] = {}
-        self.gather_in_background = distributed and overlap_param_gather
+        self.gather_in_background = distributed and overlap_param_gather and not any(b.shard_params for b in buffers)
         if self.gather_in_background:
             self._wait_before_use(model)
 
     def _main_param(self, name: str, param: nn.Parameter, buffer: GradBuffer, lo: int, hi: int) -> MainParam:
         grad = buffer.owned_grad(param, lo, hi) if self.distributed else param.main_grad
-        target = param.data.view(-1)[lo:hi] if self.distributed else param.data
+        weights = buffer.owned_weights(param, lo, hi) if self.distributed else param.data
         if self.offload:
-            main = nn.Parameter(_host_copy(target, self.topology.device), requires_grad=False)
+            main = nn.Parameter(_host_copy(weights, self.topology.device), requires_grad=False)
         elif param.dtype != torch.float32:
-            main = nn.Parameter(target.float(), requires_grad=False)
+            main = nn.Parameter(weights.float(), requires_grad=False)
         else:  # stepped in place
-            main = nn.Parameter(target, requires_grad=False) if self.distributed else param
-        return MainParam(name, param, main, grad, lo, hi)
+            main = nn.Parameter(weights, requires_grad=False) if self.distributed else param
+        return MainParam(name, param, main, grad, weights.view(-1), lo, hi)
 
     def shards(self) -> list[MainParam]:
         """What this rank steps, for checkpoints: each parameter's owned range and its fp32 tensor."""
@@ -201,7 +199,7 @@ class DistributedOptimizer:
         """All-gather each bucket's updated slices, first-used bucket first; `background` leaves them in
         flight for `wait_for` / `wait_params`."""
         for buffer in self.buffers:
-            if buffer.dp == 1:
+            if buffer.dp == 1 or buffer.shard_params:  # ZeRO-3 gathers before each use (zero3.py)
                 continue
             for bucket in reversed(buffer.buckets):
                 a, b = bucket.shard(buffer.dp_rank, buffer.dp)

@@ -14,13 +14,17 @@ mean for any (dp, micro batch) split. With the distributed optimizer, buckets ar
 to a multiple of dp and reduce-scattered: each rank gets the reduced values of its own
 slice only, which is all its optimizer shard needs. Parameters then also live in a flat
 buffer of the same layout (`param_data`), so the distributed optimizer can all-gather its
-updated shards bucket by bucket (distributed_optimizer.py).
+updated shards bucket by bucket (distributed_optimizer.py). Under ZeRO-3 (`shard_params`) only
+this rank's slices of the parameters live on (`param_shard`); each bucket's whole parameters
+have a storage of their own that is gathered and freed around their use (zero3.py), and
+buckets never span two of the model's gather units (`units`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,7 @@ class Bucket:
     pending: set[int] = field(default_factory=set)
     data: torch.Tensor | None = None  # the bucket's gradients (ZeRO-2: only while they accumulate)
     in_flight: list[tuple[dist.Work | None, torch.Tensor]] = field(default_factory=list)  # (work, its result)
+    weights: torch.Tensor | None = None  # ZeRO-3: the bucket's whole parameters (storage freed when not in use)
 
     @property
     def work(self) -> dist.Work | None:
@@ -59,18 +64,30 @@ class GradBuffer:
     and this rank's reduced slice is added into `shard_data` (the owned slices of every bucket, one
     after another), after which the bucket's buffer is dropped. Gradient memory per rank is then
     about 1/dp of the model's plus the buckets in flight, at the price of one reduce-scatter per
-    bucket per micro batch instead of per step. Held buckets keep their buffer until `finish`."""
+    bucket per micro batch instead of per step. Held buckets keep their buffer until `finish`.
+
+    `shard_params` (ZeRO-3, with `shard_grads` and dp > 1): parameters are stored as this rank's slices
+    (`param_shard`, laid out as `shard_data`); each bucket's parameters are views of the bucket's own
+    `weights`, whose storage is freed at once and gathered by zero3.py when needed. `units` maps each
+    parameter to its gather unit (a module of the model): a bucket is also closed where the unit changes,
+    so a unit's buckets hold nothing else. `on_grads_in` is told of each bucket whose gradients of one
+    backward are all in (ZeRO-3 frees its parameters then)."""
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, dp_group: dist.ProcessGroup, dp: int,
                  dp_rank: int, distributed: bool, overlap: bool, held: frozenset[int] = frozenset(),
-                 grad_dtype: torch.dtype = torch.float32, shard_grads: bool = False) -> None:
+                 grad_dtype: torch.dtype = torch.float32, shard_grads: bool = False, shard_params: bool = False,
+                 units: dict[int, int] | None = None) -> None:
         self.dp_group, self.dp, self.dp_rank, self.distributed, self.overlap = (
             dp_group, dp, dp_rank, distributed, overlap)
         self.shard_grads = shard_grads and distributed
+        self.shard_params = shard_params and self.shard_grads and dp > 1
+        self.on_grads_in: Callable[[Bucket], None] | None = None
         self.buckets: list[Bucket] = []
         self.offsets: dict[int, tuple[int, int]] = {}
         offset, current = 0, []
         for param in reversed(params):
+            if current and units is not None and units[id(param)] != units[id(current[-1])]:
+                offset, current = self._close_bucket(current, offset), []
             self.offsets[id(param)] = (offset, offset + param.numel())
             offset += param.numel()
             current.append(param)
@@ -83,6 +100,9 @@ class GradBuffer:
         self.grad_data = None if self.shard_grads else torch.zeros(offset, dtype=grad_dtype, device=device)
         self.shard_data = torch.zeros(offset // dp, dtype=grad_dtype, device=device) if self.shard_grads else None
         self.param_data = torch.zeros(offset, dtype=params[0].dtype, device=device) if distributed else None
+        self.param_shard = None
+        if self.shard_params:
+            self.param_data, self.param_shard = None, torch.zeros(offset // dp, dtype=params[0].dtype, device=device)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.held = {id(b) for b in self.buckets if any(id(p) in held for p in b.params)}
         for param in params:
@@ -90,10 +110,31 @@ class GradBuffer:
             if self.grad_data is not None:
                 param.main_grad = self.grad_data[start:end].view_as(param)
             if distributed:
-                self.param_data[start:end].copy_(param.data.view(-1))
-                param.data = self.param_data[start:end].view_as(param)
+                self._move_into_storage(param, start, end)
             param.register_post_accumulate_grad_hook(self._on_grad)
+        for bucket in self.buckets if self.shard_params else []:
+            a, b = bucket.shard(dp_rank, dp)
+            self.shard_of(bucket).copy_(bucket.weights[a - bucket.start:b - bucket.start])
+            bucket.weights.untyped_storage().resize_(0)
         self.syncing = False
+
+    def _move_into_storage(self, param: nn.Parameter, start: int, end: int) -> None:
+        """Make the parameter a view of elements [start, end) of the flat parameter storage (ZeRO-3: of its
+        bucket's own storage), keeping its values."""
+        if self.shard_params:
+            bucket = self.bucket_of[id(param)]
+            if bucket.weights is None:
+                bucket.weights = torch.zeros(bucket.end - bucket.start, dtype=param.dtype, device=param.device)
+            flat, start, end = bucket.weights, start - bucket.start, end - bucket.start
+        else:
+            flat = self.param_data
+        flat[start:end].copy_(param.data.view(-1))
+        param.data = flat[start:end].view_as(param)
+
+    def shard_of(self, bucket: Bucket) -> torch.Tensor:
+        """ZeRO-3: this rank's slice of the bucket's parameters, the only copy kept between uses."""
+        first = bucket.start // self.dp
+        return self.param_shard[first:first + (bucket.end - bucket.start) // self.dp]
 
     def _close_bucket(self, params: list[nn.Parameter], offset: int) -> int:
         start = self.buckets[-1].end if self.buckets else 0
@@ -121,11 +162,14 @@ class GradBuffer:
         self._bucket_grads(bucket)
         param.main_grad.add_(param.grad)
         param.grad = None
-        every_micro_batch = self.shard_grads and id(bucket) not in self.held
-        if every_micro_batch or (self.syncing and self.overlap and id(bucket) not in self.held):
-            bucket.pending.discard(id(param))
-            if not bucket.pending:
-                self._launch(bucket)
+        bucket.pending.discard(id(param))
+        if bucket.pending:
+            return
+        bucket.pending = {id(p) for p in bucket.params}  # for the next backward
+        if id(bucket) not in self.held and (self.shard_grads or self.syncing and self.overlap):
+            self._launch(bucket)
+        if self.on_grads_in is not None:
+            self.on_grads_in(bucket)
 
     def start_sync(self) -> None:
         """The next backward is this chunk's last of the step: reduce buckets as they complete."""
@@ -138,7 +182,7 @@ class GradBuffer:
             return
         data = self._bucket_grads(bucket)
         if self.shard_grads:
-            bucket.data, bucket.pending = None, {id(p) for p in bucket.params}
+            bucket.data = None
             for param in bucket.params:
                 param.main_grad = None
         if self.dp == 1:
@@ -187,13 +231,24 @@ class GradBuffer:
         for bucket in self.buckets:
             bucket.pending = {id(p) for p in bucket.params}
 
+    def _shard_index(self, param: nn.Parameter, lo: int) -> int:
+        """Where element `lo` of `param`, in a range this rank owns, sits in the sharded layout."""
+        bucket = self.bucket_of[id(param)]
+        return bucket.start // self.dp + self.offsets[id(param)][0] + lo - bucket.shard(self.dp_rank, self.dp)[0]
+
     def owned_grad(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
         """The reduced gradient of elements [lo, hi) of `param`, a range this rank owns (owned_ranges)."""
         if not self.shard_grads:
             return param.main_grad.view(-1)[lo:hi]
-        bucket = self.bucket_of[id(param)]
-        first = bucket.start // self.dp + self.offsets[id(param)][0] + lo - bucket.shard(self.dp_rank, self.dp)[0]
+        first = self._shard_index(param, lo)
         return self.shard_data[first:first + hi - lo]
+
+    def owned_weights(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        """The stored values of elements [lo, hi) of `param` (an owned range): what the optimizer updates."""
+        if not self.shard_params:
+            return param.data.view(-1)[lo:hi]
+        first = self._shard_index(param, lo)
+        return self.param_shard[first:first + hi - lo]
 
     def owned_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
         """(param, first, last) element ranges, within each parameter, that this rank's optimizer shard owns."""

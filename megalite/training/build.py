@@ -16,6 +16,7 @@ from megalite.parallel.layers import TPContext
 from megalite.parallel.pipeline import Pipeline
 from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.topology import Topology
+from megalite.parallel.zero3 import ShardedParameters, unit_index
 from megalite.training.loss_scaler import LossScaler
 
 
@@ -32,6 +33,7 @@ class Trainer:
     optimizer: DistributedOptimizer
     scaler: LossScaler
     pipeline: Pipeline
+    sharded_params: ShardedParameters | None = None  # ZeRO-3 with dp > 1
 
     def sharded_state(self) -> ShardedState:
         """The checkpoint's view of the model and optimizer state this rank holds."""
@@ -59,8 +61,11 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     names = {name for name, _ in model.named_parameters()}
     tied = set(TIED_COPY) & names if cfg.model.tied and topology.pp > 1 else set()
     copies = set(model.tied_copies())
-    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, tied, copies)
+    modules = model.chunk_modules()
+    units = unit_index(modules) if p.zero >= 3 else None
+    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, tied, copies, units)
+    sharded = ShardedParameters(modules, grads.buffers) if p.zero >= 3 and topology.dp > 1 else None
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
                                      p.overlap_param_gather, copies)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-    return Trainer(cfg, topology, model, tp, grads, optimizer, scaler, Pipeline.build(cfg, topology))
+    return Trainer(cfg, topology, model, tp, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded)

@@ -1,0 +1,162 @@
+"""ZeRO-3: parameters stored sharded over the data-parallel ranks, whole only around their use.
+
+Each rank keeps only its slices of the parameters (grad_buffer.py `param_shard`, the same layout
+as its gradient and optimizer slices). The model's gather units are the modules its forward
+runs, in order (GPTModel.chunk_modules: the embedding, each transformer layer, the final norm,
+the LM head): a unit's buckets are all-gathered into their own storage just before its forward
+and the storage is freed after it; they are gathered again before its backward and freed once
+all of the bucket's gradients of that backward are in (they are then reduce-scattered, as under
+ZeRO-2). While a unit runs, the next one's gather is already in flight (the previous one's in
+backward), so communication overlaps compute with at most two units gathered in forward.
+
+Why megalite's own buffers and not torch's FSDP2 (`fully_shard`): the shards are the distributed
+optimizer's slices, so fp32 main weights, clipping (each element counted once, TP-replicated and
+tied parameters once), CPU offload and the layout-free checkpoint work unchanged at every stage,
+and a ZeRO-3 checkpoint is the same pieces as a ZeRO-1 one. FSDP2 shards each parameter as a DTensor
+on dim 0, which would give tensor-parallel shards a second sharding the optimizer, checkpoints and
+the TP layers know nothing of. Freeing is done by shrinking the bucket storage to zero bytes, as
+FSDP1 did: parameters stay views of it, so autograd's saved references and shapes stay valid.
+
+Activation recompute runs a unit's forward again inside its backward, when the unit is gathered
+and marked as in backward: that forward neither counts as a user, prefetches nor frees (torch's
+checkpoint stops a recompute early, once it has what backward needs, so its forward hook may
+never run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from megalite.parallel.grad_buffer import Bucket, GradBuffer
+from megalite.parallel.mappings import all_gather_single
+
+
+@dataclass
+class GatheredBucket:
+    """The gather state of one bucket: its whole parameters are present while `users` (forwards under way)
+    is positive or `in_backward`; `work` is the gather in flight."""
+
+    bucket: Bucket
+    buffer: GradBuffer
+    present: bool = False
+    users: int = 0
+    in_backward: bool = False
+    work: dist.Work | None = None
+
+
+@dataclass
+class Unit:
+    module: nn.Module
+    buckets: list[GatheredBucket] = field(default_factory=list)
+
+
+def unit_index(chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]]) -> dict[int, int]:
+    """Each parameter's gather unit (by id): the unit of the module that owns it."""
+    index, number = {}, 0
+    for modules in chunks:
+        for module, _ in modules:
+            for param in module.parameters():
+                index.setdefault(id(param), number)
+            number += 1
+    return index
+
+
+class ShardedParameters:
+    """`chunks`: per model chunk, the modules its forward runs in order, each with the parameters it reads
+    (GPTModel.chunk_modules); `buffers`: data parallelism's gradient buffers, built with shard_params."""
+
+    def __init__(self, chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]], buffers: list[GradBuffer]) -> None:
+        self.gathered: dict[int, GatheredBucket] = {}
+        self.states = {id(b): GatheredBucket(b, buffer) for buffer in buffers for b in buffer.buckets}
+        where = {param: self.states[id(b)] for buffer in buffers for param, b in buffer.bucket_of.items()}
+        self.peak_buckets = self.peak_elements = 0
+        self.units: list[list[Unit]] = []
+        for modules in chunks:
+            units = []
+            for module, params in modules:
+                unit = Unit(module)
+                for param in params:
+                    if where[id(param)] not in unit.buckets:
+                        unit.buckets.append(where[id(param)])
+                units.append(unit)
+            self.units.append(units)
+        for units in self.units:
+            for i, unit in enumerate(units):
+                after = units[i + 1] if i + 1 < len(units) else None
+                before = units[i - 1] if i > 0 else None
+                unit.module.register_forward_pre_hook(lambda _m, _a, u=unit, n=after: self._before_forward(u, n))
+                unit.module.register_forward_hook(lambda _m, _a, out, u=unit, p=before: self._after_forward(u, p, out))
+        for buffer in buffers:
+            buffer.on_grads_in = self._grads_in
+
+    def _gather(self, state: GatheredBucket) -> None:
+        """Launch the bucket's all-gather into its (re-grown) storage, unless its parameters are present."""
+        if state.present:
+            return
+        bucket, buffer = state.bucket, state.buffer
+        weights = bucket.weights
+        weights.untyped_storage().resize_(weights.numel() * weights.element_size())
+        state.work = all_gather_single(weights, buffer.shard_of(bucket), buffer.dp_group, async_op=True)
+        state.present = True
+        self.gathered[id(bucket)] = state
+        self.peak_buckets = max(self.peak_buckets, len(self.gathered))
+        self.peak_elements = max(self.peak_elements, sum(s.bucket.weights.numel() for s in self.gathered.values()))
+
+    @staticmethod
+    def _wait(states: list[GatheredBucket]) -> None:
+        for state in states:
+            if state.work is not None:
+                state.work.wait()
+                state.work = None
+
+    def _release(self, state: GatheredBucket) -> None:
+        """Free the bucket's whole parameters if nothing uses them (its gather has landed: it was waited for)."""
+        if state.present and state.users == 0 and not state.in_backward:
+            self._wait([state])
+            state.bucket.weights.untyped_storage().resize_(0)
+            state.present = False
+            del self.gathered[id(state.bucket)]
+
+    def _before_forward(self, unit: Unit, after: Unit | None) -> None:
+        if any(s.in_backward for s in unit.buckets):  # a recompute: present until the backward frees it
+            self._wait(unit.buckets)
+            return
+        for state in unit.buckets:
+            self._gather(state)
+            state.users += 1
+        if after is not None:
+            for state in after.buckets:
+                self._gather(state)
+        self._wait(unit.buckets)
+
+    def _after_forward(self, unit: Unit, before: Unit | None, output: object) -> None:
+        if any(s.in_backward for s in unit.buckets):
+            return
+        for state in unit.buckets:
+            state.users -= 1
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda _grads, u=unit, p=before: self._before_backward(u, p), mode="any")
+        for state in unit.buckets:
+            self._release(state)
+
+    def _before_backward(self, unit: Unit, before: Unit | None) -> None:
+        for state in unit.buckets:
+            self._gather(state)
+            state.in_backward = True
+        if before is not None:
+            for state in before.buckets:
+                self._gather(state)
+        self._wait(unit.buckets)
+
+    def _grads_in(self, bucket: Bucket) -> None:
+        state = self.states[id(bucket)]
+        state.in_backward = False
+        self._release(state)
