@@ -170,7 +170,8 @@ def _late_gathers(rank: int, world_size: int, runs: list[list[str]]) -> list[tup
 def test_no_parameter_is_read_before_its_gather_lands(family):
     """Overlapped parameter gathers, made to land only when waited on: every weight read (including
     the LM head and gpt2's position table, which no module forward reads) must wait for its bucket,
-    in training and in evaluation, or NaN reaches the loss. Small buckets: one parameter each."""
+    in training and in evaluation, or NaN reaches the loss. Small buckets: one parameter each. ZeRO-3's
+    gathers too: before each forward, each backward and each recompute (full recompute)."""
     base = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4",
             "--model.seq_length=16", "--model.vocab_size=250", "--train.micro_batch_size=1",
             "--train.global_batch_size=4", "--train.train_iters=3", "--train.eval_interval=1", "--train.eval_iters=1",
@@ -178,5 +179,8 @@ def test_no_parameter_is_read_before_its_gather_lands(family):
             "--data.mock=true", "--data.num_workers=0", "--train.device=cpu",
             f"--model.family={family}"] + (["--model.num_query_groups=2"] if family == "llama" else [])
     overlapped = [*base, "--parallel.distributed_optimizer=true", "--parallel.overlap_param_gather=true"]
-    (late, late_val), (plain, plain_val) = run_ranks(2, _late_gathers, [overlapped, base])[-1]
+    stage3 = [*base, "--parallel.zero_stage=3", "--train.recompute=full"]
+    (late, late_val), (late3, late3_val), (plain, plain_val) = run_ranks(2, _late_gathers,
+                                                                         [overlapped, stage3, base])[-1]
     assert late == pytest.approx(plain, rel=1e-5) and late_val == pytest.approx(plain_val, rel=1e-5)
+    assert late3 == pytest.approx(plain, rel=1e-5) and late3_val == pytest.approx(plain_val, rel=1e-5)

@@ -159,6 +159,14 @@ RUNS = {
         "--parallel.sequence_parallel=true", "--parallel.zero_stage=2", "--optim.offload=cpu",
         "--train.global_batch_size=4",
         "--parallel.bucket_size=2000"],
+    "llama tp2 x pp2 (vp2) x dp2, SP, ZeRO-3 (gathers per layer, prefetched), full recompute, bf16 parameters": [
+        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--parallel.tp=2",
+        "--parallel.pp=2", "--parallel.vp=2", "--parallel.sequence_parallel=true", "--parallel.zero_stage=3",
+        "--train.recompute=full", "--train.precision=bf16", "--train.param_dtype=bf16",
+        "--train.global_batch_size=8", "--parallel.bucket_size=2000"],
+    "gpt2 pp2 x dp4, ZeRO-3, tied embeddings across stages, CPU offload": [
+        "--model.family=gpt2", "--model.num_layers=2", "--parallel.pp=2", "--parallel.zero_stage=3",
+        "--optim.offload=cpu", "--train.global_batch_size=8"],
 }
 
 

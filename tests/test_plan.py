@@ -4,17 +4,24 @@ and activation bytes from the tensors autograd saves in one micro batch's forwar
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import pytest
 
 from conftest import tiny_config
 from distributed import run_ranks
 from megalite.config import Config
+from megalite.config_cli import parse_config
+from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.parallel.layers import TPContext
 from megalite.parallel.topology import Topology
-from megalite.planning.memory import chunk_activation_bytes, peak_activations, stage_memory, state_bytes
+from megalite.parallel.zero3 import unit_index
+from megalite.planning.memory import (chunk_activation_bytes, gathered_bytes, peak_activations, stage_memory,
+                                      state_bytes)
 from megalite.planning.parameters import rank_parameters, stage_layout
+from megalite.planning.plan import make_plan
 from megalite.training.build import build_model, build_trainer
 from megalite.training.step import precision_context
 from tools import plan as plan_tool
@@ -42,6 +49,9 @@ def test_parameter_counts_equal_the_built_model(tp, pp, vp, family, tied):
         params = rank_parameters(cfg, pp_rank)
         assert params.total == sum(p.numel() for p in model.parameters())
         assert params.largest == max(p.numel() for p in model.parameters())
+        units = unit_index(model.chunk_modules())  # ZeRO-3's gather units, in forward order
+        sizes = [sum(p.numel() for p in model.parameters() if units[id(p)] == u) for u in sorted(set(units.values()))]
+        assert params.units == tuple(sizes)
 
 
 @pytest.mark.parametrize("family, features", [
@@ -70,12 +80,54 @@ def test_bytes_per_parameter_follow_megatron_accounting():
     assert sum(state_bytes(cfg, 1, 8)) == 2 + 4 / 8
 
 
+@pytest.mark.parametrize("dp", [1, 2, 8])
+def test_zero3_shards_every_byte_of_model_state(dp):
+    cfg = tiny_config(parallel={"zero_stage": 3}, train={"precision": "bf16", "param_dtype": "bf16"})
+    assert state_bytes(cfg, 1, dp) == (2 / dp, 4 / dp, 4 / dp, 8 / dp)  # 18/dp
+    cfg.parallel.grad_reduce_dtype = "bf16"
+    assert sum(state_bytes(cfg, 1, dp)) == 16 / dp
+    cfg.optim.offload = "cpu"  # main weights and moments leave the device: parameter and gradient slices stay
+    assert state_bytes(cfg, 1, dp) == (2 / dp, 2 / dp, 0.0, 0.0)
+    cfg = tiny_config(parallel={"zero_stage": 3})  # fp32 parameters, stepped in place
+    assert sum(state_bytes(cfg, 1, dp)) == 16 / dp
+
+
+def test_zero3_gathered_units_in_the_plan():
+    """Whole units in backward: the two largest (with a tied LM head, the embedding and two layers),
+    plus one unit's gradients; nothing at dp 1, where nothing is sharded."""
+    cfg = _model_config("gpt2", parallel={"zero_stage": 3}, train={"precision": "bf16", "param_dtype": "bf16"})
+    cfg.model.vocab_size = 1000  # the embedding, the largest unit, and not one of the two largest others
+    params = rank_parameters(cfg, 0)
+    embedding, layer = params.units[0], params.units[1]
+    assert params.tied_head and embedding > layer
+    assert gathered_bytes(cfg, params, 2) == ((embedding + 2 * layer) * 2, embedding * 4)
+    assert gathered_bytes(cfg, params, 1) == (0.0, 0.0)
+    zero3 = stage_memory(cfg, 2, 0, "cpu").transient
+    cfg.parallel.zero_stage = 2
+    assert zero3 - stage_memory(cfg, 2, 0, "cpu").transient == (embedding + 2 * layer) * 2 + embedding * 4
+
+
+def test_llama_8b_zero3_example_fits_only_at_stage_3():
+    """examples/llama_8b_zero3.yaml: the same layout at ZeRO-1 or ZeRO-2 does not fit an H100."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "llama_8b_zero3.yaml"
+    fits = {}
+    for stage in (1, 2, 3):
+        cfg = parse_config(["--config", str(path), f"--parallel.zero_stage={stage}"])
+        validate(cfg, 8)
+        fits[stage] = make_plan(cfg, 8, "h100").fits
+    assert fits == {1: False, 2: False, 3: True}
+
+
 @pytest.mark.parametrize("layout", [
     {"tp": 1, "pp": 2, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16"},
     {"tp": 2, "pp": 1, "dp": 2, "distributed_optimizer": False, "param_dtype": "fp32"},
     {"tp": 1, "pp": 2, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16", "zero_stage": 2},
+    {"tp": 1, "pp": 1, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16", "zero_stage": 3},
+    {"tp": 1, "pp": 2, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16", "zero_stage": 3},
 ])
 def test_model_state_matches_measured_tensors(layout):
+    """State bytes within bucket padding; at ZeRO-3 also the most parameter elements gathered at once
+    during the step (with tied embeddings at pp 1 the embedding stays gathered through backward)."""
     cfg = _model_config("gpt2", parallel={"tp": layout["tp"], "pp": layout["pp"],
                                           "distributed_optimizer": layout["distributed_optimizer"],
                                           "zero_stage": layout.get("zero_stage")},
@@ -90,6 +142,9 @@ def test_model_state_matches_measured_tensors(layout):
         for key, value in (("params", planned.weights), ("grads", planned.gradients), ("main", planned.main_weights),
                            ("state", planned.optimizer)):
             assert measured[key] == pytest.approx(value, rel=0.1, abs=4096), key
+        planned_gather = gathered_bytes(cfg, planned.parameters, layout["dp"])[0]
+        assert measured["gathered"] == pytest.approx(planned_gather, rel=0.001)
+        assert (planned_gather > 0) == (layout.get("zero_stage") == 3)
 
 
 def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: torch.Tensor | None = None) -> int:

@@ -1,8 +1,9 @@
 """ZeRO stages (parallel.zero_stage): stage 2 shards gradients too. Each micro batch's buckets are
-reduce-scattered as they fill and only this rank's slice is kept; the losses equal one device's
+reduce-scattered as they fill and only this rank's slice is kept; stage 3 shards parameters too,
+gathering each module's just before its forward and backward. The losses equal one device's
 with clipping active, in 1D and with tensor, sequence and pipeline parallelism (tied embeddings,
 whose buckets are held until the stages are combined); checkpoints move between stages. CPU
-optimizer offload (optim.offload=cpu) with stages 1 and 2."""
+optimizer offload (optim.offload=cpu) with stages 1 to 3."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from torch import nn
 
 from megalite.config import ConfigError
 from megalite.config_validation import validate
+from megalite.data.batches import BatchMaker
+from megalite.data.mock import MockDataset
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
+from megalite.training.step import train_step
 
 from conftest import tiny_config
 from distributed import run_ranks, tiny_run
@@ -59,30 +63,73 @@ def test_stage3_matches_one_device(tmp_path, reference, nproc, extra):
     assert _run(tmp_path, nproc, STAGE3, *extra) == pytest.approx(reference["gpt2"], rel=1e-5)
 
 
-@pytest.mark.parametrize("family, layout", [
-    ("llama", ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
-    ("gpt2", ["--parallel.pp=2", "--parallel.vp=2"]),
+@pytest.mark.parametrize("family, nproc, layout", [
+    ("llama", 4, ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    ("gpt2", 4, ["--parallel.pp=2", "--parallel.vp=2"]),
+    ("gpt2", 8, ["--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true"]),
 ])
-def test_stage3_with_model_parallelism(tmp_path, reference, family, layout):
-    """Each pipeline chunk sharded over its data-parallel group; TP shards sharded again over dp."""
+def test_stage3_with_model_parallelism(tmp_path, reference, family, nproc, layout):
+    """Each pipeline chunk sharded over its data-parallel group; TP shards sharded again over dp; gpt2's
+    tied embeddings at pp=2 (the last stage's copy, held until the stages are combined)."""
     model = LLAMA if family == "llama" else []
-    assert _run(tmp_path, 4, *model, *layout, STAGE3) == pytest.approx(reference[family], rel=1e-5)
+    assert _run(tmp_path, nproc, *model, *layout, STAGE3) == pytest.approx(reference[family], rel=1e-5)
+
+
+def test_stage3_bf16_parameters(tmp_path):
+    """bf16 parameters, fp32 main weights: stage 3 gathers the same bf16 weights stage 1 all-gathers after
+    its step, so every forward sees the same values; only the fp32 gradient sums differ in order
+    (reduce-scattered per micro batch instead of once per step). A main weight moving by an fp32 rounding
+    step can round to a neighbouring bf16 value (2^-8 relative), which over five steps shifts losses by
+    about 1e-5 here (as in test_data_parallel's bf16 tests); 1e-4 keeps 10x margin while a lost update or
+    a stale gathered layer moves the loss by > 1e-3."""
+    bf16 = ["--train.precision=bf16", "--train.param_dtype=bf16"]
+    stage1 = _run(tmp_path, 2, *bf16, "--parallel.zero_stage=1", name="stage1")
+    assert _run(tmp_path, 2, *bf16, STAGE3, "--train.recompute=full", name="stage3") == pytest.approx(stage1, rel=1e-4)
+
+
+def _gathered_peaks(rank: int, world_size: int, recompute: str) -> dict[str, tuple[int, int, set[int]]]:
+    """One step of six layers at stage 3 (one bucket per module), per family: the most buckets ever gathered
+    at once, the number of buckets, and the bytes each bucket's whole storage holds after the step."""
+    peaks = {}
+    for family in ("llama", "gpt2"):
+        cfg = tiny_config(family, parallel={"zero_stage": 3}, train={"recompute": recompute}, model={"num_layers": 6})
+        trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu")))
+        samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
+        train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+        sharded = trainer.sharded_params
+        left = {s.bucket.weights.untyped_storage().nbytes() for s in sharded.states.values()}
+        peaks[family] = (sharded.peak_buckets, len(sharded.states), left)
+    return peaks
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_stage3_gathers_at_most_the_running_and_the_prefetched_module(recompute):
+    """Forward and backward keep at most two modules whole (the running one and the next, prefetched);
+    with embeddings tied on the stage (gpt2) the word embeddings stay whole through the backward, as the LM
+    head's backward needs them and their gradient is complete only after the embedding's. After the step
+    every module's whole storage is freed (zero bytes)."""
+    peaks = run_ranks(2, _gathered_peaks, recompute)[0]
+    assert peaks["llama"] == (2, 9, {0})  # of 9 buckets: embedding, 6 layers, final norm, LM head
+    assert peaks["gpt2"] == (3, 8, {0})  # the LM head reads the embedding's bucket
 
 
 @pytest.mark.parametrize("saved, resumed", [
     ([STAGE2], ["--parallel.tp=2"]),
     (["--parallel.zero_stage=1", "--optim.offload=cpu"], [STAGE2]),
+    ([STAGE3], ["--parallel.zero_stage=1", "--parallel.pp=2"]),
+    ([STAGE2], [STAGE3, "--optim.offload=cpu"]),
 ])
 def test_checkpoint_moves_between_stages(tmp_path, reference, saved, resumed):
     """Every stage, offloaded or not, saves the same pieces: a stage-2 run resumes at stage 0 on another
-    layout, an offloaded stage-1 run at stage 2 on the device, both continuing the uninterrupted run."""
+    layout, an offloaded stage-1 run at stage 2 on the device, a stage-3 run at stage 1 with pp=2, a
+    stage-2 run at stage 3 offloaded, all continuing the uninterrupted run."""
     ckpt = [f"--checkpoint.save={tmp_path / 'ckpt'}", f"--checkpoint.load={tmp_path / 'ckpt'}"]
     first = _run(tmp_path, 2, *saved, "--train.exit_interval=2", *ckpt, name="first")
     second = _run(tmp_path, 2, *resumed, *ckpt, name="second")
     assert first + second == pytest.approx(reference["gpt2"], rel=1e-5)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_cpu_offload_matches_one_device(tmp_path, reference, stage):
     """optim.offload=cpu: main weights and Adam's state in host memory, stepped there (on this machine
     host and device are the same memory, so this exercises the copies and the host update)."""
@@ -107,6 +154,30 @@ def _offloaded_state(rank: int, world_size: int) -> tuple[bool, bool]:
 def test_offloaded_main_weights_are_host_copies():
     """Even fp32 parameters get a host copy: the device keeps no fp32 optimizer state."""
     assert run_ranks(2, _offloaded_state) == [(True, True)] * 2
+
+
+def _host_copies_per_bucket(rank: int, world_size: int) -> tuple[list[int], int, int]:
+    cfg = tiny_config(parallel={"zero_stage": 2, "bucket_size": 3000}, optim={"offload": "cpu"})
+    trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu")))
+    optimizer, started = trainer.optimizer, []
+    landed = optimizer.grads_landed
+
+    def count(bucket) -> None:
+        landed(bucket)
+        started.append(sum(m.main.grad is not None for m in optimizer.shards()))
+
+    optimizer.grads_landed = count
+    samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
+    train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+    return started, len(optimizer.shards()), sum(len(b.buckets) for b in trainer.grads.buffers)
+
+
+def test_offloaded_gradients_go_to_the_host_bucket_by_bucket():
+    """Each bucket's gradient slices start their copy to the host as soon as that bucket's reduction has
+    landed, before later buckets' have: the copies overlap the remaining reductions."""
+    for started, owned, buckets in run_ranks(2, _host_copies_per_bucket):
+        assert len(started) == buckets > 2
+        assert 0 < started[0] < owned and started == sorted(started) and started[-1] == owned
 
 
 def _gradient_bytes(rank: int, world_size: int, stage: int) -> int:
@@ -152,7 +223,6 @@ def test_stage2_buffer_sums_every_micro_batch_into_the_owned_slices():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"zero_stage": 3}, "stage 3 (parameters sharded too) is not implemented yet"),
     ({"zero_stage": 5}, "parallel.zero_stage=5 is not available"),
     ({"zero_stage": 0, "distributed_optimizer": True}, "drop one of them"),
 ])
@@ -164,4 +234,5 @@ def test_stage_settings_are_checked(fields, message):
 def test_distributed_optimizer_is_stage_1():
     assert tiny_config(parallel={"distributed_optimizer": True}).parallel.zero == 1
     assert tiny_config(parallel={"zero_stage": 2}).parallel.zero == 2
+    assert tiny_config(parallel={"zero_stage": 3}).parallel.zero == 3
     assert tiny_config().parallel.zero == 0

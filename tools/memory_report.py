@@ -4,8 +4,10 @@ Why: the distributed optimizer is there to save memory, so the saving should be 
 off the real tensors, not a formula. For each layout this tool starts tp*pp*dp gloo ranks on
 the CPU, builds the model as training does (`build_trainer`), runs one
 training step so that Adam's state exists, and sums numel * element_size over the distinct
-storages behind (a view counts its whole storage, once):
-  - parameters: the model's parameters (with the distributed optimizer, the flat param buffer);
+storages behind (a view counts its whole storage, once; an empty one, such as a ZeRO-3 whole
+parameter freed after use, counts nothing):
+  - parameters: the model's parameters (with the distributed optimizer, the flat param buffer;
+    at ZeRO-3, this rank's parameter slices);
   - gradients: the flat fp32 grad buffers and any .grad not inside them;
   - main weights: tensors the optimizer steps that do not share storage with a parameter;
   - optimizer state: every tensor in the optimizer's state (Adam's two moments and step counts).
@@ -13,11 +15,16 @@ Bytes per parameter divides the rank's total by the parameters it holds.
 
 Megatron-LM counts 18 bytes/param for bf16 parameters with fp32 main weights and grads
 (2 + 4 + 4 + 8), and 6 + 12/dp with the distributed optimizer (ZeRO-1): that is `--param-dtype
-bf16` (train.param_dtype=bf16). ZeRO-2 shards the gradients too: 2 + 16/dp. With fp32 parameters
-the optimizer steps them directly (no copy): 4 + 4 + 8 = 16 at stage 0, 8 + 8/dp at stage 1 and
-4 + 12/dp at stage 2.
+bf16` (train.param_dtype=bf16). ZeRO-2 shards the gradients too: 2 + 16/dp; ZeRO-3 the parameters
+too: 18/dp. With fp32 parameters the optimizer steps them directly (no copy): 4 + 4 + 8 = 16 at
+stage 0, 8 + 8/dp at stage 1, 4 + 12/dp at stage 2 and 16/dp at stage 3.
 
-    python tools/memory_report.py                        # bf16 params; dp 1, 2, 4, 8; ZeRO stages 0, 1, 2
+ZeRO-3 also holds whole parameters of the units being used (parallel/zero3.py) for a moment: the
+"gathered" columns give the most elements gathered at once during the step (`peak_elements` of
+`Trainer.sharded_params`) in bytes, next to the planner's figure for them (planning/memory.py
+`gathered_bytes`, its parameter part; the planner adds one unit's gradients on top).
+
+    python tools/memory_report.py                        # bf16 params; dp 1, 2, 4, 8; ZeRO stages 0, 1, 2, 3
     python tools/memory_report.py --param-dtype fp32
     python tools/memory_report.py --tp 2 --pp 2 --dp 2 --zero-stage 1 --config examples/tiny_cpu.yaml
 """
@@ -36,7 +43,8 @@ from megalite.data.batches import Batch, BatchMaker
 from megalite.data.mock import MockDataset
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
-from megalite.planning.memory import state_bytes
+from megalite.planning.memory import gathered_bytes, state_bytes
+from megalite.planning.parameters import rank_parameters
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
@@ -57,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel sizes, one layout each")
     p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                    help="train.param_dtype (bf16 also sets bf16 precision)")
-    p.add_argument("--zero-stage", type=int, nargs="+", choices=(0, 1, 2), default=[0, 1, 2],
+    p.add_argument("--zero-stage", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0, 1, 2, 3],
                    help="parallel.zero_stage values, one table block each (1 = the distributed optimizer)")
     return p.parse_args(argv)
 
@@ -102,14 +110,17 @@ def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     parts = build_trainer(cfg, topology)
     params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]
     train_step(parts, mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size)))
-    held = storages(params)
+    held = storages(params + [b.param_shard for b in parts.grads.buffers if b.param_shard is not None])
     kept = [b.grad_data if b.grad_data is not None else b.shard_data for b in parts.grads.buffers]
     grads = storages(kept + [t.grad for t in params + mains if t.grad is not None])
     main = {k: v for k, v in storages(mains).items() if k not in held}
     state = storages(t for s in parts.optimizer.optimizer.state.values() for t in s.values()
                      if isinstance(t, torch.Tensor))
     sizes = {name: sum(found.values()) for name, found in zip(CATEGORIES, (held, grads, main, state))}
-    return {**sizes, "rank": rank, "numel": sum(p.numel() for p in params)}
+    sharded = parts.sharded_params
+    gathered = sharded.peak_elements * params[0].element_size() if sharded is not None else 0
+    return {**sizes, "rank": rank, "pp_rank": topology.pp_rank, "numel": sum(p.numel() for p in params),
+            "gathered": gathered}
 
 
 def run_layout(cfg: Config, world_size: int) -> list[dict[str, int]]:
@@ -126,8 +137,12 @@ def row(cfg: Config, dp: int, ranks: list[dict[str, int]]) -> str:
     expected = sum(state_bytes(cfg, 1, dp))  # the planner's accounting (megalite/planning/memory.py)
     mib = " | ".join(f"{worst[c] / 2**20:.1f}" for c in CATEGORIES)
     spread = f"{min(map(total, ranks)) / 2**20:.1f}-{total(worst) / 2**20:.1f}"
+    planned = gathered_bytes(cfg, rank_parameters(cfg, worst["pp_rank"]), dp)[0]
+    gathered = (f"{worst['gathered'] / 2**20:.1f} | {planned / 2**20:.1f}" if cfg.parallel.zero >= 3 and dp > 1
+                else "- | -")
     return (f"| {dp} | {cfg.parallel.zero} | {worst['rank']} | {worst['numel'] / 1e6:.2f}M | {mib} "
-            f"| {total(worst) / 2**20:.1f} | {spread} | {total(worst) / worst['numel']:.3f} | {expected:.3g} |")
+            f"| {total(worst) / 2**20:.1f} | {spread} | {total(worst) / worst['numel']:.3f} | {expected:.3g} "
+            f"| {gathered} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
           f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; "
           f"{args.param_dtype} parameters; torch {torch.__version__}")
     print("| dp | ZeRO stage | rank shown | parameters held | params MiB | grads MiB | main weights MiB "
-          "| optimizer state MiB | total MiB | total MiB over ranks | bytes/param | expected |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| optimizer state MiB | total MiB | total MiB over ranks | bytes/param | expected "
+          "| gathered MiB measured | gathered MiB planned |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for stage in args.zero_stage:
         for dp in args.dp:
             cfg = build_config(args, dp, stage)

@@ -15,12 +15,14 @@ What the optimizer then does with the gradients lives in distributed_optimizer.p
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megalite.config import TORCH_DTYPES, ParallelConfig
-from megalite.parallel.grad_buffer import GradBuffer
+from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.layers import parameter_shards
 from megalite.parallel.topology import Topology
 
@@ -65,14 +67,26 @@ class DataParallelGrads:
         """The next backward is chunk `chunk`'s last of the step: reduce its buckets as they fill."""
         self.buffers[chunk].start_sync()
 
-    def reduce(self) -> None:
+    def reduce(self, landed: Callable[[Bucket], None] | None = None) -> None:
         """Every gradient final: summed over the embedding group, reduced over data-parallel replicas
-        (each rank's own slice under the distributed optimizer), summed over TP where SP left it partial."""
+        (each rank's own slice under the distributed optimizer), summed over TP where SP left it partial.
+        `landed` hears of each bucket as soon as its gradients are final (under SP, those holding replicated
+        parameters only after the TP sum)."""
         t = self.topology
         if self.tied and t.embedding_group is not None:
             all_reduce_flat([p.main_grad for p in self.tied], t.embedding_group)
-        self.wait_seconds = sum(buffer.finish() for buffer in self.buffers)
+        replicated = {id(p) for p in self.replicated} if self.sequence_parallel else set()
+        later: list[Bucket] = []
+
+        def final(bucket: Bucket) -> None:
+            if any(id(p) in replicated for p in bucket.params):
+                later.append(bucket)
+            elif landed is not None:
+                landed(bucket)
+
+        self.wait_seconds = sum(buffer.finish(final) for buffer in self.buffers)
         if self.sequence_parallel:
-            replicated = {id(p) for p in self.replicated}
             owned = [(b, p, lo, hi) for b in self.buffers for p, lo, hi in b.owned_ranges() if id(p) in replicated]
             all_reduce_flat([b.owned_grad(p, lo, hi) for b, p, lo, hi in owned], t.tp_group)
+        for bucket in later if landed is not None else []:
+            landed(bucket)

@@ -21,9 +21,11 @@ resume silently restarted Adam's moments. One optimizer means one checkpoint for
 
 With `optim.offload=cpu` (ZeRO-Offload, Megatron-LM's --optimizer-cpu-offload) the fp32 main
 weights and Adam's state live in (pinned) host memory and the update runs there, on torch's fused
-CPU AdamW: the reduced gradient slices are copied to the host after the reduction, the updated
-weights back into the parameters, each as non-blocking copies with one synchronisation. Device
-memory then holds no fp32 state at all, at the price of those two copies and a CPU update.
+CPU AdamW. The reduced gradient slices of each bucket are copied to the host as soon as that bucket's
+reduction has landed (while later buckets' reductions are still landing), and after the update each
+bucket's weights go back before that bucket's parameter all-gather, so copies overlap communication;
+all copies are non-blocking, with one synchronisation before the update. Device memory then holds
+no fp32 state at all, at the price of those two copies and a CPU update.
 
 ZeRO-2 (gradients sharded) lives in the gradient buffers (grad_buffer.py). Under ZeRO-3 (parameters
 sharded too) the owned slices are this rank's parameter shard itself: the step updates it and
@@ -95,13 +97,16 @@ class DistributedOptimizer:
         self.topology, self.buffers, self.distributed = topology, buffers, distributed
         self.offload = cfg.offload == "cpu"
         names = {id(p): n for n, p in model.named_parameters()}
-        self.params = [self._main_param(names[id(param)], param, buffer, lo, hi)
-                       for buffer in buffers for param, lo, hi in buffer.owned_ranges()]
+        owned = [(buffer, param, lo, hi) for buffer in buffers for param, lo, hi in buffer.owned_ranges()]
+        self.params = [self._main_param(names[id(param)], param, buffer, lo, hi) for buffer, param, lo, hi in owned]
         shards = parameter_shards(model)
         self._counted = [m for m in self.params
                          if m.name not in tied_copies and (m.name in shards or topology.tp_rank == 0)]
+        self._in_bucket: dict[int, list[MainParam]] = {}
+        for (buffer, param, _, _), m in zip(owned, self.params):
+            self._in_bucket.setdefault(id(buffer.bucket_of[id(param)]), []).append(m)
+        self._host_grads = {id(m): _host_copy(m.main, topology.device) for m in self.params} if self.offload else {}
         self._copies = [(m.weights.view_as(m.main), m.main) for m in self.params if m.is_copy]
-        self._host_grads = [_host_copy(m.main, topology.device) for m in self.params] if self.offload else []
         self.optimizer = adamw(decay_groups(((m.name, m.param, m.main) for m in self.params), cfg.weight_decay), cfg)
         self._gathers: dict[int, dist.Work] = {}
         self.gather_in_background = distributed and overlap_param_gather and not any(b.shard_params for b in buffers)
@@ -131,11 +136,22 @@ class DistributedOptimizer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def grads_landed(self, bucket: Bucket) -> None:
+        """The bucket's reduced gradients are final: offloaded, start their copies to the host now, while
+        later buckets' reductions are still landing (non-blocking, so they queue behind the reduction)."""
+        for m in self._in_bucket.get(id(bucket), []) if self.offload else []:
+            self._grad_to_host(m)
+
+    def _grad_to_host(self, m: MainParam) -> None:
+        m.main.grad = self._host_grads[id(m)].copy_(m.grad.view_as(m.main), non_blocking=True)
+
     def collect_grads(self) -> None:
-        """Point each main tensor at its (reduced) gradient, in fp32: on the host when offloaded."""
+        """Point each main tensor at its (reduced) gradient, in fp32: on the host when offloaded (copies
+        `grads_landed` has not started yet are started here)."""
         if self.offload:
-            for m, host in zip(self.params, self._host_grads):
-                m.main.grad = host.copy_(m.grad.view_as(host), non_blocking=True)
+            for m in self.params:
+                if m.main.grad is None:
+                    self._grad_to_host(m)
             synchronize(self.topology.device)
             return
         for m in self.params:
@@ -179,33 +195,31 @@ class DistributedOptimizer:
     def finish_step(self) -> None:
         """Write fp32 main weights back into bf16/fp16 parameters and share updated slices (distributed
         optimizer); drop .grad so the next backward starts clean. Also after a skipped step."""
-        if self.offload:
-            for target, main in self._copies:
-                target.copy_(main, non_blocking=True)
-        elif self._copies:
-            torch._foreach_copy_([target for target, _ in self._copies], [main for _, main in self._copies])
-        if self.distributed:
-            self._gather(self.gather_in_background)
+        if self._copies and not self.offload:
+            torch._foreach_copy_([weights for weights, _ in self._copies], [main for _, main in self._copies])
+        self._write_back_and_gather(self.offload, background=self.gather_in_background)
         for m in self.params:
             m.param.grad = m.main.grad = None
 
     def gather_params(self) -> None:
         """Every parameter whole again from the ranks that own its slices (distributed optimizer), e.g.
         after a resume that loaded only this rank's slices."""
-        if self.distributed:
-            self._gather(background=False)
+        self._write_back_and_gather(False, background=False)
 
-    def _gather(self, background: bool) -> None:
-        """All-gather each bucket's updated slices, first-used bucket first; `background` leaves them in
-        flight for `wait_for` / `wait_params`."""
+    def _write_back_and_gather(self, from_host: bool, background: bool) -> None:
+        """Bucket by bucket, first-used first: copy the bucket's updated host main weights into the weights
+        (`from_host`, offloaded: non-blocking), then all-gather its updated slices (stages 1-2), so one
+        bucket's gather overlaps the next one's copy. `background` leaves the gathers in flight for
+        `wait_for` / `wait_params`. ZeRO-3 gathers nothing here: each forward gathers what it uses."""
         for buffer in self.buffers:
-            if buffer.dp == 1 or buffer.shard_params:  # ZeRO-3 gathers before each use (zero3.py)
-                continue
             for bucket in reversed(buffer.buckets):
-                a, b = bucket.shard(buffer.dp_rank, buffer.dp)
-                whole = buffer.param_data[bucket.start:bucket.end]
-                shard = buffer.param_data[a:b].clone()
-                self._gathers[id(bucket)] = all_gather_single(whole, shard, buffer.dp_group, async_op=True)
+                for m in self._in_bucket.get(id(bucket), []) if from_host else []:
+                    m.weights.view_as(m.main).copy_(m.main, non_blocking=True)
+                if self.distributed and buffer.dp > 1 and not buffer.shard_params:
+                    a, b = bucket.shard(buffer.dp_rank, buffer.dp)
+                    whole = buffer.param_data[bucket.start:bucket.end]
+                    shard = buffer.param_data[a:b].clone()
+                    self._gathers[id(bucket)] = all_gather_single(whole, shard, buffer.dp_group, async_op=True)
         if not background:
             self.wait_params()
 

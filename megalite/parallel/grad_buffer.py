@@ -214,13 +214,19 @@ class GradBuffer:
         bucket.in_flight = []
         return waited
 
-    def finish(self) -> float:
-        """Launch what has not been launched, wait for every reduction; returns seconds spent waiting."""
+    def finish(self, landed: Callable[[Bucket], None] | None = None) -> float:
+        """Launch what has not been launched, wait for every reduction, telling `landed` of each bucket whose
+        slice is then final; returns seconds spent waiting."""
         for bucket in self.buckets:
             unlaunched = bucket.data is not None if self.shard_grads else not bucket.in_flight
             if unlaunched:  # ZeRO-2: gradients accumulated since its last launch; else: not launched this step
                 self._launch(bucket)
-        return sum(self._land(bucket) for bucket in self.buckets)
+        waited = 0.0
+        for bucket in self.buckets:
+            waited += self._land(bucket)
+            if landed is not None:
+                landed(bucket)
+        return waited
 
     def zero(self) -> None:
         if self.grad_data is not None:

@@ -1,12 +1,17 @@
 """Memory per GPU: model state (weights, gradients, fp32 main weights, Adam) plus the activations
 of the micro batches the pipeline schedule keeps in flight, for the pipeline stage that needs most.
 
-Model state follows megalite/parallel/grad_buffer.py and grads.py: parameters in
-train.param_dtype; one flat gradient buffer per model chunk in parallel.grad_reduce_dtype;
-fp32 main weights only when the parameters are not fp32 (fp32 parameters are stepped in
-place); Adam's two fp32 moments. The distributed optimizer shards main weights and moments
-over dp (the parameters and the gradient buffer stay whole). That is Megatron-LM's 18 bytes per
-parameter for bf16 parameters, 6 + 12/dp with the distributed optimizer; 16 and 8 + 8/dp for fp32.
+Model state follows megalite/parallel/grad_buffer.py and ddp.py: parameters in
+train.param_dtype; gradients in parallel.grad_reduce_dtype; fp32 main weights only when the
+parameters are not fp32 (fp32 parameters are stepped in place); Adam's two fp32 moments. Each
+ZeRO stage shards one more of them over the dp ranks. For bf16 parameters with fp32 gradients,
+bytes per parameter are:
+  stage 0: 18 (2 + 4 + 4 + 8, Megatron-LM's accounting);
+  stage 1: 6 + 12/dp (main weights and moments sharded: the distributed optimizer);
+  stage 2: 2 + 16/dp (gradients too);
+  stage 3: 18/dp (parameters too), plus the gather units in flight, counted as transient.
+For fp32 parameters: 16, 8 + 8/dp, 4 + 12/dp, 16/dp. optim.offload=cpu takes the main weights
+and moments (12 or 8 of those bytes, before dividing) off the device.
 """
 
 from __future__ import annotations
@@ -50,18 +55,41 @@ def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, 
     t, p = cfg.train, cfg.parallel
     shards = dp if p.zero >= 1 else 1
     grads = numel * _BYTES[p.grad_reduce_dtype] / (dp if p.zero >= 2 else 1)
+    weights = numel * _BYTES[t.param_dtype] / (dp if p.zero >= 3 else 1)
     if cfg.optim.offload == "cpu":
-        return numel * _BYTES[t.param_dtype], grads, 0.0, 0.0
+        return weights, grads, 0.0, 0.0
     main = 0 if t.param_dtype == "fp32" else 4
-    return numel * _BYTES[t.param_dtype], grads, numel * main / shards, numel * 8 / shards
+    return weights, grads, numel * main / shards, numel * 8 / shards
+
+
+def gathered_elements(params: Parameters) -> tuple[int, int]:
+    """ZeRO-3 (parallel/zero3.py): (parameter, gradient) elements of whole gather units present at once,
+    at worst. Parameters: the unit running and the one prefetched (any two units stand in for adjacent
+    ones: an upper bound), plus the embedding unit when the LM head on this rank reads it (it stays
+    gathered from the head's backward to the embedding's). Gradients: one unit's bucket buffers fill
+    in backward until reduce-scattered (the next unit's first gradient comes after), the largest."""
+    units = params.units
+    if params.tied_head:
+        rest = sorted(units[1:], reverse=True)
+        return units[0] + sum(rest[:2]), max(units)
+    return sum(sorted(units, reverse=True)[:2]), max(units, default=0)
+
+
+def gathered_bytes(cfg: Config, params: Parameters, dp: int) -> tuple[float, float]:
+    """(parameter, gradient) bytes of `gathered_elements`; none below ZeRO-3 or at dp 1 (nothing sharded)."""
+    if cfg.parallel.zero < 3 or dp == 1:
+        return 0.0, 0.0
+    weights, grads = gathered_elements(params)
+    return weights * _BYTES[cfg.train.param_dtype], grads * _BYTES[cfg.parallel.grad_reduce_dtype]
 
 
 def transient_bytes(cfg: Config, params: Parameters, dp: int, activations: float, device: str = "cuda") -> float:
     """Memory above state + activations at the worst moment: in backward, the largest parameter's
     gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
-    activations are being recomputed; in the optimizer step (activations freed), fp32 copies of
-    bf16-reduced gradient slices for the fp32 main weights."""
-    backward = params.largest * _BYTES[cfg.train.param_dtype]
+    activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`);
+    in the optimizer step (activations and whole units freed), fp32 copies of bf16-reduced gradient
+    slices for the fp32 main weights."""
+    backward = params.largest * _BYTES[cfg.train.param_dtype] + sum(gathered_bytes(cfg, params, dp))
     if cfg.train.recompute == "full":
         backward += layer_bytes(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none")),
                                 device)

@@ -5,11 +5,13 @@ column-parallel weights and biases split over tp, row-parallel weights split and
 replicated, norms and learned positions replicated, the padded vocabulary split over tp. With
 tied embeddings under pipeline parallelism the last stage holds its own copy of the word
 embeddings as the LM head (kept equal to the first stage's), which costs memory there.
+Each count also lists its ZeRO-3 gather units (GPTModel.chunk_modules): the embedding, each layer,
+the final norm and an untied LM head, each gathered whole around its use (parallel/zero3.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megalite.config import Config, ModelConfig
 from megalite.parallel.pipeline_layout import stage_layout
@@ -22,6 +24,8 @@ class Parameters:
     sharded: int = 0
     replicated: int = 0
     largest: int = 0  # elements of the largest single parameter (its gradient is briefly materialised)
+    units: tuple[int, ...] = ()  # elements of each gather unit with parameters of its own, in forward order
+    tied_head: bool = False  # the LM head reads the word embeddings of this rank's embedding unit (units[0])
 
     @property
     def total(self) -> int:
@@ -29,12 +33,14 @@ class Parameters:
 
     def __add__(self, other: "Parameters") -> "Parameters":
         return Parameters(self.sharded + other.sharded, self.replicated + other.replicated,
-                          max(self.largest, other.largest))
+                          max(self.largest, other.largest), self.units + other.units,
+                          self.tied_head or other.tied_head)
 
 
 def _params(tp: int, sharded: list[int], replicated: list[int]) -> Parameters:
+    """One gather unit's parameters."""
     local = [n // tp for n in sharded]
-    return Parameters(sum(local), sum(replicated), max(local + replicated, default=0))
+    return Parameters(sum(local), sum(replicated), max(local + replicated, default=0), (sum(local + replicated),))
 
 
 def layer_parameters(m: ModelConfig, tp: int = 1) -> Parameters:
@@ -59,22 +65,22 @@ def embedding_parameters(m: ModelConfig, tp: int = 1) -> Parameters:
 
 
 def head_parameters(m: ModelConfig, tp: int = 1, with_output_layer: bool = True) -> Parameters:
-    """The final norm, and the LM head unless it is the (tied) word embedding on the same rank."""
-    return _params(tp, [m.padded_vocab_size * m.hidden_size] if with_output_layer else [], [_norm_parameters(m)])
+    """The final norm, and the LM head unless it is the (tied) word embedding on the same rank: two units."""
+    norm = _params(tp, [], [_norm_parameters(m)])
+    return norm + _params(tp, [m.padded_vocab_size * m.hidden_size], []) if with_output_layer else norm
 
 
 def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
     """What one tensor-parallel rank of pipeline stage `pp_rank` holds (same for every tp rank)."""
     m, tp, stage = cfg.model, cfg.parallel.tp, stage_layout(cfg, pp_rank)
-    total = Parameters()
+    total = embedding_parameters(m, tp) if stage.has_embedding else Parameters()
     for a, b in stage.chunks:
         for _ in range(a, b):
             total = total + layer_parameters(m, tp)
-    if stage.has_embedding:
-        total = total + embedding_parameters(m, tp)
+    tied_head = m.tied and stage.has_embedding and stage.has_head
     if stage.has_head:
-        total = total + head_parameters(m, tp, with_output_layer=not (m.tied and stage.has_embedding))
-    return total
+        total = total + head_parameters(m, tp, with_output_layer=not tied_head)
+    return replace(total, tied_head=tied_head)
 
 
 def model_parameters(m: ModelConfig) -> int:

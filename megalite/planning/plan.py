@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.planning.memory import StageMemory, memory_per_stage
+from megalite.planning.memory import StageMemory, gathered_bytes, memory_per_stage
 from megalite.planning.parameters import model_parameters
 from megalite.training.flops import PEAK_TFLOPS, training_flops_per_token
 
@@ -99,6 +99,14 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _gathered(plan: Plan) -> str:
+    """ZeRO-3's share of the transient: whole units in backward (planning/memory.py gathered_bytes)."""
+    weights, grads = gathered_bytes(plan.cfg, plan.worst.parameters, plan.dp)
+    if not weights:
+        return ""
+    return f" (ZeRO-3 units gathered in backward: {_gib(weights)} parameters + {_gib(grads)} gradients)"
+
+
 def format_plan(plan: Plan) -> str:
     cfg, p, m, w = plan.cfg, plan.cfg.parallel, plan.cfg.model, plan.worst
     lines = [
@@ -118,7 +126,7 @@ def format_plan(plan: Plan) -> str:
         f"  optimizer state  {_gib(w.optimizer)}",
         f"  activations      {_gib(w.activations)} (peak: {w.in_flight} forward{'s' if w.in_flight != 1 else ''} "
         f"held for backward, recompute {cfg.train.recompute})",
-        f"  transient        {_gib(w.transient)}",
+        f"  transient        {_gib(w.transient)}{_gathered(plan)}",
         f"  reserved         {RESERVED_GIB:.2f} GiB (CUDA context, NCCL, fragmentation)",
         f"  total            {plan.needed_gib:.2f} GiB",
         f"pipeline bubble: {plan.bubble:.1%} ((pp-1)/(vp*m) = {p.pp - 1}/({p.vp}*{plan.microbatches}))",

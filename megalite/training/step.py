@@ -78,7 +78,7 @@ def train_step(trainer: "Trainer", batches: list[Batch]) -> StepResult:
     forward_step = microbatch_forward(trainer, batches, scaled_loss)
     run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace,
                  grads.start_sync)
-    grads.reduce()
+    grads.reduce(optimizer.grads_landed)
     optimizer.collect_grads()
     tokens = sum(b.loss_mask.sum(dtype=torch.float64) for b in batches).reshape(1)  # exact beyond 2^24 tokens
     totals = torch.cat((loss_sum.double(), tokens))
