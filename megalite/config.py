@@ -131,6 +131,11 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = _f(1, "tensor-parallel size")
     pp: int = _f(1, "pipeline-parallel size")
+    cp: int = _f(1, "context-parallel size: every sample's sequence is split over cp ranks, each layer's "
+                    "attention runs over the whole sequence by passing keys and values around them")
+    cp_comm: Literal["p2p", "allgather"] = _f(
+        "p2p", "how context-parallel attention sees the other ranks' keys and values: p2p (ring attention, "
+               "overlapped with the blocks) or allgather (all of them gathered once per layer)")
     vp: int = _f(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)")
     pipeline_schedule: Literal["1f1b", "gpipe"] = _f(
         "1f1b", "1f1b (interleaved when vp > 1) or gpipe (all forwards, then all backwards; vp = 1)")
@@ -313,7 +318,7 @@ class Config:
         return dataclasses.asdict(self)
 
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (self.parallel.tp * self.parallel.pp)
+        return world_size // (self.parallel.tp * self.parallel.cp * self.parallel.pp)
 
     def batch_size(self, world_size: int) -> int:
         return self.train.global_batch_size or self.train.micro_batch_size * self.data_parallel_size(world_size)

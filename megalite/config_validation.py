@@ -51,14 +51,17 @@ def _check_model(cfg: Config, world_size: int) -> list[str]:
 
 def _check_parallel(cfg: Config, world_size: int) -> list[str]:
     p, errors = cfg.parallel, []
-    for name in ("tp", "pp", "vp"):
+    for name in ("tp", "cp", "pp", "vp"):
         if getattr(p, name) < 1:
             errors.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
     if errors:
         return errors
-    if world_size % (p.tp * p.pp):
-        errors.append(f"world size {world_size} is not divisible by parallel.tp*parallel.pp={p.tp * p.pp}; "
-                      "launch a multiple of tp*pp processes (dp = world/(tp*pp))")
+    if world_size % (p.tp * p.cp * p.pp):
+        axes = ("tp", "cp", "pp") if p.cp > 1 else ("tp", "pp")
+        product = "*".join(axes)
+        errors.append(f"world size {world_size} is not divisible by {'*'.join('parallel.' + a for a in axes)}="
+                      f"{p.tp * p.cp * p.pp}; launch a multiple of {product} processes (dp = world/({product}))")
+    errors += _check_context_parallel(cfg)
     errors += _check_pipeline(cfg, world_size)
     m = cfg.model
     for value, what in ((m.num_attention_heads, "model.num_attention_heads"),
@@ -81,6 +84,21 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
                       "(only sharded parameters are gathered)")
     if p.bucket_size < 1:
         errors.append(f"parallel.bucket_size={p.bucket_size} must be >= 1")
+    return errors
+
+
+def _check_context_parallel(cfg: Config) -> list[str]:
+    p, m, errors = cfg.parallel, cfg.model, []
+    if p.cp == 1:
+        return errors
+    split = 2 * p.cp * (p.tp if p.sequence_parallel_active else 1)
+    if m.seq_length % split:
+        errors.append(f"model.seq_length={m.seq_length} is not divisible by {split} = 2 * parallel.cp"
+                      f"{' * parallel.tp (sequence parallelism)' if p.sequence_parallel_active else ''}: every "
+                      "sample is cut into 2 * cp equal chunks; pick a seq_length or cp that divides")
+    if m.attention_dropout:
+        errors.append(f"model.attention_dropout={m.attention_dropout} with parallel.cp={p.cp}: context-parallel "
+                      "attention has no dropout; set model.attention_dropout=0 (usual for pretraining)")
     return errors
 
 

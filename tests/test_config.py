@@ -80,6 +80,13 @@ def test_missing_and_malformed_files(tmp_path):
         ({"checkpoint.save_interval": 5}, 1, "checkpoint.save is not"),
         ({"model.seq_length": 256, "model.max_position_embeddings": 128}, 1,
          "max_position_embeddings=128 < model.seq_length=256"),
+        ({"parallel.cp": 2, "parallel.tp": 2}, 6, "world size 6 is not divisible by "
+         "parallel.tp\\*parallel.cp\\*parallel.pp=4; launch a multiple of tp\\*cp\\*pp processes"),
+        ({"parallel.cp": 4, "model.seq_length": 36}, 4,
+         "model.seq_length=36 is not divisible by 8 = 2 \\* parallel.cp"),
+        ({"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true", "model.seq_length": 36}, 4,
+         "seq_length=36 is not divisible by 8 = 2 \\* parallel.cp \\* parallel.tp \\(sequence parallelism\\)"),
+        ({"parallel.cp": 2, "model.attention_dropout": 0.1}, 2, "context-parallel attention has no dropout"),
     ],
 )
 def test_validation_says_what_and_how(overrides, world, message):

@@ -6,26 +6,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from megalite.data.indexed_dataset import IndexedDatasetWriter
 from megalite.training.pretrain import pretrain
 
 from conftest import tiny_config
+from corpus import VOCAB, write_corpus
 from distributed import metrics as read_metrics, pretrain_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 300
-
-
-def _corpus(prefix: Path, documents: int, seed: int) -> str:
-    """Documents of random length ending in the NullTokenizer's eod (= VOCAB)."""
-    rng = np.random.default_rng(seed)
-    with IndexedDatasetWriter(str(prefix), np.uint16) as writer:
-        for _ in range(documents):
-            writer.add_document(np.append(rng.integers(0, VOCAB, rng.integers(5, 60)), VOCAB))
-    return str(prefix)
 
 
 def _data(paths: list[str], **extra) -> dict:
@@ -33,7 +22,7 @@ def _data(paths: list[str], **extra) -> dict:
 
 
 def test_trains_on_a_blend_with_validation(tmp_path):
-    a, b = _corpus(tmp_path / "a", 300, 1), _corpus(tmp_path / "b", 200, 2)
+    a, b = write_corpus(tmp_path / "a", 300, 1), write_corpus(tmp_path / "b", 200, 2)
     cfg = tiny_config(data=_data(["0.7", a, "0.3", b], split="90,10,0", eod_mask_loss=True, reset_position_ids=True),
                       train={"train_iters": 6, "eval_interval": 3, "eval_iters": 2},
                       checkpoint={"save": str(tmp_path / "ckpt")})
@@ -45,7 +34,7 @@ def test_trains_on_a_blend_with_validation(tmp_path):
 
 
 def test_resume_on_real_data_with_workers(tmp_path):
-    corpus = _corpus(tmp_path / "c", 300, 3)
+    corpus = write_corpus(tmp_path / "c", 300, 3)
     data = _data([corpus], num_workers=2)
     straight = pretrain(tiny_config(data=data, train={"train_iters": 6})).losses
     ckpt = {"save": str(tmp_path / "ckpt"), "load": str(tmp_path / "ckpt")}
@@ -55,7 +44,7 @@ def test_resume_on_real_data_with_workers(tmp_path):
 
 
 def test_separate_train_and_valid_paths(tmp_path):
-    train, valid = _corpus(tmp_path / "t", 200, 4), _corpus(tmp_path / "v", 50, 5)
+    train, valid = write_corpus(tmp_path / "t", 200, 4), write_corpus(tmp_path / "v", 50, 5)
     cfg = tiny_config(data={**_data(None), "paths": None, "train_paths": [train], "valid_paths": [valid]},
                       train={"train_iters": 2, "eval_interval": 2, "eval_iters": 1})
     assert pretrain(cfg).val_loss is not None
@@ -72,7 +61,7 @@ def _torchrun(nproc: int, metrics: Path, corpus: str, cache: Path) -> list[float
 
 
 def test_data_parallel_reads_the_same_global_batches(tmp_path):
-    corpus = _corpus(tmp_path / "d", 300, 6)
+    corpus = write_corpus(tmp_path / "d", 300, 6)
     one = _torchrun(1, tmp_path / "one.jsonl", corpus, tmp_path / "cache")
     two = _torchrun(2, tmp_path / "two.jsonl", corpus, tmp_path / "cache")
     assert two == pytest.approx(one, abs=1e-5)

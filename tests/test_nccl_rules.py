@@ -167,6 +167,13 @@ RUNS = {
     "gpt2 pp2 x dp4, ZeRO-3, tied embeddings across stages, CPU offload": [
         "--model.family=gpt2", "--model.num_layers=2", "--parallel.pp=2", "--parallel.zero_stage=3",
         "--optim.offload=cpu", "--train.global_batch_size=8"],
+    "llama cp2 x tp2 x pp2, SP, ring attention (selective recompute reruns the ring), bf16 parameters": [
+        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--parallel.cp=2",
+        "--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true", "--train.recompute=selective",
+        "--train.precision=bf16", "--train.param_dtype=bf16", "--train.global_batch_size=4"],
+    "gpt2 cp4 x pp2, ring attention, distributed optimizer over dp x cp": [
+        "--model.family=gpt2", "--model.num_layers=2", "--parallel.cp=4", "--parallel.pp=2",
+        "--parallel.distributed_optimizer=true", "--train.global_batch_size=4"],
 }
 
 

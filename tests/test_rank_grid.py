@@ -107,3 +107,22 @@ def test_topology_groups_hold_the_grid_groups():
             "model-parallel": mine(grid.groups(("tp", "pp")), rank),
             "embedding": mine(grid.groups(("pp",)), rank),  # pp = 2: first and last stage are the whole pipeline
         }
+
+
+def _cp_topology(rank: int, world_size: int) -> dict:
+    t = Topology(rank, world_size, torch.device("cpu"), tp=2, cp=2)
+    groups = {name: dist.get_process_group_ranks(group) for name, group in t.named_groups().items()}
+    return {"ranks": (t.tp_rank, t.cp_rank, t.dp_rank, t.dp_cp_rank), "sizes": (t.dp, t.dp_cp), "groups": groups}
+
+
+def test_topology_with_context_parallelism():
+    """tp2 x cp2 x dp2: cp ranks hold the same weights, so gradients and optimizer shards span the
+    data-and-context-parallel group, in which rank (dp, cp) sits at dp * cp + cp."""
+    grid = RankGrid.for_world(8, tp=2, cp=2)
+    for rank, result in enumerate(run_ranks(8, _cp_topology)):
+        tp, cp, dp = rank % 2, rank // 2 % 2, rank // 4
+        assert result["ranks"] == (tp, cp, dp, dp * 2 + cp) and result["sizes"] == (2, 4)
+        mine = {name: next(r for r in grid.groups(axes) if rank in r) for name, axes in (
+            ("context-parallel", ("cp",)), ("data-and-context-parallel", ("cp", "dp")), ("data-parallel", ("dp",)))}
+        assert {name: result["groups"][name] for name in mine} == mine
+        assert result["groups"]["data-and-context-parallel"].index(rank) == dp * 2 + cp

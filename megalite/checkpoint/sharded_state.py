@@ -89,10 +89,11 @@ class ShardedState:
 
     def _writes(self, entry: Entry) -> bool:
         """Each element is written once: TP-replicated tensors by TP rank 0, DP replicas by DP rank 0
-        (or, under the distributed optimizer, every DP rank its own range), tied copies by their owner."""
+        (or, under the distributed optimizer, every DP rank its own range), tied copies by their owner.
+        Context-parallel ranks are replicas like DP ranks."""
         t = self.topology
         replicated_tp = self._spec(entry.local) is None and t.tp_rank != 0
-        return not entry.tied_copy and not replicated_tp and (self.distributed or t.dp_rank == 0)
+        return not entry.tied_copy and not replicated_tp and (self.distributed or t.dp_cp_rank == 0)
 
     def pieces(self) -> list[tuple[Piece, torch.Tensor]]:
         """This rank's pieces and their tensors (views of live state: copy before training continues)."""

@@ -10,6 +10,9 @@ tokens; the new tokens' queries then attend to those plus their own causal prefi
 
 Selective recompute (model/recompute.py sets `recompute_core`) keeps only the inputs of the
 core attention and recomputes it in backward.
+
+Under context parallelism (`cp`) a rank's q, k, v are those of its part of every sequence, and the
+core attention sees the other parts' keys and values through parallel/context_parallel.py.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.model.kv_cache import LayerCache
 from megalite.model.rope import apply_rope
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPContext
+from megalite.parallel.context_parallel import context_parallel_attention
+from megalite.parallel.layers import ColumnParallelLinear, CPContext, RowParallelLinear, TPContext
 from megalite.parallel.random import checkpoint_with_rng
 
 
 class SelfAttention(nn.Module):
     """Each tensor-parallel rank computes whole query groups: heads/tp query and groups/tp KV heads."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, cp: CPContext | None = None) -> None:
         super().__init__()
         self.heads, self.groups, self.head_dim = (cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size,
                                                   cfg.head_dim)
@@ -38,7 +42,7 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, bias)
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
-        self.tp = tp
+        self.tp, self.cp = tp, cp or CPContext()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
@@ -62,7 +66,10 @@ class SelfAttention(nn.Module):
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [batch, heads, new, d]; k, v [batch, groups, past + new, d]: new token i sees keys up to past + i."""
+        """q [batch, heads, new, d]; k, v [batch, groups, past + new, d]: new token i sees keys up to past + i.
+        Under context parallelism the tokens are this rank's part of the sequence (context_parallel.py)."""
+        if self.cp.size > 1:
+            return context_parallel_attention(q, k, v, self.cp.group, self.cp.comm)
         dropout = self.dropout if self.training else 0.0
         past = k.shape[2] - q.shape[2]
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past) if past else None

@@ -19,7 +19,7 @@ from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
-from megalite.parallel.layers import TPContext, VocabParallelEmbedding, parameter_shards
+from megalite.parallel.layers import CPContext, TPContext, VocabParallelEmbedding, parameter_shards
 from megalite.parallel.pipeline_layout import StageLayout
 from megalite.parallel.random import checkpoint_with_rng
 
@@ -29,11 +29,11 @@ TIED_COPY = ("lm_head.weight", "embedding.word_embeddings.weight")
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPContext, cp: CPContext | None = None) -> None:
         super().__init__()
         norm = cfg.features.norm
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.attention = SelfAttention(cfg, tp)
+        self.attention = SelfAttention(cfg, tp, cp)
         self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.mlp = MLP(cfg, tp)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
@@ -76,7 +76,8 @@ class GPTModel(nn.Module):
     chunks (`stage`), plus the embedding and/or head when it holds the first/last chunk.
 
     Layers keep their global index as name (`layers.17...`), so every layout has the one-device
-    parameter names. With tied embeddings split over pipeline stages, the last stage holds a copy
+    parameter names. Under context parallelism (`cp`) it runs on this rank's part of each sequence,
+    with explicit position ids. With tied embeddings split over pipeline stages, the last stage holds a copy
     of the word embeddings as `lm_head.weight` (TIED_COPY), initialised identically and kept equal
     by all-reducing its gradient with the first stage's (see parallel/grads.py).
 
@@ -85,9 +86,9 @@ class GPTModel(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPContext | None = None,
-                 stage: StageLayout | None = None, *, seed: int) -> None:
+                 stage: StageLayout | None = None, *, seed: int, cp: CPContext | None = None) -> None:
         super().__init__()
-        self.cfg, self.vocab_size, self.tp = cfg, cfg.vocab_size, tp or TPContext()
+        self.cfg, self.vocab_size, self.tp, self.cp = cfg, cfg.vocab_size, tp or TPContext(), cp
         self.stage = stage or StageLayout.single(cfg.num_layers)
         with torch.device("meta"):
             self._build_modules(cfg, device)
@@ -101,7 +102,7 @@ class GPTModel(nn.Module):
         stage, tp = self.stage, self.tp
         self.embedding = Embedding(cfg, tp) if stage.has_embedding else None
         indices = [i for a, b in stage.chunks for i in range(a, b)]
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, device, tp) for i in indices})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, device, tp, self.cp) for i in indices})
         self.final_norm = self.lm_head = None
         if stage.has_head:
             self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)

@@ -10,7 +10,10 @@ that reduction before the optimizer may read them, and are finished here:
 - under sequence parallelism, a replicated parameter's gradient (norm weights, biases of row-
   parallel layers) is partial on each tensor-parallel rank, which saw only its slice of the
   sequence: it is summed over the tensor-parallel group (buffer layouts are identical there).
-What the optimizer then does with the gradients lives in distributed_optimizer.py.
+Under context parallelism each rank's gradients come from its part of every sequence, and its
+weights are the same as its context-parallel peers': the reduction spans data- and context-
+parallel ranks together (topology.dp_cp_group). What the optimizer then does with the gradients
+lives in distributed_optimizer.py.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class DataParallelGrads:
         self.replicated = [p for n, p in named if n not in shards and n not in tied_copies]
         self.tied = [p for n, p in named if n in tied]
         held = frozenset(id(p) for p in self.tied)
-        self.buffers = [GradBuffer(params, cfg.bucket_size, topology.dp_group, topology.dp, topology.dp_rank,
+        self.buffers = [GradBuffer(params, cfg.bucket_size, topology.dp_cp_group, topology.dp_cp, topology.dp_cp_rank,
                                    cfg.zero >= 1, cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype],
                                    shard_grads=cfg.zero >= 2, shard_params=cfg.zero >= 3, units=units)
                         for params in chunks if params]

@@ -66,6 +66,19 @@ class TPContext:
         return self.region_rng() if self.sequence_parallel else contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class CPContext:
+    """What attention needs to know about its context-parallel group (size 1: no context parallelism)."""
+
+    group: dist.ProcessGroup | None = None
+    size: int = 1
+    comm: str = "p2p"
+
+    @classmethod
+    def from_topology(cls, topology: Topology, comm: str) -> "CPContext":
+        return cls(topology.cp_group, topology.cp, comm)
+
+
 def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what}={total} is not divisible by the tensor-parallel size {parts}")

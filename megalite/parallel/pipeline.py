@@ -1,8 +1,9 @@
 """How this rank runs its micro batches: the schedule, its pipeline stage and the p2p channel.
 
 Built once from the config and the topology, and handed to the training and evaluation steps.
-The channel's message shape is the residual stream between two chunks, which sequence
-parallelism shards along the sequence over the tensor-parallel group; both ends derive it from
+The channel's message shape is the residual stream between two chunks: this rank's part of the
+sequence under context parallelism, which sequence parallelism shards further over the
+tensor-parallel group; both ends derive it from
 the config, so no handshake is needed.
 """
 
@@ -32,7 +33,8 @@ class Pipeline:
         if topology.pp == 1:
             return cls(cfg.parallel.pipeline_schedule, stage)
         m = cfg.model
-        seq = m.seq_length // topology.tp if cfg.parallel.sequence_parallel_active else m.seq_length
+        seq = m.seq_length // topology.cp  # this rank's part of the sequence (context parallelism)
+        seq = seq // topology.tp if cfg.parallel.sequence_parallel_active else seq
         dtype = TORCH_DTYPES[cfg.train.param_dtype]  # the residual stream's dtype
         comm = PipelineComm(topology, (seq, cfg.train.micro_batch_size, m.hidden_size), dtype)
         return cls(cfg.parallel.pipeline_schedule, stage, comm)

@@ -157,21 +157,29 @@ class Topology:
     tp: int = 1
     pp: int = 1
     timeout_minutes: float | None = None  # collective timeout of the groups (None: torch's default)
+    cp: int = 1
     grid: RankGrid = field(init=False, repr=False)
     tp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    dp_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     mp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.grid = RankGrid.for_world(self.world_size, tp=self.tp, pp=self.pp)
+        self.grid = RankGrid.for_world(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp)
         coords = self.grid.coords(self.rank)
-        self.tp_rank, self.dp_rank, self.pp_rank = coords["tp"], coords["dp"], coords["pp"]
+        self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["dp"], coords["pp"]
+        self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank
         timeout = timedelta(minutes=self.timeout_minutes) if self.timeout_minutes is not None else None
         grid, rank = self.grid, self.rank
         self.tp_group = _my_group(grid.groups(("tp",)), rank, "tensor-parallel", timeout)
         self.dp_group = _my_group(grid.groups(("dp",)), rank, "data-parallel", timeout)
+        self.dp_cp_group = self.dp_group
+        if self.cp > 1:  # cp ranks hold the same weights: gradients and optimizer shards span dp x cp
+            self.cp_group = _my_group(grid.groups(("cp",)), rank, "context-parallel", timeout)
+            self.dp_cp_group = _my_group(grid.groups(("cp", "dp")), rank, "data-and-context-parallel", timeout)
         self.pp_group = _my_group(grid.groups(("pp",)), rank, "pipeline-parallel", timeout)
         self.mp_group = _my_group(grid.groups(("tp", "pp")), rank, "model-parallel", timeout)
         if self.pp > 1:  # the first and last stage of each pipeline: the tied embedding's two copies
@@ -182,9 +190,16 @@ class Topology:
     def dp(self) -> int:
         return self.grid.dp
 
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same weights (data- and context-parallel replicas): what gradients are
+        reduced over and optimizer state is sharded over; `dp_cp_rank` is this rank's place among them."""
+        return self.grid.dp * self.cp
+
     def named_groups(self) -> dict[str, dist.ProcessGroup | None]:
         """This rank's groups by the description they were created with."""
-        groups = (self.tp_group, self.dp_group, self.pp_group, self.mp_group, self.embedding_group)
+        groups = (self.tp_group, self.cp_group, self.dp_group, self.dp_cp_group, self.pp_group, self.mp_group,
+                  self.embedding_group)
         return {group.group_desc: group for group in groups if group is not None}
 
     @property
@@ -203,12 +218,12 @@ class Topology:
 
     @classmethod
     def from_environment(cls, device_preference: str = "auto", timeout_minutes: float = 10.0, tp: int = 1,
-                         pp: int = 1) -> "Topology":
+                         pp: int = 1, cp: int = 1) -> "Topology":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = pick_device(device_preference, local_rank)
         init_process_group(device, timeout_minutes)
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, tp=tp, pp=pp,
-                   timeout_minutes=timeout_minutes)
+                   timeout_minutes=timeout_minutes, cp=cp)
 
 
 def synchronize(device: torch.device) -> None:

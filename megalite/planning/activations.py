@@ -8,9 +8,11 @@ under sequence parallelism keep the gathered (full-sequence) input; the LM head 
 batch in flight holds bf16 copies of the weights it used. tests/test_plan.py checks these
 figures against the tensors autograd saves in real CPU runs.
 
-Sizes: s = seq_length, b = micro_batch_size, tokens = s*b; a tensor inside the tensor-parallel
-region has its heads / MLP width divided by tp; under sequence parallelism, norms and the
-residual stream hold tokens/tp rows.
+Sizes: s = seq_length, b = micro_batch_size, tokens = s*b/cp (context parallelism gives each rank
+seq/cp tokens of every sample, and every term here is per token: flash attention is linear in s);
+a tensor inside the tensor-parallel region has its heads / MLP width divided by tp; under sequence
+parallelism, norms and the residual stream hold tokens/tp rows. What allgather attention keeps
+beyond that: planning/context_parallel.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.planning.context_parallel import allgather_layer_bytes
 from megalite.planning.parameters import layer_parameters
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -52,8 +55,8 @@ def _norm(cfg: Config, rows: int, w: Widths) -> int:
 
 
 def _rows(cfg: Config) -> tuple[int, int]:
-    """(tokens of a micro batch, rows of the residual stream on one rank: tokens / tp under SP)."""
-    tokens = cfg.model.seq_length * cfg.train.micro_batch_size
+    """(this rank's tokens of a micro batch, seq/cp per sample; rows of its residual stream: tokens / tp under SP)."""
+    tokens = cfg.model.seq_length // cfg.parallel.cp * cfg.train.micro_batch_size
     return tokens, tokens // cfg.parallel.tp if cfg.parallel.sequence_parallel_active else tokens
 
 
@@ -71,14 +74,13 @@ def layer_bytes(cfg: Config, device: str = "cuda") -> int:
         + tokens * (heads + 2 * groups) * d * w.compute  # fused QKV output; v (and q, k without RoPE) are views of it
         + (tokens * (heads + groups) * d * w.compute if features.position_embedding == "rope" else 0)  # q, k after RoPE
         + tokens * heads * d * w.compute  # attention output = projection input
-        + (cfg.train.micro_batch_size * heads * m.seq_length * 4
-           if cfg.train.recompute == "none" else 0)  # flash logsumexp
+        + (tokens * heads * 4 if cfg.train.recompute == "none" else 0)  # flash logsumexp
     )
     intermediates = 4 if features.gated_mlp else 2  # gate|up, silu(gate), product / GELU input and output
     mlp = tokens * h * w.compute + intermediates * tokens * ffn * w.compute
     dropout = 2 * rows * h if m.hidden_dropout > 0 else 0  # boolean masks after attention and MLP
     weights = layer_parameters(m, tp).sharded * w.weight_copy  # matmul weights (biases are not kept)
-    return 2 * _norm(cfg, rows, w) + attention + mlp + dropout + weights
+    return 2 * _norm(cfg, rows, w) + attention + allgather_layer_bytes(cfg, w.compute) + mlp + dropout + weights
 
 
 def embedding_bytes(cfg: Config) -> int:

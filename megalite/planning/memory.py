@@ -4,8 +4,9 @@ of the micro batches the pipeline schedule keeps in flight, for the pipeline sta
 Model state follows megalite/parallel/grad_buffer.py and ddp.py: parameters in
 train.param_dtype; gradients in parallel.grad_reduce_dtype; fp32 main weights only when the
 parameters are not fp32 (fp32 parameters are stepped in place); Adam's two fp32 moments. Each
-ZeRO stage shards one more of them over the dp ranks. For bf16 parameters with fp32 gradients,
-bytes per parameter are:
+ZeRO stage shards one more of them over the ranks holding the same weights: dp x cp (context-
+parallel ranks are replicas too, parallel/topology.py dp_cp), written `dp` below and in the
+functions. For bf16 parameters with fp32 gradients, bytes per parameter are:
   stage 0: 18 (2 + 4 + 4 + 8, Megatron-LM's accounting);
   stage 1: 6 + 12/dp (main weights and moments sharded: the distributed optimizer);
   stage 2: 2 + 16/dp (gradients too);
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.parallel.schedules import schedule_ops
-from megalite.planning.activations import _BYTES, embedding_bytes, head_bytes, layer_bytes
+from megalite.planning.activations import _BYTES, Widths, embedding_bytes, head_bytes, layer_bytes
+from megalite.planning.context_parallel import attention_transient_bytes
 from megalite.parallel.pipeline_layout import stage_layout
 from megalite.planning.parameters import Parameters, rank_parameters
 
@@ -86,10 +88,12 @@ def gathered_bytes(cfg: Config, params: Parameters, dp: int) -> tuple[float, flo
 def transient_bytes(cfg: Config, params: Parameters, dp: int, activations: float, device: str = "cuda") -> float:
     """Memory above state + activations at the worst moment: in backward, the largest parameter's
     gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
-    activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`);
-    in the optimizer step (activations and whole units freed), fp32 copies of bf16-reduced gradient
-    slices for the fp32 main weights."""
-    backward = params.largest * _BYTES[cfg.train.param_dtype] + sum(gathered_bytes(cfg, params, dp))
+    activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`),
+    plus context-parallel attention's buffers (planning/context_parallel.py); in the optimizer step
+    (activations and whole units freed), fp32 copies of bf16-reduced gradient slices for the fp32
+    main weights."""
+    backward = (params.largest * _BYTES[cfg.train.param_dtype] + sum(gathered_bytes(cfg, params, dp))
+                + attention_transient_bytes(cfg, Widths.of(cfg, device).compute))
     if cfg.train.recompute == "full":
         backward += layer_bytes(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none")),
                                 device)
@@ -126,7 +130,7 @@ def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "
 
 def stage_memory(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> StageMemory:
     params = rank_parameters(cfg, pp_rank)
-    dp = cfg.data_parallel_size(world_size)
+    dp = cfg.data_parallel_size(world_size) * cfg.parallel.cp  # the replicas state is sharded over
     activations, in_flight = peak_activations(cfg, world_size, pp_rank, device)
     transient = transient_bytes(cfg, params, dp, activations, device)
     return StageMemory(pp_rank, params, *state_bytes(cfg, params.total, dp), activations, in_flight, transient)

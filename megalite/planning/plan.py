@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.planning.context_parallel import describe as describe_cp
 from megalite.planning.memory import StageMemory, gathered_bytes, memory_per_stage
 from megalite.planning.parameters import model_parameters
 from megalite.training.flops import PEAK_TFLOPS, training_flops_per_token
@@ -32,6 +33,11 @@ class Plan:
     @property
     def dp(self) -> int:
         return self.cfg.data_parallel_size(self.world_size)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, which ZeRO shards the model state over: dp x cp."""
+        return self.dp * self.cfg.parallel.cp
 
     @property
     def microbatches(self) -> int:
@@ -101,7 +107,7 @@ def _gib(n: float) -> str:
 
 def _gathered(plan: Plan) -> str:
     """ZeRO-3's share of the transient: whole units in backward (planning/memory.py gathered_bytes)."""
-    weights, grads = gathered_bytes(plan.cfg, plan.worst.parameters, plan.dp)
+    weights, grads = gathered_bytes(plan.cfg, plan.worst.parameters, plan.replicas)
     if not weights:
         return ""
     return f" (ZeRO-3 units gathered in backward: {_gib(weights)} parameters + {_gib(grads)} gradients)"
@@ -112,11 +118,12 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"model: {m.family}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.kv_heads} KV), ffn {m.ffn_size}, vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}",
-        f"layout: world {plan.world_size} = tp {p.tp} x pp {p.pp} (vp {p.vp}) x dp {plan.dp}; "
+        f"layout: world {plan.world_size} = tp {p.tp} x cp {p.cp} x pp {p.pp} (vp {p.vp}) x dp {plan.dp}; "
         f"sequence parallel {p.sequence_parallel}; ZeRO stage {p.zero}, optimizer offload {cfg.optim.offload}",
         f"batch: global {cfg.batch_size(plan.world_size)} = {plan.microbatches} micro batches x "
         f"{cfg.train.micro_batch_size} x dp {plan.dp}; "
         f"precision {cfg.train.precision}, parameters {cfg.train.param_dtype}, recompute {cfg.train.recompute}",
+        *([describe_cp(cfg)] if p.cp > 1 else []),
         f"parameters: {plan.parameters / 1e9:.3f} B total; per GPU "
         + ", ".join(f"stage {s.pp_rank}: {s.parameters.total / 1e6:.1f} M" for s in plan.stages),
         f"memory per GPU, pipeline stage {w.pp_rank} (the largest):",

@@ -12,7 +12,7 @@ from megalite.model.gpt import TIED_COPY, GPTModel
 from megalite.model.recompute import apply_recompute
 from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.distributed_optimizer import DistributedOptimizer
-from megalite.parallel.layers import TPContext
+from megalite.parallel.layers import CPContext, TPContext
 from megalite.parallel.pipeline import Pipeline
 from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.topology import Topology
@@ -33,17 +33,18 @@ class Trainer:
     optimizer: DistributedOptimizer
     scaler: LossScaler
     pipeline: Pipeline
-    sharded_params: ShardedParameters | None = None  # ZeRO-3 with dp > 1
+    sharded_params: ShardedParameters | None = None  # ZeRO-3 with more than one replica
 
     def sharded_state(self) -> ShardedState:
         """The checkpoint's view of the model and optimizer state this rank holds."""
         return ShardedState(self.model, self.optimizer, self.tp, self.topology)
 
 
-def build_model(cfg: Config, device: torch.device, tp: TPContext, pp_rank: int) -> GPTModel:
+def build_model(cfg: Config, device: torch.device, tp: TPContext, pp_rank: int,
+                cp: CPContext | None = None) -> GPTModel:
     """Pipeline rank `pp_rank`'s model chunks, its tensor-parallel shards, in train.param_dtype,
     with train.recompute applied."""
-    model = GPTModel(cfg.model, device, tp, stage_layout(cfg, pp_rank), seed=cfg.train.seed)
+    model = GPTModel(cfg.model, device, tp, stage_layout(cfg, pp_rank), seed=cfg.train.seed, cp=cp)
     apply_recompute(model, cfg.train.recompute)
     for param in model.parameters():  # initialised in fp32 on every layout, then rounded once
         param.data = param.data.to(TORCH_DTYPES[cfg.train.param_dtype])
@@ -54,7 +55,7 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     """The one place that assembles training: pretrain, the tools and the tests all start here."""
     p = cfg.parallel
     tp = TPContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed)
-    model = build_model(cfg, topology.device, tp, topology.pp_rank)
+    model = build_model(cfg, topology.device, tp, topology.pp_rank, CPContext.from_topology(topology, p.cp_comm))
     if cfg.train.compile:
         for layer in model.layers.values():
             layer.compile()
@@ -64,7 +65,7 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     modules = model.chunk_modules()
     units = unit_index(modules) if p.zero >= 3 else None
     grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, tied, copies, units)
-    sharded = ShardedParameters(modules, grads.buffers) if p.zero >= 3 and topology.dp > 1 else None
+    sharded = ShardedParameters(modules, grads.buffers) if p.zero >= 3 and topology.dp_cp > 1 else None
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
                                      p.overlap_param_gather, copies)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)

@@ -12,7 +12,7 @@ from megalite.data.build import TrainingData
 from megalite.data.loader import micro_batches
 from megalite.parallel.schedules import run_schedule
 from megalite.training.build import Trainer
-from megalite.training.step import microbatch_forward
+from megalite.training.step import local_batches, microbatch_forward
 
 
 @torch.no_grad()
@@ -32,11 +32,11 @@ def evaluate(trainer: Trainer, data: TrainingData) -> tuple[float, float]:
         return out
 
     for _ in range(cfg.train.eval_iters):
-        batches = [next(stream).to(topology.device) for _ in range(per_step)]
+        batches = local_batches(trainer, [next(stream) for _ in range(per_step)])
         pipeline = trainer.pipeline
         run_schedule("forward", per_step, microbatch_forward(trainer, batches, add_losses), pipeline.stage,
                      pipeline.comm)
-    dist.all_reduce(totals, group=topology.dp_group)
+    dist.all_reduce(totals, group=topology.dp_cp_group)
     model.train()
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
     return loss, math.exp(min(loss, 700.0))

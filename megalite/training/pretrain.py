@@ -208,7 +208,8 @@ class Run:
         params = sum(torch.Size(shape).numel() for shape in self.sharded.shapes().values())
         self.writer.print(f"megalite config:\n{dump_yaml(cfg)}")
         self.writer.print(
-            f"world {t.world_size} (tp {t.tp}, pp {t.pp}, dp {t.dp}) on {t.device}; {params / 1e6:.2f}M parameters; "
+            f"world {t.world_size} (tp {t.tp}, cp {t.cp}, pp {t.pp}, dp {t.dp}) on {t.device}; "
+            f"{params / 1e6:.2f}M parameters; "
             f"global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x "
             f"{cfg.train.micro_batch_size} x dp {t.dp}"
         )
@@ -268,7 +269,7 @@ def pretrain(cfg: Config) -> RunResult:
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     created = not dist.is_initialized()
     topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes, cfg.parallel.tp,
-                                         cfg.parallel.pp)
+                                         cfg.parallel.pp, cfg.parallel.cp)
     try:
         torch.manual_seed(cfg.train.seed)
         run = Run(cfg, topology)

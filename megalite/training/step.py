@@ -2,13 +2,15 @@
 data-parallel replicas, unscale and overflow check, clipping, and the update.
 
 The gradient and the reported loss are the global batch's per-token mean (all data-parallel
-ranks together, loss masks included) in every layout. The global count of unmasked tokens is
-only known after a collective, and a collective at the start of the step would queue on the
-data-parallel communicator behind the previous step's overlapped parameter gathers, stalling
-the first forward. So, as Megatron-LM does, each micro batch's summed token loss is divided by
-the number of positions in the global batch (known without communication), the token count is
-all-reduced together with the loss after the schedule, and the gradients are corrected by
-positions / tokens (exactly 1 when nothing is masked) in the clipping multiply.
+ranks together, loss masks included) in every layout; context-parallel ranks each hold a part of
+every sequence, so their sums add up over the data- and context-parallel ranks together. The
+global count of unmasked tokens is only known after a collective, and a collective at the start
+of the step would queue on the data-parallel communicator behind the previous step's overlapped
+parameter gathers, stalling the first forward. So, as Megatron-LM does, each micro batch's summed
+token loss is divided by the number of positions in the global batch (known without
+communication), the token count is all-reduced together with the loss after the schedule, and
+the gradients are corrected by positions / tokens (exactly 1 when nothing is masked) in the
+clipping multiply.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from megalite.data.batches import Batch
 from megalite.config import TORCH_DTYPES
+from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.schedules import ForwardStep, run_schedule
 
 if TYPE_CHECKING:
@@ -42,6 +45,16 @@ class StepResult:
     skipped: bool
     tokens: int
     diverged: bool = False  # skipped for a NaN/Inf gradient norm (not an fp16 overflow the loss scaler handles)
+
+
+def local_batches(trainer: "Trainer", batches: list[Batch]) -> list[Batch]:
+    """The micro batches on this rank's device, cut to its part of every sequence under context parallelism."""
+    t = trainer.topology
+    batches = [b.to(t.device) for b in batches]
+    if t.cp == 1:
+        return batches
+    positions = local_positions(trainer.cfg.model.seq_length, t.cp, t.cp_rank, t.device)
+    return [b.select(positions) for b in batches]
 
 
 def microbatch_forward(trainer: "Trainer", batches: list[Batch],
@@ -64,8 +77,8 @@ def train_step(trainer: "Trainer", batches: list[Batch]) -> StepResult:
     """One optimizer step of `trainer` over this rank's micro batches."""
     t, grads, optimizer, scaler = trainer.topology, trainer.grads, trainer.optimizer, trainer.scaler
     grads.zero()
-    batches = [b.to(t.device) for b in batches]
-    positions = sum(b.loss_mask.numel() for b in batches) * t.dp
+    batches = local_batches(trainer, batches)
+    positions = sum(b.loss_mask.numel() for b in batches) * t.dp_cp
     loss_sum = torch.zeros(1, device=t.device)
 
     def scaled_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -82,7 +95,7 @@ def train_step(trainer: "Trainer", batches: list[Batch]) -> StepResult:
     optimizer.collect_grads()
     tokens = sum(b.loss_mask.sum(dtype=torch.float64) for b in batches).reshape(1)  # exact beyond 2^24 tokens
     totals = torch.cat((loss_sum.double(), tokens))
-    dist.all_reduce(totals, group=t.dp_group)
+    dist.all_reduce(totals, group=t.dp_cp_group)
     correction = (positions / totals[1].clamp(min=1.0)).float()
     loss, tokens = float(totals[0] * correction), int(totals[1].item())
     overflow = optimizer.any_overflow(scaler.unscale_and_check(optimizer.grads()))

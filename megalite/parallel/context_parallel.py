@@ -1,0 +1,243 @@
+"""Context parallelism: every cp rank holds a slice of each sample's sequence, attention sees all of it.
+
+The sequence of length S is cut into 2*cp chunks of c = S / (2*cp) tokens; cp rank i holds chunk i
+and chunk 2*cp-1-i, concatenated in that order (local length 2c). For cp=2:
+
+    global sequence   | chunk 0 | chunk 1 | chunk 2 | chunk 3 |
+    rank 0 (local)    | chunk 0 | chunk 3 |
+    rank 1 (local)    | chunk 1 | chunk 2 |
+
+Why two chunks: under a causal mask a query attends all earlier tokens, so the work of a chunk grows
+with its position. Pairing an early chunk with its mirror-image late one gives every rank the same
+number of (query, key) pairs, where contiguous slices would leave rank 0 idle while the last rank works.
+
+Everything outside attention is token-local, so q, k, v are computed from the local tokens; only
+attention needs the other ranks' keys and values. Two ways to bring them (`comm`):
+
+- "p2p", ring attention: cp steps; at step j the rank attends the K/V block of cp rank i-j while
+  that block moves on to rank i+1 in one batched send/receive, so the cp-1 hops overlap the blocks'
+  compute. Partial outputs merge by their log-sum-exp; memory holds two K/V blocks, not the whole
+  sequence. Backward sends the K/V around again with the dK/dV accumulators trailing one hop behind,
+  and one last hop brings every accumulator home.
+- "allgather" (Llama 3's choice): one all-gather of K/V (backward: one reduce-scatter of dK/dV),
+  then each local query chunk attends its global prefix. Every rank holds the whole sequence's K/V,
+  and the collective does not overlap compute, but at small cp one collective is cheaper than
+  cp-1 latency-bound hops and the kernel is plain SDPA.
+
+K/V travel as their query groups (grouped-query attention), expanded to heads only at the kernel.
+The data pipeline slices tokens, labels, masks and position ids with `local_positions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.parallel.mappings import gather_from_sp
+
+Group = dist.ProcessGroup
+aten = torch.ops.aten
+COMMS = ("p2p", "allgather")
+
+
+def local_positions(seq_length: int, cp: int, cp_rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions of cp rank `cp_rank`'s tokens in local order: chunk cp_rank, then chunk 2*cp-1-cp_rank."""
+    if seq_length % (2 * cp):
+        raise ValueError(f"model.seq_length={seq_length} must be divisible by 2 * parallel.cp = {2 * cp} "
+                         "(each cp rank holds two equal chunks)")
+    c = seq_length // (2 * cp)
+    offsets = torch.arange(c, device=device)
+    return torch.cat([cp_rank * c + offsets, (2 * cp - 1 - cp_rank) * c + offsets])
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
+                               comm: str = "p2p") -> torch.Tensor:
+    """Causal attention of the local queries over the whole sequence of the cp group, scale 1/sqrt(d).
+
+    q [batch, heads, 2c, d]; k, v [batch, groups, 2c, d] (query head h uses KV group h // (heads // groups));
+    all in the local token order of `local_positions`. Returns [batch, heads, 2c, d]."""
+    if comm not in COMMS:
+        raise ValueError(f"context-parallel comm {comm!r} is not one of {COMMS}")
+    if q.shape[2] % 2 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}: need an even local length and heads "
+                         "divisible by KV groups")
+    if comm == "allgather":
+        return _allgather_attention(q, k, v, group)
+    return _RingAttention.apply(q, k, v, group)
+
+
+# ----------------------------------------------------------------------------------------------- all-gather
+
+
+def _allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:
+    """Gather every rank's K/V, put it in global order, and let each local query chunk attend its prefix."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    c = q.shape[2] // 2
+    gathered = gather_from_sp(torch.stack([k, v]), group)  # [cp * 2, b, g, 2c, d], rank-major; grads reduce-scatter
+    kv = gathered.unflatten(0, (cp, 2)).movedim(0, 3).flatten(3, 4)  # [2, b, g, cp * 2c, d]
+    held = torch.cat([local_positions(2 * c * cp, cp, r, q.device) for r in range(cp)])  # each row's position
+    kv = kv.index_select(3, torch.argsort(held))
+    outs = []
+    for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+        end = (chunk + 1) * c
+        mask = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(end - c)  # bottom-right causal
+        outs.append(F.scaled_dot_product_attention(q[:, :, half * c:(half + 1) * c], kv[0, :, :, :end],
+                                                   kv[1, :, :, :end], attn_mask=mask,
+                                                   enable_gqa=k.shape[1] != q.shape[1]))
+    return torch.cat(outs, dim=2)
+
+
+# ----------------------------------------------------------------------------------------------- ring
+
+
+@dataclass
+class _Pending:
+    """One posted batch of the ring: wait() before reading what it receives."""
+
+    works: list[dist.Work]
+    received: list[torch.Tensor]
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+class _Ring:
+    """This rank's place in the cp ring: K/V move from rank i to rank i+1."""
+
+    def __init__(self, group: Group) -> None:
+        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def source(self, step: int) -> int:
+        """The cp rank whose K/V block this rank holds at `step`."""
+        return (self.rank - step) % self.size
+
+    def shift(self, *tensors: torch.Tensor) -> _Pending:
+        """One batch_isend_irecv: send each tensor to the next rank, receive its like from the previous one.
+        Every rank posts the same list in the same order, so NCCL matches them (also when next == prev)."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [], received)
+
+
+def _block(rank: int, source: int, c: int) -> tuple[slice, slice, bool]:
+    """Which local query rows attend which rows of cp rank `source`'s K/V, and whether causally.
+
+    Own block: causal over the local 2c tokens (chunk rank precedes chunk 2cp-1-rank). An earlier rank's
+    block: its first chunk precedes both local chunks, its second follows both. A later rank's block:
+    only the local second chunk (the last of the three) follows both of its chunks."""
+    if source == rank:
+        return slice(None), slice(None), True
+    if source < rank:
+        return slice(None), slice(0, c), False
+    return slice(c, None), slice(None), False
+
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    groups = kv.shape[1]
+    return kv if groups == heads else kv.repeat_interleave(heads // groups, dim=1)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """Sum a per-head K/V gradient over the heads of each group."""
+    return grad if grad.shape[1] == groups else grad.unflatten(1, (groups, -1)).sum(2)
+
+
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """One block through the fused kernel: output, log-sum-exp [b, heads, rows] (fp32), and what the
+    CUDA backward wants back. CUDA's flash kernel takes fp16/bf16 only."""
+    k, v, scale = _expand(k, q.shape[1]), _expand(v, q.shape[1]), q.shape[-1] ** -0.5
+    if q.is_cuda:
+        if q.dtype == torch.float32:
+            raise ValueError("ring attention (parallel.cp_comm=p2p) runs CUDA's flash attention, which takes bf16 "
+                             "or fp16 only: train with --train.precision=bf16, or use --parallel.cp_comm=allgather")
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, meta: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's dq, dk, dv (dk, dv per KV group). Given the final merged out and lse, the kernel's
+    softmax is the one over the whole sequence, so the block's gradients are exact."""
+    groups, lse = k.shape[1], lse.contiguous()
+    k, v, scale = _expand(k, q.shape[1]), _expand(v, q.shape[1]), q.shape[-1] ** -0.5
+    if q.is_cuda:
+        cum_q, cum_k, max_q, max_k, seed, offset = meta
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+    else:
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return dq, _fold(dk, groups), _fold(dv, groups)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> None:
+    """Fold a block's softmax-normalised output into the running fp32 one, in place, by log-sum-exp."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, block_lse)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - new).unsqueeze(-1)
+                       + block_out.float() * torch.exp(block_lse - new).unsqueeze(-1))
+    lse[:, :, rows] = new
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention; K/V (and dK/dV) travel as one [2, b, groups, 2c, d] tensor."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:
+        ring, c = _Ring(group), q.shape[2] // 2
+        kv, metas = torch.stack([k, v]), []
+        out = lse = None
+        for step in range(ring.size):
+            pending = ring.shift(kv) if step < ring.size - 1 else None
+            rows, cols, causal = _block(ring.rank, ring.source(step), c)
+            block_out, block_lse, meta = _flash_forward(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], causal)
+            metas.append(meta)
+            if out is None:
+                out, lse = block_out.float(), block_lse.float().contiguous()
+            else:
+                _merge(out, lse, rows, block_out, block_lse)
+            if pending is not None:
+                kv = pending.wait()[0]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.metas = group, metas
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        """Step j attends the same block as forward step j. The block's dK/dV accumulator arrives from the
+        rank that used it one step earlier, while this rank computes its own part, and leaves with the
+        next step's batch; after the last step one hop returns each accumulator to its owner."""
+        q, k, v, out, lse = ctx.saved_tensors
+        dout, ring, c = dout.contiguous(), _Ring(ctx.group), q.shape[2] // 2
+        kv, grads = torch.stack([k, v]), None
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            pending = ring.shift(*([] if last else [kv]), *([] if grads is None else [grads]))
+            rows, cols, causal = _block(ring.rank, ring.source(step), c)
+            block_dq, dk, dv = _flash_backward(dout[:, :, rows], q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols],
+                                               out[:, :, rows], lse[:, :, rows], causal, ctx.metas[step])
+            dq[:, :, rows] += block_dq
+            incoming = pending.wait()
+            next_kv = None if last else incoming.pop(0)
+            grads = incoming.pop(0) if grads is not None else torch.zeros_like(kv, dtype=torch.float32)
+            grads[0, :, :, cols] += dk
+            grads[1, :, :, cols] += dv
+            kv = next_kv
+        if ring.size > 1:
+            grads = ring.shift(grads).wait()[0]
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None

@@ -1,0 +1,103 @@
+"""Context parallelism in the plan: what attention sends between cp ranks, and what allgather keeps.
+
+Each cp rank holds seq/cp tokens of every sample (parallel/context_parallel.py), and everything
+outside attention is token-local, so activations.py counts every per-token tensor for the local
+tokens only. Attention is where the ranks meet, and the two `parallel.cp_comm` choices differ:
+
+- p2p (ring attention) keeps exactly what one device's flash attention keeps, for the local
+  queries and keys: nothing here. Its cost is traffic: forward sends the local K/V cp-1 hops;
+  backward sends them again, plus the fp32 dK/dV accumulators cp hops (the last one home).
+- allgather gathers the whole sequence's K/V, and with nothing recomputed SDPA keeps it for
+  backward, together with the causal masks of the two local query chunks: [c, prefix] each,
+  c = seq/(2cp), in the compute dtype (SDPA turns a boolean mask into an additive one and saves it).
+  Those masks grow with seq^2/cp: (2cp+1)*c^2 elements per layer. In exchange the local K it
+  passed to the gather and the fused QKV output are no longer kept by anyone.
+
+Sizes per rank, as in activations.py: K/V groups and heads divided by tp; under sequence parallelism
+the attention region still sees all local tokens (seq/cp * micro batch).
+"""
+
+from __future__ import annotations
+
+from megalite.config import TORCH_DTYPES, Config
+
+RING = {"p2p": "ring attention", "allgather": "all-gather"}
+
+
+def _sizes(cfg: Config) -> tuple[int, int, int, int]:
+    """(local tokens of a micro batch, local query heads, local KV groups, local K/V elements of one layer)."""
+    m, p = cfg.model, cfg.parallel
+    tokens = m.seq_length // p.cp * cfg.train.micro_batch_size
+    heads, groups = m.num_attention_heads // p.tp, m.kv_heads // p.tp
+    return tokens, heads, groups, 2 * tokens * groups * m.head_dim
+
+
+def comm_bytes(cfg: Config) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends per layer per micro batch for context-parallel attention.
+
+    p2p: forward cp-1 hops of the local K/V; backward cp-1 hops of K/V and cp hops of fp32 dK/dV.
+    allgather: a ring all-gather sends cp-1 local K/V blocks; backward's reduce-scatter the same volume.
+    Under recompute (selective or full) backward first reruns the attention forward, traffic included."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return 0, 0
+    width = TORCH_DTYPES[cfg.train.precision].itemsize
+    kv = _sizes(cfg)[3]
+    forward = (cp - 1) * kv * width
+    backward = forward + (cp * kv * 4 if cfg.parallel.cp_comm == "p2p" else 0)
+    return forward, backward + (forward if cfg.train.recompute != "none" else 0)
+
+
+def allgather_masks(cfg: Config) -> int:
+    """Elements of the two local query chunks' causal masks in one layer: chunk i sees (i+1)*c keys."""
+    c = cfg.model.seq_length // (2 * cfg.parallel.cp)
+    return (2 * cfg.parallel.cp + 1) * c * c
+
+
+def gathered_kv(cfg: Config, compute: int) -> int:
+    """Bytes of one layer's whole-sequence K/V after the all-gather."""
+    return _sizes(cfg)[3] * cfg.parallel.cp * compute
+
+
+def allgather_layer_bytes(cfg: Config, compute: int) -> int:
+    """What one layer keeps under allgather with no recompute, minus what activations.py counts for the
+    one-device (and ring) attention: a signed correction to `layer_bytes`."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1 or p.cp_comm != "allgather" or cfg.train.recompute != "none":
+        return 0
+    tokens, heads, groups, _ = _sizes(cfg)
+    rope = m.features.position_embedding == "rope"
+    one_device = tokens * (heads + 2 * groups) + (tokens * (heads + groups) if rope else 0)
+    # q is kept (as RoPE's output, or the copy its reshape makes under GQA; a view of the fused QKV for MHA)
+    kept_q = tokens * heads if rope or groups != heads else tokens * (heads + 2 * groups)
+    outputs = tokens * heads  # each chunk's attention output, concatenated into a new projection input
+    q_side = (kept_q - one_device + outputs) * m.head_dim * compute
+    index = m.seq_length * 8  # the permutation into global order, kept by index_select
+    return q_side + gathered_kv(cfg, compute) + allgather_masks(cfg) * compute + index
+
+
+def attention_transient_bytes(cfg: Config, compute: int) -> int:
+    """Buffers of one layer's context-parallel attention backward, freed when the layer is done.
+
+    p2p: the K/V block in use and the one arriving, their fp32 dK/dV accumulators, the fp32 dq.
+    allgather: the whole sequence's dK/dV and its copy back into rank order; under selective recompute
+    also the re-gathered K/V and the masks (full recompute counts those in the recomputed layer)."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return 0
+    tokens, heads, _, kv = _sizes(cfg)
+    if p.cp_comm == "p2p":
+        return 2 * kv * (compute + 4) + tokens * heads * cfg.model.head_dim * 4
+    recomputed = gathered_kv(cfg, compute) + allgather_masks(cfg) * compute if cfg.train.recompute == "selective" else 0
+    return 2 * gathered_kv(cfg, compute) + recomputed
+
+
+def describe(cfg: Config) -> str:
+    """The plan's line for context parallelism (empty at cp 1)."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return ""
+    forward, backward = comm_bytes(cfg)
+    line = (f"context parallel: cp {p.cp}, {RING[p.cp_comm]}, {forward / 2**20:.1f} MiB sent per rank per layer per "
+            f"micro batch (forward), {backward / 2**20:.1f} MiB (backward")
+    return line + (", attention forward recomputed)" if cfg.train.recompute != "none" else ")")

@@ -1,0 +1,84 @@
+"""Context-parallel attention equals full causal attention: every cp rank's output and its slices of
+dq, dk, dv match one device's F.scaled_dot_product_attention over the global sequence, for both comms,
+multi-head and grouped-query attention; and its communication obeys NCCL's rules (tests/nccl_rules.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.parallel.context_parallel import context_parallel_attention, local_positions
+
+from distributed import run_ranks
+from nccl_rules import CommRecorder, replay
+
+HEADS, BATCH, DIM = 4, 2, 16
+# (comm, KV groups, sequence length, dtype)
+CASES = [(comm, groups, seq, torch.float32) for comm in ("p2p", "allgather") for groups in (4, 2) for seq in (32, 64)]
+CASES += [(comm, 2, 32, torch.bfloat16) for comm in ("p2p", "allgather")]
+
+
+def _inputs(groups: int, seq: int) -> tuple[torch.Tensor, ...]:
+    """The global q, k, v and upstream gradient of a case, the same on every rank."""
+    gen = torch.Generator().manual_seed(1000 * groups + seq)
+    shapes = [(BATCH, HEADS, seq, DIM), (BATCH, groups, seq, DIM), (BATCH, groups, seq, DIM), (BATCH, HEADS, seq, DIM)]
+    return tuple(torch.randn(shape, generator=gen) for shape in shapes)
+
+
+def _seq_major(t: torch.Tensor) -> torch.Tensor:
+    """The attention layer's layout: [b, h, s, d] viewed from [b, s, h, d] memory (not contiguous)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _cp_ranks(rank: int, world_size: int) -> list:
+    """Per case: this rank's output, dq, dk, dv (fp32) and its communication record."""
+    results = []
+    for comm, groups, seq, dtype in CASES:
+        positions = local_positions(seq, world_size, rank)
+        q, k, v, grad = (_seq_major(t.index_select(2, positions).to(dtype)) for t in _inputs(groups, seq))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        with CommRecorder(rank) as recorder:
+            out = context_parallel_attention(q, k, v, dist.group.WORLD, comm=comm)
+            out.backward(grad)
+        results.append(([t.detach().float() for t in (out, q.grad, k.grad, v.grad)], recorder.record))
+    return results
+
+
+def _reference(groups: int, seq: int) -> list[torch.Tensor]:
+    q, k, v, grad = _inputs(groups, seq)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups != HEADS)
+    out.backward(grad)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_matches_one_device(cp):
+    per_rank = run_ranks(cp, _cp_ranks)
+    for index, (comm, groups, seq, dtype) in enumerate(CASES):
+        case = f"cp={cp} {comm} groups={groups} seq={seq} {dtype}"
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=5e-2)
+        expected = _reference(groups, seq)
+        for rank in range(cp):
+            got, _ = per_rank[rank][index]
+            local = [t.index_select(2, local_positions(seq, cp, rank)) for t in expected]
+            for name, g, e in zip(("out", "dq", "dk", "dv"), got, local):
+                torch.testing.assert_close(g, e, **tol, msg=lambda m: f"{case} rank {rank} {name}: {m}")
+        report = replay([results[index][1] for results in per_rank])
+        assert report.ok, f"{case}:\n{report.text()}"
+        assert report.messages > 0 or comm == "allgather", case
+
+
+def test_local_positions_pair_mirrored_chunks():
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    for cp, seq in ((1, 6), (2, 16), (4, 32), (4, 64)):
+        held = torch.cat([local_positions(seq, cp, rank) for rank in range(cp)])
+        assert held.dtype == torch.long and sorted(held.tolist()) == list(range(seq))
+
+
+def test_local_positions_refuses_uneven_chunks():
+    with pytest.raises(ValueError, match="divisible by 2 \\* parallel.cp = 8"):
+        local_positions(36, 4, 0)
