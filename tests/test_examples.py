@@ -51,7 +51,7 @@ def build_on_meta(path: Path) -> GPTModel:
 # Published sizes: GPT-2 small 124,439,808 (Hugging Face's count, vocabulary 50257 unpadded), Llama-3.2-1B
 # 1.24B and Llama-3.1-8B 8.03B (model cards); the rest are the planner's own count.
 PUBLISHED = {"gpt2_125m": 124_439_808, "llama_1b": 1_235_814_400, "llama_8b": 8_030_261_248,
-             "llama_8b_zero3": 8_030_261_248}
+             "llama_8b_zero3": 8_030_261_248, "llama_8b_128k": 8_030_261_248}
 
 
 @pytest.mark.parametrize("path", PLANNED, ids=lambda p: p.stem)

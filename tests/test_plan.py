@@ -4,6 +4,7 @@ and activation bytes from the tensors autograd saves in one micro batch's forwar
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -15,13 +16,15 @@ from megalite.config import Config
 from megalite.config_cli import parse_config
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
+from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.layers import TPContext
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero3 import unit_index
 from megalite.planning.memory import (chunk_activation_bytes, gathered_bytes, peak_activations, stage_memory,
                                       state_bytes)
+from megalite.planning.context_parallel import comm_bytes
 from megalite.planning.parameters import rank_parameters, stage_layout
-from megalite.planning.plan import make_plan
+from megalite.planning.plan import format_plan, make_plan
 from megalite.training.build import build_model, build_trainer
 from megalite.training.step import precision_context
 from tools import plan as plan_tool
@@ -147,9 +150,11 @@ def test_model_state_matches_measured_tensors(layout):
         assert (planned_gather > 0) == (layout.get("zero_stage") == 3)
 
 
-def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: torch.Tensor | None = None) -> int:
+def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> int:
     """Bytes of the distinct storages autograd saves (parameters' own storages left out) while one
-    micro batch runs forward through `chunk`, with the loss as training/step.py computes it."""
+    micro batch runs forward through `chunk`, with the loss as training/step.py computes it; under
+    context parallelism on the sequence `positions` this rank holds."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -162,10 +167,13 @@ def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: tor
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),
                            generator=generator)
+    position_ids = None
+    if positions is not None:
+        tokens, position_ids = tokens[:, positions], positions.expand(tokens.shape[0], -1)
     mask = torch.ones(tokens.shape)
     with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
           precision_context(cfg.train.precision, torch.device("cpu"))):
-        out = model(tokens, tokens, hidden=hidden, chunk=chunk)
+        out = model(tokens, tokens, position_ids=position_ids, hidden=hidden, chunk=chunk)
         if out.shape == tokens.shape:
             (out * mask).sum()
     return sum(seen.values())
@@ -211,6 +219,75 @@ def test_activations_under_tensor_parallelism(sequence_parallel):
     cfg.model.seq_length = 64
     for measured, planned in run_ranks(2, _tensor_parallel_activations, cfg):
         assert measured == pytest.approx(planned, rel=0.1)
+
+
+def _context_parallel_activations(rank: int, world_size: int, cfg: Config) -> tuple[int, int]:
+    torch.set_num_threads(1)
+    parts = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), cp=world_size))
+    parts.model.train()
+    positions = local_positions(cfg.model.seq_length, world_size, rank)
+    return saved_bytes(parts.model, cfg, positions=positions), chunk_activation_bytes(cfg, 0, "cpu")[0]
+
+
+@pytest.mark.parametrize("comm,recompute", [("p2p", "none"), ("allgather", "none"), ("allgather", "selective")])
+def test_activations_under_context_parallelism(comm, recompute):
+    """Each cp rank keeps its seq/cp tokens' activations; allgather with nothing recomputed also keeps
+    the whole sequence's K/V and the two local chunks' masks (planning/context_parallel.py)."""
+    cfg = _model_config("llama", parallel={"cp": 2, "cp_comm": comm}, train={"recompute": recompute})
+    cfg.model.seq_length, cfg.model.num_query_groups = 128, 2
+    for measured, planned in run_ranks(2, _context_parallel_activations, cfg):
+        assert measured == pytest.approx(planned, rel=0.1)
+
+
+def test_context_parallelism_divides_activations():
+    """Every saved tensor is per token, so cp=2 halves one micro batch's activations; only the bf16 weight
+    copies autocast makes of fp32 parameters (one per micro batch in flight) do not shrink."""
+    cfg = _model_config("llama", train={"precision": "bf16", "param_dtype": "bf16"})
+    one = chunk_activation_bytes(cfg, 0)[0]
+    assert chunk_activation_bytes(_valid(cfg, cp=2, world=2), 0)[0] * 2 == one
+    cfg.train.param_dtype = "fp32"
+    copies = rank_parameters(cfg, 0).sharded * 2 - cfg.model.padded_vocab_size * cfg.model.hidden_size * 2
+    one = chunk_activation_bytes(cfg, 0)[0]
+    assert chunk_activation_bytes(_valid(cfg, cp=2, world=2), 0)[0] * 2 == one + copies
+
+
+def test_context_parallel_ranks_shard_model_state():
+    """cp ranks hold the same weights, so ZeRO shards over dp x cp: dp 2 x cp 2 holds dp 4's state, and at
+    dp 1 x cp 2 ZeRO-3 still shards (and gathers whole units)."""
+    cfg = _model_config("llama", parallel={"zero_stage": 3}, train={"precision": "bf16", "param_dtype": "bf16"})
+    without = stage_memory(cfg, 4, 0)
+    with_cp = stage_memory(_valid(cfg, cp=2, world=4), 4, 0)
+    assert with_cp.state == without.state
+    assert (with_cp.weights, with_cp.gradients, with_cp.main_weights, with_cp.optimizer) == state_bytes(
+        cfg, with_cp.parameters.total, 4)
+    plan = make_plan(_valid(cfg, cp=2, world=2), 2)
+    assert (plan.dp, plan.replicas) == (1, 2)
+    assert plan.worst.weights == with_cp.parameters.total * 2 / 2
+    assert "ZeRO-3 units gathered" in format_plan(plan)
+
+
+def _valid(cfg: Config, cp: int, world: int) -> Config:
+    """A copy of `cfg` at context-parallel size `cp`, validated for `world` ranks."""
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=cp))
+    validate(cfg, world)
+    return cfg
+
+
+def test_context_parallel_line_in_the_plan():
+    """Per layer and micro batch, p2p sends the local K/V cp-1 hops forward; backward the same plus
+    cp hops of fp32 dK/dV; allgather's reduce-scatter sends what its all-gather did."""
+    cfg = _model_config("llama", train={"precision": "bf16", "param_dtype": "bf16"})
+    cfg.model.seq_length = 64
+    assert "context parallel" not in format_plan(make_plan(_valid(cfg, cp=1, world=2), 2))
+    cfg = _valid(cfg, cp=4, world=4)
+    kv = 2 * cfg.train.micro_batch_size * cfg.model.kv_heads * (64 // 4) * cfg.model.head_dim  # local K and V
+    assert comm_bytes(cfg) == (3 * kv * 2, 3 * kv * 2 + 4 * kv * 4)
+    text = format_plan(make_plan(cfg, 4))
+    assert "tp 1 x cp 4 x pp 1 (vp 1) x dp 1" in text
+    assert f"context parallel: cp 4, ring attention, {3 * kv * 2 / 2**20:.1f} MiB sent per rank" in text
+    cfg.parallel.cp_comm = "allgather"
+    assert comm_bytes(cfg) == (3 * kv * 2, 3 * kv * 2)
+    assert "cp 4, all-gather" in format_plan(make_plan(cfg, 4))
 
 
 @pytest.mark.parametrize("pp,vp,microbatches", [(2, 1, 8), (4, 1, 8), (4, 1, 2), (2, 2, 4), (4, 2, 8)])

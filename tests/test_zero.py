@@ -19,7 +19,9 @@ from megalite.data.mock import MockDataset
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
+from megalite.planning.memory import state_bytes
 from megalite.training.step import train_step
+from tools.memory_report import rank_memory
 
 from conftest import tiny_config
 from distributed import run_ranks, tiny_run
@@ -178,6 +180,22 @@ def test_offloaded_gradients_go_to_the_host_bucket_by_bucket():
     for started, owned, buckets in run_ranks(2, _host_copies_per_bucket):
         assert len(started) == buckets > 2
         assert 0 < started[0] < owned and started == sorted(started) and started[-1] == owned
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_leaves_only_parameters_and_gradients_on_the_device(stage):
+    """Measured from the tensors after a step (tools/memory_report.py): the device keeps the parameters and
+    gradients the planner counts (bf16 at stage 3: 2/dp + 4/dp bytes/param), the host the fp32 main weights,
+    Adam's moments and the gradient copies (16/dp bytes/param), within bucket padding."""
+    cfg = tiny_config(parallel={"zero_stage": stage}, optim={"offload": "cpu"}, model={"hidden_size": 128},
+                      train={"param_dtype": "bf16", "precision": "bf16"})
+    for measured in run_ranks(2, rank_memory, cfg):
+        weights, grads, main, state = state_bytes(cfg, measured["numel"], 2)
+        assert main == state == 0
+        assert measured["params"] == pytest.approx(weights, rel=0.01)
+        assert measured["grads"] == pytest.approx(grads, rel=0.01)
+        host = measured["main"] + measured["state"] + measured["host_grads"]
+        assert host == pytest.approx(16 * measured["numel"] / 2, rel=0.01)
 
 
 def _gradient_bytes(rank: int, world_size: int, stage: int) -> int:

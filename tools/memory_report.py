@@ -19,6 +19,12 @@ bf16` (train.param_dtype=bf16). ZeRO-2 shards the gradients too: 2 + 16/dp; ZeRO
 too: 18/dp. With fp32 parameters the optimizer steps them directly (no copy): 4 + 4 + 8 = 16 at
 stage 0, 8 + 8/dp at stage 1, 4 + 12/dp at stage 2 and 16/dp at stage 3.
 
+With --offload (optim.offload=cpu) main weights and Adam's state live in host memory: the total
+and bytes/param count the device only (parameters and gradients: 2 + 4/dp at stage 2), and a
+"host MiB" column adds up what lives on the host (main weights, optimizer state and the host copies
+the reduced gradients land in). On this CPU machine host and device are the same memory, so the
+split is by where each tensor is meant to live.
+
 ZeRO-3 also holds whole parameters of the units being used (parallel/zero3.py) for a moment: the
 "gathered" columns give the most elements gathered at once during the step (`peak_elements` of
 `Trainer.sharded_params`) in bytes, next to the planner's figure for them (planning/memory.py
@@ -26,6 +32,7 @@ ZeRO-3 also holds whole parameters of the units being used (parallel/zero3.py) f
 
     python tools/memory_report.py                        # bf16 params; dp 1, 2, 4, 8; ZeRO stages 0, 1, 2, 3
     python tools/memory_report.py --param-dtype fp32
+    python tools/memory_report.py --offload --dp 2 --zero-stage 1 2 3
     python tools/memory_report.py --tp 2 --pp 2 --dp 2 --zero-stage 1 --config examples/tiny_cpu.yaml
 """
 
@@ -67,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train.param_dtype (bf16 also sets bf16 precision)")
     p.add_argument("--zero-stage", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0, 1, 2, 3],
                    help="parallel.zero_stage values, one table block each (1 = the distributed optimizer)")
+    p.add_argument("--offload", action="store_true", help="optim.offload=cpu: main weights and Adam state on the host")
     return p.parse_args(argv)
 
 
@@ -84,6 +92,7 @@ def build_config(args: argparse.Namespace, dp: int, stage: int) -> Config:
     cfg.parallel.distributed_optimizer = stage >= 1
     if args.param_dtype != "fp32":
         cfg.train.param_dtype = cfg.train.precision = args.param_dtype
+    cfg.optim.offload = "cpu" if args.offload else "none"
     # Mock data and pp micro batches per step (enough for any schedule): what stays allocated after
     # the step does not depend on the data or the batch.
     cfg.data.mock, cfg.data.paths, cfg.data.train_paths, cfg.data.valid_paths = True, None, None, None
@@ -117,6 +126,7 @@ def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     state = storages(t for s in parts.optimizer.optimizer.state.values() for t in s.values()
                      if isinstance(t, torch.Tensor))
     sizes = {name: sum(found.values()) for name, found in zip(CATEGORIES, (held, grads, main, state))}
+    sizes["host_grads"] = sum(storages(parts.optimizer.host_grads()).values())
     sharded = parts.sharded_params
     gathered = sharded.peak_elements * params[0].element_size() if sharded is not None else 0
     return {**sizes, "rank": rank, "pp_rank": topology.pp_rank, "numel": sum(p.numel() for p in params),
@@ -129,9 +139,12 @@ def run_layout(cfg: Config, world_size: int) -> list[dict[str, int]]:
 
 
 def row(cfg: Config, dp: int, ranks: list[dict[str, int]]) -> str:
-    """The rank with the most bytes (the one that must fit), and the spread of totals over ranks."""
+    """The rank with the most device bytes (the one that must fit), the spread of totals over ranks, and the
+    host bytes when offloaded."""
+    on_host = ("main", "state") if cfg.optim.offload == "cpu" else ()
+
     def total(r: dict[str, int]) -> int:
-        return sum(r[c] for c in CATEGORIES)
+        return sum(r[c] for c in CATEGORIES if c not in on_host)
 
     worst = max(ranks, key=total)
     expected = sum(state_bytes(cfg, 1, dp))  # the planner's accounting (megalite/planning/memory.py)
@@ -142,7 +155,7 @@ def row(cfg: Config, dp: int, ranks: list[dict[str, int]]) -> str:
                 else "- | -")
     return (f"| {dp} | {cfg.parallel.zero} | {worst['rank']} | {worst['numel'] / 1e6:.2f}M | {mib} "
             f"| {total(worst) / 2**20:.1f} | {spread} | {total(worst) / worst['numel']:.3f} | {expected:.3g} "
-            f"| {gathered} |")
+            f"| {gathered} | {(sum(worst[c] for c in on_host) + worst['host_grads']) / 2**20:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,11 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     m = build_config(args, 1, 0).model
     print(f"{m.family}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
           f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; "
-          f"{args.param_dtype} parameters; torch {torch.__version__}")
+          f"{args.param_dtype} parameters; optimizer offload {'cpu' if args.offload else 'none'}; "
+          f"torch {torch.__version__}")
     print("| dp | ZeRO stage | rank shown | parameters held | params MiB | grads MiB | main weights MiB "
-          "| optimizer state MiB | total MiB | total MiB over ranks | bytes/param | expected "
-          "| gathered MiB measured | gathered MiB planned |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| optimizer state MiB | device MiB | device MiB over ranks | device bytes/param | expected "
+          "| gathered MiB measured | gathered MiB planned | host MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for stage in args.zero_stage:
         for dp in args.dp:
             cfg = build_config(args, dp, stage)

@@ -124,6 +124,10 @@ class DistributedOptimizer:
             main = nn.Parameter(weights, requires_grad=False) if self.distributed else param
         return MainParam(name, param, main, grad, weights.view(-1), lo, hi)
 
+    def host_grads(self) -> list[torch.Tensor]:
+        """The host buffers offloaded gradients are copied into (none without offload)."""
+        return list(self._host_grads.values())
+
     def shards(self) -> list[MainParam]:
         """What this rank steps, for checkpoints: each parameter's owned range and its fp32 tensor."""
         return self.params

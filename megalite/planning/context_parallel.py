@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from megalite.config import TORCH_DTYPES, Config
 
-RING = {"p2p": "ring attention", "allgather": "all-gather"}
+COMM_NAMES = {"p2p": "ring attention", "allgather": "all-gather"}
 
 
 def _sizes(cfg: Config) -> tuple[int, int, int, int]:
@@ -93,11 +93,9 @@ def attention_transient_bytes(cfg: Config, compute: int) -> int:
 
 
 def describe(cfg: Config) -> str:
-    """The plan's line for context parallelism (empty at cp 1)."""
+    """The plan's line for context parallelism (printed when cp > 1)."""
     p = cfg.parallel
-    if p.cp == 1:
-        return ""
     forward, backward = comm_bytes(cfg)
-    line = (f"context parallel: cp {p.cp}, {RING[p.cp_comm]}, {forward / 2**20:.1f} MiB sent per rank per layer per "
-            f"micro batch (forward), {backward / 2**20:.1f} MiB (backward")
+    line = (f"context parallel: cp {p.cp}, {COMM_NAMES[p.cp_comm]}, {forward / 2**20:.1f} MiB sent per rank "
+            f"per layer per micro batch (forward), {backward / 2**20:.1f} MiB (backward")
     return line + (", attention forward recomputed)" if cfg.train.recompute != "none" else ")")
