@@ -20,9 +20,11 @@ attention needs the other ranks' keys and values. Two ways to bring them (`comm`
   sequence. Backward sends the K/V around again with the dK/dV accumulators trailing one hop behind,
   and one last hop brings every accumulator home.
 - "allgather" (Llama 3's choice): one all-gather of K/V (backward: one reduce-scatter of dK/dV),
-  then each local query chunk attends its global prefix. Every rank holds the whole sequence's K/V,
-  and the collective does not overlap compute, but at small cp one collective is cheaper than
-  cp-1 latency-bound hops and the kernel is plain SDPA.
+  then the same blocks as the ring, read from the gathered K/V (no mask is ever materialised: a
+  boolean prefix mask would cost (2cp+1) c^2 elements per layer, kept for backward). Every rank
+  holds the whole sequence's K/V for the layer (kept for backward unless recomputed), and the
+  collective does not overlap compute, but at small cp one collective is cheaper than cp-1
+  latency-bound hops.
 
 K/V travel as their query groups (grouped-query attention), expanded to heads only at the kernel.
 The data pipeline slices tokens, labels, masks and position ids with `local_positions`.
@@ -31,10 +33,10 @@ The data pipeline slices tokens, labels, masks and position ids with `local_posi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megalite.parallel.mappings import gather_from_sp
 
@@ -65,29 +67,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}: need an even local length and heads "
                          "divisible by KV groups")
     if comm == "allgather":
-        return _allgather_attention(q, k, v, group)
+        cp = dist.get_world_size(group)
+        gathered = gather_from_sp(torch.stack([k, v]), group)  # [cp * 2, ...] rank-major; backward reduce-scatters
+        return _GatheredAttention.apply(q, gathered.unflatten(0, (cp, 2)), group)
     return _RingAttention.apply(q, k, v, group)
-
-
-# ----------------------------------------------------------------------------------------------- all-gather
-
-
-def _allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:
-    """Gather every rank's K/V, put it in global order, and let each local query chunk attend its prefix."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    c = q.shape[2] // 2
-    gathered = gather_from_sp(torch.stack([k, v]), group)  # [cp * 2, b, g, 2c, d], rank-major; grads reduce-scatter
-    kv = gathered.unflatten(0, (cp, 2)).movedim(0, 3).flatten(3, 4)  # [2, b, g, cp * 2c, d]
-    held = torch.cat([local_positions(2 * c * cp, cp, r, q.device) for r in range(cp)])  # each row's position
-    kv = kv.index_select(3, torch.argsort(held))
-    outs = []
-    for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
-        end = (chunk + 1) * c
-        mask = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(end - c)  # bottom-right causal
-        outs.append(F.scaled_dot_product_attention(q[:, :, half * c:(half + 1) * c], kv[0, :, :, :end],
-                                                   kv[1, :, :, :end], attn_mask=mask,
-                                                   enable_gqa=k.shape[1] != q.shape[1]))
-    return torch.cat(outs, dim=2)
 
 
 # ----------------------------------------------------------------------------------------------- ring
@@ -157,8 +140,8 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k, v, scale = _expand(k, q.shape[1]), _expand(v, q.shape[1]), q.shape[-1] ** -0.5
     if q.is_cuda:
         if q.dtype == torch.float32:
-            raise ValueError("ring attention (parallel.cp_comm=p2p) runs CUDA's flash attention, which takes bf16 "
-                             "or fp16 only: train with --train.precision=bf16, or use --parallel.cp_comm=allgather")
+            raise ValueError("context-parallel attention runs CUDA's flash attention kernel, which takes bf16 or "
+                             "fp16 only: train with --train.precision=bf16 (or fp16)")
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
@@ -192,28 +175,52 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
     lse[:, :, rows] = new
 
 
+def _attend(q: torch.Tensor, ring: "_Ring", blocks: Iterator[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Forward over the K/V blocks of every cp rank, in ring order (step j: cp rank i-j's [2, b, g, 2c, d]),
+    merged by log-sum-exp: the output in q's dtype, the fp32 log-sum-exp, and each block's kernel extras."""
+    c, out, lse, metas = q.shape[2] // 2, None, None, []
+    for step, kv in enumerate(blocks):
+        rows, cols, causal = _block(ring.rank, ring.source(step), c)
+        block_out, block_lse, meta = _flash_forward(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], causal)
+        metas.append(meta)
+        if out is None:
+            out, lse = block_out.float(), block_lse.float().contiguous()
+        else:
+            _merge(out, lse, rows, block_out, block_lse)
+    return out.to(q.dtype), lse, metas
+
+
+def _block_grads(ctx, saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dout: torch.Tensor, dq: torch.Tensor,
+                 step: int, kv: torch.Tensor) -> tuple[slice, torch.Tensor, torch.Tensor]:
+    """Step `step`'s block backward: adds into dq, returns the block's columns and its dK, dV (per KV group).
+    `saved`: q, out, lse (read from ctx.saved_tensors once: a recompute lets them be unpacked only once)."""
+    q, out, lse = saved
+    ring, c = ctx.ring, q.shape[2] // 2
+    rows, cols, causal = _block(ring.rank, ring.source(step), c)
+    block_dq, dk, dv = _flash_backward(dout[:, :, rows], q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols],
+                                       out[:, :, rows], lse[:, :, rows], causal, ctx.metas[step])
+    dq[:, :, rows] += block_dq
+    return cols, dk, dv
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention; K/V (and dK/dV) travel as one [2, b, groups, 2c, d] tensor."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:
-        ring, c = _Ring(group), q.shape[2] // 2
-        kv, metas = torch.stack([k, v]), []
-        out = lse = None
-        for step in range(ring.size):
-            pending = ring.shift(kv) if step < ring.size - 1 else None
-            rows, cols, causal = _block(ring.rank, ring.source(step), c)
-            block_out, block_lse, meta = _flash_forward(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], causal)
-            metas.append(meta)
-            if out is None:
-                out, lse = block_out.float(), block_lse.float().contiguous()
-            else:
-                _merge(out, lse, rows, block_out, block_lse)
-            if pending is not None:
-                kv = pending.wait()[0]
-        out = out.to(q.dtype)
+        ring = _Ring(group)
+
+        def blocks() -> Iterator[torch.Tensor]:
+            kv = torch.stack([k, v])
+            for step in range(ring.size):
+                pending = ring.shift(kv) if step < ring.size - 1 else None
+                yield kv  # attended while the shift is in flight
+                if pending is not None:
+                    kv = pending.wait()[0]
+
+        out, lse, ctx.metas = _attend(q, ring, blocks())
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.metas = group, metas
+        ctx.ring = ring
         return out
 
     @staticmethod
@@ -222,16 +229,13 @@ class _RingAttention(torch.autograd.Function):
         rank that used it one step earlier, while this rank computes its own part, and leaves with the
         next step's batch; after the last step one hop returns each accumulator to its owner."""
         q, k, v, out, lse = ctx.saved_tensors
-        dout, ring, c = dout.contiguous(), _Ring(ctx.group), q.shape[2] // 2
+        dout, ring = dout.contiguous(), ctx.ring
         kv, grads = torch.stack([k, v]), None
         dq = torch.zeros_like(q, dtype=torch.float32)
         for step in range(ring.size):
             last = step == ring.size - 1
             pending = ring.shift(*([] if last else [kv]), *([] if grads is None else [grads]))
-            rows, cols, causal = _block(ring.rank, ring.source(step), c)
-            block_dq, dk, dv = _flash_backward(dout[:, :, rows], q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols],
-                                               out[:, :, rows], lse[:, :, rows], causal, ctx.metas[step])
-            dq[:, :, rows] += block_dq
+            cols, dk, dv = _block_grads(ctx, (q, out, lse), dout, dq, step, kv)
             incoming = pending.wait()
             next_kv = None if last else incoming.pop(0)
             grads = incoming.pop(0) if grads is not None else torch.zeros_like(kv, dtype=torch.float32)
@@ -241,3 +245,30 @@ class _RingAttention(torch.autograd.Function):
         if ring.size > 1:
             grads = ring.shift(grads).wait()[0]
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """The same blocks as the ring, over K/V already gathered from every cp rank ([cp, 2, b, g, 2c, d]):
+    no masks are materialised and the fused kernels run as in the ring; backward returns every rank's dK/dV,
+    which the all-gather's backward reduce-scatters to their owners."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, gathered: torch.Tensor, group: Group) -> torch.Tensor:
+        ring = _Ring(group)
+        out, lse, ctx.metas = _attend(q, ring, (gathered[ring.source(step)] for step in range(ring.size)))
+        ctx.save_for_backward(q, gathered, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        q, gathered, out, lse = ctx.saved_tensors
+        dout, ring = dout.contiguous(), ctx.ring
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        grads = torch.zeros_like(gathered, dtype=torch.float32)
+        for step in range(ring.size):
+            source = ring.source(step)
+            cols, dk, dv = _block_grads(ctx, (q, out, lse), dout, dq, step, gathered[source])
+            grads[source, 0, :, :, cols] += dk
+            grads[source, 1, :, :, cols] += dv
+        return dq.to(q.dtype), grads.to(gathered.dtype), None

@@ -7,11 +7,11 @@ tokens only. Attention is where the ranks meet, and the two `parallel.cp_comm` c
 - p2p (ring attention) keeps exactly what one device's flash attention keeps, for the local
   queries and keys: nothing here. Its cost is traffic: forward sends the local K/V cp-1 hops;
   backward sends them again, plus the fp32 dK/dV accumulators cp hops (the last one home).
-- allgather gathers the whole sequence's K/V, and with nothing recomputed SDPA keeps it for
-  backward, together with the causal masks of the two local query chunks: [c, prefix] each,
-  c = seq/(2cp), in the compute dtype (SDPA turns a boolean mask into an additive one and saves it).
-  Those masks grow with seq^2/cp: (2cp+1)*c^2 elements per layer. In exchange the local K it
-  passed to the gather and the fused QKV output are no longer kept by anyone.
+- allgather runs the ring's blocks (same fused kernels, no masks) over the whole sequence's K/V,
+  gathered once. With nothing recomputed its autograd Function keeps that gathered K/V for backward
+  instead of the local k and v, so nothing keeps those any more: neither k after RoPE nor the fused
+  QKV output that v (and, for multi-head attention without RoPE, q and k) is a view of. Backward
+  builds the whole sequence's dK/dV in fp32, casts it to the compute dtype for the reduce-scatter.
 
 Sizes per rank, as in activations.py: K/V groups and heads divided by tp; under sequence parallelism
 the attention region still sees all local tokens (seq/cp * micro batch).
@@ -36,8 +36,9 @@ def comm_bytes(cfg: Config) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends per layer per micro batch for context-parallel attention.
 
     p2p: forward cp-1 hops of the local K/V; backward cp-1 hops of K/V and cp hops of fp32 dK/dV.
-    allgather: a ring all-gather sends cp-1 local K/V blocks; backward's reduce-scatter the same volume.
-    Under recompute (selective or full) backward first reruns the attention forward, traffic included."""
+    allgather: a ring all-gather sends cp-1 local K/V blocks; backward's reduce-scatter the same volume
+    (dK/dV cast to the compute dtype first). Under recompute (selective or full) backward first reruns
+    the attention forward, traffic included."""
     cp = cfg.parallel.cp
     if cp == 1:
         return 0, 0
@@ -48,48 +49,43 @@ def comm_bytes(cfg: Config) -> tuple[int, int]:
     return forward, backward + (forward if cfg.train.recompute != "none" else 0)
 
 
-def allgather_masks(cfg: Config) -> int:
-    """Elements of the two local query chunks' causal masks in one layer: chunk i sees (i+1)*c keys."""
-    c = cfg.model.seq_length // (2 * cfg.parallel.cp)
-    return (2 * cfg.parallel.cp + 1) * c * c
-
-
-def gathered_kv(cfg: Config, compute: int) -> int:
-    """Bytes of one layer's whole-sequence K/V after the all-gather."""
-    return _sizes(cfg)[3] * cfg.parallel.cp * compute
+def gathered_kv(cfg: Config) -> int:
+    """Elements of one layer's whole-sequence K/V after the all-gather ([cp, 2, b, groups, 2c, d])."""
+    return _sizes(cfg)[3] * cfg.parallel.cp
 
 
 def allgather_layer_bytes(cfg: Config, compute: int) -> int:
     """What one layer keeps under allgather with no recompute, minus what activations.py counts for the
-    one-device (and ring) attention: a signed correction to `layer_bytes`."""
+    one-device (and ring) attention: a signed correction to `layer_bytes`. The gathered K/V comes in;
+    the fused QKV output and k after RoPE go, except what q still keeps: q after RoPE, the copy its
+    reshape makes under grouped-query attention, or else (a view) the whole fused QKV output."""
     p, m = cfg.parallel, cfg.model
     if p.cp == 1 or p.cp_comm != "allgather" or cfg.train.recompute != "none":
         return 0
     tokens, heads, groups, _ = _sizes(cfg)
     rope = m.features.position_embedding == "rope"
     one_device = tokens * (heads + 2 * groups) + (tokens * (heads + groups) if rope else 0)
-    # q is kept (as RoPE's output, or the copy its reshape makes under GQA; a view of the fused QKV for MHA)
     kept_q = tokens * heads if rope or groups != heads else tokens * (heads + 2 * groups)
-    outputs = tokens * heads  # each chunk's attention output, concatenated into a new projection input
-    q_side = (kept_q - one_device + outputs) * m.head_dim * compute
-    index = m.seq_length * 8  # the permutation into global order, kept by index_select
-    return q_side + gathered_kv(cfg, compute) + allgather_masks(cfg) * compute + index
+    return ((kept_q - one_device) * m.head_dim + gathered_kv(cfg)) * compute
 
 
 def attention_transient_bytes(cfg: Config, compute: int) -> int:
     """Buffers of one layer's context-parallel attention backward, freed when the layer is done.
 
     p2p: the K/V block in use and the one arriving, their fp32 dK/dV accumulators, the fp32 dq.
-    allgather: the whole sequence's dK/dV and its copy back into rank order; under selective recompute
-    also the re-gathered K/V and the masks (full recompute counts those in the recomputed layer)."""
+    allgather: the whole sequence's fp32 dK/dV and fp32 dq, and (compute dtype narrower than fp32) their
+    casts, all alive as backward returns; under selective recompute also the re-gathered K/V (full
+    recompute counts it in the recomputed layer)."""
     p = cfg.parallel
     if p.cp == 1:
         return 0
     tokens, heads, _, kv = _sizes(cfg)
+    dq = tokens * heads * cfg.model.head_dim
     if p.cp_comm == "p2p":
-        return 2 * kv * (compute + 4) + tokens * heads * cfg.model.head_dim * 4
-    recomputed = gathered_kv(cfg, compute) + allgather_masks(cfg) * compute if cfg.train.recompute == "selective" else 0
-    return 2 * gathered_kv(cfg, compute) + recomputed
+        return 2 * kv * (compute + 4) + dq * 4
+    cast = compute if compute != 4 else 0  # .to() of an fp32 tensor to fp32 is the tensor itself
+    regathered = gathered_kv(cfg) * compute if cfg.train.recompute == "selective" else 0
+    return (gathered_kv(cfg) + dq) * (4 + cast) + regathered
 
 
 def describe(cfg: Config) -> str:
