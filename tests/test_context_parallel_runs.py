@@ -48,8 +48,9 @@ def _run(tmp_path, nproc: int, corpus: list[str], *extra: str, name: str = "") -
     ("llama", 4, ["--parallel.cp=2", "--parallel.zero_stage=3"]),
 ])
 def test_context_parallel_matches_one_device(tmp_path, corpus, one_device, family, nproc, layout):
-    """cp alone (ring and all-gather, the latter gathering again in a selective recompute), with tp2 + SP, with pp2, with dp2 and the distributed optimizer
-    (gradients reduced over dp x cp) under full recompute, and with ZeRO-3."""
+    """cp alone (ring and all-gather, the latter gathering again in a selective recompute), with tp2 + SP,
+    with pp2, with dp2 and the distributed optimizer (gradients reduced over dp x cp) under full recompute,
+    and with ZeRO-3."""
     split = _run(tmp_path, nproc, corpus, *FAMILIES[family], *layout)
     assert split == pytest.approx(one_device[family], rel=1e-5)
 
