@@ -46,13 +46,27 @@ def _run(tmp_path, nproc: int, corpus: list[str], *extra: str, name: str = "") -
     ("gpt2", 4, ["--parallel.cp=2", "--parallel.pp=2"]),
     ("gpt2", 4, ["--parallel.cp=2", "--parallel.distributed_optimizer=true", "--train.recompute=full"]),
     ("llama", 4, ["--parallel.cp=2", "--parallel.zero_stage=3"]),
+    ("llama", 8, ["--parallel.cp=4", "--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    ("gpt2", 8, ["--parallel.cp=4", "--parallel.pp=2"]),
+    ("gpt2", 8, ["--parallel.cp=4", "--parallel.distributed_optimizer=true"]),
 ])
 def test_context_parallel_matches_one_device(tmp_path, corpus, one_device, family, nproc, layout):
     """cp alone (ring and all-gather, the latter gathering again in a selective recompute), with tp2 + SP,
     with pp2, with dp2 and the distributed optimizer (gradients reduced over dp x cp) under full recompute,
-    and with ZeRO-3."""
+    and with ZeRO-3; cp 4 with each of tp2 + SP, pp2 and dp2 (8 ranks)."""
     split = _run(tmp_path, nproc, corpus, *FAMILIES[family], *layout)
     assert split == pytest.approx(one_device[family], rel=1e-5)
+
+
+def test_bf16_parameters(tmp_path, corpus):
+    """bf16 parameters and autocast: the ring merges the blocks' outputs in fp32 and rounds once to bf16,
+    where one device's kernel rounds its own fp32 accumulation once, so an attention output can differ by
+    one bf16 rounding (2^-8 relative) from the one-device run. Carried through the layers and five steps
+    this moved losses by up to 1e-5 and gradient norms by up to 8e-4 (relative) here; 3e-3 leaves about
+    4x margin, while a wrong mask or a lost block changes what attention computes outright."""
+    bf16 = ["--train.precision=bf16", "--train.param_dtype=bf16"]
+    one = _run(tmp_path, 1, corpus, *bf16, name="bf16-one")
+    assert _run(tmp_path, 2, corpus, *bf16, "--parallel.cp=2", name="bf16-cp") == pytest.approx(one, rel=3e-3)
 
 
 def test_checkpoint_resumes_at_another_cp_size(tmp_path, corpus, one_device):
