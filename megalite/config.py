@@ -204,6 +204,8 @@ class TrainConfig:
     eval_iters: int = _f(10, "global batches per evaluation")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: cuda when available (one GPU per LOCAL_RANK), else cpu")
     compile: bool = _f(False, "torch.compile each transformer layer")
+    allow_tf32: bool = _f(True, "fp32 matmuls and convolutions on CUDA may use TF32 tensor cores (10-bit mantissa "
+                                "inputs, fp32 accumulation; about 8x the fp32 rate on an H100); false for exact fp32")
 
 
 @dataclass

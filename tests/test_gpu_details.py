@@ -93,3 +93,41 @@ def test_a_gloo_timeout_names_the_group_it_happened_in():
 def test_mfu_peak_is_that_of_the_exact_device_model(name, model, bf16):
     assert device_model(name) == model
     assert (PEAK_TFLOPS[model]["bf16"] if model else None) == bf16
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_tf32_follows_the_config(allowed, tmp_path):
+    """fp32 matmuls on CUDA use TF32 unless train.allow_tf32=false (torch's own default is off)."""
+    from conftest import tiny_config
+    from megalite.training.pretrain import pretrain
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not allowed
+    try:
+        pretrain(tiny_config(train={"train_iters": 1, "allow_tf32": allowed}))
+        assert torch.backends.cuda.matmul.allow_tf32 is allowed and torch.backends.cudnn.allow_tf32 is allowed
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+
+
+def _overflow_votes(rank: int, world_size: int, precision: str) -> int:
+    from conftest import tiny_config
+    from megalite.data.batches import BatchMaker
+    from megalite.data.mock import MockDataset
+    from megalite.training.build import build_trainer
+    from megalite.training.step import train_step
+
+    cfg = tiny_config(train={"precision": precision})
+    trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu")))
+    votes = []
+    vote = trainer.optimizer.any_overflow
+    trainer.optimizer.any_overflow = lambda found: votes.append(found) or vote(found)
+    samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
+    for _ in range(2):
+        train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+    return len(votes)
+
+
+def test_only_fp16_votes_on_overflow_each_step():
+    """The overflow vote is a collective read on the host (a GPU pipeline stall): only fp16's dynamic loss
+    scale can overflow, so bf16 and fp32 steps skip it."""
+    assert [run_ranks(2, _overflow_votes, p)[0] for p in ("fp32", "bf16", "fp16")] == [0, 0, 2]

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.parallel.mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from megalite.parallel.mappings import (copy_to_tp, gather_from_sp, in_compute_dtype, reduce_from_tp,
+                                       reduce_scatter_to_sp)
 from megalite.parallel.random import RNGTracker, model_parallel_tracker
 from megalite.parallel.topology import Topology
 
@@ -97,6 +98,7 @@ class ColumnParallelLinear(nn.Module):
         self.shard_specs = {"weight": ShardSpec(0, blocks), "bias": ShardSpec(0, blocks)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = in_compute_dtype(x)
         x = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)
         return F.linear(x, self.weight, self.bias)
 

@@ -9,6 +9,10 @@ Sequence parallelism, along the first (sequence) dim of [seq, batch, hidden]:
   reduce_scatter_to_sp reduce-scatter / all-gather (leave a row-parallel layer)
   scatter_to_sp     split         / all-gather     (enter the sequence-parallel region)
 With a group of one every function is the identity, so tp=1 pays nothing.
+
+Under autocast, norms return fp32 while the matmuls after them compute in bf16/fp16; `in_compute_dtype`
+casts a column-parallel layer's input before its collective, so the all-gather (and its backward's
+reduce-scatter or all-reduce) moves the compute dtype, half the bytes, as in Megatron-LM's bf16 runs.
 """
 
 from __future__ import annotations
@@ -125,6 +129,12 @@ class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather(grad, 0, ctx.group), None
+
+
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype when autocast is on for its device (the next matmul would cast it anyway)."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
 
 
 def _trivial(group: Group | None) -> bool:

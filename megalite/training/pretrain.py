@@ -260,6 +260,12 @@ class Run:
         self.writer.print(f"{'writing' if self.cfg.checkpoint.async_save else 'saved'} checkpoint {path}")
 
 
+def allow_tf32(allowed: bool) -> None:
+    """TF32 for fp32 matmuls and cuDNN convolutions on CUDA (torch's default turns it off for matmuls);
+    no effect on CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allowed
+
+
 def pretrain(cfg: Config) -> RunResult:
     """Train as configured; joins the torchrun job if there is one, else runs as one process.
 
@@ -272,6 +278,7 @@ def pretrain(cfg: Config) -> RunResult:
                                          cfg.parallel.pp, cfg.parallel.cp)
     try:
         torch.manual_seed(cfg.train.seed)
+        allow_tf32(cfg.train.allow_tf32)
         run = Run(cfg, topology)
         try:
             result = run.train()

@@ -98,7 +98,8 @@ def train_step(trainer: "Trainer", batches: list[Batch]) -> StepResult:
     dist.all_reduce(totals, group=t.dp_cp_group)
     correction = (positions / totals[1].clamp(min=1.0)).float()
     loss, tokens = float(totals[0] * correction), int(totals[1].item())
-    overflow = optimizer.any_overflow(scaler.unscale_and_check(optimizer.grads()))
+    # Only fp16's dynamic loss scale can overflow; other precisions skip the check and its host-syncing vote.
+    overflow = scaler.dynamic and optimizer.any_overflow(scaler.unscale_and_check(optimizer.grads()))
     scaler.update(overflow)
     if overflow:
         optimizer.finish_step()

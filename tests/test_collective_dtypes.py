@@ -1,0 +1,50 @@
+"""Under bf16 autocast the tensor- and sequence-parallel collectives of column-parallel layers move bf16:
+norms return fp32 under autocast, and the input used to be gathered (and its gradient reduced) in fp32,
+twice the bytes the matmul after it needs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalite.data.batches import BatchMaker
+from megalite.data.mock import MockDataset
+from megalite.parallel import layers
+from megalite.parallel.topology import Topology
+from megalite.training.build import build_trainer
+from megalite.training.step import train_step
+
+from conftest import tiny_config
+from distributed import run_ranks
+
+
+def _moved_dtypes(rank: int, world_size: int, sequence_parallel: bool) -> set[tuple[str, torch.dtype]]:
+    """The dtypes of what column-parallel layers hand to their collectives, forward and backward."""
+    moved = set()
+
+    def recording(name: str):
+        original = getattr(layers, name)
+
+        def collective(x: torch.Tensor, group):
+            moved.add((name, x.dtype))
+            out = original(x, group)
+            if out.requires_grad:
+                out.register_hook(lambda grad: moved.add((f"{name} backward", grad.dtype)))
+            return out
+        return collective
+
+    for name in ("gather_from_sp", "copy_to_tp"):
+        setattr(layers, name, recording(name))
+    cfg = tiny_config("llama", parallel={"tp": 2, "sequence_parallel": sequence_parallel},
+                      train={"precision": "bf16"})
+    trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), tp=2))
+    samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
+    train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+    return moved
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_column_parallel_collectives_move_the_compute_dtype(sequence_parallel):
+    name = "gather_from_sp" if sequence_parallel else "copy_to_tp"
+    for moved in run_ranks(2, _moved_dtypes, sequence_parallel):
+        assert moved == {(name, torch.bfloat16), (f"{name} backward", torch.bfloat16)}
