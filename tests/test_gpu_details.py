@@ -131,3 +131,23 @@ def test_only_fp16_votes_on_overflow_each_step():
     """The overflow vote is a collective read on the host (a GPU pipeline stall): only fp16's dynamic loss
     scale can overflow, so bf16 and fp32 steps skip it."""
     assert [run_ranks(2, _overflow_votes, p)[0] for p in ("fp32", "bf16", "fp16")] == [0, 0, 2]
+
+
+def _stop_votes(rank: int, world_size: int) -> int:
+    import os
+
+    from conftest import tiny_config
+    from megalite.training.pretrain import pretrain
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    votes = []
+    vote = Topology.max_over_ranks
+    Topology.max_over_ranks = lambda self, values: votes.append(values) or vote(self, values)
+    pretrain(tiny_config(train={"train_iters": 7}, logging={"log_interval": 3}))
+    return len(votes)
+
+
+def test_ranks_agree_to_stop_only_at_log_steps():
+    """The SIGTERM / time-limit vote (a host-syncing collective) runs at log steps 3 and 6 and the last step,
+    not after each of the 7 steps."""
+    assert run_ranks(2, _stop_votes) == [3, 3]

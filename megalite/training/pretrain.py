@@ -174,10 +174,14 @@ class Run:
                                      "raise optim.warmup_iters or check the data, then resume")
 
     def _stop_reason(self, step: int, sigterm: threading.Event) -> str | None:
-        """Why every rank should stop now (they agree: one rank's SIGTERM or clock stops all)."""
+        """Why every rank should stop now (they agree: one rank's SIGTERM or clock stops all). Agreeing is a
+        collective read on the host, which stalls a GPU pipeline, so it happens only at log steps, where the
+        host waits for the GPU anyway: a SIGTERM is acted on within logging.log_interval steps."""
         train = self.cfg.train
         if train.exit_interval is not None and step % train.exit_interval == 0:
             return f"train.exit_interval={train.exit_interval} reached"
+        if step % self.cfg.logging.log_interval and step != train.train_iters:
+            return None
         late = train.exit_duration_mins is not None and time.monotonic() - self.started >= 60 * train.exit_duration_mins
         flags = self.topology.max_over_ranks([float(sigterm.is_set()), float(late)])
         if flags[0]:
