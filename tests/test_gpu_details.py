@@ -151,3 +151,27 @@ def test_ranks_agree_to_stop_only_at_log_steps():
     """The SIGTERM / time-limit vote (a host-syncing collective) runs at log steps 3 and 6 and the last step,
     not after each of the 7 steps."""
     assert run_ranks(2, _stop_votes) == [3, 3]
+
+
+def test_checkpoint_host_copies_reuse_their_buffers(tmp_path, monkeypatch):
+    """Every save copies the pieces into the same host buffers (pinned on a GPU, non-blocking copies, one
+    synchronisation), instead of a fresh blocking copy per piece per save; the files hold the values."""
+    from conftest import tiny_config
+    from megalite.checkpoint.local import Checkpointer
+    from megalite.training.pretrain import pretrain
+
+    seen = []
+    copies = Checkpointer._host_copies
+
+    def spy(self, tensors):
+        host = copies(self, tensors)
+        seen.append([h.data_ptr() for h in host])
+        return host
+
+    monkeypatch.setattr(Checkpointer, "_host_copies", spy)
+    ckpt = {"save": str(tmp_path / "ckpt"), "save_interval": 1}
+    first = pretrain(tiny_config(train={"train_iters": 4, "exit_interval": 3}, checkpoint=ckpt))
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2]
+    resumed = pretrain(tiny_config(train={"train_iters": 4}, checkpoint={**ckpt, "load": ckpt["save"]}))
+    straight = pretrain(tiny_config(train={"train_iters": 4}))
+    assert {**first.losses, **resumed.losses} == straight.losses

@@ -25,7 +25,7 @@ from megalite.checkpoint.files import (LATEST, complete_iterations, finalize, it
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.parallel.random import RNGTracker
-from megalite.parallel.topology import Topology
+from megalite.parallel.topology import Topology, synchronize
 
 
 def rng_state(device: torch.device, tracker: RNGTracker | None) -> dict[str, torch.Tensor]:
@@ -78,6 +78,7 @@ class Checkpointer:
     def __init__(self, root: str, topology: Topology, async_save: bool = False, keep_last: int | None = None) -> None:
         self.root, self.topology, self.async_save, self.keep_last = Path(root), topology, async_save, keep_last
         self.pending: _Pending | None = None
+        self._host: list[torch.Tensor] = []
 
     def save(self, state: TrainingState, sharded: ShardedState, config_yaml: str, rng: dict[str, torch.Tensor]) -> Path:
         """Start a checkpoint of the current state; returns its (future) directory. Collective."""
@@ -90,7 +91,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
             write_run_files(tmp, config_yaml, state.__dict__)
         dist.barrier()
-        pieces = [(piece, tensor.to("cpu", copy=True)) for piece, tensor in sharded.pieces()]
+        found = sharded.pieces()
+        pieces = list(zip([piece for piece, _ in found], self._host_copies([tensor for _, tensor in found])))
         rng = {k: v.clone() for k, v in rng.items()}
         self.pending = _Pending(final, tmp, None)
         if self.async_save:
@@ -100,6 +102,18 @@ class Checkpointer:
             self._write(self.pending, pieces, rng)
             self.wait()
         return final
+
+    def _host_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of `tensors` in host memory, in the buffers of the previous save when the pieces are the same
+        (a save waits for the previous one's files first), pinned on a GPU so every copy is asynchronous, with
+        one synchronisation at the end instead of one per piece."""
+        device = self.topology.device
+        if [(h.shape, h.dtype) for h in self._host] != [(t.shape, t.dtype) for t in tensors]:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=device.type == "cuda") for t in tensors]
+        for host, tensor in zip(self._host, tensors):
+            host.copy_(tensor, non_blocking=True)
+        synchronize(device)
+        return self._host
 
     def _write(self, pending: _Pending, pieces: list, rng: dict[str, torch.Tensor]) -> None:
         try:
