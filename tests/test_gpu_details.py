@@ -175,3 +175,44 @@ def test_checkpoint_host_copies_reuse_their_buffers(tmp_path, monkeypatch):
     resumed = pretrain(tiny_config(train={"train_iters": 4}, checkpoint={**ckpt, "load": ckpt["save"]}))
     straight = pretrain(tiny_config(train={"train_iters": 4}))
     assert {**first.losses, **resumed.losses} == straight.losses
+
+
+def _host_reads(rank: int, world_size: int, precision: str, parallel: dict) -> int:
+    """How many times one training step reads a tensor's value on the host (each would stall a GPU)."""
+    from conftest import tiny_config
+    from megalite.data.batches import BatchMaker
+    from megalite.data.mock import MockDataset
+    from megalite.training.build import build_trainer
+    from megalite.training.step import train_step
+
+    cfg = tiny_config(train={"precision": precision}, parallel=parallel)
+    trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), tp=parallel.get("tp", 1),
+                                          pp=parallel.get("pp", 1)))
+    samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
+    batches = [BatchMaker()([samples[i], samples[i + 1]]) for i in range(0, 2 * cfg.num_microbatches(2), 2)]
+    train_step(trainer, batches)  # warm-up: first-step allocations
+    reads = []
+    names = ("item", "tolist", "__float__", "__int__", "__bool__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
+    try:
+        result = train_step(trainer, batches)
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    result.read()  # the figures are all there, read when the loop wants them
+    return len(reads)
+
+
+@pytest.mark.parametrize("precision, parallel", [
+    ("bf16", {"zero_stage": 1, "overlap_param_gather": True}),
+    ("fp32", {"tp": 2, "sequence_parallel": True}),
+    ("bf16", {"pp": 2}),
+    ("bf16", {"zero_stage": 3}),
+])
+def test_a_training_step_never_reads_the_device_on_the_host(precision, parallel):
+    """Loss, token count and gradient norm stay on the device, clipping scales on the device and a NaN/Inf
+    norm skips the update inside the fused AdamW kernel: no host read in a bf16 or fp32 step (fp16 alone
+    votes on overflows)."""
+    assert run_ranks(2, _host_reads, precision, parallel) == [0, 0]

@@ -11,6 +11,12 @@ them, softmax - onehot, written over the logits in place; backward only scales t
 the incoming per-token gradient (folded into the matmul operands, so [tokens, vocab] is
 not touched again) and runs the two matmuls. The values are those of
 log_softmax + nll_loss, computed in fp32 from logits in the compute dtype, as before.
+
+Both matmuls use the whole padded weight: slicing it to the real vocabulary would give the
+GEMMs an odd N (50257 for GPT-2) that keeps cuBLAS off its fast bf16 kernels, which is what
+the padding is for. The padded columns are set to -inf in each chunk before the softmax, so
+they take no probability mass, their gradient is exactly zero, and so is that of the padded
+weight rows.
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
         """x [n, h], weight [padded_vocab, h], labels [n] -> fp32 losses [n] over the first `vocab` rows."""
-        grad_logits = torch.mm(x, weight[:vocab].t())
+        grad_logits = torch.mm(x, weight.t())
         losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        rows = max(1, _CHUNK_BYTES.get(x.device.type, _DEFAULT_CHUNK_BYTES) // (4 * vocab))
+        rows = max(1, _CHUNK_BYTES.get(x.device.type, _DEFAULT_CHUNK_BYTES) // (4 * weight.shape[0]))
         for start in range(0, x.shape[0], rows):
             chunk = grad_logits[start : start + rows]
+            chunk[:, vocab:] = float("-inf")  # -inf in every float dtype: exp gives exactly 0, no overflow
             target = labels[start : start + rows].unsqueeze(1)
             log_probs = torch.log_softmax(chunk, dim=1, dtype=torch.float32)
             losses[start : start + rows] = log_probs.gather(1, target).squeeze(1).neg()
@@ -43,17 +50,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x, weight, grad_logits = ctx.saved_tensors
-        vocab = grad_logits.shape[1]
         scale = grad_losses.unsqueeze(1)
-        grad_x = (torch.mm(grad_logits, weight[:vocab]) * scale).to(x.dtype)
-        grad_weight = torch.empty_like(weight)
-        torch.mm(grad_logits.t(), (x * scale).to(x.dtype), out=grad_weight[:vocab])
-        grad_weight[vocab:].zero_()
+        grad_x = (torch.mm(grad_logits, weight) * scale).to(x.dtype)
+        grad_weight = torch.mm(grad_logits.t(), (x * scale).to(x.dtype))
         return grad_x, grad_weight, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Per-token fp32 `cross_entropy(x @ weight[:vocab].T, labels)`; x [n, h], labels [n].
+    """Per-token fp32 `cross_entropy(x @ weight[:vocab].T, labels)`, computed with the whole padded
+    `weight` and its padded columns masked; x [n, h], labels [n].
 
     Under autocast both matmul operands are cast to the autocast dtype, as F.linear
     would be. A non-finite per-token gradient scale (fp16 loss scaling overflowing in

@@ -6,6 +6,11 @@ It is a module that reads its weight inside its own forward, so a forward pre-ho
 read: the distributed optimizer's overlapped parameter gather waits there for the head's bucket.
 With embeddings tied on the same stage it owns no weight and is handed the embedding's, which
 the same forward has already read through the embedding module.
+
+Every path multiplies by the whole padded weight (shard), never a `[:vocab_size]` slice of it:
+the padding keeps the GEMM's N a multiple of make_vocab_size_divisible_by, which is what gets
+it onto the fast bf16 kernels. The losses mask the padded columns out of the softmax; returned
+logits are sliced to the real vocabulary after the matmul.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ from torch import nn
 from megalite.model.cross_entropy import linear_cross_entropy
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.layers import ShardSpec, TPContext
-from megalite.parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
+from megalite.parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, in_compute_dtype
 
 
 class LMHead(nn.Module):
-    """Rows of the (padded) vocabulary split across the tensor-parallel group; only the first
-    `vocab_size` rows are ever scored."""
+    """Rows of the padded vocabulary split across the tensor-parallel group; all are multiplied,
+    only the first `vocab_size` are scored."""
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, tp: TPContext,
                  owns_weight: bool) -> None:
@@ -37,10 +42,11 @@ class LMHead(nn.Module):
         weight = self.weight if weight is None else weight
         if self.tp.size == 1:
             if labels is None:
-                return F.linear(x, weight[: self.vocab_size]).transpose(0, 1)
+                return F.linear(x, weight)[..., : self.vocab_size].transpose(0, 1)
             losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.t().flatten(), self.vocab_size)
             return losses.view(labels.shape[1], labels.shape[0]).t()
         tp = self.tp
+        x = in_compute_dtype(x)  # the final norm's fp32 output would otherwise cross the TP group in fp32
         x = gather_from_sp(x, tp.group) if tp.sequence_parallel else copy_to_tp(x, tp.group)
         logits = F.linear(x, weight)
         if labels is None:

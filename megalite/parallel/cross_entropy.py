@@ -2,8 +2,9 @@
 
 Each rank holds the logits of its vocabulary slice. The row max, the sum of exponentials
 and the target logit are all-reduced over the TP group (three [tokens] vectors, never
-[tokens, vocab]); padded vocabulary columns are set to -inf, so they take no probability
-mass and get a zero gradient.
+[tokens, vocab]). The logits come from the whole padded weight shard, so the GEMM keeps its
+padded (fast) shape; the rank holding the padding sets those columns to -inf here, so they take
+no probability mass and get exactly zero gradient.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 group: dist.ProcessGroup) -> torch.Tensor:
         """logits [n, vocab_per_rank] (any float dtype), labels [n] global ids -> fp32 losses [n]."""
         logits32 = logits.float()
-        padded = torch.arange(vocab_start, vocab_start + logits.shape[1], device=logits.device) >= vocab_size
-        logits32.masked_fill_(padded, float("-inf"))
+        logits32[:, max(0, vocab_size - vocab_start) :] = float("-inf")  # empty on ranks without padding
         row_max = logits32.max(dim=1).values
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         logits32.sub_(row_max.unsqueeze(1))

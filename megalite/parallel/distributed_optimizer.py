@@ -109,6 +109,7 @@ class DistributedOptimizer:
         self._copies = [(m.weights.view_as(m.main), m.main) for m in self.params if m.is_copy]
         self.optimizer = adamw(decay_groups(((m.name, m.param, m.main) for m in self.params), cfg.weight_decay), cfg)
         self._gathers: dict[int, dist.Work] = {}
+        self._found_inf: torch.Tensor | None = None
         self.gather_in_background = distributed and overlap_param_gather and not any(b.shard_params for b in buffers)
         if self.gather_in_background:
             self._wait_before_use(model)
@@ -181,19 +182,28 @@ class DistributedOptimizer:
             dist.all_reduce(total, group=group)
         return total.sqrt()
 
-    def clip(self, max_norm: float, grad_scale: torch.Tensor) -> float:
+    def clip(self, max_norm: float, grad_scale: torch.Tensor) -> torch.Tensor:
         """Multiply the gradients by `grad_scale` (a one-element tensor), scaled down further so the global
-        norm is at most max_norm (0 disables), in one pass; returns the norm before clipping."""
-        norm = float(self.norm() * grad_scale)
-        factor = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 and norm == norm else 1.0
+        norm is at most max_norm (0 disables), in one pass, all on the device; returns the norm before
+        clipping (a device tensor: reading it waits for the GPU). A NaN/Inf norm leaves the gradients as
+        they are and makes the next `step` skip the update."""
+        norm = (self.norm() * grad_scale).reshape(())
+        finite = torch.isfinite(norm)
+        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
+        factor = torch.where(finite, factor, torch.ones_like(norm))
         grads = self.grads()
         if grads:
             torch._foreach_mul_(grads, (grad_scale * factor).to(grads[0].device))
+        self._found_inf = (~finite).float()
         return norm
 
     def step(self) -> None:
-        """Update the main parameters, then the model's (`finish_step`)."""
+        """Update the main parameters, then the model's (`finish_step`). After a non-finite gradient norm
+        (`clip`) the fused AdamW kernel leaves weights, moments and step count as they were."""
+        if self._found_inf is not None:
+            self.optimizer.found_inf = self._found_inf.to(self.params[0].main.device) if self.params else None
         self.optimizer.step()
+        self.optimizer.found_inf, self._found_inf = None, None
         self.finish_step()
 
     def finish_step(self) -> None:

@@ -31,7 +31,7 @@ from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
 from megalite.parallel.schedules import Trace
-from megalite.training.step import StepResult, train_step
+from megalite.training.step import StepFigures, StepResult, read_steps, train_step
 from megalite.training.trace import write_chrome_trace
 from megalite.training.wandb_logger import new_run_id
 
@@ -80,6 +80,7 @@ class Run:
         self.flops_per_token = training_flops_per_token(cfg.model)
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
         self.saved_step, self.diverged_in_a_row = -1, 0
+        self.unread: list[tuple[int, StepResult]] = []  # steps whose figures are still on the device
         self.result = RunResult()
 
     def _resume(self) -> tuple[Path | None, list[str]]:
@@ -136,8 +137,7 @@ class Run:
 
     def _after_step(self, step: int, start: int, result: StepResult) -> None:
         cfg = self.cfg
-        self.state.skipped_steps += result.skipped
-        self.result.losses[step] = result.loss
+        self.unread.append((step, result))
         self.writer.advance()
         if self.checkpointer:
             done = self.checkpointer.poll()
@@ -149,20 +149,32 @@ class Run:
         self.interval = (began, steps + 1)
         if step % cfg.logging.log_interval == 0 or step == cfg.train.train_iters:
             synchronize(self.topology.device)
-            self._log_step(step, result, steps + 1, time.perf_counter() - began)
+            figures = self._read_steps()
+            self._log_step(step, figures, steps + 1, time.perf_counter() - began)
             self.interval = (time.perf_counter(), 0)
-        if result.diverged:
-            self._skip_diverged(step, result)
-        else:
-            self.diverged_in_a_row = 0
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
             self._evaluate()
 
-    def _skip_diverged(self, step: int, result: StepResult) -> None:
-        """A NaN/Inf loss or gradient norm: the update was skipped; too many in a row stop the run."""
+    def _read_steps(self) -> StepFigures | None:
+        """Read the steps since the last read on the host (one wait for the device) and account for them:
+        losses, skipped steps, diverged steps in a row (too many stop the run). Returns the last step's."""
+        unread, self.unread = self.unread, []
+        figures = read_steps([result for _, result in unread])
+        for (step, _), read in zip(unread, figures):
+            self.result.losses[step] = read.loss
+            self.state.skipped_steps += read.skipped
+            if read.diverged:
+                self._skip_diverged(step, read)
+            else:
+                self.diverged_in_a_row = 0
+        return figures[-1] if figures else None
+
+    def _skip_diverged(self, step: int, read: StepFigures) -> None:
+        """A NaN/Inf gradient norm: the update was skipped; too many in a row stop the run (noticed at the
+        log step that reads them)."""
         self.diverged_in_a_row += 1
         limit = self.cfg.train.max_skipped_steps
-        self.writer.print(f"step {step}: loss {result.loss} / gradient norm {result.grad_norm} is not finite; "
+        self.writer.print(f"step {step}: loss {read.loss} / gradient norm {read.grad_norm} is not finite; "
                           f"update skipped ({self.diverged_in_a_row} in a row, train.max_skipped_steps={limit})")
         if self.diverged_in_a_row >= limit:
             where = ""
@@ -192,6 +204,7 @@ class Run:
 
     def _finish(self, start_step: int) -> RunResult:
         cfg, step = self.cfg, self.state.step
+        self._read_steps()
         self.optimizer.wait_params()
         if step >= cfg.train.train_iters and cfg.train.eval_interval and step % cfg.train.eval_interval:
             self._evaluate()
@@ -228,7 +241,7 @@ class Run:
             self.writer.print(f"no checkpoint in {cfg.checkpoint.load or cfg.checkpoint.save} yet; "
                               "starting from scratch")
 
-    def _log_step(self, step: int, result: StepResult, steps: int, seconds: float) -> None:
+    def _log_step(self, step: int, result: StepFigures, steps: int, seconds: float) -> None:
         tokens_per_sec = steps * self.gbs * self.cfg.model.seq_length / seconds
         tflops = tokens_per_sec * self.flops_per_token / self.topology.world_size / 1e12
         memory, what = peak_memory(self.topology.device)
@@ -256,6 +269,7 @@ class Run:
                         {"val_loss": "validation loss", "val_ppl": "ppl"})
 
     def _save(self) -> None:
+        self._read_steps()  # the saved state counts the skipped steps
         self.optimizer.wait_params()
         rng = rng_state(self.topology.device, self.trainer.tp.rng)
         path = self.checkpointer.save(self.state, self.sharded, dump_yaml(self.cfg), rng)

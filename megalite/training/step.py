@@ -1,6 +1,11 @@
 """One optimizer step: forward/backward over the micro batches, gradient reduction across
 data-parallel replicas, unscale and overflow check, clipping, and the update.
 
+Nothing in a step reads a device value on the host (each read stalls a GPU pipeline), except fp16's
+overflow vote: the loss, gradient norm and token count stay on the device (StepResult), clipping
+scales on the device, and a step whose gradient norm is NaN/Inf is skipped by the fused AdamW kernel
+itself (its found_inf input) rather than by a host decision.
+
 The gradient and the reported loss are the global batch's per-token mean (all data-parallel
 ranks together, loss masks included) in every layout; context-parallel ranks each hold a part of
 every sequence, so their sums add up over the data- and context-parallel ranks together. The
@@ -38,13 +43,45 @@ def precision_context(precision: str, device: torch.device) -> contextlib.Abstra
     return contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class StepFigures:
+    """A step's outcome read on the host."""
+
+    loss: float
+    grad_norm: float  # before clipping; NaN when an fp16 overflow skipped the step
+    tokens: int
+    overflow: bool
+
+    @property
+    def diverged(self) -> bool:
+        """Skipped for a NaN/Inf gradient norm (not an fp16 overflow, which the loss scaler handles)."""
+        return not self.overflow and not math.isfinite(self.grad_norm)
+
+    @property
+    def skipped(self) -> bool:
+        return self.overflow or self.diverged
+
+
 @dataclass
 class StepResult:
-    loss: float
-    grad_norm: float
-    skipped: bool
-    tokens: int
-    diverged: bool = False  # skipped for a NaN/Inf gradient norm (not an fp16 overflow the loss scaler handles)
+    """A step's outcome, still on the device: reading it waits for the GPU to finish the step, so the training
+    loop reads the steps since the last log step together, at log steps (`read_steps`: one wait)."""
+
+    figures: torch.Tensor  # fp64: loss, gradient norm, tokens
+    overflow: bool = False  # an fp16 loss-scale overflow skipped the step (fp16 votes on it on the host anyway)
+
+    def read(self) -> StepFigures:
+        return read_steps([self])[0]
+
+    @property
+    def loss(self) -> float:
+        return self.read().loss
+
+
+def read_steps(results: list[StepResult]) -> list[StepFigures]:
+    """Every result on the host, with one device-to-host copy."""
+    values = torch.stack([r.figures for r in results]).tolist() if results else []
+    return [StepFigures(loss, norm, int(tokens), r.overflow) for (loss, norm, tokens), r in zip(values, results)]
 
 
 def local_batches(trainer: "Trainer", batches: list[Batch]) -> list[Batch]:
@@ -97,16 +134,13 @@ def train_step(trainer: "Trainer", batches: list[Batch]) -> StepResult:
     totals = torch.cat((loss_sum.double(), tokens))
     dist.all_reduce(totals, group=t.dp_cp_group)
     correction = (positions / totals[1].clamp(min=1.0)).float()
-    loss, tokens = float(totals[0] * correction), int(totals[1].item())
+    loss, tokens = totals[0] * correction, totals[1]
     # Only fp16's dynamic loss scale can overflow; other precisions skip the check and its host-syncing vote.
     overflow = scaler.dynamic and optimizer.any_overflow(scaler.unscale_and_check(optimizer.grads()))
     scaler.update(overflow)
     if overflow:
         optimizer.finish_step()
-        return StepResult(loss, float("nan"), True, tokens)
+        return StepResult(torch.stack((loss, torch.full_like(loss, math.nan), tokens)), overflow=True)
     grad_norm = optimizer.clip(trainer.cfg.optim.clip_grad, correction)
-    if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
-        optimizer.finish_step()
-        return StepResult(loss, grad_norm, True, tokens, diverged=True)
-    optimizer.step()
-    return StepResult(loss, grad_norm, False, tokens)
+    optimizer.step()  # no update where the (global, so every rank's) norm is NaN/Inf: decided on the device
+    return StepResult(torch.stack((loss, grad_norm.double().to(loss.device), tokens)))
