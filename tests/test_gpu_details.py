@@ -216,3 +216,44 @@ def test_a_training_step_never_reads_the_device_on_the_host(precision, parallel)
     norm skips the update inside the fused AdamW kernel: no host read in a bf16 or fp32 step (fp16 alone
     votes on overflows)."""
     assert run_ranks(2, _host_reads, precision, parallel) == [0, 0]
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event: records 'device time' from a script instead of a GPU."""
+
+    script: list[float] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at, self.synchronized = None, False
+
+    def record(self) -> None:
+        self.at = _FakeEvent.script.pop(0)
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        assert end.synchronized, "reading an interval must wait for its end"
+        return (end.at - self.at) * 1000.0  # milliseconds, as CUDA reports
+
+
+def test_device_timings_come_from_cuda_events_on_a_gpu(monkeypatch):
+    """On CUDA a wait for a collective or a pipeline operation is timed by events on the stream (the host
+    returns from NCCL's wait at once); the trace places device intervals at the host time of its first mark."""
+    from megalite.parallel import timing
+    from megalite.parallel.schedules import Trace
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.script = [10.0, 10.25]
+    start, end = timing.mark(torch.device("cuda", 0)), timing.mark(torch.device("cuda", 0))
+    assert timing.seconds(start, end) == pytest.approx(0.25)
+    _FakeEvent.script = [5.0, 5.5, 6.0, 7.0]
+    trace = Trace(torch.device("cuda", 0))
+    first = trace.mark()
+    trace.events.append(("F", 0, 0, first, trace.mark()))
+    trace.events.append(("B", 0, 0, trace.mark(), trace.mark()))
+    anchor = trace.anchor
+    assert trace.timed_events() == [("F", 0, 0, anchor, pytest.approx(anchor + 0.5)),
+                                    ("B", 0, 0, pytest.approx(anchor + 1.0), pytest.approx(anchor + 2.0))]
+    assert timing.seconds(1.0, 3.5) == 2.5  # on the CPU a mark is the host clock

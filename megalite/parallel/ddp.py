@@ -27,6 +27,7 @@ from torch import nn
 from megalite.config import TORCH_DTYPES, ParallelConfig
 from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.layers import parameter_shards
+from megalite.parallel.timing import Mark, seconds
 from megalite.parallel.topology import Topology
 
 
@@ -60,11 +61,18 @@ class DataParallelGrads:
                                    cfg.zero >= 1, cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype],
                                    shard_grads=cfg.zero >= 2, shard_params=cfg.zero >= 3, units=units)
                         for params in chunks if params]
-        self.wait_seconds = 0.0
+        self.waits: list[tuple[Mark, Mark]] = []
 
     def zero(self) -> None:
         for buffer in self.buffers:
             buffer.zero()
+
+    @property
+    def wait_seconds(self) -> float:
+        """How long the last step's reductions kept the device waiting after backward (reading it waits for
+        the device: on a GPU the waits are CUDA-event intervals, not host time, since NCCL waits do not
+        block the host)."""
+        return sum(seconds(start, end) for start, end in self.waits)
 
     def start_sync(self, chunk: int) -> None:
         """The next backward is chunk `chunk`'s last of the step: reduce its buckets as they fill."""
@@ -87,7 +95,7 @@ class DataParallelGrads:
             elif landed is not None:
                 landed(bucket)
 
-        self.wait_seconds = sum(buffer.finish(final) for buffer in self.buffers)
+        self.waits = [wait for buffer in self.buffers for wait in buffer.finish(final)]
         if self.sequence_parallel:
             owned = [(b, p, lo, hi) for b in self.buffers for p, lo, hi in b.owned_ranges() if id(p) in replicated]
             all_reduce_flat([b.owned_grad(p, lo, hi) for b, p, lo, hi in owned], t.tp_group)

@@ -22,7 +22,6 @@ buckets never span two of the model's gather units (`units`).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.parallel.mappings import reduce_scatter_single
+from megalite.parallel.timing import Mark, mark
 
 
 @dataclass
@@ -195,16 +195,16 @@ class GradBuffer:
         if self.shard_grads and not self.overlap:
             self._land(bucket)
 
-    def _land(self, bucket: Bucket) -> float:
+    def _land(self, bucket: Bucket) -> list[tuple[Mark, Mark]]:
         """Wait for the bucket's reductions in flight and put this rank's slice in place: added into
         shard_data (ZeRO-2, one per micro batch) or copied into the full buffer (ZeRO-1); returns the
-        seconds spent waiting."""
-        waited = 0.0
+        waits as (start, end) marks on the device's timeline (timing.py)."""
+        waits = []
         for work, result in bucket.in_flight:
             if work is not None:
-                begin = time.perf_counter()
+                begin = mark(result.device)
                 work.wait()
-                waited += time.perf_counter() - begin
+                waits.append((begin, mark(result.device)))
             if self.shard_grads:
                 first = bucket.start // self.dp
                 self.shard_data[first:first + result.numel()].add_(result)
@@ -212,21 +212,21 @@ class GradBuffer:
                 a, b = bucket.shard(self.dp_rank, self.dp)
                 self.grad_data[a:b].copy_(result)
         bucket.in_flight = []
-        return waited
+        return waits
 
-    def finish(self, landed: Callable[[Bucket], None] | None = None) -> float:
+    def finish(self, landed: Callable[[Bucket], None] | None = None) -> list[tuple[Mark, Mark]]:
         """Launch what has not been launched, wait for every reduction, telling `landed` of each bucket whose
-        slice is then final; returns seconds spent waiting."""
+        slice is then final; returns the waits (marks: read them with timing.seconds once the step is done)."""
         for bucket in self.buckets:
             unlaunched = bucket.data is not None if self.shard_grads else not bucket.in_flight
             if unlaunched:  # ZeRO-2: gradients accumulated since its last launch; else: not launched this step
                 self._launch(bucket)
-        waited = 0.0
+        waits = []
         for bucket in self.buckets:
-            waited += self._land(bucket)
+            waits += self._land(bucket)
             if landed is not None:
                 landed(bucket)
-        return waited
+        return waits
 
     def zero(self) -> None:
         if self.grad_data is not None:

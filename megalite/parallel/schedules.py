@@ -33,6 +33,7 @@ import torch
 
 from megalite.parallel.p2p import Exchange, Message, PipelineComm
 from megalite.parallel.pipeline_layout import PipelineStage
+from megalite.parallel.timing import Mark, mark, seconds
 
 
 class OpKind(str, Enum):
@@ -165,10 +166,28 @@ def communication_plan(name: str, pp: int, vp: int, microbatches: int) -> dict[i
 
 @dataclass
 class Trace:
-    """Per-rank record of every operation, and the peak number of stored activations."""
+    """Per-rank record of every operation (its start and end as marks on the device's timeline,
+    timing.py), and the peak number of stored activations."""
 
-    events: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+    device: torch.device = torch.device("cpu")
+    events: list[tuple[str, int, int, Mark, Mark]] = field(default_factory=list)
     peak_in_flight: int = 0
+    anchor: float | None = None  # the host clock at the first mark: where device time 0 sits among ranks
+
+    def mark(self) -> Mark:
+        if self.anchor is None:
+            self.anchor = time.perf_counter()
+        return mark(self.device)
+
+    def timed_events(self) -> list[tuple[str, int, int, float, float]]:
+        """The events with start and end on the host clock (waits for the device): device intervals from
+        the first mark, placed at the host time that mark was taken, so ranks' rows line up."""
+        if not self.events:
+            return []
+        origin = self.events[0][3]
+        base = origin if isinstance(origin, float) else self.anchor
+        return [(kind, chunk, mb, base + seconds(origin, start), base + seconds(origin, end))
+                for kind, chunk, mb, start, end in self.events]
 
 
 class _Mailbox:
@@ -229,7 +248,7 @@ def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: Pi
             mailbox.post(index)
         if before_last_backward is not None and last_backward.get(chunk) == index:
             before_last_backward(chunk)
-        start = time.perf_counter()
+        start = trace.mark() if trace is not None else None
         need = needs(me, op)
         received = mailbox.take(need) if need is not None else None
         if kind == F:
@@ -245,7 +264,7 @@ def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: Pi
         if message is not None:
             mailbox.outbox[message] = result
         if trace is not None:
-            trace.events.append((kind, chunk, mb, start, time.perf_counter()))
+            trace.events.append((kind, chunk, mb, start, trace.mark()))
             trace.peak_in_flight = max(trace.peak_in_flight, len(stored))
     if mailbox is not None:
         mailbox.post(len(ops))

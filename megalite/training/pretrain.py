@@ -64,7 +64,7 @@ class Run:
         self.trainer = build_trainer(cfg, topology)
         self.optimizer, self.pipeline = self.trainer.optimizer, self.trainer.pipeline
         if cfg.logging.pipeline_trace:
-            self.pipeline.trace = Trace()
+            self.pipeline.trace = Trace(topology.device)
         self.sharded = self.trainer.sharded_state()
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(c.save, topology, c.async_save, c.keep_last) if c.save else None

@@ -1,7 +1,9 @@
 """Write the pipeline schedule as a Chrome trace (open in Perfetto or chrome://tracing).
 
 One process row per rank, one box per forward (F) or backward (B) of a (chunk, micro batch);
-the picture shows the warm-up, the 1F1B steady state and the bubbles at a glance.
+the picture shows the warm-up, the 1F1B steady state and the bubbles at a glance. Times are
+the device's (CUDA events on a GPU, parallel/timing.py), placed on the host clock at the first
+operation's enqueue time, so the rows of different ranks line up.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from megalite.parallel.topology import Topology
 def write_chrome_trace(path: str, trace: Trace, topology: Topology, steps: int) -> None:
     """Collective: gathers every rank's events; global rank 0 writes the file."""
     t = topology
-    mine = {"rank": t.rank, "pp": t.pp_rank, "tp": t.tp_rank, "dp": t.dp_rank, "events": trace.events,
+    mine = {"rank": t.rank, "pp": t.pp_rank, "tp": t.tp_rank, "dp": t.dp_rank, "events": trace.timed_events(),
             "peak_in_flight": trace.peak_in_flight}
     gathered = [None] * t.world_size
     dist.all_gather_object(gathered, mine)
