@@ -25,15 +25,14 @@ def _moved_dtypes(rank: int, world_size: int, sequence_parallel: bool) -> set[tu
     def recording(name: str):
         original = getattr(layers, name)
 
-        def collective(x: torch.Tensor, group):
+        def collective(x: torch.Tensor, *args):
             moved.add((name, x.dtype))
-            out = original(x, group)
-            if out.requires_grad:
-                out.register_hook(lambda grad: moved.add((f"{name} backward", grad.dtype)))
-            return out
+            if x.requires_grad:
+                x.register_hook(lambda grad: moved.add((f"{name} backward", grad.dtype)))
+            return original(x, *args)
         return collective
 
-    for name in ("gather_from_sp", "copy_to_tp"):
+    for name in ("sequence_parallel_linear", "copy_to_tp"):
         setattr(layers, name, recording(name))
     cfg = tiny_config("llama", parallel={"tp": 2, "sequence_parallel": sequence_parallel},
                       train={"precision": "bf16"})
@@ -45,6 +44,6 @@ def _moved_dtypes(rank: int, world_size: int, sequence_parallel: bool) -> set[tu
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_column_parallel_collectives_move_the_compute_dtype(sequence_parallel):
-    name = "gather_from_sp" if sequence_parallel else "copy_to_tp"
+    name = "sequence_parallel_linear" if sequence_parallel else "copy_to_tp"
     for moved in run_ranks(2, _moved_dtypes, sequence_parallel):
         assert moved == {(name, torch.bfloat16), (f"{name} backward", torch.bfloat16)}

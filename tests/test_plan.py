@@ -231,12 +231,27 @@ def _context_parallel_activations(rank: int, world_size: int, cfg: Config) -> tu
 
 @pytest.mark.parametrize("comm,recompute", [("p2p", "none"), ("allgather", "none"), ("allgather", "selective")])
 def test_activations_under_context_parallelism(comm, recompute):
-    """Each cp rank keeps its seq/cp tokens' activations; allgather with nothing recomputed also keeps
-    the whole sequence's K/V and the two local chunks' masks (planning/context_parallel.py)."""
+    """Each cp rank keeps its seq/cp tokens' activations; allgather with nothing recomputed keeps the whole
+    sequence's K/V instead of the local k and the fused QKV output (planning/context_parallel.py)."""
     cfg = _model_config("llama", parallel={"cp": 2, "cp_comm": comm}, train={"recompute": recompute})
     cfg.model.seq_length, cfg.model.num_query_groups = 128, 2
     for measured, planned in run_ranks(2, _context_parallel_activations, cfg):
         assert measured == pytest.approx(planned, rel=0.1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_allgather_against_the_ring_to_the_byte(family):
+    """What allgather keeps beyond the ring, exactly as planned: the whole sequence's K/V, less (grouped-query
+    attention with RoPE) k after RoPE and the fused QKV output, or (multi-head, no RoPE) nothing, as q, a view,
+    keeps the fused output. Exact where the 10% above is loose: what the planner misses (RoPE's tables) is
+    the same under both comms."""
+    kept = {}
+    for comm in ("p2p", "allgather"):
+        cfg = _model_config(family, parallel={"cp": 2, "cp_comm": comm}, train={"precision": "bf16"})
+        cfg.model.seq_length = 128
+        kept[comm] = run_ranks(2, _context_parallel_activations, cfg)
+    for (ring, ring_planned), (gathered, planned) in zip(kept["p2p"], kept["allgather"]):
+        assert gathered - ring == planned - ring_planned
 
 
 def test_context_parallelism_divides_activations():

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.parallel.mappings import (copy_to_tp, gather_from_sp, in_compute_dtype, reduce_from_tp,
-                                       reduce_scatter_to_sp)
+from megalite.parallel.mappings import (copy_to_tp, in_compute_dtype, reduce_from_tp, reduce_scatter_to_sp,
+                                       sequence_parallel_linear)
 from megalite.parallel.random import RNGTracker, model_parallel_tracker
 from megalite.parallel.topology import Topology
 
@@ -99,8 +99,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = in_compute_dtype(x)
-        x = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)
-        return F.linear(x, self.weight, self.bias)
+        if self.tp.sequence_parallel:
+            return sequence_parallel_linear(x, self.weight, self.bias, self.tp.group)
+        return F.linear(copy_to_tp(x, self.tp.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 Group = dist.ProcessGroup
 
@@ -129,6 +130,42 @@ class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather(grad, 0, ctx.group), None
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """all_gather(x) @ weight^T + bias keeping only the local sequence shard x for backward, as Megatron-LM's
+    sequence-parallel linear does: backward gathers x again while the input gradient's matmul runs, then
+    reduce-scatters that gradient. Saves (tp - 1)/tp of the layer's input activations for one all-gather.
+    Matmuls run in x's dtype (the compute dtype, see in_compute_dtype); weight gradients come back in the
+    parameter's dtype, as autocast's cast would give them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, bias)
+        ctx.group = group
+        dtype = x.dtype
+        return F.linear(_gather(x, 0, group), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, bias = ctx.saved_tensors
+        whole = torch.empty((dist.get_world_size(ctx.group) * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                            device=x.device)
+        gathering = all_gather_single(whole, x.contiguous(), ctx.group, async_op=True)
+        grad_input = grad.matmul(weight.to(grad.dtype))  # overlaps the gather
+        gathering.wait()
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_weight = rows.t().matmul(whole.reshape(-1, whole.shape[-1]).to(grad.dtype)).to(weight.dtype)
+        grad_bias = None if bias is None else rows.sum(0).to(bias.dtype)
+        return _reduce_scatter(grad_input, ctx.group), grad_weight, grad_bias, None
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group: Group | None) -> torch.Tensor:
+    """A column-parallel layer's matmul on a sequence-parallel input (gathered along the sequence)."""
+    if _trivial(group):
+        return F.linear(x, weight, bias)
+    return _SequenceParallelLinear.apply(x, weight, bias, group)
 
 
 def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:

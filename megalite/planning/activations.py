@@ -3,16 +3,17 @@
 Why a list and not Korthikanti et al.'s 34*s*b*h closed form: megalite differs in ways that
 matter. Attention is SDPA (flash), so no s^2 scores are kept and selective recompute saves
 only the logsumexp; q, k and v are views of one fused QKV output; column-parallel layers
-under sequence parallelism keep the gathered (full-sequence) input; the LM head keeps its
-[tokens, vocab] logits gradient; and with fp32 parameters under bf16 autocast every micro
-batch in flight holds bf16 copies of the weights it used. tests/test_plan.py checks these
-figures against the tensors autograd saves in real CPU runs.
+under sequence parallelism keep only their local input shard (and gather it again in backward,
+parallel/mappings.py sequence_parallel_linear); the LM head keeps its [tokens, padded vocab]
+logits gradient; and with fp32 parameters under bf16 autocast every micro batch in flight holds
+bf16 copies of the weights autocast cast (not the sequence-parallel linears', which cast in place).
+tests/test_plan.py checks these figures against the tensors autograd saves in real CPU runs.
 
 Sizes: s = seq_length, b = micro_batch_size, tokens = s*b/cp (context parallelism gives each rank
 seq/cp tokens of every sample, and every term here is per token: flash attention is linear in s);
 a tensor inside the tensor-parallel region has its heads / MLP width divided by tp; under sequence
 parallelism, norms and the residual stream hold tokens/tp rows. What allgather attention keeps
-beyond that: planning/context_parallel.py.
+instead of the local K/V (the whole sequence's): planning/context_parallel.py.
 """
 
 from __future__ import annotations
@@ -69,17 +70,22 @@ def layer_bytes(cfg: Config, device: str = "cuda") -> int:
         return rows * m.hidden_size * w.residual  # the layer's input, kept by the checkpoint
     h, d, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads // tp, m.kv_heads // tp
     ffn = m.ffn_size // tp
+    sp = cfg.parallel.sequence_parallel_active
+    inputs = rows if sp else tokens  # a column-parallel layer keeps its local input under SP
     attention = (
-        tokens * h * w.compute  # QKV input (all-gathered along the sequence under SP)
+        inputs * h * w.compute  # QKV input
         + tokens * (heads + 2 * groups) * d * w.compute  # fused QKV output; v (and q, k without RoPE) are views of it
         + (tokens * (heads + groups) * d * w.compute if features.position_embedding == "rope" else 0)  # q, k after RoPE
         + tokens * heads * d * w.compute  # attention output = projection input
         + (tokens * heads * 4 if cfg.train.recompute == "none" else 0)  # flash logsumexp
     )
     intermediates = 4 if features.gated_mlp else 2  # gate|up, silu(gate), product / GELU input and output
-    mlp = tokens * h * w.compute + intermediates * tokens * ffn * w.compute
+    mlp = inputs * h * w.compute + intermediates * tokens * ffn * w.compute
     dropout = 2 * rows * h if m.hidden_dropout > 0 else 0  # boolean masks after attention and MLP
-    weights = layer_parameters(m, tp).sharded * w.weight_copy  # matmul weights (biases are not kept)
+    column = (h + features.bias) * ((m.num_attention_heads + 2 * m.kv_heads) * d + (2 if features.gated_mlp else 1)
+                                     * m.ffn_size) // tp  # QKV and first MLP weights (and biases)
+    copied = layer_parameters(m, tp).sharded - (column if sp else 0)
+    weights = copied * w.weight_copy  # autocast's copies of the matmul weights
     return 2 * _norm(cfg, rows, w) + attention + allgather_layer_bytes(cfg, w.compute) + mlp + dropout + weights
 
 
@@ -99,7 +105,7 @@ def head_bytes(cfg: Config, device: str = "cuda") -> int:
     head_input = tokens * m.hidden_size * w.compute
     weight = m.padded_vocab_size // tp * m.hidden_size * w.weight_copy
     if tp == 1:
-        logits = tokens * m.vocab_size * w.compute
+        logits = tokens * m.padded_vocab_size * w.compute  # over the padded vocabulary, padding masked
     else:
         logits = tokens * (m.padded_vocab_size // tp * 4 + 8 + 1)  # probabilities, local label ids, ownership mask
     loss = tokens * 8  # per-token losses and the loss mask

@@ -11,7 +11,7 @@ tokens only. Attention is where the ranks meet, and the two `parallel.cp_comm` c
   gathered once. With nothing recomputed its autograd Function keeps that gathered K/V for backward
   instead of the local k and v, so nothing keeps those any more: neither k after RoPE nor the fused
   QKV output that v (and, for multi-head attention without RoPE, q and k) is a view of. Backward
-  builds the whole sequence's dK/dV in fp32, casts it to the compute dtype for the reduce-scatter.
+  builds the whole sequence's dK/dV in fp32 and casts it to the compute dtype for the reduce-scatter.
 
 Sizes per rank, as in activations.py: K/V groups and heads divided by tp; under sequence parallelism
 the attention region still sees all local tokens (seq/cp * micro batch).
@@ -73,9 +73,10 @@ def attention_transient_bytes(cfg: Config, compute: int) -> int:
     """Buffers of one layer's context-parallel attention backward, freed when the layer is done.
 
     p2p: the K/V block in use and the one arriving, their fp32 dK/dV accumulators, the fp32 dq.
-    allgather: the whole sequence's fp32 dK/dV and fp32 dq, and (compute dtype narrower than fp32) their
-    casts, all alive as backward returns; under selective recompute also the re-gathered K/V (full
-    recompute counts it in the recomputed layer)."""
+    allgather, as its backward returns: the whole sequence's fp32 dK/dV and the fp32 dq, their casts to
+    the compute dtype (none in fp32), and the last block's dK/dV (at most the local K/V); under selective
+    recompute also the re-gathered K/V (full recompute counts it in the recomputed layer). Both leave out
+    the block kernels' own buffers, as the plan does one device's flash attention backward."""
     p = cfg.parallel
     if p.cp == 1:
         return 0
@@ -83,9 +84,9 @@ def attention_transient_bytes(cfg: Config, compute: int) -> int:
     dq = tokens * heads * cfg.model.head_dim
     if p.cp_comm == "p2p":
         return 2 * kv * (compute + 4) + dq * 4
-    cast = compute if compute != 4 else 0  # .to() of an fp32 tensor to fp32 is the tensor itself
+    cast = compute if compute != 4 else 0  # .to() an fp32 tensor to fp32 returns the tensor itself
     regathered = gathered_kv(cfg) * compute if cfg.train.recompute == "selective" else 0
-    return (gathered_kv(cfg) + dq) * (4 + cast) + regathered
+    return (gathered_kv(cfg) + dq) * (4 + cast) + kv * compute + regathered
 
 
 def describe(cfg: Config) -> str:
