@@ -1,0 +1,333 @@
+"""What only a GPU shows: run on a CUDA machine with `pytest -m cuda tests/test_cuda.py` (tools/gpu_check.py
+runs it first). Every test is skipped where torch sees no CUDA device, so CPU CI collects and skips them.
+
+CPU CI covers every code path that does not branch on the device; these cover those that do: the RNG
+tracker on the CUDA generator (also replayed by activation recompute), SDPA taking a fused kernel (flash
+or cuDNN) in bf16, torch's fused AdamW on the device, bf16 parameters stepped through fp32 main weights,
+the CUDA allocator's memory snapshot and peak, checkpoints of device tensors (also written in the
+background while training goes on), a NaN/Inf gradient norm skipping fused AdamW's update on the device,
+and context parallelism's CUDA flash block kernels.
+
+The tests share one process group of one process (NCCL on cuda:0, as pretrain forms it). Context
+parallelism's communication needs one GPU per rank under NCCL, so only its kernels are checked here: the
+all-gather variant's blocks and log-sum-exp merge, with the cp ranks played one after another.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import pickle
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megalite.checkpoint.local import Checkpointer, TrainingState, load_checkpoint, rng_state
+from megalite.config import Config, OptimConfig
+from megalite.config_cli import dump_yaml
+from megalite.data.batches import Batch, BatchMaker
+from megalite.data.mock import MockDataset
+from megalite.parallel import context_parallel
+from megalite.parallel.distributed_optimizer import adamw, decay_groups
+from megalite.parallel.layers import TPContext
+from megalite.parallel.random import RNGTracker, TENSOR_PARALLEL, checkpoint_with_rng
+from megalite.parallel.topology import Topology, init_process_group, pick_device
+from megalite.training.build import Trainer, build_model, build_trainer
+from megalite.training.pretrain import pretrain
+from megalite.training.step import precision_context, train_step
+
+from conftest import tiny_config
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DEVICE = torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="module")
+def topology() -> Iterator[Topology]:
+    """This process on cuda:0 in a one-process NCCL group, shared by the module's tests."""
+    device = pick_device("cuda", 0)
+    created = not dist.is_initialized()
+    init_process_group(device)
+    yield Topology(0, 1, device)
+    if created:
+        dist.destroy_process_group()
+
+
+def _config(family: str = "gpt2", **train: object) -> Config:
+    """The tiny CPU-test model on the GPU with bf16 parameters, one micro batch of 2 per step."""
+    return tiny_config(family, train={"device": "cuda", "precision": "bf16", "param_dtype": "bf16",
+                                      "micro_batch_size": 2, "global_batch_size": 2, **train},
+                       data={"num_workers": 0})
+
+
+def _batch(cfg: Config) -> Batch:
+    data = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
+    return BatchMaker()([data[i] for i in range(cfg.train.micro_batch_size)])
+
+
+def _held(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Copies of everything a checkpoint holds of the trainer: parameters, fp32 main weights, Adam's state."""
+    state, held = trainer.optimizer.optimizer.state, {}
+    for m in trainer.optimizer.shards():
+        held[f"{m.name}/param"], held[f"{m.name}/main"] = m.param.detach().clone(), m.main.detach().clone()
+        held |= {f"{m.name}/{kind}": value.detach().clone() for kind, value in state[m.main].items()}
+    return held
+
+
+def _assert_holds(trainer: Trainer, expected: dict[str, torch.Tensor]) -> None:
+    held = _held(trainer)
+    assert held.keys() == expected.keys()
+    for name, value in expected.items():
+        assert (held[name].device, held[name].dtype) == (value.device, value.dtype), name
+        assert torch.equal(held[name], value), name
+
+
+# ---------------------------------------------------------------------------------------------- RNG
+
+
+def _tracker() -> RNGTracker:
+    tracker = RNGTracker(DEVICE)
+    tracker.add(TENSOR_PARALLEL, 1234)
+    return tracker
+
+
+def _draw(tracker: RNGTracker) -> torch.Tensor:
+    with tracker.fork():
+        return torch.rand(1000, device=DEVICE)
+
+
+def test_rng_tracker_forks_the_cuda_generator_reproducibly():
+    """A forked stream draws the same numbers from the same seed, continues where it stopped, restores from
+    its saved state, and leaves the default CUDA stream drawing what it would have drawn without it."""
+    torch.cuda.manual_seed(7)
+    expected_default = [torch.rand(8, device=DEVICE) for _ in range(2)]
+    torch.cuda.manual_seed(7)
+    tracker = _tracker()
+    first = _draw(tracker)
+    default_0 = torch.rand(8, device=DEVICE)
+    saved = tracker.state_dict()
+    second = _draw(tracker)
+    default_1 = torch.rand(8, device=DEVICE)
+    assert torch.equal(default_0, expected_default[0]) and torch.equal(default_1, expected_default[1])
+    assert not torch.equal(first, second)
+    again = _tracker()
+    assert torch.equal(_draw(again), first) and torch.equal(_draw(again), second)
+    tracker.load_state_dict(saved)
+    assert torch.equal(_draw(tracker), second)
+
+
+def test_recompute_replays_the_forked_cuda_stream():
+    """Dropout drawn on a forked stream inside a checkpointed block: the recompute in backward draws the same
+    mask, so the gradient (2 where kept, 0 where dropped) has the forward output's zeros."""
+    tracker = _tracker()
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork():
+            return F.dropout(x, 0.5, training=True)
+
+    x = torch.ones(4096, device=DEVICE, requires_grad=True)
+    out = checkpoint_with_rng(block, x, tracker=tracker)
+    out.sum().backward()
+    assert torch.equal(x.grad, (out.detach() != 0).float() * 2)
+
+
+# ------------------------------------------------------------------------------------- kernels, optimizer
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_attention_takes_a_fused_kernel_in_bf16(topology, family):
+    """Forward and backward with SDPA restricted to flash and cuDNN attention, which raises when neither
+    can run (wrong dtype, layout or head size): the model never falls back to the math kernel.
+    Llama uses grouped-query attention (2 KV groups for 4 heads)."""
+    cfg = _config(family)
+    cfg.model.hidden_size, cfg.model.seq_length = 256, 128  # head dim 64
+    model = build_model(cfg, topology.device, TPContext.from_topology(topology, False, cfg.train.seed), 0)
+    batch = _batch(cfg).to(topology.device)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        with precision_context("bf16", topology.device):
+            losses = model(batch.tokens, batch.labels)
+        losses.mean().backward()
+    assert torch.isfinite(losses).all()
+    assert all(p.dtype == torch.bfloat16 and p.grad is not None and torch.isfinite(p.grad).all()
+               for p in model.parameters())
+
+
+def test_fused_adamw_steps_on_cuda():
+    """megalite's optimizer is torch's fused AdamW: on the device its steps equal the per-tensor
+    implementation's, and its step counts stay on the device."""
+    torch.manual_seed(0)
+    shapes = {"weight": (64, 32), "bias": (64,)}
+    fused_params = {name: torch.randn(shape, device=DEVICE, requires_grad=True) for name, shape in shapes.items()}
+    plain_params = {name: p.detach().clone().requires_grad_() for name, p in fused_params.items()}
+    cfg = OptimConfig()
+    fused = adamw(decay_groups(((n, p, p) for n, p in fused_params.items()), cfg.weight_decay), cfg)
+    plain = torch.optim.AdamW(decay_groups(((n, p, p) for n, p in plain_params.items()), cfg.weight_decay),
+                              lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
+    assert all(group["fused"] for group in fused.param_groups)
+    for _ in range(3):
+        grads = {name: torch.randn(shape, device=DEVICE) for name, shape in shapes.items()}
+        for params, optimizer in ((fused_params, fused), (plain_params, plain)):
+            for name, p in params.items():
+                p.grad = grads[name].clone()
+            optimizer.step()
+    for name in shapes:
+        torch.testing.assert_close(fused_params[name], plain_params[name], rtol=1e-5, atol=1e-6)
+        assert fused.state[fused_params[name]]["step"].device == DEVICE
+
+
+def test_bf16_parameters_step_through_fp32_main_weights(topology):
+    """train.param_dtype=bf16: the model holds bf16 parameters on the GPU, the optimizer fp32 main copies it
+    steps with fused AdamW, and every step writes the rounded main weights back into the parameters."""
+    cfg = _config("llama")
+    trainer = build_trainer(cfg, topology)
+    assert {(p.dtype, p.device) for p in trainer.model.parameters()} == {(torch.bfloat16, DEVICE)}
+    shards = trainer.optimizer.shards()
+    assert shards and all(m.main.dtype == torch.float32 and m.main.device == DEVICE and m.is_copy for m in shards)
+    assert all(group["fused"] for group in trainer.optimizer.optimizer.param_groups)
+    before = [m.main.detach().clone() for m in shards]
+    figures = train_step(trainer, [_batch(cfg)]).read()
+    assert not figures.skipped and math.isfinite(figures.loss) and math.isfinite(figures.grad_norm)
+    assert any(not torch.equal(old, m.main) for old, m in zip(before, shards))
+    for m in shards:
+        assert torch.equal(m.weights.view_as(m.main), m.main.to(torch.bfloat16)), m.name
+
+
+def test_a_non_finite_gradient_norm_skips_the_update_on_the_device(topology):
+    """A NaN gradient norm reaches fused AdamW as its found_inf tensor on the GPU, and the kernel leaves
+    weights, main weights, moments and step counts as they were; the next step updates again."""
+    cfg = _config("llama")
+    trainer, batch = build_trainer(cfg, topology), _batch(cfg)
+    train_step(trainer, [batch])
+    expected = _held(trainer)
+    poison = trainer.model.final_norm.weight.register_hook(lambda grad: torch.full_like(grad, math.nan))
+    figures = train_step(trainer, [batch]).read()
+    poison.remove()
+    assert figures.diverged and figures.skipped
+    _assert_holds(trainer, expected)
+    assert not train_step(trainer, [batch]).read().skipped
+
+
+# ---------------------------------------------------------------------------------------- a whole run
+
+
+def test_memory_snapshot_and_peak_memory_of_a_cuda_run(topology, tmp_path):
+    """logging.memory_snapshot dumps the CUDA allocator's history (after step 2), and the metrics record the
+    allocator's peak, not the process's RSS."""
+    snapshot, metrics = tmp_path / "snapshot.pickle", tmp_path / "metrics.jsonl"
+    cfg = _config("gpt2", train_iters=3)
+    cfg.logging.memory_snapshot, cfg.logging.metrics_file = str(snapshot), str(metrics)
+    assert sorted(pretrain(cfg).losses) == [1, 2, 3]
+    dumped = pickle.loads(snapshot.read_bytes())  # written by this test's own run
+    assert dumped["segments"] and any(dumped["device_traces"])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["peak_memory_kind"] == "allocated" and r["peak_memory_gib"] > 0 for r in records)
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+
+def _save(checkpointer: Checkpointer, trainer: Trainer, step: int) -> Path:
+    state = TrainingState(step=step, consumed_samples=step * trainer.cfg.train.global_batch_size)
+    rng = rng_state(trainer.topology.device, trainer.tp.rng)
+    return checkpointer.save(state, trainer.sharded_state(), dump_yaml(trainer.cfg), rng)
+
+
+def _load(cfg: Config, topology: Topology, path: Path) -> tuple[Trainer, TrainingState]:
+    """A trainer initialised from another seed, then loaded from `path` as a resume loads it."""
+    other = copy.deepcopy(cfg)
+    other.train.seed += 1
+    trainer = build_trainer(other, topology)
+    state, rng, optimizer_loaded, _ = load_checkpoint(path, trainer.sharded_state(), topology)
+    assert optimizer_loaded and "cuda" in rng
+    trainer.optimizer.gather_params()
+    return trainer, state
+
+
+def test_checkpoint_of_cuda_state_round_trips(topology, tmp_path):
+    """Saved from the GPU and loaded back onto it: bf16 parameters, fp32 main weights and Adam's moments
+    equal, Adam's step counts back on the device, where fused AdamW goes on stepping them."""
+    cfg = _config("llama")
+    trainer, batch = build_trainer(cfg, topology), _batch(cfg)
+    train_step(trainer, [batch])
+    expected = _held(trainer)
+    loaded, state = _load(cfg, topology, _save(Checkpointer(str(tmp_path), topology), trainer, 1))
+    assert state.step == 1
+    _assert_holds(loaded, expected)
+    assert not train_step(loaded, [batch]).read().skipped
+    steps = {float(s["step"]) for s in loaded.optimizer.optimizer.state.values()}
+    assert steps == {2.0}
+
+
+def test_async_saves_hold_the_state_of_their_step(topology, tmp_path):
+    """checkpoint.async_save: each save copies the GPU state to host memory before training goes on, so
+    the steps taken while its files are written in the background do not leak into them; the second save
+    reuses the first one's host buffers once its files are written."""
+    cfg = _config("gpt2")
+    trainer, batch = build_trainer(cfg, topology), _batch(cfg)
+    checkpointer = Checkpointer(str(tmp_path), topology, async_save=True)
+    saved = []
+    for step in (1, 2):
+        train_step(trainer, [batch])
+        saved.append((_held(trainer), _save(checkpointer, trainer, step)))
+    train_step(trainer, [batch])
+    checkpointer.wait()
+    for expected, path in saved:
+        assert (path / "index.json").is_file()
+        _assert_holds(_load(cfg, topology, path)[0], expected)
+
+
+# ---------------------------------------------------------------------------------------- context parallel
+
+
+class _OneOfTheRing:
+    """Plays cp rank `rank` of `size` for the all-gather variant, which reads every rank's K/V from its input:
+    stands in for context_parallel._Ring (built from a process group) so no communication is needed."""
+
+    def __init__(self, group: tuple[int, int]) -> None:
+        self.rank, self.size = group
+
+    def source(self, step: int) -> int:
+        return (self.rank - step) % self.size
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected).norm() / expected.norm())
+
+
+def test_context_parallel_flash_blocks_match_sdpa_in_bf16(monkeypatch):
+    """The CUDA flash forward and backward block kernels and the log-sum-exp merge of context parallelism
+    (cp 2, grouped-query attention, bf16): every rank's output, dq and summed dK/dV equal fp32 SDPA over
+    the whole sequence up to bf16 rounding."""
+    monkeypatch.setattr(context_parallel, "_Ring", _OneOfTheRing)
+    cp, batch, heads, groups, seq, dim = 2, 2, 8, 2, 400, 64  # chunks of 100 rows: no kernel tile multiple
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, dout = (torch.randn(batch, heads, seq, dim, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(batch, groups, seq, dim, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
+    reference = [t.float().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*reference, is_causal=True, enable_gqa=True)
+    out.backward(dout.float())
+    expected = {"out": out.detach(), "dq": reference[0].grad, "dk": reference[1].grad, "dv": reference[2].grad}
+
+    positions = [context_parallel.local_positions(seq, cp, rank, DEVICE) for rank in range(cp)]
+    gathered = torch.stack([torch.stack([k.index_select(2, p), v.index_select(2, p)]) for p in positions])
+    dkv = torch.zeros_like(gathered, dtype=torch.float32)  # what the all-gather's reduce-scatter sums
+    for rank, p in enumerate(positions):
+        local_q, local_kv = q.index_select(2, p).requires_grad_(), gathered.clone().requires_grad_()
+        local_out = context_parallel._GatheredAttention.apply(local_q, local_kv, (rank, cp))
+        local_out.backward(dout.index_select(2, p))
+        assert local_out.dtype == torch.bfloat16
+        for name, got in (("out", local_out.detach()), ("dq", local_q.grad)):
+            assert _relative_error(got, expected[name].index_select(2, p)) < 2e-2, (rank, name)
+        dkv += local_kv.grad.float()
+    for rank, p in enumerate(positions):
+        for index, name in enumerate(("dk", "dv")):
+            assert _relative_error(dkv[rank, index], expected[name].index_select(2, p)) < 2e-2, (rank, name)

@@ -1,0 +1,203 @@
+"""tools/gpu_check.py where CI runs it, without a GPU: the dry run builds and validates every command and config
+a GPU run would use and prints each step; the steps read what their commands print and write (pytest's
+summary, the metrics files, the benchmark's result lines) and judge it; the report is the markdown that goes
+into docs/benchmarks.md. The commands themselves are replaced by fakes here: only a GPU runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.config_validation import validate
+from tools import gpu_check
+from tools.gpu_check import Context, Goal, StepResult
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dry_run_prints_every_step_and_writes_nothing(tmp_path):
+    out, report = tmp_path / "out", tmp_path / "report.md"
+    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out), "--report",
+                           str(report)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stdout.splitlines() if line.startswith("[")] == [f"[{s}]" for s in gpu_check.STEPS]
+    for expected in ("$ python -m pytest -m cuda tests/test_cuda.py",
+                     "$ python -m torch.distributed.run --standalone --nproc_per_node=1 pretrain_gpt.py "
+                     "--config examples/gpt2_1.3b.yaml --model.family=gpt2 --data.mock=true",
+                     "--config examples/llama_1b.yaml --model.family=llama",
+                     "  valid; planner (h100): fits:",
+                     "$ python tools/benchmark_throughput.py --device cuda --precision bf16 --layers 24",
+                     "--warmup 3 --compile", "not measured: tools/benchmark_throughput.py builds GPT-2 models only",
+                     f"peak allocated in {out / 'train_llama.jsonl'} against the planner's"):
+        assert expected in done.stdout, expected
+    assert not out.exists() and not report.exists()
+
+
+def test_the_configs_it_would_run_validate(tmp_path):
+    runs = gpu_check.train_runs(tmp_path, 10)
+    assert [run.name for run in runs] == ["gpt2", "llama"]
+    for run in runs:
+        validate(run.cfg, 1)
+        t = run.cfg.train
+        assert (t.device, t.precision, t.param_dtype, t.train_iters, t.eval_interval) == ("cuda", "bf16", "bf16", 10,
+                                                                                          None)
+        assert run.cfg.data.mock and not run.cfg.data.paths and run.cfg.checkpoint.save is None
+        assert run.cfg.batch_size(1) == t.micro_batch_size and run.cfg.logging.metrics_file == str(run.metrics)
+        script = run.command.index("pretrain_gpt.py")
+        assert run.command[script - 1:script + 3] == ["--nproc_per_node=1", "pretrain_gpt.py", "--config",
+                                                      gpu_check.SHAPES[run.name][1]]
+    gpt2, llama = (run.cfg.model for run in runs)
+    assert (gpt2.num_layers, gpt2.hidden_size, gpt2.seq_length) == (24, 2048, 2048)
+    assert (llama.family, llama.num_layers, llama.kv_heads, llama.vocab_size) == ("llama", 16, 8, 128256)
+    eager, compiled = gpu_check.benchmark_runs()
+    assert eager.cfg.model == compiled.cfg.model == gpt2
+    assert not eager.cfg.train.compile and compiled.cfg.train.compile and compiled.command[-1] == "--compile"
+
+
+def _context(tmp_path: Path, runner) -> Context:
+    ctx = Context(tmp_path, time.monotonic() + 600, "h100", 989.0, 4, 0.10)
+    ctx.run = runner
+    return ctx
+
+
+def _records(losses: list[float], peak_gib: float) -> list[dict]:
+    return [{"step": i + 1, "loss": loss, "skipped_steps": 0, "tokens_per_sec": 50_000.0, "peak_memory_gib": peak_gib,
+             "peak_memory_kind": "allocated"} for i, loss in enumerate(losses)]
+
+
+def _fake_training(peaks: dict[str, float], losses: list[float]):
+    """Stands in for Context.run of the train step: writes the metrics file its command names."""
+
+    def run(name: str, cmd: list[str], limit: float) -> tuple[int, str]:
+        path = Path(next(a for a in cmd if a.startswith("--logging.metrics_file=")).split("=", 1)[1])
+        records = _records(losses, peaks[name.removeprefix("train_")])
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return 0, "done\n"
+
+    return run
+
+
+def test_train_and_memory_steps_read_the_metrics(tmp_path):
+    ctx = _context(tmp_path, _fake_training({"gpt2": 50.0, "llama": 58.0}, [10.9, 9.0, 8.1, 7.5]))
+    train = gpu_check.step_train(ctx)
+    assert train.status == "PASS", train.summary
+    mfu = {run.name: 50_000 * gpu_check.training_flops_per_token(run.cfg.model) / 989e12
+           for run in gpu_check.train_runs(tmp_path, 4)}  # 50,000 tokens/s on a 989 TFLOP/s GPU
+    assert f"| GPT-2 1.3B | 4 | 10.900 -> 7.500 | 50,000 | {mfu['gpt2']:.1%} | 50.00 |" in train.details
+    assert [(g.name, g.measured, g.met) for g in train.goals] == [
+        ("GPT-2 1.3B MFU >= 50%", f"{mfu['gpt2']:.1%}", mfu["gpt2"] >= 0.5),
+        ("Llama-3.2-1B MFU >= 45%", f"{mfu['llama']:.1%}", mfu["llama"] >= 0.45)]
+    memory = gpu_check.step_memory(ctx)
+    assert memory.status == "PASS" and memory.summary.startswith("GPT-2 1.3B -2.0% vs the planner")
+
+    ctx.run = _fake_training({"gpt2": 50.0, "llama": 70.0}, [10.9, 11.0, 11.2, 11.3])
+    train = gpu_check.step_train(ctx)
+    assert train.status == "FAIL" and "the loss did not fall (10.900 -> 11.300)" in train.summary
+    assert gpu_check.step_memory(ctx).status == "FAIL"  # Llama 27% above the planner
+
+
+def test_memory_without_training_runs_is_skipped(tmp_path):
+    assert gpu_check.step_memory(_context(tmp_path, None)).status == "SKIP"
+
+
+@pytest.mark.parametrize("rc, output, status", [
+    (0, "...........\n11 passed in 41.20s\n", "PASS"),
+    (0, "sssss\nSKIPPED [11] tests/test_cuda.py: needs a CUDA device\n11 skipped in 0.50s\n", "SKIP"),
+    (1, "..F\nFAILED tests/test_cuda.py::test_fused_adamw_steps_on_cuda\n1 failed, 10 passed in 40.00s\n", "FAIL"),
+    (None, "..", "FAIL"),
+])
+def test_tests_step_reads_pytest_summary(tmp_path, rc, output, status):
+    result = gpu_check.step_tests(_context(tmp_path, lambda name, cmd, limit: (rc, output)))
+    assert result.status == status
+    assert result.summary == (output.splitlines()[-1] if rc is not None else "timed out")
+
+
+def _benchmark_output(megalite: float, huggingface: float) -> str:
+    """What tools/benchmark_throughput.py prints (its result lines' format)."""
+    lines = ["measured matmul peak: 700.000 TFLOP/s (bf16, cuda)"]
+    for name, tokens in (("megalite", megalite), ("huggingface", huggingface)):
+        lines.append(f"{name:<12} {16384 / tokens * 1e3:8.1f} ms/step {tokens:10.1f} tokens/s  MFU {0.5:6.1%}")
+    return "\n".join([*lines, f"megalite / huggingface: {megalite / huggingface:.3f}x"])
+
+
+def test_throughput_step_sets_the_benchmark_against_the_goals(tmp_path):
+    outputs = {"throughput_eager": _benchmark_output(50_000, 40_000),
+               "throughput_compiled": _benchmark_output(56_000, 40_000)}
+    result = gpu_check.step_throughput(_context(tmp_path, lambda name, cmd, limit: (0, outputs[name])))
+    assert result.status == "PASS" and result.summary == "eager: 1.25x HF eager; compiled: 1.40x HF eager"
+    flops = gpu_check.training_flops_per_token(gpu_check.benchmark_runs()[0].cfg.model)
+    mfu = 56_000 * flops / 989e12
+    assert [(g.measured, g.met) for g in result.goals] == [
+        (f"{mfu:.1%} (compiled)", mfu >= 0.5), ("1.40x (compiled)", True), ("n/a", None), ("n/a", None),
+        ("n/a", None)]
+    failing = gpu_check.step_throughput(_context(tmp_path, lambda name, cmd, limit: (1, "CUDA out of memory")))
+    assert failing.status == "FAIL" and failing.summary == "eager: exit status 1; compiled: exit status 1"
+    assert [g.met for g in failing.goals] == [None] * 5
+
+
+def test_a_whole_run_with_its_commands_faked(tmp_path, monkeypatch):
+    """main on a (pretended) H100: every step runs, the report is written, a failed step makes exit status 1."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    training = _fake_training({"gpt2": 50.0, "llama": 58.0}, [10.9, 9.0, 8.1, 7.5])
+    outputs = {"tests": (0, "11 passed in 41.20s\n"), "throughput_eager": (0, _benchmark_output(50_000, 40_000)),
+               "throughput_compiled": (1, "torch.OutOfMemoryError: CUDA out of memory.")}
+
+    def run(self, name: str, cmd: list[str], limit: float) -> tuple[int, str]:
+        return training(name, cmd, limit) if name.startswith("train_") else outputs[name]
+
+    monkeypatch.setattr(Context, "run", run)
+    report = tmp_path / "report.md"
+    assert gpu_check.main(["--out", str(tmp_path / "out"), "--report", str(report), "--train-iters", "4"]) == 1
+    text = report.read_text()
+    assert text.startswith("## GPU check: NVIDIA H100 80GB HBM3 (H100 SXM; bf16 peak 989.0 TFLOP/s)\n")
+    for row in ("| tests | PASS |", "| train | PASS |", "| throughput | FAIL |", "| memory | PASS |",
+                "| GPT-2 1.3B tokens/s >= 1.3x HF eager | 1.25x (eager) | missed |", "torch.OutOfMemoryError"):
+        assert row in text, row
+
+
+def test_report_markdown_from_step_results():
+    env = {"command": "`python tools/gpu_check.py`", "device": "NVIDIA H100 80GB HBM3 (H100 SXM; bf16 peak 989.0 "
+                                                               "TFLOP/s)", "total time": "312 s"}
+    results = [
+        StepResult("tests", "PASS", "11 passed in 41.20s", ["`pytest -m cuda`: 11 passed"], seconds=42.04),
+        StepResult("train", "FAIL", "Llama-3.2-1B: exit status 1", [],
+                   [Goal("GPT-2 1.3B MFU >= 50%", "51.2%", True, "pretrain_gpt.py | eager"),
+                    Goal("Llama-3.2-1B MFU >= 45%", "n/a", None, "pretrain_gpt.py")], seconds=95.5),
+        StepResult("memory", "SKIP", "no finished training run", ["| model |", "|---|"], seconds=0.01),
+    ]
+    assert gpu_check.format_report(env, results) == """\
+## GPU check: NVIDIA H100 80GB HBM3 (H100 SXM; bf16 peak 989.0 TFLOP/s)
+
+- command: `python tools/gpu_check.py`
+- device: NVIDIA H100 80GB HBM3 (H100 SXM; bf16 peak 989.0 TFLOP/s)
+- total time: 312 s
+
+| step | result | time | summary |
+|---|---|---:|---|
+| tests | PASS | 42.0 s | 11 passed in 41.20s |
+| train | FAIL | 95.5 s | Llama-3.2-1B: exit status 1 |
+| memory | SKIP | 0.0 s | no finished training run |
+
+### Goals
+
+| goal | measured | verdict | from |
+|---|---|---|---|
+| GPT-2 1.3B MFU >= 50% | 51.2% | met | pretrain_gpt.py \\| eager |
+| Llama-3.2-1B MFU >= 45% | n/a | not measured | pretrain_gpt.py |
+
+### tests
+
+`pytest -m cuda`: 11 passed
+
+### memory
+
+| model |
+|---|
+"""

@@ -1,0 +1,462 @@
+"""Is megalite right and fast on this GPU? One command on a one-GPU machine, under 10 minutes.
+
+    python tools/gpu_check.py                        # every step; writes docs/gpu_check_report.md
+    python tools/gpu_check.py --only train memory    # some steps (memory reads the train step's metrics)
+    python tools/gpu_check.py --dry-run              # anywhere: every command and config built and validated
+
+Steps, in order, each PASS, FAIL or SKIP with its time:
+  tests       `pytest -m cuda tests/test_cuda.py`: what CPU CI cannot run.
+  train       pretrain_gpt.py under torchrun, one GPU, mock data, bf16 parameters: a few steps of the GPT-2 1.3B
+              and Llama-3.2-1B examples; losses, tokens/s, MFU and peak memory from the metrics file.
+  throughput  tools/benchmark_throughput.py at the GPT-2 1.3B example's shape, eager and with train.compile,
+              against Hugging Face (eager, SDPA, fused AdamW).
+  memory      each training run's peak allocated memory against the planner's prediction.
+
+The markdown report (for docs/benchmarks.md) names the device and the torch/CUDA versions and sets the results
+against the goals: MFU >= 50% for GPT-2 1.3B and >= 45% for Llama-3.2-1B (against the device's peak in
+megalite/training/flops.py), tokens/s >= 1.3x HF eager and >= 1.0x HF compiled. Exit status 1 when a step
+failed (a missed goal is reported, not failed), 2 without a CUDA device or with an invalid config. Each
+command's output is kept in --out as NAME.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+import torch
+import transformers
+
+from megalite.config import Config, ConfigError
+from megalite.config_cli import parse_config
+from megalite.config_validation import validate
+from megalite.planning.plan import GIB, GPUS, RESERVED_GIB, Plan, make_plan
+from megalite.training.flops import device_model, peak_tflops, training_flops_per_token
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script, Python puts tools/ on the path, not the repository root
+from tools.benchmark_throughput import build_config as benchmark_config, parse_args as benchmark_args  # noqa: E402
+
+STEPS = ("tests", "train", "throughput", "memory")
+SHAPES = {"gpt2": ("GPT-2 1.3B", "examples/gpt2_1.3b.yaml"), "llama": ("Llama-3.2-1B", "examples/llama_1b.yaml")}
+MFU_GOALS = {"gpt2": 0.50, "llama": 0.45}
+HF_GOALS = {"eager": 1.3, "compiled": 1.0}  # megalite tokens/s over HF's
+WARMUP_STEPS = 2  # logged steps left out of tokens/s and MFU: start-up, allocator warm-up
+LIMITS = {"tests": 150, "train": 150, "eager": 150, "compiled": 240}  # seconds one command may take
+NOT_MEASURED = {  # what tools/benchmark_throughput.py cannot do (yet)
+    "llama": "tools/benchmark_throughput.py builds GPT-2 models only (it needs a --family option)",
+    "compiled": "tools/benchmark_throughput.py compiles megalite only (it needs an --hf-compile option)",
+}
+VERDICTS = {True: "met", False: "missed", None: "not measured"}
+
+
+@dataclass
+class Goal:
+    name: str
+    measured: str
+    met: bool | None  # None: not measured
+    source: str
+
+
+@dataclass
+class StepResult:
+    name: str
+    status: str  # PASS, FAIL or SKIP
+    summary: str
+    details: list[str] = field(default_factory=list)  # markdown lines of the step's section of the report
+    goals: list[Goal] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class Run:
+    """One command of a step and the megalite config it trains, built and validated before anything runs."""
+
+    name: str  # the family of a training run (gpt2, llama), the mode of a benchmark run (eager, compiled)
+    command: list[str]
+    cfg: Config
+    metrics: Path | None = None  # a training run's metrics file
+
+    @property
+    def label(self) -> str:
+        return SHAPES[self.name][0] if self.name in SHAPES else self.name
+
+
+@dataclass
+class Context:
+    out: Path
+    deadline: float  # time.monotonic() by which every command has ended
+    gpu: str  # the planner's name of the device (planning/plan.py GPUS)
+    peak: float | None  # bf16 TFLOP/s of the device, None when megalite does not know it
+    train_iters: int
+    memory_tolerance: float
+
+    def run(self, name: str, cmd: list[str], limit: float) -> tuple[int | None, str]:
+        """Run `cmd` from the repository root, its output (stdout and stderr) kept in OUT/name.log; the exit
+        status is None when it ran out of time. Then it gets SIGTERM first: torchrun's agent passes it on to
+        its workers (which run in sessions of their own) and waits for them; SIGKILL a minute later."""
+        print(f"  $ {display(cmd)}", flush=True)
+        timeout = max(1.0, min(limit, self.deadline - time.monotonic()))
+        with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace", start_new_session=True) as proc:
+            try:
+                output, rc = proc.communicate(timeout=timeout)[0], proc.returncode
+            except subprocess.TimeoutExpired:
+                output, rc = self._stop(proc), None
+        (self.out / f"{name}.log").write_text(output)
+        return rc, output
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen) -> str:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.communicate()[0]
+
+
+def display(cmd: list[str]) -> str:
+    """A command as a reader would type it in the repository root."""
+    return shlex.join("python" if arg == sys.executable else arg.replace(f"{ROOT}/", "") for arg in cmd)
+
+
+def tail(output: str, lines: int = 30) -> list[str]:
+    return ["```", *output.rstrip().splitlines()[-lines:], "```"]
+
+
+def failed(rc: int | None) -> str:
+    return "timed out" if rc is None else f"exit status {rc}"
+
+
+def percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def pytest_command() -> list[str]:
+    return [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q", "-rs", "-p", "no:cacheprovider"]
+
+
+def step_tests(ctx: Context) -> StepResult:
+    cmd = pytest_command()
+    rc, output = ctx.run("tests", cmd, LIMITS["tests"])
+    lines = output.splitlines()
+    summaries = [line.strip(" =") for line in lines if re.search(r"\b(passed|failed|skipped|error).* in [\d.]+s", line)]
+    summary = summaries[-1] if summaries else failed(rc)
+    # exit status 0 without a test passed: every test was skipped, pytest saw no CUDA device
+    status = "FAIL" if rc != 0 else "PASS" if " passed" in summary else "SKIP"
+    skipped = [f"- {line}" for line in lines if line.startswith("SKIPPED")]
+    details = [f"`{display(cmd)}`: {summary}", *([""] + skipped if skipped else [])]
+    return StepResult("tests", status, summary, details + (tail(output) if status == "FAIL" else []))
+
+
+def train_runs(out: Path, iters: int) -> list[Run]:
+    """The train step's runs: each example config on one GPU with mock data, one micro batch per step, no
+    checkpoints or evaluation, a metrics line every step. Raises ConfigError for an invalid config."""
+    runs = []
+    for family, (_, config) in SHAPES.items():
+        metrics = out / f"train_{family}.jsonl"
+        argv = ["--config", config, f"--model.family={family}", "--data.mock=true", "--data.paths=null",
+                "--train.device=cuda", "--train.precision=bf16", "--train.param_dtype=bf16",
+                f"--train.train_iters={iters}", "--train.global_batch_size=null", "--train.eval_interval=null",
+                "--optim.warmup_iters=2", "--checkpoint.save=null", "--checkpoint.save_interval=null",
+                "--logging.wandb_project=null", "--logging.log_interval=1", "--logging.progress_bar=false",
+                f"--logging.metrics_file={metrics}"]
+        cfg = parse_config(argv)
+        validate(cfg, 1)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+        runs.append(Run(family, [*torchrun, "pretrain_gpt.py", *argv], cfg, metrics))
+    return runs
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The training-step records of a metrics file (none when there is no file)."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def after_warmup(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records[WARMUP_STEPS:] if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def train_problem(rc: int | None, records: list[dict], iters: int) -> str | None:
+    if rc != 0:
+        return failed(rc)
+    losses = [r["loss"] for r in records]
+    if len(losses) != iters:
+        return f"{len(losses)} of {iters} steps logged"
+    if not all(map(math.isfinite, losses)) or records[-1]["skipped_steps"]:
+        return "a loss was not finite or a step was skipped"
+    return None if losses[-1] < losses[0] else f"the loss did not fall ({losses[0]:.3f} -> {losses[-1]:.3f})"
+
+
+def step_train(ctx: Context) -> StepResult:
+    rows, goals, problems, logs, commands = [], [], [], [], []
+    for run in train_runs(ctx.out, ctx.train_iters):
+        run.metrics.unlink(missing_ok=True)  # the metrics writer appends
+        rc, output = ctx.run(f"train_{run.name}", run.command, LIMITS["train"])
+        commands.append(f"    {display(run.command)}")
+        records = read_metrics(run.metrics)
+        problem = train_problem(rc, records, ctx.train_iters)
+        if problem:
+            problems.append(f"{run.label}: {problem}")
+            logs += ["", f"{run.label}, the end of its output:", *tail(output)]
+        tokens, goal = after_warmup(records, "tokens_per_sec"), MFU_GOALS[run.name]
+        mfu = tokens * training_flops_per_token(run.cfg.model) / (ctx.peak * 1e12) if tokens and ctx.peak else None
+        goals.append(Goal(f"{run.label} MFU >= {goal:.0%}", percent(mfu), None if mfu is None else mfu >= goal,
+                          "pretrain_gpt.py, eager, bf16 parameters (train step)"))
+        if records:
+            peak = max(r["peak_memory_gib"] for r in records)
+            rows.append(f"| {run.label} | {len(records)} | {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} | "
+                        f"{tokens or 0:,.0f} | {percent(mfu)} | {peak:.2f} |")
+    details = ["pretrain_gpt.py under torchrun on one GPU, mock data, bf16 parameters with fp32 main weights, "
+               f"{ctx.train_iters} steps of one micro batch each; tokens/s and MFU are medians after the first "
+               f"{WARMUP_STEPS} steps, MFU against {ctx.peak or 'an unknown'} TFLOP/s (bf16).", "",
+               "| model | steps | loss first -> last | tokens/s | MFU | peak allocated GiB |",
+               "|---|---:|---|---:|---:|---:|", *rows, "", "Commands:", "", *commands, *logs]
+    summary = "; ".join(problems) or "; ".join(f"{g.name.split(' MFU')[0]} MFU {g.measured}" for g in goals)
+    return StepResult("train", "FAIL" if problems else "PASS", summary, details, goals)
+
+
+def benchmark_runs() -> list[Run]:
+    """tools/benchmark_throughput.py at the GPT-2 1.3B example's model, micro batch and sequence, eager and
+    compiled; raises ValueError if the model the benchmark builds from these arguments is not the example's."""
+    example = parse_config(["--config", SHAPES["gpt2"][1]])
+    m = example.model
+    shape = ["--device", "cuda", "--precision", "bf16", "--layers", str(m.num_layers), "--hidden", str(m.hidden_size),
+             "--heads", str(m.num_attention_heads), "--seq", str(m.seq_length), "--vocab", str(m.vocab_size),
+             "--micro-batch", str(example.train.micro_batch_size), "--steps", "10", "--warmup", "3"]
+    runs = []
+    for name, argv in (("eager", shape), ("compiled", [*shape, "--compile"])):
+        cfg = benchmark_config(benchmark_args(argv))
+        if cfg.model != m:
+            raise ValueError(f"tools/benchmark_throughput.py {' '.join(argv)} builds {cfg.model}, "
+                             f"not the model of {SHAPES['gpt2'][1]}")
+        checked = copy.deepcopy(cfg)
+        checked.data.mock = True  # the benchmark makes its own batches; the rest of its config must be valid
+        validate(checked, 1)
+        runs.append(Run(name, [sys.executable, "tools/benchmark_throughput.py", *argv], cfg))
+    return runs
+
+
+def parse_benchmark(output: str) -> dict[str, float]:
+    """tokens/s by side (megalite, huggingface) from the benchmark's result lines."""
+    found = re.findall(r"^(megalite|huggingface)\s+[\d.]+ ms/step\s+([\d.]+) tokens/s", output, re.M)
+    return {side: float(tokens) for side, tokens in found}
+
+
+def throughput_goals(measured: dict[str, dict[str, float]], flops: float, peak: float | None) -> list[Goal]:
+    """The goals from the benchmark runs that finished (`measured`: tokens/s by side, by run): megalite's best
+    MFU, and its best ratio to HF eager (each run measures HF eager beside megalite)."""
+    gpt2, llama = SHAPES["gpt2"][0], SHAPES["llama"][0]
+    names = [f"{gpt2} MFU >= {MFU_GOALS['gpt2']:.0%}", f"{gpt2} tokens/s >= {HF_GOALS['eager']}x HF eager"]
+    goals = [Goal(name, "n/a", None, "the throughput runs failed") for name in names]
+    if measured:
+        source = "tools/benchmark_throughput.py, fp32 parameters + bf16 autocast (throughput step)"
+        best = max(measured, key=lambda run: measured[run]["megalite"])
+        mfu = measured[best]["megalite"] * flops / (peak * 1e12) if peak else None
+        goals[0] = Goal(names[0], f"{percent(mfu)} ({best})", None if mfu is None else mfu >= MFU_GOALS["gpt2"],
+                        source)
+        ratios = {run: tokens["megalite"] / tokens["huggingface"] for run, tokens in measured.items()}
+        best = max(ratios, key=ratios.get)
+        goals[1] = Goal(names[1], f"{ratios[best]:.2f}x ({best})", ratios[best] >= HF_GOALS["eager"], source)
+    goals.append(Goal(f"{gpt2} tokens/s >= {HF_GOALS['compiled']}x HF compiled", "n/a", None,
+                      NOT_MEASURED["compiled"]))
+    return goals + [Goal(f"{llama} tokens/s >= {ratio}x HF {kind}", "n/a", None, NOT_MEASURED["llama"])
+                    for kind, ratio in HF_GOALS.items()]
+
+
+def step_throughput(ctx: Context) -> StepResult:
+    runs = benchmark_runs()
+    flops = training_flops_per_token(runs[0].cfg.model)
+    rows, problems, logs, measured = [], [], [], {}
+    for run in runs:
+        rc, output = ctx.run(f"throughput_{run.name}", run.command, LIMITS[run.name])
+        tokens = parse_benchmark(output)
+        if rc != 0 or tokens.keys() != {"megalite", "huggingface"}:
+            problems.append(f"{run.name}: {failed(rc) if rc != 0 else 'no result lines'}")
+            logs += ["", f"{run.name}, the end of its output:", *tail(output)]
+            continue
+        measured[run.name] = tokens
+        mfu = {side: t * flops / (ctx.peak * 1e12) if ctx.peak else None for side, t in tokens.items()}
+        rows.append(f"| {run.name} | {tokens['megalite']:,.0f} | {percent(mfu['megalite'])} | "
+                    f"{tokens['huggingface']:,.0f} | {percent(mfu['huggingface'])} | "
+                    f"{tokens['megalite'] / tokens['huggingface']:.2f}x |")
+    details = [f"{SHAPES['gpt2'][0]}: the model, micro batch and sequence of `{SHAPES['gpt2'][1]}`, "
+               f"{flops / 1e9:.2f} GFLOP/token; MFU against {ctx.peak or 'an unknown'} TFLOP/s (bf16).", "",
+               "| megalite | megalite tokens/s | MFU | HF eager tokens/s | MFU | megalite / HF eager |",
+               "|---|---:|---:|---:|---:|---:|", *rows, "", "Not measured:", "",
+               *[f"- {why}" for why in NOT_MEASURED.values()], "", "Commands:", "",
+               *[f"    {display(run.command)}" for run in runs], *logs]
+    summary = "; ".join(problems) or "; ".join(f"{run}: {tokens['megalite'] / tokens['huggingface']:.2f}x HF eager"
+                                               for run, tokens in measured.items())
+    return StepResult("throughput", "FAIL" if problems else "PASS", summary, details,
+                      throughput_goals(measured, flops, ctx.peak))
+
+
+def predicted_gib(plan: Plan) -> float:
+    """What the planner expects the allocator to hold at peak: its tensors, without the reserve it adds for
+    the CUDA context, NCCL and fragmentation (torch.cuda.max_memory_allocated counts none of those)."""
+    return plan.worst.total / GIB
+
+
+def step_memory(ctx: Context) -> StepResult:
+    rows, off = [], []
+    for run in train_runs(ctx.out, ctx.train_iters):
+        records, plan = read_metrics(run.metrics), make_plan(run.cfg, 1, ctx.gpu)
+        planned = f"{predicted_gib(plan):.2f} | {plan.needed_gib:.2f}"
+        if len(records) < ctx.train_iters or records[-1].get("peak_memory_kind") != "allocated":
+            rows.append(f"| {run.label} | n/a (no finished CUDA run in {run.metrics.name}) | {planned} | n/a |")
+            continue
+        measured = max(r["peak_memory_gib"] for r in records)
+        off.append((run.label, measured / predicted_gib(plan) - 1))
+        rows.append(f"| {run.label} | {measured:.2f} | {planned} | {off[-1][1]:+.1%} |")
+    details = [f"The training runs' torch.cuda.max_memory_allocated against the planner (`make_plan(cfg, 1, "
+               f"'{ctx.gpu}')`): its tensors, and its total with the {RESERVED_GIB:g} GiB it reserves for the CUDA "
+               f"context, NCCL and fragmentation; PASS within {ctx.memory_tolerance:.0%} of the tensors.", "",
+               "| model | measured peak GiB | planner tensors GiB | planner total GiB | measured vs tensors |",
+               "|---|---:|---:|---:|---:|", *rows]
+    if not off:
+        return StepResult("memory", "SKIP", "no finished training run: run the train step first (same --out)",
+                          details)
+    status = "FAIL" if any(abs(diff) > ctx.memory_tolerance for _, diff in off) else "PASS"
+    return StepResult("memory", status, "; ".join(f"{label} {diff:+.1%} vs the planner" for label, diff in off),
+                      details)
+
+
+STEP_FUNCTIONS = {"tests": step_tests, "train": step_train, "throughput": step_throughput, "memory": step_memory}
+
+
+def dry_run_lines(ctx: Context, step: str) -> list[str]:
+    """What `step` would run, every config it would use built and validated (raises if one is invalid)."""
+    if step == "tests":
+        return [f"$ {display(pytest_command())}"]
+    if step == "train":
+        return [line for run in train_runs(ctx.out, ctx.train_iters) for line in (
+            f"$ {display(run.command)}", f"  valid; planner ({ctx.gpu}): {make_plan(run.cfg, 1, ctx.gpu).verdict()}")]
+    if step == "throughput":
+        runs = benchmark_runs()
+        flops = training_flops_per_token(runs[0].cfg.model)
+        return [*(f"$ {display(run.command)}" for run in runs), f"  the model of {SHAPES['gpt2'][1]}, "
+                f"{flops / 1e9:.2f} GFLOP/token", *(f"  not measured: {why}" for why in NOT_MEASURED.values())]
+    return [f"peak allocated in {display([str(run.metrics)])} against the planner's "
+            f"{predicted_gib(make_plan(run.cfg, 1, ctx.gpu)):.2f} GiB (within {ctx.memory_tolerance:.0%})"
+            for run in train_runs(ctx.out, ctx.train_iters)]
+
+
+def environment(argv: list[str], peak: float | None) -> dict[str, str]:
+    """The machine and the software, for the report (`peak`: the bf16 TFLOP/s MFU is taken against)."""
+    env = {"command": f"`{display([sys.executable, 'tools/gpu_check.py', *argv])}`", "date": date.today().isoformat()}
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        model = device_model(name) or "not in megalite/training/flops.py"
+        env["device"] = f"{name} ({model}; bf16 peak {peak or 'unknown'} TFLOP/s)"
+        env["software"] = (f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
+                           f"{torch.backends.cudnn.version()}, transformers {transformers.__version__}, "
+                           f"Python {platform.python_version()}")
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+    return env | {"commit": git.stdout.strip() or "unknown"}
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def format_report(env: dict[str, str], results: list[StepResult]) -> str:
+    """The markdown report: the environment, one row per step, the goals, then each step's details."""
+    lines = [f"## GPU check: {env.get('device', 'no CUDA device')}", "", *(f"- {k}: {v}" for k, v in env.items())]
+    lines += ["", "| step | result | time | summary |", "|---|---|---:|---|"]
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.1f} s | {cell(r.summary)} |" for r in results]
+    goals = [g for r in results for g in r.goals]
+    if goals:
+        lines += ["", "### Goals", "", "| goal | measured | verdict | from |", "|---|---|---|---|"]
+        lines += [f"| {g.name} | {g.measured} | {VERDICTS[g.met]} | {cell(g.source)} |" for g in goals]
+    for r in results:
+        lines += ["", f"### {r.name}", "", *r.details] if r.details else []
+    return "\n".join(lines) + "\n"
+
+
+def run_step(ctx: Context, name: str) -> StepResult:
+    """One step, timed; an error inside it fails the step, and the other steps still run."""
+    print(f"[{name}]", flush=True)
+    start = time.monotonic()
+    if ctx.deadline - start < 30:
+        result = StepResult(name, "SKIP", "the time budget (--budget) was spent")
+    else:
+        try:
+            result = STEP_FUNCTIONS[name](ctx)
+        except Exception as error:  # noqa: BLE001 - reported in the step's row
+            result = StepResult(name, "FAIL", f"{type(error).__name__}: {error}", tail(traceback.format_exc(), 40))
+    result.seconds = time.monotonic() - start
+    print(f"[{name}] {result.status} in {result.seconds:.1f} s: {result.summary}", flush=True)
+    return result
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="build, validate and print everything; run nothing")
+    p.add_argument("--only", nargs="+", choices=STEPS, help="run these steps only (in the usual order)")
+    p.add_argument("--report", type=Path, default=ROOT / "docs" / "gpu_check_report.md", help="markdown written")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check", help="metrics files and logs")
+    p.add_argument("--train-iters", type=int, default=10, help="steps of each training run")
+    p.add_argument("--budget", type=float, default=510.0,
+                   help="seconds the commands may take together (one that runs over has a minute more to stop)")
+    p.add_argument("--memory-tolerance", type=float, default=0.10, help="allowed |measured / planned - 1|")
+    p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for MFU when flops.py lacks this GPU")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    steps = [s for s in STEPS if s in (args.only or STEPS)]
+    if not args.dry_run and not torch.cuda.is_available():
+        print("error: torch sees no CUDA device; run on a GPU machine, or see the plan with --dry-run", file=sys.stderr)
+        return 2
+    gpu, peak = "h100", args.peak_tflops  # the planner's device in a dry run, and for a GPU it does not know
+    if torch.cuda.is_available():
+        model = device_model(torch.cuda.get_device_name(0))
+        gpu = next((key for key, (_, row) in GPUS.items() if row == model), gpu)
+        peak = peak_tflops(torch.device("cuda", 0), "bf16", args.peak_tflops)
+    out = args.out.resolve()
+    ctx = Context(out, time.monotonic() + args.budget, gpu, peak, args.train_iters, args.memory_tolerance)
+    try:
+        if args.dry_run:
+            print("dry run: nothing runs on a GPU. A real run takes these steps, in order:")
+            for step in steps:
+                print(f"\n[{step}]", *dry_run_lines(ctx, step), sep="\n  ")
+            print(f"\nand writes its report to {display([str(args.report.resolve())])}")
+            return 0
+        train_runs(out, args.train_iters)  # every config is valid before any GPU work starts
+        benchmark_runs()
+    except (ConfigError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    results = [run_step(ctx, step) for step in steps]
+    env = environment(argv, peak) | {"total time": f"{time.monotonic() - start:.0f} s"}
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(format_report(env, results))
+    print(f"report written to {args.report}")
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
