@@ -32,8 +32,10 @@ def test_dry_run_prints_every_step_and_writes_nothing(tmp_path):
                      "--config examples/gpt2_1.3b.yaml --model.family=gpt2 --data.mock=true",
                      "--config examples/llama_1b.yaml --model.family=llama",
                      "  valid; planner (h100): fits:",
-                     "$ python tools/benchmark_throughput.py --device cuda --precision bf16 --layers 24",
-                     "--warmup 3 --compile", "not measured: tools/benchmark_throughput.py builds GPT-2 models only",
+                     "$ python tools/benchmark_throughput.py --device cuda --precision bf16 --family gpt2 --layers 24",
+                     "--family llama --layers 16 --hidden 2048 --heads 32 --seq 8192 --vocab 128256 --micro-batch 2 "
+                     "--kv-heads 8 --ffn 8192 --rope-theta 500000.0 --tie-embeddings", "--compile --hf-compile",
+                     "Llama-3.2-1B: the model of examples/llama_1b.yaml,",
                      f"peak allocated in {out / 'train_llama.jsonl'} against the planner's"):
         assert expected in done.stdout, expected
     assert not out.exists() and not report.exists()
@@ -55,9 +57,13 @@ def test_the_configs_it_would_run_validate(tmp_path):
     gpt2, llama = (run.cfg.model for run in runs)
     assert (gpt2.num_layers, gpt2.hidden_size, gpt2.seq_length) == (24, 2048, 2048)
     assert (llama.family, llama.num_layers, llama.kv_heads, llama.vocab_size) == ("llama", 16, 8, 128256)
-    eager, compiled = gpu_check.benchmark_runs()
-    assert eager.cfg.model == compiled.cfg.model == gpt2
-    assert not eager.cfg.train.compile and compiled.cfg.train.compile and compiled.command[-1] == "--compile"
+    benchmarks = gpu_check.benchmark_runs()
+    assert [(run.name, run.mode) for run in benchmarks] == [("gpt2", "eager"), ("llama", "eager"),
+                                                            ("gpt2", "compiled"), ("llama", "compiled")]
+    for run in benchmarks:
+        assert run.cfg.model == {"gpt2": gpt2, "llama": llama}[run.name]
+        compiled = run.mode == "compiled"
+        assert run.cfg.train.compile == compiled and ("--hf-compile" in run.command) == compiled
 
 
 def _context(tmp_path: Path, runner) -> Context:
@@ -127,18 +133,30 @@ def _benchmark_output(megalite: float, huggingface: float) -> str:
 
 
 def test_throughput_step_sets_the_benchmark_against_the_goals(tmp_path):
-    outputs = {"throughput_eager": _benchmark_output(50_000, 40_000),
-               "throughput_compiled": _benchmark_output(56_000, 40_000)}
-    result = gpu_check.step_throughput(_context(tmp_path, lambda name, cmd, limit: (0, outputs[name])))
-    assert result.status == "PASS" and result.summary == "eager: 1.25x HF eager; compiled: 1.40x HF eager"
-    flops = gpu_check.training_flops_per_token(gpu_check.benchmark_runs()[0].cfg.model)
-    mfu = 56_000 * flops / 989e12
-    assert [(g.measured, g.met) for g in result.goals] == [
-        (f"{mfu:.1%} (compiled)", mfu >= 0.5), ("1.40x (compiled)", True), ("n/a", None), ("n/a", None),
-        ("n/a", None)]
+    outputs = {"throughput_gpt2_eager": (0, _benchmark_output(50_000, 40_000)),
+               "throughput_llama_eager": (0, _benchmark_output(45_000, 30_000)),
+               "throughput_gpt2_compiled": (0, _benchmark_output(56_000, 50_000)),
+               "throughput_llama_compiled": (None, "compiling...")}
+    result = gpu_check.step_throughput(_context(tmp_path, lambda name, cmd, limit: outputs[name]))
+    assert result.status == "FAIL" and result.summary == "Llama-3.2-1B compiled: timed out"
+    assert "| Llama-3.2-1B | eager | 45,000 |" in "\n".join(result.details)
+    flops = gpu_check.flops_by_family(gpu_check.benchmark_runs())
+    mfu = {"gpt2": 56_000 * flops["gpt2"] / 989e12, "llama": 45_000 * flops["llama"] / 989e12}
+    assert [(g.name, g.measured, g.met) for g in result.goals] == [
+        ("GPT-2 1.3B MFU >= 50%", f"{mfu['gpt2']:.1%} (compiled)", mfu["gpt2"] >= 0.5),
+        ("GPT-2 1.3B tokens/s >= 1.3x HF eager", "1.25x", False),
+        ("GPT-2 1.3B tokens/s >= 1.0x HF compiled", "1.12x", True),
+        ("Llama-3.2-1B MFU >= 45%", f"{mfu['llama']:.1%} (eager)", mfu["llama"] >= 0.45),
+        ("Llama-3.2-1B tokens/s >= 1.3x HF eager", "1.50x", True),
+        ("Llama-3.2-1B tokens/s >= 1.0x HF compiled", "n/a", None)]
+    outputs["throughput_llama_compiled"] = (0, _benchmark_output(60_000, 61_000))
+    passing = gpu_check.step_throughput(_context(tmp_path, lambda name, cmd, limit: outputs[name]))
+    assert passing.status == "PASS" and passing.summary == (
+        "GPT-2 1.3B eager: 1.25x HF eager; Llama-3.2-1B eager: 1.50x HF eager; "
+        "GPT-2 1.3B compiled: 1.12x HF compiled; Llama-3.2-1B compiled: 0.98x HF compiled")
     failing = gpu_check.step_throughput(_context(tmp_path, lambda name, cmd, limit: (1, "CUDA out of memory")))
-    assert failing.status == "FAIL" and failing.summary == "eager: exit status 1; compiled: exit status 1"
-    assert [g.met for g in failing.goals] == [None] * 5
+    assert failing.status == "FAIL" and failing.summary.startswith("GPT-2 1.3B eager: exit status 1; ")
+    assert [g.met for g in failing.goals] == [None] * 6
 
 
 def test_a_whole_run_with_its_commands_faked(tmp_path, monkeypatch):
@@ -146,8 +164,10 @@ def test_a_whole_run_with_its_commands_faked(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     training = _fake_training({"gpt2": 50.0, "llama": 58.0}, [10.9, 9.0, 8.1, 7.5])
-    outputs = {"tests": (0, "11 passed in 41.20s\n"), "throughput_eager": (0, _benchmark_output(50_000, 40_000)),
-               "throughput_compiled": (1, "torch.OutOfMemoryError: CUDA out of memory.")}
+    outputs = {"tests": (0, "11 passed in 41.20s\n"), "throughput_gpt2_eager": (0, _benchmark_output(50_000, 40_000)),
+               "throughput_llama_eager": (0, _benchmark_output(45_000, 30_000)),
+               "throughput_gpt2_compiled": (0, _benchmark_output(56_000, 50_000)),
+               "throughput_llama_compiled": (1, "torch.OutOfMemoryError: CUDA out of memory.")}
 
     def run(self, name: str, cmd: list[str], limit: float) -> tuple[int, str]:
         return training(name, cmd, limit) if name.startswith("train_") else outputs[name]
@@ -158,7 +178,8 @@ def test_a_whole_run_with_its_commands_faked(tmp_path, monkeypatch):
     text = report.read_text()
     assert text.startswith("## GPU check: NVIDIA H100 80GB HBM3 (H100 SXM; bf16 peak 989.0 TFLOP/s)\n")
     for row in ("| tests | PASS |", "| train | PASS |", "| throughput | FAIL |", "| memory | PASS |",
-                "| GPT-2 1.3B tokens/s >= 1.3x HF eager | 1.25x (eager) | missed |", "torch.OutOfMemoryError"):
+                "| GPT-2 1.3B tokens/s >= 1.3x HF eager | 1.25x | missed |",
+                "| Llama-3.2-1B tokens/s >= 1.0x HF compiled | n/a | not measured |", "torch.OutOfMemoryError"):
         assert row in text, row
 
 

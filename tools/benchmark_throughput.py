@@ -1,6 +1,6 @@
-"""Training throughput of megalite against Hugging Face's GPT2LMHeadModel, in one run.
+"""Training throughput of megalite against Hugging Face's GPT2LMHeadModel or LlamaForCausalLM, in one run.
 
-Both sides train the same GPT-2 network (same shapes, fp32 parameters, bf16 = autocast
+Both sides train the same network (`--family`: same shapes, fp32 parameters, bf16 = autocast
 in both) on the same token batches with the same AdamW hyperparameters, parameter groups
 and gradient clipping, so the ratio of their tokens/s measures the two codebases' model and
 step code. megalite runs its real step (`megalite.training.step.train_step`); Hugging Face runs
@@ -8,7 +8,15 @@ the loop its Trainer runs: `model(input_ids, labels=input_ids).loss`, backward,
 `clip_grad_norm_`, `optimizer.step()`, with the optimizer Trainer defaults to on
 torch >= 2.8 (`adamw_torch_fused`: torch AdamW with fused=True, as megalite uses on
 CPUs), or with `--hf-optimizer=default` torch AdamW's default implementation (Trainer's
-older `adamw_torch`: a per-tensor loop on CPU, foreach on CUDA).
+older `adamw_torch`: a per-tensor loop on CPU, foreach on CUDA). Hugging Face's attention is
+SDPA (attn_implementation="sdpa", asked for explicitly, so that no silent fallback to its eager
+attention slows it down). `--compile` compiles megalite as train.compile does (each layer);
+`--hf-compile` compiles the whole HF model, as Trainer's torch_compile and most users do; the
+two are independent, so eager and compiled can each be set against their like.
+
+Parameters stay fp32 on both sides: megalite's train.param_dtype=bf16 (bf16 parameters, fp32
+main weights in the optimizer) has no counterpart in Trainer, whose bf16 is autocast over fp32
+parameters; an HF model loaded in bf16 would train without fp32 main weights, another algorithm.
 
 MFU is taken against a peak measured on the spot (a large matmul in the run's dtype on
 this device), not a datasheet figure, so it is meaningful on CPUs too.
@@ -16,6 +24,8 @@ this device), not a datasheet figure, so it is meaningful on CPUs too.
 Example (the defaults are the goal config of docs/benchmarks.md):
     python tools/benchmark_throughput.py --precision bf16
     python tools/benchmark_throughput.py --device cuda --layers 24 --hidden 1024 --heads 16 --seq 1024
+    python tools/benchmark_throughput.py --device cuda --family llama --layers 16 --hidden 2048 --heads 32 \\
+        --kv-heads 8 --ffn 8192 --seq 8192 --micro-batch 2 --vocab 128256 --tie-embeddings --compile --hf-compile
 """
 
 from __future__ import annotations
@@ -43,30 +53,47 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2",
+                   help="megalite's model family, against GPT2LMHeadModel or LlamaForCausalLM")
     p.add_argument("--precision", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per model before timing")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="llama: key/value heads of grouped-query attention (default: --heads)")
+    p.add_argument("--ffn", type=int, default=None, help="MLP width (default: the family's, model.ffn_hidden_size)")
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the input embedding and the LM head (default: the family's, gpt2 tied, llama not)")
+    p.add_argument("--rope-theta", type=float, default=None,
+                   help="llama: RoPE base frequency (default: model.rope_theta's); changes values, not speed")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="torch.compile each megalite layer, as train.compile does")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="torch.compile the whole Hugging Face model, as Trainer's torch_compile does")
     p.add_argument("--hf-optimizer", choices=("fused", "default"), default="fused",
                    help="fused: Trainer's default adamw_torch_fused; default: torch AdamW's default implementation")
     p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.family == "gpt2" and (args.kv_heads is not None or args.rope_theta is not None):
+        p.error("--kv-heads and --rope-theta are llama options: GPT2LMHeadModel has neither")
+    return args
 
 
 def build_config(args: argparse.Namespace) -> Config:
     """The megalite config of the benchmarked model; optimizer hyperparameters stay at their defaults."""
     cfg = Config()
     m, t = cfg.model, cfg.train
-    m.family, m.num_layers, m.hidden_size, m.num_attention_heads = "gpt2", args.layers, args.hidden, args.heads
+    m.family, m.num_layers, m.hidden_size, m.num_attention_heads = args.family, args.layers, args.hidden, args.heads
+    m.num_query_groups, m.ffn_hidden_size, m.tie_embeddings = args.kv_heads, args.ffn, args.tie_embeddings
     m.seq_length, m.vocab_size = args.seq, args.vocab
+    if args.rope_theta is not None:
+        m.rope_theta = args.rope_theta
     t.micro_batch_size, t.precision, t.compile, t.seed = args.micro_batch, args.precision, args.compile, args.seed
     return cfg
 
@@ -120,24 +147,27 @@ def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Callable[[],
     return lambda: train_step(trainer, [batch])
 
 
-def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool) -> Callable[[], None]:
+def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool, compiled: bool) -> Callable[[], None]:
     """One step of the loop Trainer runs, on the same network, batch and AdamW settings as megalite.
 
     Labels are the inputs, as HF models shift them inside: the forward pass sees the same
-    tokens as megalite's, and the last position is left out of the loss.
+    tokens as megalite's, and the last position is left out of the loss. `compiled` compiles
+    the whole model, its loss included; the optimizer is built on the model's own parameters.
     """
     torch.manual_seed(cfg.train.seed)
-    model = transformers.GPT2LMHeadModel(hf_config(cfg.model)).to(device).train()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model), attn_implementation="sdpa")
+    model = model.to(device).train()
     o = cfg.optim
     groups = decay_groups(((n, p, p) for n, p in model.named_parameters()), o.weight_decay)
     optimizer = adamw(groups, o) if fused else torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                                                  eps=o.adam_eps)
     tokens = batch.tokens.to(device)
+    forward = torch.compile(model) if compiled else model
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with precision_context(cfg.train.precision, device):
-            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = forward(input_ids=tokens, labels=tokens).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
         optimizer.step()
@@ -162,12 +192,16 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = args.micro_batch * args.seq
     print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"transformers {transformers.__version__}")
-    print(f"model gpt2 L={args.layers} h={args.hidden} heads={args.heads} seq={args.seq} mb={args.micro_batch} "
-          f"vocab={args.vocab}, precision {args.precision}, {flops_per_token / 1e6:.1f} MFLOP/token")
+    m = cfg.model
+    print(f"model {m.family} L={m.num_layers} h={m.hidden_size} heads={m.num_attention_heads} kv={m.kv_heads} "
+          f"ffn={m.ffn_size} tied={m.tied} seq={m.seq_length} mb={args.micro_batch} vocab={m.vocab_size}, "
+          f"precision {args.precision}, {flops_per_token / 1e6:.1f} MFLOP/token")
+    print(f"compiled: megalite {'each layer' if args.compile else 'no'}, huggingface "
+          f"{'whole model' if args.hf_compile else 'no'}; HF attention sdpa, HF optimizer {args.hf_optimizer}")
     print(f"measured matmul peak: {peak:.3f} TFLOP/s ({args.precision}, {device.type})")
 
     builders = {"megalite": lambda: megalite_step(cfg, topology, batch),
-                "huggingface": lambda: hf_step(cfg, device, batch, args.hf_optimizer == "fused")}
+                "huggingface": lambda: hf_step(cfg, device, batch, args.hf_optimizer == "fused", args.hf_compile)}
     tokens_per_s = {}
     for name, build in builders.items():
         seconds = median_step_seconds(build(), args.warmup, args.steps, device)
@@ -176,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<12} {seconds * 1e3:8.1f} ms/step {tokens_per_s[name]:10.1f} tokens/s  MFU {mfu:6.1%}",
               flush=True)
         gc.collect()
+        torch.cuda.empty_cache()  # the next model starts from a bare allocator, as in a process of its own
     print(f"megalite / huggingface: {tokens_per_s['megalite'] / tokens_per_s['huggingface']:.3f}x")
 
 
