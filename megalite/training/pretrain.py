@@ -225,8 +225,8 @@ class Run:
         params = sum(torch.Size(shape).numel() for shape in self.sharded.shapes().values())
         self.writer.print(f"megalite config:\n{dump_yaml(cfg)}")
         self.writer.print(
-            f"world {t.world_size} (tp {t.tp}, cp {t.cp}, pp {t.pp}, dp {t.dp}) on {t.device}; "
-            f"{params / 1e6:.2f}M parameters; "
+            f"world {t.world_size} (tp {t.tp}, {f'cp {t.cp}, ' if t.cp > 1 else ''}pp {t.pp}, dp {t.dp}) "
+            f"on {t.device}; {params / 1e6:.2f}M parameters; "
             f"global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x "
             f"{cfg.train.micro_batch_size} x dp {t.dp}"
         )
