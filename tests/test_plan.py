@@ -28,6 +28,7 @@ from megalite.planning.plan import format_plan, make_plan
 from megalite.training.build import build_model, build_trainer
 from megalite.training.step import precision_context
 from tools import plan as plan_tool
+from tools.benchmark_context_parallel import saved_storages
 from tools.memory_report import rank_memory
 
 LAYOUTS = [  # (tp, pp, vp, family, tied)
@@ -155,15 +156,6 @@ def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: tor
     """Bytes of the distinct storages autograd saves (parameters' own storages left out) while one
     micro batch runs forward through `chunk`, with the loss as training/step.py computes it; under
     context parallelism on the sequence `positions` this rank holds."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),
                            generator=generator)
@@ -171,8 +163,7 @@ def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: tor
     if positions is not None:
         tokens, position_ids = tokens[:, positions], positions.expand(tokens.shape[0], -1)
     mask = torch.ones(tokens.shape)
-    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-          precision_context(cfg.train.precision, torch.device("cpu"))):
+    with saved_storages(model) as seen, precision_context(cfg.train.precision, torch.device("cpu")):
         out = model(tokens, tokens, position_ids=position_ids, hidden=hidden, chunk=chunk)
         if out.shape == tokens.shape:
             (out * mask).sum()

@@ -23,8 +23,10 @@ attention communication. Ranks share this machine's cores, so compare times with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -67,8 +69,9 @@ def make_config(args: argparse.Namespace, cp: int, comm: str) -> Config:
     return cfg
 
 
-def saved_bytes(model: torch.nn.Module, step) -> int:
-    """Distinct non-parameter storages autograd saves while `step()` runs the forward."""
+@contextlib.contextmanager
+def saved_storages(model: torch.nn.Module) -> Iterator[dict[int, int]]:
+    """Bytes of each distinct non-parameter storage autograd saves inside the block, by address."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -79,6 +82,12 @@ def saved_bytes(model: torch.nn.Module, step) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
+def saved_bytes(model: torch.nn.Module, step) -> int:
+    """Distinct non-parameter storages autograd saves while `step()` runs the forward."""
+    with saved_storages(model) as seen:
         loss = step()
     loss.backward()
     return sum(seen.values())
