@@ -36,9 +36,9 @@ def _moved_dtypes(rank: int, world_size: int, sequence_parallel: bool) -> set[tu
         setattr(layers, name, recording(name))
     cfg = tiny_config("llama", parallel={"tp": 2, "sequence_parallel": sequence_parallel},
                       train={"precision": "bf16"})
-    trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), tp=2))
     samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
-    train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+    with build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), tp=2)) as trainer:
+        train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
     return moved
 
 

@@ -187,32 +187,33 @@ def test_bf16_parameters_step_through_fp32_main_weights(topology):
     """train.param_dtype=bf16: the model holds bf16 parameters on the GPU, the optimizer fp32 main copies it
     steps with fused AdamW, and every step writes the rounded main weights back into the parameters."""
     cfg = _config("llama")
-    trainer = build_trainer(cfg, topology)
-    assert {(p.dtype, p.device) for p in trainer.model.parameters()} == {(torch.bfloat16, DEVICE)}
-    shards = trainer.optimizer.shards()
-    assert shards and all(m.main.dtype == torch.float32 and m.main.device == DEVICE and m.is_copy for m in shards)
-    assert all(group["fused"] for group in trainer.optimizer.optimizer.param_groups)
-    before = [m.main.detach().clone() for m in shards]
-    figures = train_step(trainer, [_batch(cfg)]).read()
-    assert not figures.skipped and math.isfinite(figures.loss) and math.isfinite(figures.grad_norm)
-    assert any(not torch.equal(old, m.main) for old, m in zip(before, shards))
-    for m in shards:
-        assert torch.equal(m.weights.view_as(m.main), m.main.to(torch.bfloat16)), m.name
+    with build_trainer(cfg, topology) as trainer:
+        assert {(p.dtype, p.device) for p in trainer.model.parameters()} == {(torch.bfloat16, DEVICE)}
+        shards = trainer.optimizer.shards()
+        assert shards and all(m.main.dtype == torch.float32 and m.main.device == DEVICE and m.is_copy for m in shards)
+        assert all(group["fused"] for group in trainer.optimizer.optimizer.param_groups)
+        before = [m.main.detach().clone() for m in shards]
+        figures = train_step(trainer, [_batch(cfg)]).read()
+        assert not figures.skipped and math.isfinite(figures.loss) and math.isfinite(figures.grad_norm)
+        assert any(not torch.equal(old, m.main) for old, m in zip(before, shards))
+        for m in shards:
+            assert torch.equal(m.weights.view_as(m.main), m.main.to(torch.bfloat16)), m.name
 
 
 def test_a_non_finite_gradient_norm_skips_the_update_on_the_device(topology):
     """A NaN gradient norm reaches fused AdamW as its found_inf tensor on the GPU, and the kernel leaves
     weights, main weights, moments and step counts as they were; the next step updates again."""
     cfg = _config("llama")
-    trainer, batch = build_trainer(cfg, topology), _batch(cfg)
-    train_step(trainer, [batch])
-    expected = _held(trainer)
-    poison = trainer.model.final_norm.weight.register_hook(lambda grad: torch.full_like(grad, math.nan))
-    figures = train_step(trainer, [batch]).read()
-    poison.remove()
-    assert figures.diverged and figures.skipped
-    _assert_holds(trainer, expected)
-    assert not train_step(trainer, [batch]).read().skipped
+    batch = _batch(cfg)
+    with build_trainer(cfg, topology) as trainer:
+        train_step(trainer, [batch])
+        expected = _held(trainer)
+        poison = trainer.model.final_norm.weight.register_hook(lambda grad: torch.full_like(grad, math.nan))
+        figures = train_step(trainer, [batch]).read()
+        poison.remove()
+        assert figures.diverged and figures.skipped
+        _assert_holds(trainer, expected)
+        assert not train_step(trainer, [batch]).read().skipped
 
 
 # ---------------------------------------------------------------------------------------- a whole run
@@ -256,15 +257,16 @@ def test_checkpoint_of_cuda_state_round_trips(topology, tmp_path):
     """Saved from the GPU and loaded back onto it: bf16 parameters, fp32 main weights and Adam's moments
     equal, Adam's step counts back on the device, where fused AdamW goes on stepping them."""
     cfg = _config("llama")
-    trainer, batch = build_trainer(cfg, topology), _batch(cfg)
-    train_step(trainer, [batch])
-    expected = _held(trainer)
-    loaded, state = _load(cfg, topology, _save(Checkpointer(str(tmp_path), topology), trainer, 1))
-    assert state.step == 1
-    _assert_holds(loaded, expected)
-    assert not train_step(loaded, [batch]).read().skipped
-    steps = {float(s["step"]) for s in loaded.optimizer.optimizer.state.values()}
-    assert steps == {2.0}
+    batch = _batch(cfg)
+    with build_trainer(cfg, topology) as trainer:
+        train_step(trainer, [batch])
+        expected = _held(trainer)
+        loaded, state = _load(cfg, topology, _save(Checkpointer(str(tmp_path), topology), trainer, 1))
+        assert state.step == 1
+        _assert_holds(loaded, expected)
+        assert not train_step(loaded, [batch]).read().skipped
+        steps = {float(s["step"]) for s in loaded.optimizer.optimizer.state.values()}
+        assert steps == {2.0}
 
 
 def test_async_saves_hold_the_state_of_their_step(topology, tmp_path):
@@ -272,17 +274,18 @@ def test_async_saves_hold_the_state_of_their_step(topology, tmp_path):
     the steps taken while its files are written in the background do not leak into them; the second save
     reuses the first one's host buffers once its files are written."""
     cfg = _config("gpt2")
-    trainer, batch = build_trainer(cfg, topology), _batch(cfg)
-    checkpointer = Checkpointer(str(tmp_path), topology, async_save=True)
-    saved = []
-    for step in (1, 2):
+    batch = _batch(cfg)
+    with build_trainer(cfg, topology) as trainer:
+        checkpointer = Checkpointer(str(tmp_path), topology, async_save=True)
+        saved = []
+        for step in (1, 2):
+            train_step(trainer, [batch])
+            saved.append((_held(trainer), _save(checkpointer, trainer, step)))
         train_step(trainer, [batch])
-        saved.append((_held(trainer), _save(checkpointer, trainer, step)))
-    train_step(trainer, [batch])
-    checkpointer.wait()
-    for expected, path in saved:
-        assert (path / "index.json").is_file()
-        _assert_holds(_load(cfg, topology, path)[0], expected)
+        checkpointer.wait()
+        for expected, path in saved:
+            assert (path / "index.json").is_file()
+            _assert_holds(_load(cfg, topology, path)[0], expected)
 
 
 # ---------------------------------------------------------------------------------------- context parallel

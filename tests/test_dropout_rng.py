@@ -83,13 +83,13 @@ def _train(family: str, tp: int, sp: bool, recompute: str, topology: Topology) -
     cfg = tiny_config(family, model={"hidden_dropout": 0.1, "attention_dropout": 0.1},
                       parallel={"tp": tp, "sequence_parallel": sp}, train={"recompute": recompute, "train_iters": 3})
     torch.manual_seed(cfg.train.seed)
-    parts = build_trainer(cfg, topology)
     data, gbs, losses = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), 4, []
-    for step in range(3):
-        window = (step * gbs, (step + 1) * gbs, 2, topology.dp, topology.dp_rank, 0, topology.device)
-        batches = list(micro_batches(data, BatchMaker(), *window))
-        result = train_step(parts, batches)
-        losses.append(result.loss)
+    with build_trainer(cfg, topology) as parts:
+        for step in range(3):
+            window = (step * gbs, (step + 1) * gbs, 2, topology.dp, topology.dp_rank, 0, topology.device)
+            batches = list(micro_batches(data, BatchMaker(), *window))
+            result = train_step(parts, batches)
+            losses.append(result.loss)
     return losses, [p.main_grad.clone() for p in parts.model.parameters()]
 
 

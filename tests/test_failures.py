@@ -97,8 +97,8 @@ def test_checkpoint_resumes_at_every_layout(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Torchrun jobs the test kills, stops or signals
 
-# Slow enough per step (about 0.15 s on one thread per rank, more on a loaded machine) that a
-# signal sent after step 2 or 3 lands seconds before the last step.
+# The tests act on a job held after a known step (tests/held_pretrain.py), so what they do lands
+# there whatever the machine's speed.
 STEPS = 12
 SLOW = ["--model.num_layers=4", "--model.hidden_size=128", "--model.num_attention_heads=4", "--model.seq_length=128",
         "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4",
@@ -112,15 +112,24 @@ def slow_reference() -> dict[int, float]:
 
 
 class Job:
-    """pretrain_gpt.py under torchrun on CPU processes, output in a file."""
+    """pretrain_gpt.py under torchrun on CPU processes, output in a file, every rank held after step
+    `hold_after` until `release` (tests/held_pretrain.py)."""
 
-    def __init__(self, tmp: Path, nproc: int, args: list[str], *launcher: str) -> None:
-        self.log = tmp / "torchrun.log"
+    def __init__(self, tmp: Path, nproc: int, args: list[str], *launcher: str, hold_after: int) -> None:
+        self.log, self.nproc, self.holds = tmp / "torchrun.log", nproc, tmp / "holds"
+        self.holds.mkdir()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
-               str(ROOT / "pretrain_gpt.py"), *QUIET, *args]
+               str(ROOT / "tests" / "held_pretrain.py"), *QUIET, *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HOLD_AFTER_STEP": str(hold_after), "HOLD_DIR": str(self.holds)}
         with self.log.open("w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+    def wait_until_held(self) -> None:
+        """Every rank finished its step `hold_after` and waits for `release`."""
+        self.wait_until(lambda: all((self.holds / f"held_{rank}").exists() for rank in range(self.nproc)))
+
+    def release(self) -> None:
+        (self.holds / "go").touch()
 
     def output(self) -> str:
         return self.log.read_text()
@@ -170,9 +179,10 @@ def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path,
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     job = Job(tmp_path, 2, [*SLOW, f"--checkpoint.save={ckpt}", "--checkpoint.save_interval=2",
                             f"--logging.metrics_file={metrics}"],
-              "--max-restarts=1")
-    job.wait_until(lambda: (ckpt / "latest").exists() and len(_logged(metrics)) >= 3)
+              "--max-restarts=1", hold_after=3)
+    job.wait_until_held()  # step 2's checkpoint is published, step 3 logged
     job.workers()[0].kill()  # SIGKILL; rank 0, so the logging rank (1) never dies mid-line
+    job.release()  # the restarted workers do not hold again
     out = job.finish()
     assert job.proc.returncode == 0, out[-3000:]
     resumed = [line for line in out.splitlines() if line.startswith("resumed from")]
@@ -195,9 +205,10 @@ def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path,
 def test_sigterm_saves_where_the_run_stopped_and_exits_zero(tmp_path, slow_reference):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     job = Job(tmp_path, 2, [*SLOW, f"--checkpoint.save={ckpt}",
-                            f"--logging.metrics_file={metrics}"])  # no save_interval
-    job.wait_until(lambda: len(_logged(metrics)) >= 2)
+                            f"--logging.metrics_file={metrics}"], hold_after=2)  # no save_interval
+    job.wait_until_held()
     job.workers()[0].send_signal(signal.SIGTERM)  # one rank gets it; all must agree to stop
+    job.release()
     out = job.finish()
     assert job.proc.returncode == 0, out[-3000:]
     reached = _logged(metrics)[-1]
@@ -217,10 +228,11 @@ def test_sigterm_saves_where_the_run_stopped_and_exits_zero(tmp_path, slow_refer
 def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     job = Job(tmp_path, 2, [*SLOW, "--train.train_iters=1000", "--parallel.timeout_minutes=0.2",
-                            f"--logging.metrics_file={metrics}"])
-    job.wait_until(lambda: len(_logged(metrics)) >= 2)
+                            f"--logging.metrics_file={metrics}"], hold_after=2)
+    job.wait_until_held()
     workers = job.workers()
     workers[1].suspend()  # SIGSTOP: alive, its sockets open, but it never joins another collective
+    job.release()
     try:
         gone, _ = psutil.wait_procs([workers[0]], timeout=240)
         assert gone, f"rank 0 still waits on the stopped rank:\n{job.output()[-3000:]}"

@@ -117,13 +117,13 @@ def _overflow_votes(rank: int, world_size: int, precision: str) -> int:
     from megalite.training.step import train_step
 
     cfg = tiny_config(train={"precision": precision})
-    trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu")))
-    votes = []
-    vote = trainer.optimizer.any_overflow
-    trainer.optimizer.any_overflow = lambda found: votes.append(found) or vote(found)
-    samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
-    for _ in range(2):
-        train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+    with build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))) as trainer:
+        votes = []
+        vote = trainer.optimizer.any_overflow
+        trainer.optimizer.any_overflow = lambda found: votes.append(found) or vote(found)
+        samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
+        for _ in range(2):
+            train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
     return len(votes)
 
 
@@ -186,22 +186,22 @@ def _host_reads(rank: int, world_size: int, precision: str, parallel: dict) -> i
     from megalite.training.step import train_step
 
     cfg = tiny_config(train={"precision": precision}, parallel=parallel)
-    trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), tp=parallel.get("tp", 1),
-                                          pp=parallel.get("pp", 1)))
-    samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
-    batches = [BatchMaker()([samples[i], samples[i + 1]]) for i in range(0, 2 * cfg.num_microbatches(2), 2)]
-    train_step(trainer, batches)  # warm-up: first-step allocations
-    reads = []
-    names = ("item", "tolist", "__float__", "__int__", "__bool__")
-    originals = {name: getattr(torch.Tensor, name) for name in names}
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
-    try:
-        result = train_step(trainer, batches)
-    finally:
+    topology = Topology(rank, world_size, torch.device("cpu"), tp=parallel.get("tp", 1), pp=parallel.get("pp", 1))
+    with build_trainer(cfg, topology) as trainer:
+        samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
+        batches = [BatchMaker()([samples[i], samples[i + 1]]) for i in range(0, 2 * cfg.num_microbatches(2), 2)]
+        train_step(trainer, batches)  # warm-up: first-step allocations
+        reads = []
+        names = ("item", "tolist", "__float__", "__int__", "__bool__")
+        originals = {name: getattr(torch.Tensor, name) for name in names}
         for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-    result.read()  # the figures are all there, read when the loop wants them
+            setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
+        try:
+            result = train_step(trainer, batches)
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+        result.read()  # the figures are all there, read when the loop wants them
     return len(reads)
 
 

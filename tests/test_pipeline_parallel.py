@@ -88,14 +88,14 @@ def _config(family: str, pp: int, vp: int, tp: int, sp: bool, first: int | None 
 
 def _train(cfg, topology: Topology) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Three steps; returns this rank's step losses and its full gradients by one-device name."""
-    parts = build_trainer(cfg, topology)
     data, gbs = MockDataset(250, 32, cfg.train.seed), 8
     losses = []
-    for step in range(3):
-        batches = list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, 1, topology.dp, topology.dp_rank,
-                                     0, topology.device))
-        parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, 3))
-        losses.append(train_step(parts, batches).loss)
+    with build_trainer(cfg, topology) as parts:
+        for step in range(3):
+            batches = list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, 1, topology.dp,
+                                         topology.dp_rank, 0, topology.device))
+            parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, 3))
+            losses.append(train_step(parts, batches).loss)
     shards, copies, grads = parameter_shards(parts.model), parts.model.tied_copies(), {}
     for name, param in parts.model.named_parameters():
         grad = param.main_grad

@@ -8,11 +8,13 @@ tool's plumbing, not the tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.util
 import json
 import multiprocessing
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -219,11 +221,36 @@ def test_sentencepiece_and_null_tokenizers(tmp_path, assets, texts):
     assert documents(tmp_path / "null_text_document") == [[1, 2, 3, 100], [99, 0, 100]]
 
 
-def big_input(path: Path, texts: list[str], megabytes: float) -> Path:
-    """Enough work (a few seconds on one core) to interrupt the tool in the middle of it."""
-    line = "\n".join(json.dumps({"text": t}) for t in texts) + "\n"
-    path.write_text(line * int(megabytes * 1e6 / len(line)), encoding="utf-8")
-    return path
+class HeldInput:
+    """A JSONL input that is a named pipe: the test writes records into it and the tool reads them as they
+    come, so the tool is held where the test wants it (blocked reading, after a chunk was written) and
+    whatever the test does next lands there, however fast the machine. Closing ends the input."""
+
+    def __init__(self, path: Path, texts: list[str]) -> None:
+        os.mkfifo(path)
+        self.path, self.pipe = path, None
+        self.lines = ("\n".join(json.dumps({"text": t}) for t in texts) + "\n").encode()
+
+    def feed(self, chunks: int) -> None:
+        """Whole records, at least `chunks` of the tool's reading chunks (CHUNK_BYTES); returns once the tool
+        has read all but a pipe's buffer of them (opening waits for the tool to open its end)."""
+        if self.pipe is None:
+            self.pipe = self.path.open("wb")
+        with contextlib.suppress(BrokenPipeError):  # the tool stopped reading (it failed, as the test wanted)
+            self.pipe.write(self.lines * -(-chunks * preprocess_inputs.CHUNK_BYTES // len(self.lines)))
+            self.pipe.flush()
+
+    def close(self) -> None:
+        if self.pipe is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.pipe.close()
+
+
+@pytest.fixture
+def held_input(tmp_path, texts):
+    fed = HeldInput(tmp_path / "held.jsonl", texts)
+    yield fed
+    fed.close()
 
 
 def start_tool(tmp_path: Path, source: Path, gpt2_flags: list[str], workers: int) -> subprocess.Popen:
@@ -231,6 +258,33 @@ def start_tool(tmp_path: Path, source: Path, gpt2_flags: list[str], workers: int
                              "--output-prefix", str(tmp_path / "out"),
                              *gpt2_flags, "--workers", str(workers), "--log-interval", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def start_held(tmp_path: Path, held: HeldInput, gpt2_flags: list[str], workers: int) -> subprocess.Popen:
+    """The tool with a chunk written and logged and its reader waiting for more input: it keeps
+    2 * workers + 1 chunks in flight before it writes the first (each chunk ends at a whole line, so one
+    chunk more than that is fed), then reads on."""
+    tool = start_tool(tmp_path, held.path, gpt2_flags, workers)
+    held.feed(2 * workers + 2)
+    assert tool.stderr.readline().startswith("processed")
+    wait_until_reading(tool.pid, held.path)
+    return tool
+
+
+READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}  # read()'s number in /proc/PID/syscall
+
+
+def wait_until_reading(pid: int, path: Path) -> None:
+    """Until the process's main thread is blocked in a read() of `path` (Linux: /proc/PID/syscall), where a
+    signal interrupts it. A signal that arrives just before the read starts is taken by Python's handler
+    flag, not by the read, which then blocks on until more input comes."""
+    deadline = time.monotonic() + 30
+    while True:
+        call = Path(f"/proc/{pid}/syscall").read_text().split()
+        if call[0] == READ_SYSCALL[platform.machine()] and os.readlink(f"/proc/{pid}/fd/{int(call[1], 16)}") == str(path):
+            return
+        assert time.monotonic() < deadline, f"the tool is not reading {path}: in system call {call}"
+        time.sleep(0.01)
 
 
 def children(pid: int) -> list[int]:
@@ -246,9 +300,8 @@ def children(pid: int) -> list[int]:
 
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_interrupt_leaves_no_files(tmp_path, gpt2_flags, texts, signum, code):
-    tool = start_tool(tmp_path, big_input(tmp_path / "big.jsonl", texts, 4), gpt2_flags, workers=1)
-    assert tool.stderr.readline().startswith("processed")  # mid-run: a first chunk is written
+def test_interrupt_leaves_no_files(tmp_path, gpt2_flags, held_input, signum, code):
+    tool = start_held(tmp_path, held_input, gpt2_flags, workers=1)  # mid-run: a first chunk is written
     tool.send_signal(signum)
     _, err = tool.communicate(timeout=30)
     assert tool.returncode == code, err
@@ -256,12 +309,17 @@ def test_interrupt_leaves_no_files(tmp_path, gpt2_flags, texts, signum, code):
     assert final_files(tmp_path) == []
 
 
-def test_a_dead_worker_fails_the_run_promptly(tmp_path, gpt2_flags, texts):
-    tool = start_tool(tmp_path, big_input(tmp_path / "big.jsonl", texts, 4), gpt2_flags, workers=2)
-    deadline = time.monotonic() + 20
-    while not (workers := children(tool.pid)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+def test_a_dead_worker_fails_the_run_promptly(tmp_path, gpt2_flags, held_input):
+    """A worker killed mid-run: once the pool has noticed (the dead worker is reaped), the next chunk fails."""
+    tool = start_held(tmp_path, held_input, gpt2_flags, workers=2)
+    workers = children(tool.pid)
     os.kill(workers[0], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while workers[0] in children(tool.pid):
+        assert time.monotonic() < deadline, "the tool never reaped its killed worker"
+        time.sleep(0.01)
+    held_input.feed(1)
+    held_input.close()
     _, err = tool.communicate(timeout=30)
     assert tool.returncode == 1, err
     assert "worker process died" in err

@@ -50,11 +50,11 @@ def _tp_run(rank: int, world_size: int) -> list[str]:
     tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
     for family, sp in CASES:
         ref_logits, ref_losses, ref_grads = _reference(family, tokens)
-        trainer = build_trainer(_config(family, parallel={"tp": world_size, "sequence_parallel": sp}), topology)
-        model = trainer.model
-        losses = model(tokens, tokens.roll(-1, 1))
-        losses.sum().backward()
-        trainer.grads.reduce()
+        with build_trainer(_config(family, parallel={"tp": world_size, "sequence_parallel": sp}), topology) as trainer:
+            model = trainer.model
+            losses = model(tokens, tokens.roll(-1, 1))
+            losses.sum().backward()
+            trainer.grads.reduce()
         with torch.no_grad():
             logits = model(tokens)
         checks = {"logits": (logits, ref_logits), "losses": (losses.detach(), ref_losses)}

@@ -95,12 +95,12 @@ def _gathered_peaks(rank: int, world_size: int, recompute: str) -> dict[str, tup
     peaks = {}
     for family in ("llama", "gpt2"):
         cfg = tiny_config(family, parallel={"zero_stage": 3}, train={"recompute": recompute}, model={"num_layers": 6})
-        trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu")))
-        samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
-        train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
-        sharded = trainer.sharded_params
-        left = {s.bucket.weights.untyped_storage().nbytes() for s in sharded.states.values()}
-        peaks[family] = (sharded.peak_buckets, len(sharded.states), left)
+        with build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))) as trainer:
+            samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
+            train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+            sharded = trainer.sharded_params
+            left = {s.bucket.weights.untyped_storage().nbytes() for s in sharded.states.values()}
+            peaks[family] = (sharded.peak_buckets, len(sharded.states), left)
     return peaks
 
 
@@ -160,17 +160,17 @@ def test_offloaded_main_weights_are_host_copies():
 
 def _host_copies_per_bucket(rank: int, world_size: int) -> tuple[list[int], int, int]:
     cfg = tiny_config(parallel={"zero_stage": 2, "bucket_size": 3000}, optim={"offload": "cpu"})
-    trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu")))
-    optimizer, started = trainer.optimizer, []
-    landed = optimizer.grads_landed
+    with build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))) as trainer:
+        optimizer, started = trainer.optimizer, []
+        landed = optimizer.grads_landed
 
-    def count(bucket) -> None:
-        landed(bucket)
-        started.append(sum(m.main.grad is not None for m in optimizer.shards()))
+        def count(bucket) -> None:
+            landed(bucket)
+            started.append(sum(m.main.grad is not None for m in optimizer.shards()))
 
-    optimizer.grads_landed = count
-    samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
-    train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+        optimizer.grads_landed = count
+        samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
+        train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
     return started, len(optimizer.shards()), sum(len(b.buckets) for b in trainer.grads.buffers)
 
 

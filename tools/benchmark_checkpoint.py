@@ -89,11 +89,11 @@ class Trained:
         self.cfg = cfg
         self.topology = Topology.from_environment("cpu", cfg.parallel.timeout_minutes)
         torch.manual_seed(cfg.train.seed)
-        parts = build_trainer(cfg, self.topology)
         sample = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)[0]
-        begin = time.perf_counter()
-        train_step(parts, [BatchMaker()([sample])])
-        self.step_seconds = time.perf_counter() - begin
+        with build_trainer(cfg, self.topology) as parts:
+            begin = time.perf_counter()
+            train_step(parts, [BatchMaker()([sample])])
+            self.step_seconds = time.perf_counter() - begin
         self.sharded = parts.sharded_state()
         self.rng = rng_state(self.topology.device, parts.tp.rng)
         self.state = TrainingState(step=1, consumed_samples=1, loss_scaler=parts.scaler.state_dict())

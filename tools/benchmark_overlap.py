@@ -122,6 +122,8 @@ def time_cases(topology: Topology, args: argparse.Namespace) -> list[dict]:
     for _ in range(args.iters):
         for case in cases:
             case.timings["alone"].append(case.reduce_alone())
+    for case in cases:
+        case.parts.close()
     buffers = cases[0].parts.grads.buffers
     return [{**case.timings, "numel": sum(p.numel() for p in case.parts.model.parameters()),
              "buckets": sum(len(b.buckets) for b in buffers)} for case in cases]

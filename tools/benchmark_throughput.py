@@ -31,10 +31,11 @@ Example (the defaults are the goal config of docs/benchmarks.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import transformers
@@ -140,11 +141,13 @@ def median_step_seconds(step: Callable[[], None], warmup: int, timed: int, devic
     return statistics.median(times)
 
 
-def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Callable[[], None]:
-    """One megalite optimizer step as pretraining runs it (model, optimizer, compile as pretrain.py builds them)."""
-    trainer = build_trainer(cfg, topology)
-    trainer.model.train()
-    return lambda: train_step(trainer, [batch])
+@contextlib.contextmanager
+def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Iterator[Callable[[], None]]:
+    """One megalite optimizer step as pretraining runs it (model, optimizer, compile as pretrain.py builds them);
+    the trainer is closed when the measurement is done."""
+    with build_trainer(cfg, topology) as trainer:
+        trainer.model.train()
+        yield lambda: train_step(trainer, [batch])
 
 
 def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool, compiled: bool) -> Callable[[], None]:
@@ -201,10 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"measured matmul peak: {peak:.3f} TFLOP/s ({args.precision}, {device.type})")
 
     builders = {"megalite": lambda: megalite_step(cfg, topology, batch),
-                "huggingface": lambda: hf_step(cfg, device, batch, args.hf_optimizer == "fused", args.hf_compile)}
+                "huggingface": lambda: contextlib.nullcontext(
+                    hf_step(cfg, device, batch, args.hf_optimizer == "fused", args.hf_compile))}
     tokens_per_s = {}
     for name, build in builders.items():
-        seconds = median_step_seconds(build(), args.warmup, args.steps, device)
+        with build() as step:
+            seconds = median_step_seconds(step, args.warmup, args.steps, device)
         tokens_per_s[name] = tokens_per_step / seconds
         mfu = tokens_per_s[name] * flops_per_token / (peak * 1e12)
         print(f"{name:<12} {seconds * 1e3:8.1f} ms/step {tokens_per_s[name]:10.1f} tokens/s  MFU {mfu:6.1%}",

@@ -116,9 +116,9 @@ def mock_batches(cfg: Config, dp_rank: int, count: int) -> list[Batch]:
 def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     """Build this rank's model and optimizer, train one step, and measure what stays allocated."""
     topology = Topology(rank, world_size, torch.device("cpu"), tp=cfg.parallel.tp, pp=cfg.parallel.pp)
-    parts = build_trainer(cfg, topology)
-    params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]
-    train_step(parts, mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size)))
+    with build_trainer(cfg, topology) as parts:
+        params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]
+        train_step(parts, mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size)))
     held = storages(params + [b.param_shard for b in parts.grads.buffers if b.param_shard is not None])
     kept = [b.grad_data if b.grad_data is not None else b.shard_data for b in parts.grads.buffers]
     grads = storages(kept + [t.grad for t in params + mains if t.grad is not None])

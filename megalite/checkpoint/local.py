@@ -64,6 +64,9 @@ class TrainingState:
         return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
+WRITER_THREAD = "megalite-checkpoint-writer"
+
+
 @dataclass
 class _Pending:
     final: Path
@@ -96,7 +99,8 @@ class Checkpointer:
         rng = {k: v.clone() for k, v in rng.items()}
         self.pending = _Pending(final, tmp, None)
         if self.async_save:
-            self.pending.thread = threading.Thread(target=self._write, args=(self.pending, pieces, rng), daemon=True)
+            self.pending.thread = threading.Thread(target=self._write, args=(self.pending, pieces, rng), daemon=True,
+                                                   name=WRITER_THREAD)
             self.pending.thread.start()
         else:
             self._write(self.pending, pieces, rng)
@@ -135,6 +139,14 @@ class Checkpointer:
         if self.pending.thread is not None:
             self.pending.thread.join()
         return self._publish_if(True)
+
+    def abandon(self) -> None:
+        """A failing run: let the background write finish (no thread left writing into the checkpoint
+        directory) but publish nothing, which would need every rank. The unpublished `.tmp` directory is
+        ignored on resume and removed by the next save."""
+        if self.pending is not None and self.pending.thread is not None:
+            self.pending.thread.join()
+        self.pending = None
 
     def _publish_if(self, done: bool) -> Path | None:
         if not done:

@@ -32,11 +32,37 @@ class MicroBatchSampler:
         return max(0, (self.end - self.first) // (self.mb * self.dp))
 
 
+class MicroBatches:
+    """An iterator of micro batches whose worker processes stop when it is closed (or its `with` block ends),
+    not whenever the garbage collector reaches it: a run that ends, or fails with the stream still referenced
+    from the traceback, leaves no worker behind."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._batches = iter(loader)
+
+    def __iter__(self) -> "MicroBatches":
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def close(self) -> None:
+        shutdown = getattr(self._batches, "_shutdown_workers", None)  # only loaders with workers have them
+        if shutdown is not None:
+            shutdown()
+
+    def __enter__(self) -> "MicroBatches":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 def micro_batches(dataset: Dataset, maker: BatchMaker, first: int, end: int, micro_batch_size: int, dp: int,
-                  dp_rank: int, num_workers: int, device: torch.device) -> Iterator[Batch]:
-    """Iterate this rank's micro batches over samples [first, end), prefetched by `num_workers` processes."""
+                  dp_rank: int, num_workers: int, device: torch.device) -> MicroBatches:
+    """This rank's micro batches over samples [first, end), prefetched by `num_workers` processes."""
     loader = DataLoader(
         dataset, batch_sampler=MicroBatchSampler(first, end, micro_batch_size, dp, dp_rank), collate_fn=maker,
         num_workers=num_workers, pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers else None,
     )
-    return iter(loader)
+    return MicroBatches(loader)

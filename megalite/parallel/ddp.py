@@ -67,6 +67,11 @@ class DataParallelGrads:
         for buffer in self.buffers:
             buffer.zero()
 
+    def wait(self) -> None:
+        """Wait for every reduction still in flight (a step cut short leaves some); their results are dropped."""
+        for buffer in self.buffers:
+            buffer.wait()
+
     @property
     def wait_seconds(self) -> float:
         """How long the last step's reductions kept the device waiting after backward (reading it waits for

@@ -228,6 +228,14 @@ class GradBuffer:
                 landed(bucket)
         return waits
 
+    def wait(self) -> None:
+        """Wait for the reductions in flight without landing them (closing after an interrupted step)."""
+        for bucket in self.buckets:
+            for work, _ in bucket.in_flight:
+                if work is not None:
+                    work.wait()
+            bucket.in_flight = []
+
     def zero(self) -> None:
         if self.grad_data is not None:
             self.grad_data.zero_()

@@ -114,6 +114,10 @@ class ShardedParameters:
                 state.work.wait()
                 state.work = None
 
+    def wait_all(self) -> None:
+        """Wait for every gather in flight (prefetches a cut-short step or evaluation left behind)."""
+        self._wait(list(self.states.values()))
+
     def _release(self, state: GatheredBucket) -> None:
         """Free the bucket's whole parameters if nothing uses them (its gather has landed: it was waited for)."""
         if state.present and state.users == 0 and not state.in_backward:

@@ -39,6 +39,23 @@ class Trainer:
         """The checkpoint's view of the model and optimizer state this rank holds."""
         return ShardedState(self.model, self.optimizer, self.tp, self.topology)
 
+    def close(self) -> None:
+        """Land every collective the trainer left in flight: the overlapped parameter gathers a step leaves for
+        the next forward, ZeRO-3's prefetched gathers, gradient reductions of a step that was cut short.
+        Destroying the process group while one is in flight aborts the process on NCCL (and, on gloo, whenever
+        a background thread still touches the group), so whoever drives `train_step` closes the trainer
+        before the group goes: `with build_trainer(cfg, topology) as trainer: ...`. Safe to call twice."""
+        self.optimizer.wait_params()
+        self.grads.wait()
+        if self.sharded_params is not None:
+            self.sharded_params.wait_all()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def build_model(cfg: Config, device: torch.device, tp: TPContext, pp_rank: int,
                 cp: CPContext | None = None) -> GPTModel:

@@ -23,19 +23,19 @@ def evaluate(trainer: Trainer, data: TrainingData) -> tuple[float, float]:
     model.eval()
     per_step = cfg.num_microbatches(topology.world_size)
     end = cfg.train.eval_iters * cfg.batch_size(topology.world_size)
-    stream = micro_batches(data.valid, data.maker, 0, end, cfg.train.micro_batch_size, topology.dp, topology.dp_rank,
-                           cfg.data.num_workers, topology.device)
     totals = torch.zeros(2, device=topology.device, dtype=torch.float64)
 
     def add_losses(out: torch.Tensor, batch: Batch) -> torch.Tensor:
         totals.add_(torch.stack(((out * batch.loss_mask).sum(), batch.loss_mask.sum())).double())
         return out
 
-    for _ in range(cfg.train.eval_iters):
-        batches = local_batches(trainer, [next(stream) for _ in range(per_step)])
-        pipeline = trainer.pipeline
-        run_schedule("forward", per_step, microbatch_forward(trainer, batches, add_losses), pipeline.stage,
-                     pipeline.comm)
+    with micro_batches(data.valid, data.maker, 0, end, cfg.train.micro_batch_size, topology.dp, topology.dp_rank,
+                       cfg.data.num_workers, topology.device) as stream:
+        for _ in range(cfg.train.eval_iters):
+            batches = local_batches(trainer, [next(stream) for _ in range(per_step)])
+            pipeline = trainer.pipeline
+            run_schedule("forward", per_step, microbatch_forward(trainer, batches, add_losses), pipeline.stage,
+                         pipeline.comm)
     dist.all_reduce(totals, group=topology.dp_cp_group)
     model.train()
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")

@@ -21,7 +21,7 @@ from megalite.config import Config
 from megalite.config_validation import validate
 from megalite.config_cli import dump_yaml
 from megalite.data.build import build_training_data, training_tokenizer
-from megalite.data.loader import micro_batches
+from megalite.data.loader import MicroBatches, micro_batches
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, synchronize
 from megalite.training.build import build_trainer
@@ -81,6 +81,7 @@ class Run:
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
         self.saved_step, self.diverged_in_a_row = -1, 0
         self.unread: list[tuple[int, StepResult]] = []  # steps whose figures are still on the device
+        self.stream: MicroBatches | None = None
         self.result = RunResult()
 
     def _resume(self) -> tuple[Path | None, list[str]]:
@@ -110,9 +111,9 @@ class Run:
         cfg, start = self.cfg, self.state.step
         self._announce()
         t = self.topology
-        stream = micro_batches(self.data.train, self.data.maker, self.state.consumed_samples,
-                               cfg.train.train_iters * self.gbs, cfg.train.micro_batch_size, t.dp, t.dp_rank,
-                               cfg.data.num_workers, t.device)
+        self.stream = stream = micro_batches(self.data.train, self.data.maker, self.state.consumed_samples,
+                                             cfg.train.train_iters * self.gbs, cfg.train.micro_batch_size, t.dp,
+                                             t.dp_rank, cfg.data.num_workers, t.device)
         per_step = cfg.num_microbatches(t.world_size)
         self.interval = (time.perf_counter(), 0)
         with _stop_flag_on(signal.SIGTERM) as sigterm:
@@ -214,11 +215,26 @@ class Run:
             self._save()
         if self.checkpointer:
             self.checkpointer.wait()
-        self.profiler.close()
         self.result.final_step = step
-        self.writer.close()
-        self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_dir, self.state.wandb_run_id
         return self.result
+
+    def close(self, failed: bool = False) -> None:
+        """Release what the run started, before the process group goes: data workers, the trainer's
+        collectives in flight, a checkpoint write still running (`failed`: joined, not published), the
+        profiler and the metrics writer. On a failure the first error is what the user sees, so the
+        trainer's waits (which may fail too once a peer is gone) do not replace it."""
+        if self.stream is not None:
+            self.stream.close()
+        if self.checkpointer and failed:
+            self.checkpointer.abandon()
+        if failed:
+            with contextlib.suppress(Exception):
+                self.trainer.close()
+        else:
+            self.trainer.close()
+        self.profiler.close()
+        self.writer.close(exit_code=1 if failed else 0)
+        self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_dir, self.state.wandb_run_id
 
     def _announce(self) -> None:
         t, cfg = self.topology, self.cfg
@@ -301,13 +317,13 @@ def pretrain(cfg: Config) -> RunResult:
         try:
             result = run.train()
         except BaseException as error:
-            run.profiler.close()
-            run.writer.close(exit_code=1)
+            run.close(failed=True)
             message = collective_timeout_message(error, topology.rank, cfg.parallel.timeout_minutes,
                                                  topology.named_groups())
             if message:
                 raise RuntimeError(message) from error
             raise
+        run.close()
         dist.barrier()
         return result
     finally:

@@ -1,0 +1,35 @@
+"""pretrain_gpt.py held at a known step, for tests that signal, stop or kill a worker.
+
+Run in place of pretrain_gpt.py (torchrun takes it as the script) with HOLD_AFTER_STEP=N and
+HOLD_DIR=DIR in the environment: once a rank has finished its N-th step in this process (logged,
+voted on, saved), it writes DIR/held_<rank> and waits for DIR/go before the next one. A test
+waits for every rank's file, acts (a signal, SIGSTOP, SIGKILL), then writes DIR/go: what it did
+lands at that step however fast or slow the machine is. A restarted worker counts its steps
+anew and does not wait once DIR/go exists.
+"""
+
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+import megalite.training.pretrain as pretrain_module
+
+ROOT = Path(__file__).resolve().parents[1]
+AFTER, WHERE = int(os.environ["HOLD_AFTER_STEP"]), Path(os.environ["HOLD_DIR"])
+step, steps_done = pretrain_module.train_step, [0]
+
+
+def held_step(trainer, batches):
+    if steps_done[0] == AFTER:
+        (WHERE / f"held_{os.environ.get('RANK', '0')}").touch()
+        while not (WHERE / "go").exists():
+            time.sleep(0.01)
+    steps_done[0] += 1
+    return step(trainer, batches)
+
+
+pretrain_module.train_step = held_step
+sys.argv[0] = str(ROOT / "pretrain_gpt.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
