@@ -9,10 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from megalite.config import Config
 from megalite.parallel.spawn import run_on_ranks as run_ranks  # noqa: F401  (re-exported for the tests)
+from megalite.parallel.topology import Topology
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_topology(rank: int, world_size: int, cfg: Config | None = None, **sizes: int) -> Topology:
+    """The topology a spawned gloo rank works in: `cfg`'s layout (Topology.from_config), or the axis sizes
+    given (tp=, pp=, cp=, ...; the rest 1), on the CPU."""
+    if cfg is not None:
+        return Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel)
+    return Topology(rank, world_size, torch.device("cpu"), **sizes)
 
 
 def pretrain_torchrun(nproc: int, args: list[str], timeout: int = 600) -> None:

@@ -19,13 +19,12 @@ import torch.distributed as dist
 from megalite.checkpoint.local import WRITER_THREAD
 from megalite.data.batches import BatchMaker
 from megalite.data.mock import MockDataset
-from megalite.parallel.topology import Topology
 from megalite.training import pretrain as pretrain_module
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
 from conftest import tiny_config
-from distributed import run_ranks
+from distributed import cpu_topology, run_ranks
 
 ASYNC_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
                      "all_reduce")
@@ -71,7 +70,7 @@ def _unwaited(rank: int, world_size: int, parallel: dict, close: bool, interrupt
         cfg = tiny_config(parallel={"bucket_size": 2000, **parallel}, train={"global_batch_size": 8})
         samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
         batches = [BatchMaker()([samples[i], samples[i + 1]]) for i in (0, 2)]
-        trainer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu")))
+        trainer = build_trainer(cfg, cpu_topology(rank, world_size))
         train_step(trainer, batches)
         if interrupt:
             backwards = []

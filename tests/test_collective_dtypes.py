@@ -10,12 +10,11 @@ import torch
 from megalite.data.batches import BatchMaker
 from megalite.data.mock import MockDataset
 from megalite.parallel import layers
-from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
 from conftest import tiny_config
-from distributed import run_ranks
+from distributed import cpu_topology, run_ranks
 
 
 def _moved_dtypes(rank: int, world_size: int, sequence_parallel: bool) -> set[tuple[str, torch.dtype]]:
@@ -37,7 +36,7 @@ def _moved_dtypes(rank: int, world_size: int, sequence_parallel: bool) -> set[tu
     cfg = tiny_config("llama", parallel={"tp": 2, "sequence_parallel": sequence_parallel},
                       train={"precision": "bf16"})
     samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
-    with build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), tp=2)) as trainer:
+    with build_trainer(cfg, cpu_topology(rank, world_size, tp=2)) as trainer:
         train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
     return moved
 

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
 
 from conftest import tiny_config
-from distributed import run_ranks, tiny_run
+from distributed import cpu_topology, run_ranks, tiny_run
 from parity import LLAMA, TINY, clipped_run as _run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +54,7 @@ def test_distributed_optimizer_checkpoint_resumes_elsewhere(tmp_path, reference)
 
 def _shards(rank: int, world_size: int) -> list[tuple[str, int, int]]:
     cfg = tiny_config(parallel={"distributed_optimizer": True, "bucket_size": 3000})
-    parts = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu")))
+    parts = build_trainer(cfg, cpu_topology(rank, world_size))
     return [(m.name, m.start, m.end) for m in parts.optimizer.shards()]
 
 

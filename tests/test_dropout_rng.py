@@ -16,7 +16,7 @@ from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
 from conftest import tiny_config
-from distributed import run_ranks
+from distributed import cpu_topology, run_ranks
 
 MODES = ("none", "selective", "full")
 TP_CASES = [(family, sp) for family in ("gpt2", "llama") for sp in (False, True)]
@@ -107,7 +107,7 @@ def _differences(runs: dict[str, Run], what: str) -> list[str]:
 
 def _tp_cases(rank: int, world_size: int) -> list[str]:
     """Every family with and without SP on this rank, in one spawn (starting processes costs more than training)."""
-    topology = Topology(rank, world_size, torch.device("cpu"), tp=world_size)
+    topology = cpu_topology(rank, world_size, tp=world_size)
     found = []
     for family, sp in TP_CASES:
         runs = {mode: _train(family, world_size, sp, mode, topology) for mode in MODES}

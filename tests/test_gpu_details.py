@@ -17,7 +17,7 @@ from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, pick_device
 from megalite.training.flops import PEAK_TFLOPS, device_model
 
-from distributed import run_ranks
+from distributed import cpu_topology, run_ranks
 
 
 def test_each_rank_takes_local_rank_modulo_the_visible_devices(monkeypatch):
@@ -117,7 +117,7 @@ def _overflow_votes(rank: int, world_size: int, precision: str) -> int:
     from megalite.training.step import train_step
 
     cfg = tiny_config(train={"precision": precision})
-    with build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))) as trainer:
+    with build_trainer(cfg, cpu_topology(rank, world_size)) as trainer:
         votes = []
         vote = trainer.optimizer.any_overflow
         trainer.optimizer.any_overflow = lambda found: votes.append(found) or vote(found)
@@ -186,7 +186,7 @@ def _host_reads(rank: int, world_size: int, precision: str, parallel: dict) -> i
     from megalite.training.step import train_step
 
     cfg = tiny_config(train={"precision": precision}, parallel=parallel)
-    topology = Topology(rank, world_size, torch.device("cpu"), tp=parallel.get("tp", 1), pp=parallel.get("pp", 1))
+    topology = cpu_topology(rank, world_size, cfg)
     with build_trainer(cfg, topology) as trainer:
         samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
         batches = [BatchMaker()([samples[i], samples[i + 1]]) for i in range(0, 2 * cfg.num_microbatches(2), 2)]

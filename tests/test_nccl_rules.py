@@ -19,10 +19,9 @@ from megalite.config_cli import parse_config
 from megalite.parallel.p2p import PipelineComm
 from megalite.parallel.pipeline_layout import PipelineStage
 from megalite.parallel.schedules import run_schedule
-from megalite.parallel.topology import Topology
 from megalite.training.pretrain import pretrain
 
-from distributed import run_ranks
+from distributed import cpu_topology, run_ranks
 from nccl_rules import Call, CommRecorder, Message, RankRecord, replay
 
 
@@ -103,7 +102,7 @@ def _schedule_cases(pp: int) -> list[tuple[str, int, int]]:
 
 def _executor_ranks(rank: int, world_size: int) -> list[tuple[tuple, RankRecord]]:
     """Run the executor with a toy model per case: each chunk scales its input by its own weight."""
-    topology = Topology(rank, world_size, torch.device("cpu"), pp=world_size)
+    topology = cpu_topology(rank, world_size, pp=world_size)
     comm = PipelineComm(topology, (3, 1, 4), torch.float32)
     results = []
     for name, vp, m in _schedule_cases(world_size):

@@ -24,7 +24,7 @@ from megalite.training.lr_schedule import learning_rate
 from megalite.training.step import train_step
 
 from conftest import tiny_config
-from distributed import pretrain_torchrun, run_ranks, tiny_run
+from distributed import cpu_topology, pretrain_torchrun, run_ranks, tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ([(pp, vp, m) for pp in (2, 4, 8) for vp in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp)]
@@ -116,7 +116,7 @@ CASES = {2: [(f, 2, vp, 1, False) for f in ("gpt2", "llama") for vp in (1, 2)] +
 def _rank_run(rank: int, world_size: int) -> list:
     results = []
     for family, pp, vp, tp, *rest in CASES[world_size]:
-        topology = Topology(rank, world_size, torch.device("cpu"), tp=tp, pp=pp)
+        topology = cpu_topology(rank, world_size, tp=tp, pp=pp)
         results.append(_train(_config(family, pp, vp, tp, *rest), topology))
     return results
 

@@ -11,14 +11,13 @@ import torch
 import pytest
 
 from conftest import tiny_config
-from distributed import run_ranks
+from distributed import cpu_topology, run_ranks
 from megalite.config import Config
 from megalite.config_cli import parse_config
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.layers import TPContext
-from megalite.parallel.topology import Topology
 from megalite.parallel.zero3 import unit_index
 from megalite.planning.memory import (chunk_activation_bytes, gathered_bytes, peak_activations, stage_memory,
                                       state_bytes)
@@ -199,7 +198,7 @@ def test_activations_of_a_middle_pipeline_chunk():
 
 def _tensor_parallel_activations(rank: int, world_size: int, cfg: Config) -> tuple[int, int]:
     torch.set_num_threads(1)
-    parts = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), tp=world_size))
+    parts = build_trainer(cfg, cpu_topology(rank, world_size, tp=world_size))
     parts.model.train()
     return saved_bytes(parts.model, cfg), chunk_activation_bytes(cfg, 0, "cpu")[0]
 
@@ -214,7 +213,7 @@ def test_activations_under_tensor_parallelism(sequence_parallel):
 
 def _context_parallel_activations(rank: int, world_size: int, cfg: Config) -> tuple[int, int]:
     torch.set_num_threads(1)
-    parts = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"), cp=world_size))
+    parts = build_trainer(cfg, cpu_topology(rank, world_size, cp=world_size))
     parts.model.train()
     positions = local_positions(cfg.model.seq_length, world_size, rank)
     return saved_bytes(parts.model, cfg, positions=positions), chunk_activation_bytes(cfg, 0, "cpu")[0]

@@ -15,16 +15,14 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from megalite.checkpoint.local import load_checkpoint
 from megalite.checkpoint.model_io import read_model_tensors, write_model_checkpoint
 from megalite.config_cli import parse_config
-from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
 from megalite.training.pretrain import pretrain
 
-from distributed import run_ranks
+from distributed import cpu_topology, run_ranks
 
 ARGS = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=4", "--model.seq_length=32",
         "--model.vocab_size=300", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=4",
@@ -42,7 +40,7 @@ def _bytes_read(rank: int, world_size: int, path: str, layout: list[str]) -> tup
     """(bytes this rank read, bytes of what it holds: its fp32 weights, Adam's two moments and one step
     per slice it steps)."""
     cfg = parse_config([*ARGS, *layout])
-    topology = Topology(rank, world_size, torch.device("cpu"), tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    topology = cpu_topology(rank, world_size, cfg)
     sharded = build_trainer(cfg, topology).sharded_state()
     return load_checkpoint(Path(path), sharded, topology)[3], sum(12 * (e.hi - e.lo) + 4 for e in sharded.entries)
 

@@ -11,11 +11,10 @@ import torch.distributed as dist
 
 from megalite.model.gpt import GPTModel
 from megalite.parallel.layers import parameter_shards, unshard
-from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
 
 from conftest import tiny_config
-from distributed import metrics as read_metrics, pretrain_torchrun, run_ranks
+from distributed import cpu_topology, metrics as read_metrics, pretrain_torchrun, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [(family, sp) for family in ("gpt2", "llama") for sp in (False, True)]
@@ -45,7 +44,7 @@ def _gather_full(grad: torch.Tensor, spec, group) -> torch.Tensor:
 
 def _tp_run(rank: int, world_size: int) -> list[str]:
     """Compare every case on this rank; return a list of mismatch descriptions (empty = parity)."""
-    topology = Topology(rank, world_size, torch.device("cpu"), tp=world_size)
+    topology = cpu_topology(rank, world_size, tp=world_size)
     failures = []
     tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
     for family, sp in CASES:

@@ -17,14 +17,13 @@ from megalite.config_validation import validate
 from megalite.data.batches import BatchMaker
 from megalite.data.mock import MockDataset
 from megalite.parallel.grad_buffer import GradBuffer
-from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
 from megalite.planning.memory import state_bytes
 from megalite.training.step import train_step
 from tools.memory_report import rank_memory
 
 from conftest import tiny_config
-from distributed import run_ranks, tiny_run
+from distributed import cpu_topology, run_ranks, tiny_run
 from parity import LLAMA, TINY, clipped_run as _run
 
 STAGE2 = "--parallel.zero_stage=2"
@@ -95,7 +94,7 @@ def _gathered_peaks(rank: int, world_size: int, recompute: str) -> dict[str, tup
     peaks = {}
     for family in ("llama", "gpt2"):
         cfg = tiny_config(family, parallel={"zero_stage": 3}, train={"recompute": recompute}, model={"num_layers": 6})
-        with build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))) as trainer:
+        with build_trainer(cfg, cpu_topology(rank, world_size)) as trainer:
             samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
             train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
             sharded = trainer.sharded_params
@@ -148,7 +147,7 @@ def test_cpu_offload_with_bf16_parameters_equals_the_device_update(tmp_path):
 
 def _offloaded_state(rank: int, world_size: int) -> tuple[bool, bool]:
     cfg = tiny_config(parallel={"zero_stage": 1}, optim={"offload": "cpu"})
-    optimizer = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))).optimizer
+    optimizer = build_trainer(cfg, cpu_topology(rank, world_size)).optimizer
     separate = all(m.is_copy for m in optimizer.shards())
     return separate, all(m.main.device.type == "cpu" for m in optimizer.shards())
 
@@ -160,7 +159,7 @@ def test_offloaded_main_weights_are_host_copies():
 
 def _host_copies_per_bucket(rank: int, world_size: int) -> tuple[list[int], int, int]:
     cfg = tiny_config(parallel={"zero_stage": 2, "bucket_size": 3000}, optim={"offload": "cpu"})
-    with build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))) as trainer:
+    with build_trainer(cfg, cpu_topology(rank, world_size)) as trainer:
         optimizer, started = trainer.optimizer, []
         landed = optimizer.grads_landed
 
@@ -200,7 +199,7 @@ def test_offload_leaves_only_parameters_and_gradients_on_the_device(stage):
 
 def _gradient_bytes(rank: int, world_size: int, stage: int) -> int:
     cfg = tiny_config(parallel={"zero_stage": stage, "bucket_size": 3000})
-    buffers = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))).grads.buffers
+    buffers = build_trainer(cfg, cpu_topology(rank, world_size)).grads.buffers
     kept = [b.grad_data if b.grad_data is not None else b.shard_data for b in buffers]
     return sum(t.numel() * t.element_size() for t in kept)
 

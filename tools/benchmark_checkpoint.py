@@ -87,7 +87,7 @@ class Trained:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.topology = Topology.from_environment("cpu", cfg.parallel.timeout_minutes)
+        self.topology = Topology.from_environment("cpu", cfg.parallel)
         torch.manual_seed(cfg.train.seed)
         sample = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)[0]
         with build_trainer(cfg, self.topology) as parts:

@@ -36,7 +36,7 @@ def draw(tp: int, pp: int, dp: int, per_node: int, output: Path) -> None:
     from matplotlib.patches import Rectangle
 
     world = tp * pp * dp
-    grid = RankGrid(tp=tp, dp=dp, pp=pp)
+    grid = RankGrid.dense(tp=tp, dp=dp, pp=pp)
     nodes = -(-world // per_node)
     colours = plt.get_cmap("Pastel1")
     fig, ax = plt.subplots(figsize=(1.5 * per_node + 1.5, 1.5 * nodes + 1.2))

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megalite.config import ParallelConfig
+
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
     """cuda:(LOCAL_RANK mod visible devices) when asked for (or 'auto' and available), else cpu. The
@@ -66,69 +68,118 @@ def _attempt_store(timeout: timedelta) -> dict:
     return {"store": dist.PrefixStore(f"megalite/attempt_{attempt}", agent), "rank": rank, "world_size": world_size}
 
 
-AXES = ("tp", "cp", "ep", "dp", "pp")  # Megatron-LM's order, fastest-varying first
+DENSE_AXES = ("tp", "cp", "dp", "pp")  # Megatron-LM's order, fastest-varying first
+EXPERT_AXES = ("etp", "ep", "edp", "pp")  # the expert layers' grid over the same ranks ("MoE parallel folding")
+GRIDS = {"dense": DENSE_AXES, "expert": EXPERT_AXES}
 
 
 @dataclass(frozen=True)
 class RankGrid:
-    """Global ranks laid out along named axes, tp varying fastest (it stays inside a node, where its
-    many small collectives are cheap), then cp, ep, dp, and pp slowest (Megatron-LM's order).
+    """Global ranks laid out along named axes, the first varying fastest.
 
-    Adding a parallelism means giving its axis a size, not rewriting the arithmetic: with cp = ep = 1
-    the layout is exactly (pp, dp, tp), the one every checkpoint so far was written with."""
+    The dense grid (tp, cp, dp, pp) places every layer but the experts: tp fastest (it stays inside a
+    node, where its many small collectives are cheap), then cp, dp, and pp slowest (Megatron-LM's order).
+    The expert grid (etp, ep, edp, pp) lays the experts over the same ranks, Megatron-Core's "parallel
+    folding": expert parallelism is carved out of the ranks of one pipeline stage (tp x cp x dp of them),
+    not multiplied with them, so ep may exceed dp. Both grids share pp, so a stage's ranks are the same
+    in both. Adding a parallelism means giving an axis a size, not rewriting the arithmetic."""
 
-    tp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp: int = 1
-    pp: int = 1
+    axes: tuple[str, ...]
+    sizes: tuple[int, ...]
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "RankGrid":
-        """The grid of `world_size` ranks; data parallelism takes whatever the other axes leave."""
-        model = tp * cp * ep * pp
-        if world_size % model:
-            raise ValueError(f"world size {world_size} is not a multiple of tp * cp * ep * pp = {model}")
-        return cls(tp=tp, cp=cp, ep=ep, dp=world_size // model, pp=pp)
+    def dense(cls, tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1) -> "RankGrid":
+        return cls(DENSE_AXES, (tp, cp, dp, pp))
+
+    @classmethod
+    def expert(cls, etp: int = 1, ep: int = 1, edp: int = 1, pp: int = 1) -> "RankGrid":
+        return cls(EXPERT_AXES, (etp, ep, edp, pp))
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> "RankGrid":
+        """The dense grid of `world_size` ranks; data parallelism takes whatever the other axes leave."""
+        return cls.dense(tp, cp, _rest(world_size, tp * cp * pp, "tp * cp * pp"), pp)
+
+    @classmethod
+    def experts_for_world(cls, world_size: int, etp: int = 1, ep: int = 1, pp: int = 1) -> "RankGrid":
+        """The expert grid of `world_size` ranks; expert data parallelism takes what etp, ep and pp leave."""
+        return cls.expert(etp, ep, _rest(world_size, etp * ep * pp, "etp * ep * pp"), pp)
+
+    def __getattr__(self, axis: str) -> int:  # grid.tp, grid.dp, ...: an axis's size
+        if axis in type(self).__dataclass_fields__ or axis.startswith("__"):
+            raise AttributeError(axis)
+        return self.size(axis)
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.size(axis) for axis in AXES)
+        return math.prod(self.sizes)
 
     def size(self, axis: str) -> int:
-        if axis not in AXES:
-            raise ValueError(f"unknown rank-grid axis {axis!r}; the axes are {AXES}")
-        return getattr(self, axis)
+        if axis not in self.axes:
+            raise ValueError(f"unknown rank-grid axis {axis!r}; the axes are {self.axes}")
+        return self.sizes[self.axes.index(axis)]
 
     def coords(self, rank: int) -> dict[str, int]:
         """`rank`'s coordinate along every axis."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the grid of {self.world_size} ranks")
         coords = {}
-        for axis in AXES:
-            rank, coords[axis] = divmod(rank, self.size(axis))
+        for axis, size in zip(self.axes, self.sizes):
+            rank, coords[axis] = divmod(rank, size)
         return coords
 
     def rank(self, coords: dict[str, int]) -> int:
         """The global rank at `coords` (axes left out are at 0)."""
         rank, stride = 0, 1
-        for axis in AXES:
+        for axis, size in zip(self.axes, self.sizes):
             rank += coords.get(axis, 0) * stride
-            stride *= self.size(axis)
+            stride *= size
         return rank
+
+    def index_in(self, rank: int, axes: tuple[str, ...]) -> int:
+        """`rank`'s position in its group along `axes` (groups list their ranks in ascending order)."""
+        coords, index, stride = self.coords(rank), 0, 1
+        for axis in self.axes:
+            if axis in axes:
+                index += coords[axis] * stride
+                stride *= self.size(axis)
+        return index
 
     def groups(self, axes: tuple[str, ...]) -> list[list[int]]:
         """Every group of ranks that differ only along `axes`, each in ascending rank order, the groups
         in ascending order of their first rank: the same list on every rank, as new_group needs."""
-        unknown = set(axes) - set(AXES)
+        unknown = set(axes) - set(self.axes)
         if unknown:
-            raise ValueError(f"unknown rank-grid axes {sorted(unknown)}; the axes are {AXES}")
-        slowest_first = tuple(reversed(AXES))
+            raise ValueError(f"unknown rank-grid axes {sorted(unknown)}; the axes are {self.axes}")
+        slowest_first = tuple(reversed(self.axes))
         fixed = [axis for axis in slowest_first if axis not in axes]
         free = [axis for axis in slowest_first if axis in axes]
         return [[self.rank({**dict(zip(fixed, at)), **dict(zip(free, along))})
                  for along in itertools.product(*(range(self.size(axis)) for axis in free))]
                 for at in itertools.product(*(range(self.size(axis)) for axis in fixed))]
+
+
+def _rest(world_size: int, product: int, what: str) -> int:
+    if world_size % product:
+        raise ValueError(f"world size {world_size} is not a multiple of {what} = {product}")
+    return world_size // product
+
+
+# The process groups a rank joins: (grid, axes) -> the description NCCL's errors and megalite's timeout
+# message show. Groups of one rank are made too (collectives over them cost nothing), except along axes
+# of size 1 that a layout does not use at all (cp, the expert grid): see Topology._wanted.
+GROUPS: dict[tuple[str, tuple[str, ...]], str] = {
+    ("dense", ("tp",)): "tensor-parallel",
+    ("dense", ("cp",)): "context-parallel",
+    ("dense", ("dp",)): "data-parallel",
+    ("dense", ("cp", "dp")): "data-and-context-parallel",
+    ("dense", ("pp",)): "pipeline-parallel",
+    ("dense", ("tp", "pp")): "model-parallel",
+    ("expert", ("etp",)): "expert-tensor-parallel",
+    ("expert", ("ep",)): "expert-parallel",
+    ("expert", ("edp",)): "expert-data-parallel",
+    ("expert", ("etp", "ep")): "expert-tensor-and-expert-parallel",
+}
 
 
 def _my_group(groups: list[list[int]], rank: int, name: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
@@ -146,9 +197,12 @@ def _my_group(groups: list[list[int]], rank: int, name: str, timeout: timedelta 
 
 @dataclass
 class Topology:
-    """This process's place in the rank grid and the process groups along its axes.
+    """This process's place in the two rank grids and the process groups along their axes.
 
-    Built once, after the process group exists, and handed to whatever needs a group.
+    Built once, after the process group exists, and handed to whatever needs a group. Groups are named
+    by their axes (`group("tp", "cp")`, `group("ep", grid="expert")`), from the one table GROUPS. With
+    ep = etp = 1 and no experts in the model the expert grid makes no groups, and the dense groups are
+    exactly those of every layout before experts.
     """
 
     rank: int
@@ -156,35 +210,56 @@ class Topology:
     device: torch.device
     tp: int = 1
     pp: int = 1
-    timeout_minutes: float | None = None  # collective timeout of the groups (None: torch's default)
     cp: int = 1
-    grid: RankGrid = field(init=False, repr=False)
-    tp_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    dp_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    mp_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    ep: int = 1
+    etp: int = 1
+    experts: bool = False  # the model has expert layers (their groups are made even at ep = etp = 1)
+    timeout_minutes: float | None = None  # collective timeout of the groups (None: torch's default)
+    grids: dict[str, RankGrid] = field(init=False, repr=False)
+    groups: dict[tuple[str, tuple[str, ...]], dist.ProcessGroup] = field(init=False, repr=False)
+    embedding_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.grid = RankGrid.for_world(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp)
-        coords = self.grid.coords(self.rank)
-        self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["dp"], coords["pp"]
-        self.dp_cp_rank = self.dp_rank * self.cp + self.cp_rank
+        self.grids = {"dense": RankGrid.for_world(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp)}
+        if self.experts or self.ep * self.etp > 1:
+            self.grids["expert"] = RankGrid.experts_for_world(self.world_size, etp=self.etp, ep=self.ep, pp=self.pp)
         timeout = timedelta(minutes=self.timeout_minutes) if self.timeout_minutes is not None else None
-        grid, rank = self.grid, self.rank
-        self.tp_group = _my_group(grid.groups(("tp",)), rank, "tensor-parallel", timeout)
-        self.dp_group = _my_group(grid.groups(("dp",)), rank, "data-parallel", timeout)
-        self.dp_cp_group = self.dp_group
-        if self.cp > 1:  # cp ranks hold the same weights: gradients and optimizer shards span dp x cp
-            self.cp_group = _my_group(grid.groups(("cp",)), rank, "context-parallel", timeout)
-            self.dp_cp_group = _my_group(grid.groups(("cp", "dp")), rank, "data-and-context-parallel", timeout)
-        self.pp_group = _my_group(grid.groups(("pp",)), rank, "pipeline-parallel", timeout)
-        self.mp_group = _my_group(grid.groups(("tp", "pp")), rank, "model-parallel", timeout)
+        self.groups = {}
+        for (grid, axes), name in GROUPS.items():
+            if self._wanted(grid, axes):
+                self.groups[(grid, axes)] = _my_group(self.grids[grid].groups(axes), self.rank, name, timeout)
         if self.pp > 1:  # the first and last stage of each pipeline: the tied embedding's two copies
-            ends = [[ranks[0], ranks[-1]] for ranks in grid.groups(("pp",))]
-            self.embedding_group = _my_group(ends, rank, "embedding", timeout)
+            ends = [[ranks[0], ranks[-1]] for ranks in self.grids["dense"].groups(("pp",))]
+            self.embedding_group = _my_group(ends, self.rank, "embedding", timeout)
+
+    def _wanted(self, grid: str, axes: tuple[str, ...]) -> bool:
+        """Context-parallel groups only with cp > 1 (data-and-context-parallel is then data-parallel), expert
+        groups only with an expert grid."""
+        if grid not in self.grids:
+            return False
+        return grid != "dense" or "cp" not in axes or self.cp > 1
+
+    def group(self, *axes: str, grid: str = "dense") -> dist.ProcessGroup:
+        """This rank's group along `axes` of `grid` (one of the GROUPS table's)."""
+        if (grid, axes) not in GROUPS:
+            raise ValueError(f"no {grid} process group along {axes}; the groups are {sorted(GROUPS)}")
+        if grid == "dense" and axes == ("cp", "dp") and self.cp == 1:
+            axes = ("dp",)
+        if (grid, axes) not in self.groups:
+            raise ValueError(f"this layout made no {grid} group along {axes} (no expert layers, or cp = 1)")
+        return self.groups[(grid, axes)]
+
+    def size(self, *axes: str, grid: str = "dense") -> int:
+        """How many ranks differ along `axes` of `grid`."""
+        return math.prod(self.grids[grid].size(axis) for axis in axes)
+
+    def coord(self, *axes: str, grid: str = "dense") -> int:
+        """This rank's position in its group along `axes` of `grid`."""
+        return self.grids[grid].index_in(self.rank, axes)
+
+    @property
+    def grid(self) -> RankGrid:
+        return self.grids["dense"]
 
     @property
     def dp(self) -> int:
@@ -194,12 +269,23 @@ class Topology:
     def dp_cp(self) -> int:
         """Ranks holding the same weights (data- and context-parallel replicas): what gradients are
         reduced over and optimizer state is sharded over; `dp_cp_rank` is this rank's place among them."""
-        return self.grid.dp * self.cp
+        return self.size("cp", "dp")
 
-    def named_groups(self) -> dict[str, dist.ProcessGroup | None]:
+    tp_rank = property(lambda self: self.coord("tp"))
+    cp_rank = property(lambda self: self.coord("cp"))
+    dp_rank = property(lambda self: self.coord("dp"))
+    pp_rank = property(lambda self: self.coord("pp"))
+    dp_cp_rank = property(lambda self: self.coord("cp", "dp"))
+    tp_group = property(lambda self: self.group("tp"))
+    dp_group = property(lambda self: self.group("dp"))
+    dp_cp_group = property(lambda self: self.group("cp", "dp"))
+    pp_group = property(lambda self: self.group("pp"))
+    mp_group = property(lambda self: self.group("tp", "pp"))
+    cp_group = property(lambda self: self.group("cp") if self.cp > 1 else None)
+
+    def named_groups(self) -> dict[str, dist.ProcessGroup]:
         """This rank's groups by the description they were created with."""
-        groups = (self.tp_group, self.cp_group, self.dp_group, self.dp_cp_group, self.pp_group, self.mp_group,
-                  self.embedding_group)
+        groups = [*self.groups.values(), self.embedding_group]
         return {group.group_desc: group for group in groups if group is not None}
 
     @property
@@ -217,13 +303,20 @@ class Topology:
         return flags.tolist()
 
     @classmethod
-    def from_environment(cls, device_preference: str = "auto", timeout_minutes: float = 10.0, tp: int = 1,
-                         pp: int = 1, cp: int = 1) -> "Topology":
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = pick_device(device_preference, local_rank)
-        init_process_group(device, timeout_minutes)
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, tp=tp, pp=pp,
-                   timeout_minutes=timeout_minutes, cp=cp)
+    def from_config(cls, rank: int, world_size: int, device: torch.device, parallel: ParallelConfig,
+                    experts: bool = False) -> "Topology":
+        """The topology `parallel` asks for, on a process group that already exists."""
+        return cls(rank, world_size, device, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, experts=experts,
+                   timeout_minutes=parallel.timeout_minutes)
+
+    @classmethod
+    def from_environment(cls, device_preference: str = "auto", parallel: ParallelConfig | None = None,
+                         experts: bool = False) -> "Topology":
+        """Join the job torchrun started (or form a one-process group) and build the topology on it."""
+        parallel = parallel or ParallelConfig()
+        device = pick_device(device_preference, int(os.environ.get("LOCAL_RANK", 0)))
+        init_process_group(device, parallel.timeout_minutes)
+        return cls.from_config(dist.get_rank(), dist.get_world_size(), device, parallel, experts)
 
 
 def synchronize(device: torch.device) -> None:

@@ -308,8 +308,7 @@ def pretrain(cfg: Config) -> RunResult:
     cfg = copy.deepcopy(cfg)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     created = not dist.is_initialized()
-    topology = Topology.from_environment(cfg.train.device, cfg.parallel.timeout_minutes, cfg.parallel.tp,
-                                         cfg.parallel.pp, cfg.parallel.cp)
+    topology = Topology.from_environment(cfg.train.device, cfg.parallel)
     try:
         torch.manual_seed(cfg.train.seed)
         allow_tf32(cfg.train.allow_tf32)
