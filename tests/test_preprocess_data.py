@@ -254,10 +254,13 @@ def held_input(tmp_path, texts):
 
 
 def start_tool(tmp_path: Path, source: Path, gpt2_flags: list[str], workers: int) -> subprocess.Popen:
+    """The tool as a user runs it in a terminal: Ctrl-C (SIGINT) reaches it even when the tests themselves run
+    in the background, where the shell made SIGINT ignored, which children inherit."""
     return subprocess.Popen([sys.executable, str(TOOL), "--input", str(source),
                              "--output-prefix", str(tmp_path / "out"),
                              *gpt2_flags, "--workers", str(workers), "--log-interval", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def start_held(tmp_path: Path, held: HeldInput, gpt2_flags: list[str], workers: int) -> subprocess.Popen:
