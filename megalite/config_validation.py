@@ -13,11 +13,16 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from megalite.config import Config, ConfigError, LoggingConfig, chunk_layer_counts
+from megalite.data.blending import parse_blend
+from megalite.data.indexed_dataset import data_file_path, index_file_path
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Raise ConfigError listing every problem at once, each with its fix."""
-    ConfigError.raise_if([e for check in _CHECKS for e in check(cfg, world_size)])
+def validate(cfg: Config, world_size: int, data_files: bool = True) -> None:
+    """Raise ConfigError listing every problem at once, each with its fix. `data_files`: also check that the
+    corpus files named in data.paths / train_paths / valid_paths exist (not when planning a run on a machine
+    that does not hold them)."""
+    errors = [e for check in _CHECKS for e in check(cfg, world_size)]
+    ConfigError.raise_if(errors + (_check_data_files(cfg) if data_files else []))
 
 
 def _check_model(cfg: Config, world_size: int) -> list[str]:
@@ -113,7 +118,7 @@ def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
                            p.last_stage_layers if p.pp > 1 else None)
     except ValueError as err:
         errors.append(f"model.num_layers / parallel.pp, vp, first_stage_layers, last_stage_layers: {err}")
-    if p.vp > 1 and world_size % (p.tp * p.pp) == 0 and cfg.train.micro_batch_size > 0:
+    if p.vp > 1 and world_size % (p.tp * p.cp * p.pp) == 0 and cfg.train.micro_batch_size > 0:
         microbatches = cfg.num_microbatches(world_size)
         if microbatches % p.pp:
             errors.append(f"interleaved 1F1B (parallel.vp={p.vp}) needs the number of micro batches "
@@ -126,7 +131,8 @@ def _check_train(cfg: Config, world_size: int) -> list[str]:
     t, errors = cfg.train, []
     if t.micro_batch_size < 1 or t.train_iters < 1:
         return [f"train.micro_batch_size={t.micro_batch_size} and train.train_iters={t.train_iters} must be >= 1"]
-    if world_size % (cfg.parallel.tp * cfg.parallel.pp) == 0:
+    p = cfg.parallel
+    if world_size % (p.tp * p.cp * p.pp) == 0:
         dp = cfg.data_parallel_size(world_size)
         per_step = t.micro_batch_size * dp
         gbs = cfg.batch_size(world_size)
@@ -193,6 +199,27 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
                       "e.g. --data.tokenizer_type=GPT2BPETokenizer")
     if d.num_workers < 0:
         errors.append(f"data.num_workers={d.num_workers} must be >= 0")
+    return errors
+
+
+def _check_data_files(cfg: Config) -> list[str]:
+    """Every corpus prefix names a .bin and an .idx file, and every blend parses: found here, before any
+    process group forms, rather than as a traceback on one rank."""
+    errors = []
+    for name in ("paths", "train_paths", "valid_paths"):
+        paths = getattr(cfg.data, name)
+        if not paths or cfg.data.mock:
+            continue
+        try:
+            prefixes = parse_blend(paths)[1]
+        except ValueError as error:
+            errors.append(f"data.{name}: {error}")
+            continue
+        for prefix in prefixes:
+            missing = [f for f in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(f)]
+            if missing:
+                errors.append(f"data.{name}: {' and '.join(missing)} not found; give the prefix of a dataset "
+                              "written by tools/preprocess_data.py (its path without .bin/.idx)")
     return errors
 
 

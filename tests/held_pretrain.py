@@ -24,7 +24,10 @@ step, steps_done = pretrain_module.train_step, [0]
 def held_step(trainer, batches):
     if steps_done[0] == AFTER:
         (WHERE / f"held_{os.environ.get('RANK', '0')}").touch()
+        deadline = time.monotonic() + 600  # a test that died without releasing the job leaves no process behind
         while not (WHERE / "go").exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"held_pretrain.py: {WHERE / 'go'} did not appear within 600 s; giving up")
             time.sleep(0.01)
     steps_done[0] += 1
     return step(trainer, batches)

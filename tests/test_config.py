@@ -150,7 +150,7 @@ def test_command_line_corpus_drops_the_yaml_mock(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     path = _yaml(tmp_path, "data:\n  mock: true\n  tokenizer_type: NullTokenizer\n")
     cfg = parse_config(["--config", path, "--data.paths=/d/a"])
-    validate(cfg, 1)
+    validate(cfg, 1, data_files=False)  # /d/a does not exist: the config is what is checked here
     assert not cfg.data.mock and cfg.data.paths == ["/d/a"]
     assert capsys.readouterr().out == f"--data.paths given: ignoring data.mock=true from {path}\n"
 
@@ -251,3 +251,28 @@ def test_entry_point_help_and_config_errors():
     failed = run("--model.hidden_size=130", "--model.num_attention_heads=4", "--data.mock=true")
     assert (failed.returncode == 2 and "hidden_size=130 is not divisible" in failed.stderr
             and "Traceback" not in failed.stderr)
+
+
+def test_context_parallel_on_too_few_processes_names_the_field():
+    """cp was left out of two divisibility checks, so one process with cp = 2 divided by zero (issue 25)."""
+    with pytest.raises(ConfigError, match=r"world size 1 is not divisible by parallel.tp\*parallel.cp\*parallel.pp"):
+        validate(parse_config(["--config", str(ROOT / "examples" / "tiny_cpu.yaml"), "--parallel.cp=2",
+                               "--data.mock=true", "--data.paths=null"]), 1)
+
+
+def test_missing_corpus_files_are_reported_with_the_config(tmp_path):
+    """A data prefix whose .bin/.idx are not there is one more config error, found before any process group
+    forms; a blend that does not parse names its field. Planning skips the check (the corpus is elsewhere)."""
+    args = [f"--data.paths=[0.7, {tmp_path}/web, 0.3, {tmp_path}/books]", "--data.tokenizer_type=NullTokenizer"]
+    (tmp_path / "web.bin").write_bytes(b"")
+    (tmp_path / "web.idx").write_bytes(b"")
+    with pytest.raises(ConfigError) as error:
+        validate(parse_config(args), 1)
+    assert f"data.paths: {tmp_path}/books.bin and {tmp_path}/books.idx not found" in str(error.value)
+    assert "web" not in str(error.value)
+    validate(parse_config(args), 1, data_files=False)
+    with pytest.raises(ConfigError, match="data.train_paths: blend"):
+        validate(parse_config(["--data.train_paths=[0.5, a, b]", "--data.tokenizer_type=NullTokenizer"]), 1)
+    failed = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True, text=True,
+                            cwd=ROOT)
+    assert failed.returncode == 2 and "books.idx not found" in failed.stderr and "Traceback" not in failed.stderr

@@ -35,7 +35,7 @@ from megalite.data.batches import Batch, BatchMaker
 from megalite.data.mock import MockDataset
 from megalite.parallel import context_parallel
 from megalite.parallel.distributed_optimizer import adamw, decay_groups
-from megalite.parallel.layers import TPContext
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.random import RNGTracker, TENSOR_PARALLEL, checkpoint_with_rng
 from megalite.parallel.topology import Topology, init_process_group, pick_device
 from megalite.training.build import Trainer, build_model, build_trainer
@@ -149,7 +149,7 @@ def test_attention_takes_a_fused_kernel_in_bf16(topology, family):
     Llama uses grouped-query attention (2 KV groups for 4 heads)."""
     cfg = _config(family)
     cfg.model.hidden_size, cfg.model.seq_length = 256, 128  # head dim 64
-    model = build_model(cfg, topology.device, TPContext.from_topology(topology, False, cfg.train.seed), 0)
+    model = build_model(cfg, topology.device, ParallelContext.from_topology(topology, False, cfg.train.seed), 0)
     batch = _batch(cfg).to(topology.device)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
         with precision_context("bf16", topology.device):
@@ -238,7 +238,7 @@ def test_memory_snapshot_and_peak_memory_of_a_cuda_run(topology, tmp_path):
 
 def _save(checkpointer: Checkpointer, trainer: Trainer, step: int) -> Path:
     state = TrainingState(step=step, consumed_samples=step * trainer.cfg.train.global_batch_size)
-    rng = rng_state(trainer.topology.device, trainer.tp.rng)
+    rng = rng_state(trainer.topology.device, trainer.ctx.rng)
     return checkpointer.save(state, trainer.sharded_state(), dump_yaml(trainer.cfg), rng)
 
 

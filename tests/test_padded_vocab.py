@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megalite.config import ModelConfig
 from megalite.model.head import LMHead
-from megalite.parallel.layers import TPContext
+from megalite.parallel.context import ParallelContext
 
 from distributed import run_ranks
 
@@ -59,22 +59,22 @@ def _reference(inputs: dict[str, torch.Tensor], vocab: int, with_labels: bool, b
     return {"out": out.detach(), "grad x": x.grad, "grad weight": weight.grad}
 
 
-def _head_run(inputs: dict[str, torch.Tensor], vocab: int, with_labels: bool, bf16: bool, tp: TPContext,
+def _head_run(inputs: dict[str, torch.Tensor], vocab: int, with_labels: bool, bf16: bool, ctx: ParallelContext,
               ) -> dict[str, torch.Tensor]:
     """The LMHead on this rank's weight shard (and sequence slice under SP); gradients of the full x
     (reassembled under SP) and of this rank's weight rows."""
-    rows = inputs["weight"].shape[0] // tp.size
-    head = LMHead(HIDDEN, inputs["weight"].shape[0], vocab, tp, owns_weight=True)
+    rows = inputs["weight"].shape[0] // ctx.tp.size
+    head = LMHead(HIDDEN, inputs["weight"].shape[0], vocab, ctx, owns_weight=True)
     with torch.no_grad():
-        head.weight.copy_(inputs["weight"][tp.rank * rows : (tp.rank + 1) * rows])
+        head.weight.copy_(inputs["weight"][ctx.tp.rank * rows : (ctx.tp.rank + 1) * rows])
     x = inputs["x"].clone().requires_grad_()
-    local = x.chunk(tp.size)[tp.rank] if tp.sequence_parallel else x
+    local = x.chunk(ctx.tp.size)[ctx.tp.rank] if ctx.sequence_parallel else x
     with _autocast(bf16):
         out = head(local, inputs["labels"] if with_labels else None)
     _backward(out, inputs, with_labels)
     grad_x = x.grad
-    if tp.sequence_parallel:  # each rank only has its sequence slice's gradient
-        dist.all_reduce(grad_x, group=tp.group)
+    if ctx.sequence_parallel:  # each rank only has its sequence slice's gradient
+        dist.all_reduce(grad_x, group=ctx.tp.group)
     return {"out": out.detach(), "grad x": grad_x, "grad weight": head.weight.grad}
 
 
@@ -112,7 +112,7 @@ def matmul_shapes(monkeypatch) -> list[tuple[int, ...]]:
 def test_head_multiplies_the_whole_padded_weight(matmul_shapes, with_labels):
     vocab = 250
     inputs = _inputs(vocab)
-    _head_run(inputs, vocab, with_labels, bf16=False, tp=TPContext())
+    _head_run(inputs, vocab, with_labels, bf16=False, ctx=ParallelContext())
     weights = [s for s in matmul_shapes if _padded(vocab) in s]
     assert weights, matmul_shapes
     assert not [s for s in matmul_shapes if vocab in s], matmul_shapes
@@ -123,7 +123,7 @@ def test_head_multiplies_the_whole_padded_weight(matmul_shapes, with_labels):
 def test_head_matches_real_vocabulary_reference(with_labels, bf16):
     vocab = 250
     inputs = _inputs(vocab)
-    got = _head_run(inputs, vocab, with_labels, bf16, TPContext())
+    got = _head_run(inputs, vocab, with_labels, bf16, ParallelContext())
     want = _reference(inputs, vocab, with_labels, bf16)
     assert got["out"].shape == ((BATCH, SEQ) if with_labels else (BATCH, SEQ, vocab))
     assert got["out"].dtype == (torch.float32 if with_labels or not bf16 else torch.bfloat16)
@@ -138,7 +138,7 @@ def _tp_run(rank: int, world_size: int) -> list[str]:
         inputs = _inputs(vocab)
         rows = _padded(vocab) // world_size
         for sp in (False, True):
-            tp = TPContext(dist.group.WORLD, rank, world_size, sequence_parallel=sp)
+            tp = ParallelContext.tensor_parallel(dist.group.WORLD, rank, world_size, sequence_parallel=sp)
             for with_labels in (True, False):
                 for bf16 in (False, True):
                     what = f"tp={world_size} vocab={vocab} sp={sp} labels={with_labels} bf16={bf16} rank={rank}"

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megalite.data.batches import BatchMaker
 from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
-from megalite.parallel.layers import parameter_shards, unshard
+from megalite.parallel.placement import unshard
 from megalite.parallel.pipeline_layout import PipelineStage
 from megalite.parallel.schedules import communication_plan, needs, schedule_ops
 from megalite.parallel.topology import Topology
@@ -96,7 +96,8 @@ def _train(cfg, topology: Topology) -> tuple[list[float], dict[str, torch.Tensor
                                          topology.dp_rank, 0, topology.device))
             parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, 3))
             losses.append(train_step(parts, batches).loss)
-    shards, copies, grads = parameter_shards(parts.model), parts.model.tied_copies(), {}
+    shards = {n: dict(p.shards)["tp"] for n, p in parts.model.placements_by_name().items() if p.shards}
+    copies, grads = parts.model.tied_copies(), {}
     for name, param in parts.model.named_parameters():
         grad = param.main_grad
         if name in shards and topology.tp > 1:

@@ -17,8 +17,8 @@ from megalite.config_cli import parse_config
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context_parallel import local_positions
-from megalite.parallel.layers import TPContext
-from megalite.parallel.zero3 import unit_index
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.zero import unit_index
 from megalite.planning.memory import (chunk_activation_bytes, gathered_bytes, peak_activations, stage_memory,
                                       state_bytes)
 from megalite.planning.context_parallel import comm_bytes
@@ -47,7 +47,7 @@ def _model_config(family: str, **sections: dict) -> Config:
 def test_parameter_counts_equal_the_built_model(tp, pp, vp, family, tied):
     cfg = _model_config(family, parallel={"tp": tp, "pp": pp, "vp": vp}, model={"tie_embeddings": tied})
     for pp_rank in range(pp):
-        tp_context = TPContext(rank=0, size=tp)
+        tp_context = ParallelContext.tensor_parallel(None, 0, tp)
         model = GPTModel(cfg.model, torch.device("cpu"), tp_context, stage_layout(cfg, pp_rank), seed=cfg.train.seed)
         params = rank_parameters(cfg, pp_rank)
         assert params.total == sum(p.numel() for p in model.parameters())
@@ -65,7 +65,8 @@ def test_parameter_counts_equal_the_built_model(tp, pp, vp, family, tied):
 def test_parameter_counts_follow_feature_overrides(family, features):
     cfg = _model_config(family, parallel={"tp": 2, "pp": 2}, model=features)
     for pp_rank in range(2):
-        model = GPTModel(cfg.model, torch.device("meta"), TPContext(rank=0, size=2), stage_layout(cfg, pp_rank), seed=0)
+        ctx = ParallelContext.tensor_parallel(None, 0, 2)
+        model = GPTModel(cfg.model, torch.device("meta"), ctx, stage_layout(cfg, pp_rank), seed=0)
         assert rank_parameters(cfg, pp_rank).total == sum(p.numel() for p in model.parameters())
 
 
@@ -171,7 +172,7 @@ def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: tor
 
 def one_device_model(cfg: Config, pp_rank: int = 0) -> GPTModel:
     """Stage `pp_rank`'s model at tp=1 in train.param_dtype, as training/build.py makes it, without a process group."""
-    return build_model(cfg, torch.device("cpu"), TPContext(), pp_rank).train()
+    return build_model(cfg, torch.device("cpu"), ParallelContext(), pp_rank).train()
 
 
 PRECISIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]  # (train.precision, train.param_dtype)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.model.gpt import GPTModel
-from megalite.parallel.layers import parameter_shards, unshard
+from megalite.parallel.placement import unshard
 from megalite.training.build import build_trainer
 
 from conftest import tiny_config
@@ -57,7 +57,7 @@ def _tp_run(rank: int, world_size: int) -> list[str]:
         with torch.no_grad():
             logits = model(tokens)
         checks = {"logits": (logits, ref_logits), "losses": (losses.detach(), ref_losses)}
-        shards = parameter_shards(model)
+        shards = {n: dict(p.shards)["tp"] for n, p in model.placements_by_name().items() if p.shards}
         for name, param in model.named_parameters():
             grad = _gather_full(param.main_grad, shards[name], topology.tp_group) if name in shards else param.main_grad
             checks[f"grad {name}"] = (grad, ref_grads[name])

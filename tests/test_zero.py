@@ -98,7 +98,7 @@ def _gathered_peaks(rank: int, world_size: int, recompute: str) -> dict[str, tup
             samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
             train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
             sharded = trainer.sharded_params
-            left = {s.bucket.weights.untyped_storage().nbytes() for s in sharded.states.values()}
+            left = {s.strategy.weights[s.bucket.index].untyped_storage().nbytes() for s in sharded.states.values()}
             peaks[family] = (sharded.peak_buckets, len(sharded.states), left)
     return peaks
 
@@ -200,7 +200,7 @@ def test_offload_leaves_only_parameters_and_gradients_on_the_device(stage):
 def _gradient_bytes(rank: int, world_size: int, stage: int) -> int:
     cfg = tiny_config(parallel={"zero_stage": stage, "bucket_size": 3000})
     buffers = build_trainer(cfg, cpu_topology(rank, world_size)).grads.buffers
-    kept = [b.grad_data if b.grad_data is not None else b.shard_data for b in buffers]
+    kept = [b.strategy.grad_data if b.strategy.grad_data is not None else b.strategy.shard_data for b in buffers]
     return sum(t.numel() * t.element_size() for t in kept)
 
 
@@ -217,23 +217,34 @@ def _micro_batches(rank: int, world_size: int) -> dict:
     g = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(n, generator=g)) for n in (1, 3, 5, 2, 4)]
     inputs = [torch.randn(n, generator=g) for n in (1, 3, 5, 2, 4)]
-    buffer = GradBuffer(params, 6, dist.group.WORLD, 2, rank, True, True, frozenset({id(params[0])}),
-                        shard_grads=True)
+    buffer = GradBuffer(params, 6, dist.group.WORLD, 2, rank, 2, True, frozenset({id(params[0])}))
     buffer.zero()
-    launched = []
+    launches, launched, in_flight = {b.index: 0 for b in buffer.buckets}, [], []
+    launch = buffer.strategy.launch
+
+    def counted(bucket):
+        launches[bucket.index] += 1
+        launch(bucket)
+
+    buffer.strategy.launch = counted
     for k in range(3):
         sum((rank + 1) * (k + 1) * (p * x).sum() for p, x in zip(params, inputs)).backward()
-        launched.append([len(b.in_flight) for b in buffer.buckets])
+        launched.append([launches[b.index] for b in buffer.buckets])
+        in_flight.append([int(b.index in buffer.strategy.in_flight) for b in buffer.buckets])
     buffer.finish()
     index = {id(p): i for i, p in enumerate(params)}
     owned = [(index[id(p)], lo, hi, buffer.owned_grad(p, lo, hi).clone()) for p, lo, hi in buffer.owned_ranges()]
-    return {"launched": launched, "owned": owned, "inputs": inputs, "kept": [p.main_grad is None for p in params]}
+    return {"launched": launched, "in_flight": in_flight, "owned": owned, "inputs": inputs,
+            "kept": [p.main_grad is None for p in params]}
 
 
 def test_stage2_buffer_sums_every_micro_batch_into_the_owned_slices():
-    """(1 + 2) over ranks times (1 + 2 + 3) over micro batches = 18 times the input, on the owned slices."""
+    """(1 + 2) over ranks times (1 + 2 + 3) over micro batches = 18 times the input, on the owned slices. Every
+    micro batch launches each filled bucket's reduce-scatter, and a bucket's previous one has landed by then:
+    never more than one in flight per bucket (issue 25: they used to pile up, one full buffer each)."""
     for result in run_ranks(2, _micro_batches):
         assert result["launched"] == [[1, 1, 0], [2, 2, 0], [3, 3, 0]]
+        assert result["in_flight"] == [[1, 1, 0]] * 3
         assert result["kept"] == [True] * 5  # every bucket's full-size buffer was let go
         for i, lo, hi, grad in result["owned"]:
             assert torch.allclose(grad, 18 * result["inputs"][i][lo:hi], rtol=1e-6, atol=0), f"param {i}"

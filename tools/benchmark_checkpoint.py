@@ -95,7 +95,7 @@ class Trained:
             train_step(parts, [BatchMaker()([sample])])
             self.step_seconds = time.perf_counter() - begin
         self.sharded = parts.sharded_state()
-        self.rng = rng_state(self.topology.device, parts.tp.rng)
+        self.rng = rng_state(self.topology.device, parts.ctx.rng)
         self.state = TrainingState(step=1, consumed_samples=1, loss_scaler=parts.scaler.state_dict())
         self.params = sum(p.numel() for p in parts.model.parameters())
         self.yaml = dump_yaml(cfg)

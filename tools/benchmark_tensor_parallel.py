@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megalite.config import Config, ModelConfig
 from megalite.model.gpt import TransformerLayer
 from megalite.model.rope import rope_for, rope_tables
-from megalite.parallel.layers import TPContext
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
 from megalite.training.step import precision_context
@@ -122,7 +122,7 @@ class Case:
     threads: int
 
     @classmethod
-    def build(cls, tp: TPContext, threads: int, args: argparse.Namespace) -> Case:
+    def build(cls, tp: ParallelContext, threads: int, args: argparse.Namespace) -> Case:
         m, cpu = model_config(args), torch.device("cpu")
         layer = TransformerLayer(m, cpu, tp)
         generator = torch.Generator().manual_seed(args.seed)  # the same draws on every rank, as their shapes match
@@ -131,7 +131,7 @@ class Case:
                 param.normal_(0.0, m.init_std, generator=generator)
         x, grad = (torch.randn(args.seq, args.micro_batch, args.hidden, generator=generator) for _ in range(2))
         if tp.sequence_parallel:
-            x, grad = x.chunk(tp.size)[tp.rank], grad.chunk(tp.size)[tp.rank]
+            x, grad = x.chunk(tp.tp.size)[tp.tp.rank], grad.chunk(tp.tp.size)[tp.tp.rank]
         rope = (rope_for(rope_tables(m.positions, m.head_dim, m.rope_theta, cpu), args.seq, None)
                 if m.features.position_embedding == "rope" else None)
         return cls(layer, x.clone().requires_grad_(), grad, rope, threads)
@@ -152,9 +152,9 @@ def time_cases(rank: int, args: argparse.Namespace) -> dict[str, dict]:
     meter = CommMeter()
     meter.install()
     topology = Topology(rank, 2, torch.device("cpu"), tp=2)
-    cases = {"tp=1": Case.build(TPContext(), args.cores, args)} if rank == 0 else {}
+    cases = {"tp=1": Case.build(ParallelContext(), args.cores, args)} if rank == 0 else {}
     for name, sp in (("tp=2", False), ("tp=2 + SP", True)):
-        cases[name] = Case.build(TPContext.from_topology(topology, sp, args.seed), args.cores // 2, args)
+        cases[name] = Case.build(ParallelContext.from_topology(topology, sp, args.seed), args.cores // 2, args)
     record: dict[str, dict] = {name: {"steps": [], "comms": []} for name in cases}
     calls: dict[str, list[Call]] = {}
     for i in range(args.warmup + args.iters):

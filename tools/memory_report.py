@@ -25,7 +25,7 @@ and bytes/param count the device only (parameters and gradients: 2 + 4/dp at sta
 the reduced gradients land in). On this CPU machine host and device are the same memory, so the
 split is by where each tensor is meant to live.
 
-ZeRO-3 also holds whole parameters of the units being used (parallel/zero3.py) for a moment: the
+ZeRO-3 also holds whole parameters of the units being used (parallel/zero/stage3.py) for a moment: the
 "gathered" columns give the most elements gathered at once during the step (`peak_elements` of
 `Trainer.sharded_params`) in bytes, next to the planner's figure for them (planning/memory.py
 `gathered_bytes`, its parameter part; the planner adds one unit's gradients on top).
@@ -119,8 +119,9 @@ def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     with build_trainer(cfg, topology) as parts:
         params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]
         train_step(parts, mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size)))
-    held = storages(params + [b.param_shard for b in parts.grads.buffers if b.param_shard is not None])
-    kept = [b.grad_data if b.grad_data is not None else b.shard_data for b in parts.grads.buffers]
+    strategies = [b.strategy for b in parts.grads.buffers]
+    held = storages(params + [s.param_shard for s in strategies if s.param_shard is not None])
+    kept = [s.grad_data if s.grad_data is not None else s.shard_data for s in strategies]
     grads = storages(kept + [t.grad for t in params + mains if t.grad is not None])
     main = {k: v for k, v in storages(mains).items() if k not in held}
     state = storages(t for s in parts.optimizer.optimizer.state.values() for t in s.values()

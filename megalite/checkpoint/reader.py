@@ -1,11 +1,10 @@
 """Reading a published checkpoint: each rank reads only the bytes of what it holds, and checks them.
 
-A rank holds, of each global tensor, one tensor-parallel shard (or the whole tensor) and, under
-the distributed optimizer, one flat range of it (`Target`). When the checkpoint was saved with
-the same tensor-parallel split, the saved pieces are flat ranges of the same shards, and only
-the overlapping sub-ranges are read, with safetensors' slicing. When the split differs, the rows
-the target needs are read from each saved shard that holds some of them and re-cut along the
-split dimension.
+A rank holds, of each global tensor, one shard (split along one or several axes of its placement, or
+the whole tensor) and, under the distributed optimizer, one flat range of it (`Target`). When the
+checkpoint was saved with the same splits, the saved pieces are flat ranges of the same shards, and only
+the overlapping sub-ranges are read, with safetensors' slicing. When the splits differ, the rows the
+target needs are read from each saved shard that holds some of them and re-cut.
 
 Every piece carries CRC-32s of its bytes in blocks of `block_bytes` (files.py), so a rank verifies
 exactly the blocks it read; the file-level CRC of checkpoints written before per-block CRCs is
@@ -31,36 +30,62 @@ class DamagedCheckpoint(ValueError):
     """A piece whose bytes do not match the index, or that is missing: resume from an older checkpoint."""
 
 
+Shards = tuple[tuple[int, int, int, int], ...]  # each split as [dim, blocks, index, count], applied in order
+
+
 @dataclass(frozen=True)
 class Target:
-    """What a rank holds of a global tensor of `shape`: the tensor-parallel shard [dim, blocks, index,
-    count] (None: the whole tensor) and the flat range [lo, hi) of that shard."""
+    """What a rank holds of a global tensor of `shape`: its shard (each split [dim, blocks, index, count] of
+    its placement, in order; none: the whole tensor) and the flat range [lo, hi) of that shard."""
 
     shape: tuple[int, ...]
-    shard: tuple[int, int, int, int] | None
+    shards: Shards
     lo: int
     hi: int
 
     @classmethod
     def whole(cls, shape: list[int] | tuple[int, ...]) -> "Target":
-        return cls(tuple(shape), None, 0, int(torch.Size(shape).numel()))
-
-    def shard_shape(self) -> list[int]:
-        return _shard_shape(list(self.shape), self.shard)
+        return cls(tuple(shape), (), 0, int(torch.Size(shape).numel()))
 
 
-def _shard_shape(shape: list[int], shard: list[int] | tuple[int, ...] | None) -> list[int]:
-    if shard:
-        shape = list(shape)
-        shape[shard[0]] //= shard[3]
-    return shape
+def saved_shards(recorded: list | None) -> Shards:
+    """A piece's shards as index.json records them: a list of splits, or (checkpoints written before pieces
+    could be split along several axes) one split or null."""
+    if not recorded:
+        return ()
+    return (tuple(recorded),) if isinstance(recorded[0], int) else tuple(tuple(split) for split in recorded)
 
 
-def _global_rows(size: int, blocks: int, index: int, count: int) -> torch.Tensor:
-    """Global indices, along the split dimension, of the rows of shard `index` (see layers.shard)."""
+def _rows(size: int, blocks: int, index: int, count: int) -> torch.Tensor:
+    """Positions, along the split dimension, of the rows of shard `index` (see placement.shard)."""
     block, per = size // blocks, size // (blocks * count)
     local = torch.arange(per * blocks)
     return (local // per) * block + index * per + local % per
+
+
+def _global_indices(shape: tuple[int, ...], shards: Shards) -> list[torch.Tensor]:
+    """For each dimension, the global positions (ascending) of the shard's entries along it."""
+    indices = [torch.arange(size) for size in shape]
+    for dim, blocks, index, count in shards:
+        indices[dim] = indices[dim][_rows(len(indices[dim]), blocks, index, count)]
+    return indices
+
+
+def _shard_key(entry: dict[str, Any]) -> tuple[int, ...]:
+    return tuple(split[2] for split in saved_shards(entry["shard"]))
+
+
+def _layout(shards: Shards) -> list[tuple[int, int, int]]:
+    """What makes two shardings cut a tensor the same way: each split's dim, blocks and count."""
+    return [(dim, blocks, count) for dim, blocks, _, count in shards]
+
+
+def _grid(positions: list[torch.Tensor], first: int = 0) -> tuple[torch.Tensor, ...]:
+    """Advanced-indexing tensors selecting the outer product of per-dimension positions (dim 0 shifted by
+    `first`)."""
+    n = len(positions)
+    return tuple((p - first if d == 0 else p).view(*[-1 if i == d else 1 for i in range(n)])
+                 for d, p in enumerate(positions))
 
 
 class CheckpointReader:
@@ -93,39 +118,42 @@ class CheckpointReader:
         entries = self.pieces.get((name, kind))
         if not entries:
             return None
-        saved = entries[0]["shard"]
-        same_split = (saved is None and target.shard is None) or (
-            saved is not None and target.shard is not None
-            and list(saved[:2]) + [saved[3]] == [*target.shard[:2], target.shard[3]])
-        if same_split:
-            index = target.shard[2] if target.shard else 0
-            return self._flat_range([e for e in entries if (e["shard"][2] if e["shard"] else 0) == index],
-                                    target.lo, target.hi, f"{name}/{kind}")
-        return self._resplit(name, kind, entries, target)
+        if _layout(saved_shards(entries[0]["shard"])) == _layout(target.shards):
+            index = tuple(split[2] for split in target.shards)
+            return self._flat_range([e for e in entries if _shard_key(e) == index], target.lo, target.hi,
+                                    f"{name}/{kind}")
+        return self._recut(name, kind, entries, target)
 
-    def _resplit(self, name: str, kind: str, entries: list[dict[str, Any]], target: Target) -> torch.Tensor:
-        """The target's range, re-cut from the saved shards along the split dimension. Only the rows
-        (first dimension) the range touches are read, each a contiguous range of every saved shard."""
-        shape, saved = list(target.shape), entries[0]["shard"]
-        dim, count = (target.shard or saved)[0], saved[3] if saved else 1
-        new_shape, old_shape = target.shard_shape(), _shard_shape(shape, saved)
-        inner, old_inner = math.prod(new_shape[1:]), math.prod(old_shape[1:])
+    def _recut(self, name: str, kind: str, entries: list[dict[str, Any]], target: Target) -> torch.Tensor:
+        """The target's range, re-cut from the saved shards (the layouts split the tensor differently). Only the
+        rows (first dimension) the range touches are read, each a contiguous range of every saved shard."""
+        shape, wanted = target.shape, _global_indices(target.shape, target.shards)
+        inner = math.prod(len(index) for index in wanted[1:])
         r0, r1 = target.lo // inner, -(-target.hi // inner)
-        wanted = _global_rows(shape[dim], *target.shard[1:]) if target.shard else torch.arange(shape[dim])
-        wanted = wanted[r0:r1] if dim == 0 else wanted
-        out = None
-        for index in range(count):
-            rows = _global_rows(shape[dim], saved[1], index, count) if saved else torch.arange(shape[dim])
-            where = torch.isin(wanted, rows)
-            if not where.any():
+        wanted[0] = wanted[0][r0:r1]
+        out = torch.empty(0)
+        filled = 0
+        by_shard: dict[tuple[int, ...], list[dict[str, Any]]] = {}
+        for entry in entries:
+            by_shard.setdefault(_shard_key(entry), []).append(entry)
+        for mine in by_shard.values():
+            held = _global_indices(shape, saved_shards(mine[0]["shard"]))
+            inside = [torch.isin(want, have) for want, have in zip(wanted, held)]
+            if not all(where.any() for where in inside):
                 continue
-            local = torch.searchsorted(rows, wanted[where])  # rows ascend
-            a, b = (int(local.min()), int(local.max()) + 1) if dim == 0 else (r0, r1)
-            mine = [e for e in entries if (e["shard"][2] if e["shard"] else 0) == index]
-            old = self._flat_range(mine, a * old_inner, b * old_inner, f"{name}/{kind}").view(b - a, *old_shape[1:])
-            if out is None:
-                out = torch.empty(r1 - r0, *new_shape[1:], dtype=old.dtype)
-            out.index_copy_(dim, where.nonzero().flatten(), old.index_select(dim, local - a if dim == 0 else local))
+            local = [torch.searchsorted(have, want[where]) for want, have, where in zip(wanted, held, inside)]
+            a, b = int(local[0].min()), int(local[0].max()) + 1
+            old_inner = math.prod(len(index) for index in held[1:])
+            old = self._flat_range(mine, a * old_inner, b * old_inner, f"{name}/{kind}")
+            old = old.view(b - a, *(len(index) for index in held[1:]))
+            part = old[_grid(local, first=a)]
+            if out.numel() == 0:
+                out = torch.empty([len(index) for index in wanted], dtype=old.dtype)
+            out[_grid([where.nonzero().flatten() for where in inside])] = part
+            filled += part.numel()
+        if filled != math.prod(len(index) for index in wanted):
+            raise DamagedCheckpoint(f"{self.path}: {name}/{kind} lacks elements this rank needs; the checkpoint is "
+                                    "incomplete")
         return out.reshape(-1)[target.lo - r0 * inner:target.hi - r0 * inner]
 
     def _flat_range(self, entries: list[dict[str, Any]], lo: int, hi: int, what: str) -> torch.Tensor:

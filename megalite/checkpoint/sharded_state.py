@@ -1,15 +1,15 @@
 """Model and optimizer state as pieces of global tensors: what this rank writes, and how a rank
 of any other layout reads back what it holds.
 
-Each piece is a flat element range of one tensor-parallel shard of a global (one-device)
-tensor, described by the global name and shape, the shard (dim, blocks, index, count; see
-parallel/layers.py ShardSpec) and the range. That is exactly what a rank holds: a TP shard,
+Each piece is a flat element range of one shard of a global (one-device) tensor, described by
+the global name and shape, the shard (each split of the parameter's placement as [dim, blocks,
+index, count], parallel/placement.py) and the range. That is exactly what a rank holds: its shard,
 and under the distributed optimizer a flat slice of it, which is not a rectangular box of
 the global tensor, so we describe pieces this way instead of with box offsets (and store them
 with safetensors + a JSON index rather than torch.distributed.checkpoint, whose planner wants
 boxes and whose metadata is pickled). Loading reads, of each tensor, only the new rank's shard
 and range (reader.py), so tp, pp, vp, dp and the distributed optimizer may all differ between
-save and load.
+save and load. Which rank writes which element is the placement's `counted` rule: each once.
 
 Kinds of piece per parameter: `model` (in the parameter's dtype), `main_param` (fp32 main
 weights when parameters are bf16/fp16), Adam's `exp_avg`, `exp_avg_sq` and `step`.
@@ -25,7 +25,7 @@ from torch import nn
 
 from megalite.checkpoint.reader import CheckpointReader, Target
 from megalite.parallel.distributed_optimizer import DistributedOptimizer
-from megalite.parallel.layers import ShardSpec, TPContext, parameter_shards
+from megalite.parallel.placement import Placement
 from megalite.parallel.topology import Topology
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -37,7 +37,7 @@ class Piece:
     name: str
     kind: str
     shape: list[int]
-    shard: list[int] | None  # [dim, blocks, index, count]
+    shard: list[list[int]] | None  # its splits, each [dim, blocks, index, count]; None: the whole tensor
     lo: int
     hi: int
 
@@ -57,43 +57,40 @@ class Entry:
     index: int  # position among the optimizer's parameters
     lo: int
     hi: int
-    tied_copy: bool  # a copy of another stage's parameter (tied embeddings): saved by the owner
+    placement: Placement
 
 
 class ShardedState:
-    def __init__(self, model: nn.Module, optimizer: DistributedOptimizer, tp: TPContext, topology: Topology) -> None:
+    def __init__(self, model: nn.Module, optimizer: DistributedOptimizer, placements: dict[str, Placement],
+                 topology: Topology) -> None:
         """What this rank holds of the model, and what `optimizer` steps of it (its `shards()`: whole
         parameters or fp32 copies, or flat slices under the distributed optimizer)."""
-        self.optimizer, self.tp, self.topology = optimizer.optimizer, tp, topology
-        self.specs = parameter_shards(model)
+        self.optimizer, self.placements, self.topology = optimizer.optimizer, placements, topology
         copies = model.tied_copies()
         order = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         self.distributed = optimizer.distributed
         # Every parameter, also those whose optimizer shard another data-parallel rank owns (not stepped here).
         self.params = [(n, copies.get(n, n), p) for n, p in model.named_parameters()]
         self.entries = [Entry(m.name, copies.get(m.name, m.name), m.param, m.main, m.weights, order[id(m.main)],
-                              m.start, m.end, m.name in copies) for m in optimizer.shards()]
-
-    def _spec(self, local: str) -> ShardSpec | None:
-        return self.specs.get(local) if self.tp.size > 1 else None
+                              m.start, m.end, placements[m.name]) for m in optimizer.shards()]
 
     def _global_shape(self, local: str, param: nn.Parameter) -> list[int]:
-        shape, spec = list(param.shape), self._spec(local)
-        if spec is not None:
-            shape[spec.dim] *= self.tp.size
-        return shape
+        placement = self.placements[local]
+        return placement.global_shape(param.shape, self.topology.placement_coord(placement.grid))
+
+    def _shards(self, placement: Placement) -> list[list[int]]:
+        return placement.pieces(self.topology.placement_coord(placement.grid))
 
     def shapes(self) -> dict[str, list[int]]:
         """Global shapes of every parameter this rank holds (whoever owns its optimizer shard), by stored name."""
         return {stored: self._global_shape(local, param) for local, stored, param in self.params}
 
     def _writes(self, entry: Entry) -> bool:
-        """Each element is written once: TP-replicated tensors by TP rank 0, DP replicas by DP rank 0
-        (or, under the distributed optimizer, every DP rank its own range), tied copies by their owner.
-        Context-parallel ranks are replicas like DP ranks."""
-        t = self.topology
-        replicated_tp = self._spec(entry.local) is None and t.tp_rank != 0
-        return not entry.tied_copy and not replicated_tp and (self.distributed or t.dp_cp_rank == 0)
+        """Each element is written once (placement.counted): by the first rank along every axis the parameter
+        is replicated over (or, under the distributed optimizer, every data-parallel rank its own range);
+        tied copies by their owner."""
+        p = entry.placement
+        return p.counted(self.topology.axes(p.grid), self.distributed, self.topology.placement_coord(p.grid))
 
     def pieces(self) -> list[tuple[Piece, torch.Tensor]]:
         """This rank's pieces and their tensors (views of live state: copy before training continues)."""
@@ -101,8 +98,7 @@ class ShardedState:
         for e in self.entries:
             if not self._writes(e):
                 continue
-            spec = self._spec(e.local)
-            where = [spec.dim, spec.blocks, self.tp.rank, self.tp.size] if spec else None
+            where = self._shards(e.placement) or None
             shape = self._global_shape(e.local, e.param)
 
             def add(kind: str, tensor: torch.Tensor, lo: int = e.lo, hi: int = e.hi, shape: list[int] = shape,
@@ -116,7 +112,7 @@ class ShardedState:
             for kind in MOMENTS:
                 if kind in state:
                     add(kind, state[kind])
-            if "step" in state and e.lo == 0 and self.tp.rank == 0:  # one scalar per parameter
+            if "step" in state and e.lo == 0 and not any(split[2] for split in where or []):  # one per parameter
                 add("step", torch.as_tensor(state["step"], dtype=torch.float32), 0, 1, [1], None)
         return out
 
@@ -136,7 +132,7 @@ class ShardedState:
         state: dict[int, dict[str, torch.Tensor]] = {}
         for e in self.entries:
             values = {kind: reader.read_part(e.stored, kind, self._target(e)) for kind in MOMENTS}
-            values["step"] = reader.read_part(e.stored, "step", Target((1,), None, 0, 1))
+            values["step"] = reader.read_part(e.stored, "step", Target((1,), (), 0, 1))
             missing = [kind for kind, value in values.items() if value is None]
             if missing:
                 raise ValueError(f"checkpoint {reader.path} has optimizer state, but not {', '.join(missing)} of "
@@ -150,7 +146,6 @@ class ShardedState:
         return True
 
     def _target(self, entry: Entry) -> Target:
-        """The slice of the global tensor that `entry` steps: this rank's TP shard, its stepped flat range."""
-        spec = self._spec(entry.local)
-        shard = (spec.dim, spec.blocks, self.tp.rank, self.tp.size) if spec else None
-        return Target(tuple(self._global_shape(entry.local, entry.param)), shard, entry.lo, entry.hi)
+        """The slice of the global tensor that `entry` steps: this rank's shard, its stepped flat range."""
+        shards = tuple(tuple(split) for split in self._shards(entry.placement))
+        return Target(tuple(self._global_shape(entry.local, entry.param)), shards, entry.lo, entry.hi)

@@ -25,24 +25,25 @@ from megalite.config import ModelConfig
 from megalite.model.kv_cache import LayerCache
 from megalite.model.rope import apply_rope
 from megalite.parallel.context_parallel import context_parallel_attention
-from megalite.parallel.layers import ColumnParallelLinear, CPContext, RowParallelLinear, TPContext
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.random import checkpoint_with_rng
 
 
 class SelfAttention(nn.Module):
     """Each tensor-parallel rank computes whole query groups: heads/tp query and groups/tp KV heads."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, cp: CPContext | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
-        self.heads, self.groups, self.head_dim = (cfg.num_attention_heads // tp.size, cfg.kv_heads // tp.size,
-                                                  cfg.head_dim)
+        tp = ctx.tp.size
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp, cfg.kv_heads // tp, cfg.head_dim
         bias = cfg.features.bias
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, tp, bias)
-        self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, bias)
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias)
+        self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
-        self.tp, self.cp = tp, cp or CPContext()
+        self.ctx = ctx
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
@@ -60,7 +61,7 @@ class SelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         if self.recompute_core and self.training:
-            out = checkpoint_with_rng(self._core, q, k, v, tracker=self.tp.rng)
+            out = checkpoint_with_rng(self._core, q, k, v, tracker=self.ctx.rng)
         else:
             out = self._core(q, k, v)
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
@@ -68,11 +69,11 @@ class SelfAttention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [batch, heads, new, d]; k, v [batch, groups, past + new, d]: new token i sees keys up to past + i.
         Under context parallelism the tokens are this rank's part of the sequence (context_parallel.py)."""
-        if self.cp.size > 1:
-            return context_parallel_attention(q, k, v, self.cp.group, self.cp.comm)
+        if self.ctx.cp.size > 1:
+            return context_parallel_attention(q, k, v, self.ctx.cp.group, self.ctx.cp_comm)
         dropout = self.dropout if self.training else 0.0
         past = k.shape[2] - q.shape[2]
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past) if past else None
-        with self.tp.region_rng():
+        with self.ctx.region_rng():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                                   enable_gqa=self.groups != self.heads)

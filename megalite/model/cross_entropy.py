@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from megalite.parallel import gemm
+from megalite.parallel.mappings import in_compute_dtype
+
 # Rows per chunk: on CPUs a chunk's fp32 log-softmax must stay in cache (a few MiB);
 # accelerators stream whole tensors quickly and pay per kernel launch instead.
 _CHUNK_BYTES = {"cpu": 4 * 2**20}
@@ -31,9 +34,10 @@ _DEFAULT_CHUNK_BYTES = 2**30
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int,
+                fuse: bool) -> torch.Tensor:
         """x [n, h], weight [padded_vocab, h], labels [n] -> fp32 losses [n] over the first `vocab` rows."""
-        grad_logits = torch.mm(x, weight.t())
+        grad_logits = gemm.forward(x, weight, None)
         losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         rows = max(1, _CHUNK_BYTES.get(x.device.type, _DEFAULT_CHUNK_BYTES) // (4 * weight.shape[0]))
         for start in range(0, x.shape[0], rows):
@@ -45,27 +49,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             probs = log_probs.exp_().scatter_add_(1, target, torch.full(target.shape, -1.0, device=x.device))
             chunk.copy_(probs)
         ctx.save_for_backward(x, weight, grad_logits)
+        ctx.fuse = fuse and not torch.compiler.is_compiling()
         return losses
 
     @staticmethod
-    def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None]:
         x, weight, grad_logits = ctx.saved_tensors
         scale = grad_losses.unsqueeze(1)
-        grad_x = (torch.mm(grad_logits, weight) * scale).to(x.dtype)
-        grad_weight = torch.mm(grad_logits.t(), (x * scale).to(x.dtype))
-        return grad_x, grad_weight, None, None
+        grad_x = (gemm.input_grad(grad_logits, weight) * scale).to(x.dtype)
+        grad_weight = gemm.weight_grad(weight, grad_logits, (x * scale).to(x.dtype), ctx.fuse)
+        return grad_x, grad_weight, None, None, None
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int,
+                         fuse: bool = True) -> torch.Tensor:
     """Per-token fp32 `cross_entropy(x @ weight[:vocab].T, labels)`, computed with the whole padded
     `weight` and its padded columns masked; x [n, h], labels [n].
 
-    Under autocast both matmul operands are cast to the autocast dtype, as F.linear
-    would be. A non-finite per-token gradient scale (fp16 loss scaling overflowing in
-    x * scale) shows up as non-finite gradients, which the loss scaler catches.
+    Under autocast the matmuls run in the autocast dtype, as F.linear's would (the weight is cast inside,
+    so the parameter itself reaches gemm.weight_grad). A non-finite per-token gradient scale (fp16 loss
+    scaling overflowing in x * scale) shows up as non-finite gradients, which the loss scaler catches.
+    `fuse`: as in gemm.linear.
     """
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
-    return _LinearCrossEntropy.apply(x, weight, labels, vocab)
+    return _LinearCrossEntropy.apply(in_compute_dtype(x), weight, labels, vocab, fuse)

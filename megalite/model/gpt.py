@@ -13,14 +13,18 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.attention import SelfAttention
+from megalite.model.aux_losses import AuxLosses
 from megalite.model.head import LMHead
 from megalite.model.init import init_parameters
 from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
-from megalite.parallel.layers import CPContext, TPContext, VocabParallelEmbedding, parameter_shards
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.layers import VocabParallelEmbedding
+from megalite.parallel.mappings import local_rows
 from megalite.parallel.pipeline_layout import StageLayout
+from megalite.parallel.placement import Placement, parameter_placements
 from megalite.parallel.random import checkpoint_with_rng
 
 # With tied embeddings split over pipeline stages, the last stage holds its own copy of the first
@@ -29,85 +33,92 @@ TIED_COPY = ("lm_head.weight", "embedding.word_embeddings.weight")
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPContext, cp: CPContext | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, ctx: ParallelContext) -> None:
         super().__init__()
         norm = cfg.features.norm
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.attention = SelfAttention(cfg, tp, cp)
+        self.attention = SelfAttention(cfg, ctx)
         self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-        self.tp = tp
+        self.ctx = ctx
         self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
-        with self.tp.hidden_rng():
+        with self.ctx.hidden_rng():
             x = x + self.dropout(self.attention(self.input_norm(x), rope, cache))
             return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
-        self.word_embeddings = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp)
+        self.word_embeddings = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, ctx)
         learned = cfg.features.position_embedding == "learned"
         self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size) if learned else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-        self.tp = tp
+        self.ctx = ctx
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        """tokens, position_ids: [batch, seq] -> [seq (/tp under SP), batch, hidden]; positions default to 0..seq-1."""
+        """tokens, position_ids: [batch, seq] -> [seq (/tp under SP), batch, hidden]; positions default to 0..seq-1.
+        Under sequence parallelism only this rank's slice of the positions is looked up (their table's gradient
+        is then partial over tp, as its placement says)."""
         x = self.word_embeddings(tokens.t())
         if self.position_embeddings is not None:
             if position_ids is None:  # one row per position, broadcast over the batch
-                positions = self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(1))
+                ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(1)
             else:
-                positions = self.position_embeddings(position_ids.t())
-            if self.tp.sequence_parallel:
-                positions = positions.chunk(self.tp.size, 0)[self.tp.rank]
-            x = x + positions
-        with self.tp.hidden_rng():
+                ids = position_ids.t()
+            if self.ctx.sequence_parallel:
+                ids = local_rows(ids, self.ctx.tp.group)
+            x = x + self.position_embeddings(ids)
+        with self.ctx.hidden_rng():
             return self.dropout(x)
 
 
 class GPTModel(nn.Module):
-    """One rank's part of the GPT: its tensor-parallel shards (`tp`) of the layers of its pipeline
+    """One rank's part of the GPT: its tensor-parallel shards (`ctx`) of the layers of its pipeline
     chunks (`stage`), plus the embedding and/or head when it holds the first/last chunk.
 
     Layers keep their global index as name (`layers.17...`), so every layout has the one-device
-    parameter names. Under context parallelism (`cp`) it runs on this rank's part of each sequence,
+    parameter names. Under context parallelism it runs on this rank's part of each sequence,
     with explicit position ids. With tied embeddings split over pipeline stages, the last stage holds a copy
     of the word embeddings as `lm_head.weight` (TIED_COPY), initialised identically and kept equal
-    by all-reducing its gradient with the first stage's (see parallel/grads.py).
+    by all-reducing its gradient with the first stage's (parallel/ddp.py).
 
     The constructor reads only the architecture (`cfg`) and the init `seed`; how the model is
     trained (activation recompute: model/recompute.py) is applied to it afterwards.
     """
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPContext | None = None,
-                 stage: StageLayout | None = None, *, seed: int, cp: CPContext | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, ctx: ParallelContext | None = None,
+                 stage: StageLayout | None = None, *, seed: int) -> None:
         super().__init__()
-        self.cfg, self.vocab_size, self.tp, self.cp = cfg, cfg.vocab_size, tp or TPContext(), cp
+        self.cfg, self.vocab_size, self.ctx = cfg, cfg.vocab_size, ctx or ParallelContext()
         self.stage = stage or StageLayout.single(cfg.num_layers)
         with torch.device("meta"):
             self._build_modules(cfg, device)
         self.to_empty(device=device)
         if device.type != "meta":  # a meta build is for shapes and counts (planner, tests): nothing to draw
-            init_parameters(self, seed, cfg, parameter_shards(self), self.tp.rank, self.tp.size, self.tied_copies())
+            init_parameters(self, seed, cfg, self.placements_by_name(), self.ctx.coord, self.tied_copies())
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.aux_losses = AuxLosses()  # terms layers add in forward (model/aux_losses.py)
 
     def _build_modules(self, cfg: ModelConfig, device: torch.device) -> None:
         """The embedding, layers, final norm and LM head this stage holds (the first/last chunk's parts only there)."""
-        stage, tp = self.stage, self.tp
-        self.embedding = Embedding(cfg, tp) if stage.has_embedding else None
+        stage, ctx = self.stage, self.ctx
+        self.embedding = Embedding(cfg, ctx) if stage.has_embedding else None
         indices = [i for a, b in stage.chunks for i in range(a, b)]
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, device, tp, self.cp) for i in indices})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, device, ctx) for i in indices})
         self.final_norm = self.lm_head = None
         if stage.has_head:
             self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)
             own_weight = not (cfg.tied and stage.has_embedding)
-            self.lm_head = LMHead(cfg.hidden_size, cfg.padded_vocab_size, cfg.vocab_size, tp, own_weight)
+            self.lm_head = LMHead(cfg.hidden_size, cfg.padded_vocab_size, cfg.vocab_size, ctx, own_weight)
+
+    def placements_by_name(self) -> dict[str, Placement]:
+        """Where each of this rank's parameters lives (parallel/placement.py), by local name."""
+        return parameter_placements(self, self.ctx.sequence_parallel, self.tied_copies())
 
     def tied_copies(self) -> dict[str, str]:
         """{copy name: original name} of the tied copy this stage holds: the LM head of a last stage
@@ -165,7 +176,7 @@ class GPTModel(nn.Module):
         for index in range(*self.stage.chunks[chunk]):
             layer = self.layers[str(index)]
             if layer.recompute and self.training:
-                x = checkpoint_with_rng(layer, x, rope, tracker=self.tp.rng)
+                x = checkpoint_with_rng(layer, x, rope, tracker=self.ctx.rng)
             else:
                 x = layer(x, rope, None if cache is None else cache[index])
         if not self.stage.is_last_chunk(chunk):

@@ -16,39 +16,41 @@ logits are sliced to the real vocabulary after the matmul.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.model.cross_entropy import linear_cross_entropy
+from megalite.parallel import gemm
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.layers import ShardSpec, TPContext
 from megalite.parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, in_compute_dtype
+from megalite.parallel.placement import Placement
 
 
 class LMHead(nn.Module):
     """Rows of the padded vocabulary split across the tensor-parallel group; all are multiplied,
     only the first `vocab_size` are scored."""
 
-    def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, tp: TPContext,
+    def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, ctx: ParallelContext,
                  owns_weight: bool) -> None:
         super().__init__()
-        self.tp, self.vocab_size = tp, vocab_size
-        self.weight = nn.Parameter(torch.empty(padded_vocab_size // tp.size, hidden_size)) if owns_weight else None
-        self.shard_specs = {"weight": ShardSpec(0)}
+        self.ctx, self.vocab_size = ctx, vocab_size
+        self.weight = nn.Parameter(torch.empty(padded_vocab_size // ctx.tp.size, hidden_size)) if owns_weight else None
+        self.placements = {"weight": Placement.split("tp", 0)}
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x [seq (/tp under SP), batch, hidden] -> fp32 losses [batch, seq] given labels [batch, seq],
         else logits [batch, seq, vocab]; `weight` is the tied embedding when this head owns none."""
-        weight = self.weight if weight is None else weight
-        if self.tp.size == 1:
+        own = weight is None  # a borrowed (tied) weight also gets the embedding's gradient through autograd
+        weight = self.weight if own else weight
+        tp = self.ctx.tp
+        if tp.size == 1:
             if labels is None:
-                return F.linear(x, weight)[..., : self.vocab_size].transpose(0, 1)
-            losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.t().flatten(), self.vocab_size)
+                return gemm.linear(x, weight, fuse=own)[..., : self.vocab_size].transpose(0, 1)
+            losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.t().flatten(), self.vocab_size, own)
             return losses.view(labels.shape[1], labels.shape[0]).t()
-        tp = self.tp
         x = in_compute_dtype(x)  # the final norm's fp32 output would otherwise cross the TP group in fp32
-        x = gather_from_sp(x, tp.group) if tp.sequence_parallel else copy_to_tp(x, tp.group)
-        logits = F.linear(x, weight)
+        x = gather_from_sp(x, tp.group) if self.ctx.sequence_parallel else copy_to_tp(x, tp.group)
+        logits = gemm.linear(x, weight, fuse=own)
         if labels is None:
             return gather_from_tp(logits, tp.group)[..., : self.vocab_size].transpose(0, 1)
         start = tp.rank * logits.shape[-1]

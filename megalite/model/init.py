@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.parallel.layers import ShardSpec, shard
+from megalite.parallel.placement import Coord, Placement
 
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -36,15 +36,11 @@ def initial_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> 
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, shards: dict[str, ShardSpec], rank: int, size: int,
+def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, placements: dict[str, Placement], coord: Coord,
                     tied_copies: dict[str, str]) -> None:
-    """Fill every parameter with its slice (this tensor-parallel rank's) of the full initial value;
-    a tied copy ({copy name: original name}) takes the value of the one-device parameter it copies."""
+    """Fill every parameter with this rank's slice (its placement's) of the full initial value; a tied copy
+    ({copy name: original name}) takes the value of the one-device parameter it copies."""
     for local_name, param in model.named_parameters():
-        spec, name = shards.get(local_name), tied_copies.get(local_name, local_name)
-        if spec is None:
-            param.copy_(initial_value(name, param.shape, seed, cfg))
-            continue
-        full_shape = list(param.shape)
-        full_shape[spec.dim] *= size
-        param.copy_(shard(initial_value(name, torch.Size(full_shape), seed, cfg), spec, rank, size))
+        placement, name = placements[local_name], tied_copies.get(local_name, local_name)
+        full = initial_value(name, torch.Size(placement.global_shape(param.shape, coord)), seed, cfg)
+        param.copy_(placement.local(full, coord))

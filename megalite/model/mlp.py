@@ -11,16 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPContext
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.swiglu, bias = cfg.features.gated_mlp, cfg.features.bias
         blocks = 2 if self.swiglu else 1
-        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, blocks * cfg.ffn_size, tp, bias, blocks=blocks)
-        self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp, bias)
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, blocks * cfg.ffn_size, ctx, bias, blocks=blocks)
+        self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ctx, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

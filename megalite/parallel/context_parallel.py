@@ -38,7 +38,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.mappings import gather_from_sp
+from megalite.parallel.mappings import gather_from_cp
 
 Group = dist.ProcessGroup
 aten = torch.ops.aten
@@ -68,7 +68,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          "divisible by KV groups")
     if comm == "allgather":
         cp = dist.get_world_size(group)
-        gathered = gather_from_sp(torch.stack([k, v]), group)  # [cp * 2, ...] rank-major; backward reduce-scatters
+        gathered = gather_from_cp(torch.stack([k, v]), group)  # [cp * 2, ...] rank-major; backward reduce-scatters
         return _GatheredAttention.apply(q, gathered.unflatten(0, (cp, 2)), group)
     return _RingAttention.apply(q, k, v, group)
 

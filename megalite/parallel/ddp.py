@@ -7,13 +7,13 @@ that reduction before the optimizer may read them, and are finished here:
   stage's tied copy are summed over the embedding group, before the data-parallel reduction
   (the two stages' buffers differ in layout, so after a reduce-scatter a rank would own
   different slices of the embedding on each stage);
-- under sequence parallelism, a replicated parameter's gradient (norm weights, biases of row-
-  parallel layers) is partial on each tensor-parallel rank, which saw only its slice of the
-  sequence: it is summed over the tensor-parallel group (buffer layouts are identical there).
-Under context parallelism each rank's gradients come from its part of every sequence, and its
-weights are the same as its context-parallel peers': the reduction spans data- and context-
-parallel ranks together (topology.dp_cp_group). What the optimizer then does with the gradients
-lives in distributed_optimizer.py.
+- a gradient whose placement says it is partial over some axes (under sequence parallelism, a
+  tensor-parallel-replicated norm weight or bias saw only its rank's slice of the sequence) is
+  summed over those axes' group (buffer layouts are identical there).
+The reduction itself spans the placement's data axes (placement.py DATA_AXES): under context
+parallelism each rank's gradients come from its part of every sequence and its weights are its
+context-parallel peers', so dense gradients reduce over data- and context-parallel ranks together.
+What the optimizer then does with the gradients lives in distributed_optimizer.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 
 from megalite.config import TORCH_DTYPES, ParallelConfig
 from megalite.parallel.grad_buffer import Bucket, GradBuffer
-from megalite.parallel.layers import parameter_shards
+from megalite.parallel.placement import DATA_AXES, Placement
 from megalite.parallel.timing import Mark, seconds
 from megalite.parallel.topology import Topology
 
@@ -42,25 +42,32 @@ def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> No
 
 
 class DataParallelGrads:
-    """`chunks`: the parameters of each model chunk, in the order its backward produces them.
-    `tied`: the names of this rank's parameters summed with another pipeline stage's (the word
-    embeddings and their tied copy, when the model ties them and pp > 1). `tied_copies`: the
-    names of the parameters that copy another one (never counted as replicated weights). `units`: each
-    parameter's ZeRO-3 gather unit (zero3.py unit_index), which buckets do not straddle."""
+    """`chunks`: the parameters of each model chunk, in the order its backward produces them; `placements`:
+    where each lives (by name). `tied`: the names of this rank's parameters summed with another pipeline
+    stage's (the word embeddings and their tied copy, when the model ties them and pp > 1). `units`: each
+    parameter's ZeRO-3 gather unit (zero/stage3.py unit_index), which buckets do not straddle. Each chunk gets one
+    buffer per grid its parameters live on, reduced over that grid's data axes."""
 
     def __init__(self, model: nn.Module, chunks: list[list[nn.Parameter]], topology: Topology, cfg: ParallelConfig,
-                 tied: set[str] = frozenset(), tied_copies: set[str] = frozenset(),
+                 placements: dict[str, Placement], tied: set[str] = frozenset(),
                  units: dict[int, int] | None = None) -> None:
-        self.topology, self.sequence_parallel = topology, cfg.sequence_parallel_active
-        shards = parameter_shards(model)
+        self.topology = topology
         named = list(model.named_parameters())
-        self.replicated = [p for n, p in named if n not in shards and n not in tied_copies]
+        self.partial: dict[tuple[str, tuple[str, ...]], list[nn.Parameter]] = {}  # (grid, axes) -> parameters
+        for name, param in named:
+            if placements[name].partial and not placements[name].copy:
+                self.partial.setdefault((placements[name].grid, placements[name].partial), []).append(param)
         self.tied = [p for n, p in named if n in tied]
         held = frozenset(id(p) for p in self.tied)
-        self.buffers = [GradBuffer(params, cfg.bucket_size, topology.dp_cp_group, topology.dp_cp, topology.dp_cp_rank,
-                                   cfg.zero >= 1, cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype],
-                                   shard_grads=cfg.zero >= 2, shard_params=cfg.zero >= 3, units=units)
-                        for params in chunks if params]
+        grid_of = {id(p): placements[n].grid for n, p in named}
+        self.buffers = []
+        for params in chunks:
+            for grid in dict.fromkeys(grid_of[id(p)] for p in params):
+                axes = DATA_AXES[grid]
+                self.buffers.append(GradBuffer(
+                    [p for p in params if grid_of[id(p)] == grid], cfg.bucket_size, topology.group(*axes, grid=grid),
+                    topology.size(*axes, grid=grid), topology.coord(*axes, grid=grid), cfg.zero,
+                    cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype], units))
         self.waits: list[tuple[Mark, Mark]] = []
 
     def zero(self) -> None:
@@ -84,25 +91,26 @@ class DataParallelGrads:
         self.buffers[chunk].start_sync()
 
     def reduce(self, landed: Callable[[Bucket], None] | None = None) -> None:
-        """Every gradient final: summed over the embedding group, reduced over data-parallel replicas
-        (each rank's own slice under the distributed optimizer), summed over TP where SP left it partial.
-        `landed` hears of each bucket as soon as its gradients are final (under SP, those holding replicated
-        parameters only after the TP sum)."""
+        """Every gradient final: summed over the embedding group, reduced over the data axes (each rank's own
+        slice under the distributed optimizer), summed over the axes their placement says they are partial
+        over. `landed` hears of each bucket as soon as its gradients are final (those holding partial
+        parameters only after that sum)."""
         t = self.topology
         if self.tied and t.embedding_group is not None:
             all_reduce_flat([p.main_grad for p in self.tied], t.embedding_group)
-        replicated = {id(p) for p in self.replicated} if self.sequence_parallel else set()
+        partial = {id(p) for params in self.partial.values() for p in params}
         later: list[Bucket] = []
 
         def final(bucket: Bucket) -> None:
-            if any(id(p) in replicated for p in bucket.params):
+            if any(id(p) in partial for p in bucket.params):
                 later.append(bucket)
             elif landed is not None:
                 landed(bucket)
 
         self.waits = [wait for buffer in self.buffers for wait in buffer.finish(final)]
-        if self.sequence_parallel:
-            owned = [(b, p, lo, hi) for b in self.buffers for p, lo, hi in b.owned_ranges() if id(p) in replicated]
-            all_reduce_flat([b.owned_grad(p, lo, hi) for b, p, lo, hi in owned], t.tp_group)
+        for (grid, axes), params in self.partial.items():
+            members = {id(p) for p in params}
+            owned = [(b, p, lo, hi) for b in self.buffers for p, lo, hi in b.owned_ranges() if id(p) in members]
+            all_reduce_flat([b.owned_grad(p, lo, hi) for b, p, lo, hi in owned], t.group(*axes, grid=grid))
         for bucket in later if landed is not None else []:
             landed(bucket)

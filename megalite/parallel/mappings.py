@@ -8,6 +8,9 @@ Sequence parallelism, along the first (sequence) dim of [seq, batch, hidden]:
   gather_from_sp    all-gather    / reduce-scatter (enter a column-parallel layer)
   reduce_scatter_to_sp reduce-scatter / all-gather (leave a row-parallel layer)
   scatter_to_sp     split         / all-gather     (enter the sequence-parallel region)
+Context parallelism, along the sequence dim of keys and values:
+  gather_from_cp    all-gather    / reduce-scatter (all-gather attention: every rank's keys and values)
+The linear layers' matmuls, and the sequence-parallel all-gather inside them, are in gemm.py.
 With a group of one every function is the identity, so tp=1 pays nothing.
 
 Under autocast, norms return fp32 while the matmuls after them compute in bf16/fp16; `in_compute_dtype`
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 Group = dist.ProcessGroup
 
@@ -43,25 +45,34 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x
 
 
-def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    if dim == 0:
-        all_gather_single(out, x.contiguous(), group)
-        return out
-    parts = [torch.empty_like(x) for _ in range(size)]
+def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(parts, dim=-1)
+
+
+def gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-gather along the first (sequence) dimension, rank-major."""
+    out = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_single(out, x.contiguous(), group)
+    return out
 
 
 def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
+def local_rows(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """This rank's slice of the first (sequence) dimension, outside autograd (position ids, masks)."""
+    return x if _trivial(group) else _split(x, 0, group)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: Group, what: str = "tensor-parallel") -> torch.Tensor:
+    """Sum over the group, each rank keeping its slice of the first (sequence) dimension; `what` names the
+    group in the error for a sequence it does not divide."""
     size = dist.get_world_size(group)
     if x.shape[0] % size:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {size}")
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by {what} size {size}")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_single(out, x.contiguous(), group)
     return out
@@ -92,33 +103,33 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather(x, -1, group)
+        return _gather_last(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         return _split(grad, -1, ctx.group), None
 
 
-class _GatherFromSP(torch.autograd.Function):
+class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, 0, group)
+    def forward(ctx, x, group, what):
+        ctx.group, ctx.what = group, what
+        return gather_rows(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
+        return reduce_scatter_rows(grad, ctx.group, ctx.what), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, group)
+        return reduce_scatter_rows(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, 0, ctx.group), None
+        return gather_rows(grad, ctx.group), None
 
 
 class _ScatterToSP(torch.autograd.Function):
@@ -129,43 +140,7 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, 0, ctx.group), None
-
-
-class _SequenceParallelLinear(torch.autograd.Function):
-    """all_gather(x) @ weight^T + bias keeping only the local sequence shard x for backward, as Megatron-LM's
-    sequence-parallel linear does: backward gathers x again while the input gradient's matmul runs, then
-    reduce-scatters that gradient. Saves (tp - 1)/tp of the layer's input activations for one all-gather.
-    Matmuls run in x's dtype (the compute dtype, see in_compute_dtype); weight gradients come back in the
-    parameter's dtype, as autocast's cast would give them."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, bias)
-        ctx.group = group
-        dtype = x.dtype
-        return F.linear(_gather(x, 0, group), weight.to(dtype), None if bias is None else bias.to(dtype))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight, bias = ctx.saved_tensors
-        whole = torch.empty((dist.get_world_size(ctx.group) * x.shape[0], *x.shape[1:]), dtype=x.dtype,
-                            device=x.device)
-        gathering = all_gather_single(whole, x.contiguous(), ctx.group, async_op=True)
-        grad_input = grad.matmul(weight.to(grad.dtype))  # overlaps the gather
-        gathering.wait()
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_weight = rows.t().matmul(whole.reshape(-1, whole.shape[-1]).to(grad.dtype)).to(weight.dtype)
-        grad_bias = None if bias is None else rows.sum(0).to(bias.dtype)
-        return _reduce_scatter(grad_input, ctx.group), grad_weight, grad_bias, None
-
-
-def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group: Group | None) -> torch.Tensor:
-    """A column-parallel layer's matmul on a sequence-parallel input (gathered along the sequence)."""
-    if _trivial(group):
-        return F.linear(x, weight, bias)
-    return _SequenceParallelLinear.apply(x, weight, bias, group)
+        return gather_rows(grad, ctx.group), None
 
 
 def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +166,11 @@ def gather_from_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
 
 
 def gather_from_sp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
-    return x if _trivial(group) else _GatherFromSP.apply(x, group)
+    return x if _trivial(group) else _GatherRows.apply(x, group, "tensor-parallel")
+
+
+def gather_from_cp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    return x if _trivial(group) else _GatherRows.apply(x, group, "context-parallel")
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: Group | None) -> torch.Tensor:

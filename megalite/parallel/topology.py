@@ -12,6 +12,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -256,6 +257,13 @@ class Topology:
     def coord(self, *axes: str, grid: str = "dense") -> int:
         """This rank's position in its group along `axes` of `grid`."""
         return self.grids[grid].index_in(self.rank, axes)
+
+    def axes(self, grid: str = "dense") -> tuple[str, ...]:
+        return self.grids[grid].axes
+
+    def placement_coord(self, grid: str = "dense") -> Callable[[str], tuple[int, int]]:
+        """axis -> (this rank's index along it, its size) on `grid`: what a Placement asks of a rank."""
+        return lambda axis: (self.coord(axis, grid=grid), self.size(axis, grid=grid))
 
     @property
     def grid(self) -> RankGrid:

@@ -65,7 +65,7 @@ def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, 
 
 
 def gathered_elements(params: Parameters) -> tuple[int, int]:
-    """ZeRO-3 (parallel/zero3.py): (parameter, gradient) elements of whole gather units present at once,
+    """ZeRO-3 (parallel/zero/stage3.py): (parameter, gradient) elements of whole gather units present at once,
     at worst. Parameters: the unit running and the one prefetched (any two units stand in for adjacent
     ones: an upper bound), plus the embedding unit when the LM head on this rank reads it (it stays
     gathered from the head's backward to the embedding's). Gradients: one unit's bucket buffers fill

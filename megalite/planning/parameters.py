@@ -6,7 +6,7 @@ replicated, norms and learned positions replicated, the padded vocabulary split 
 tied embeddings under pipeline parallelism the last stage holds its own copy of the word
 embeddings as the LM head (kept equal to the first stage's), which costs memory there.
 Each count also lists its ZeRO-3 gather units (GPTModel.chunk_modules): the embedding, each layer,
-the final norm and an untied LM head, each gathered whole around its use (parallel/zero3.py).
+the final norm and an untied LM head, each gathered whole around its use (parallel/zero/stage3.py).
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ from megalite.model.gpt import TIED_COPY, GPTModel
 from megalite.model.recompute import apply_recompute
 from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.distributed_optimizer import DistributedOptimizer
-from megalite.parallel.layers import CPContext, TPContext
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.pipeline import Pipeline
 from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.topology import Topology
-from megalite.parallel.zero3 import ShardedParameters, unit_index
+from megalite.parallel.zero import GatherUnits, unit_index
 from megalite.training.loss_scaler import LossScaler
 
 
@@ -28,16 +28,16 @@ class Trainer:
     cfg: Config
     topology: Topology
     model: GPTModel
-    tp: TPContext
+    ctx: ParallelContext
     grads: DataParallelGrads
     optimizer: DistributedOptimizer
     scaler: LossScaler
     pipeline: Pipeline
-    sharded_params: ShardedParameters | None = None  # ZeRO-3 with more than one replica
+    sharded_params: GatherUnits | None = None  # ZeRO-3 with more than one replica
 
     def sharded_state(self) -> ShardedState:
         """The checkpoint's view of the model and optimizer state this rank holds."""
-        return ShardedState(self.model, self.optimizer, self.tp, self.topology)
+        return ShardedState(self.model, self.optimizer, self.model.placements_by_name(), self.topology)
 
     def close(self) -> None:
         """Land every collective the trainer left in flight: the overlapped parameter gathers a step leaves for
@@ -57,11 +57,10 @@ class Trainer:
         self.close()
 
 
-def build_model(cfg: Config, device: torch.device, tp: TPContext, pp_rank: int,
-                cp: CPContext | None = None) -> GPTModel:
-    """Pipeline rank `pp_rank`'s model chunks, its tensor-parallel shards, in train.param_dtype,
-    with train.recompute applied."""
-    model = GPTModel(cfg.model, device, tp, stage_layout(cfg, pp_rank), seed=cfg.train.seed, cp=cp)
+def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank: int) -> GPTModel:
+    """Pipeline rank `pp_rank`'s model chunks, its shards (`ctx`), in train.param_dtype, with train.recompute
+    applied."""
+    model = GPTModel(cfg.model, device, ctx, stage_layout(cfg, pp_rank), seed=cfg.train.seed)
     apply_recompute(model, cfg.train.recompute)
     for param in model.parameters():  # initialised in fp32 on every layout, then rounded once
         param.data = param.data.to(TORCH_DTYPES[cfg.train.param_dtype])
@@ -71,19 +70,19 @@ def build_model(cfg: Config, device: torch.device, tp: TPContext, pp_rank: int,
 def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     """The one place that assembles training: pretrain, the tools and the tests all start here."""
     p = cfg.parallel
-    tp = TPContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed)
-    model = build_model(cfg, topology.device, tp, topology.pp_rank, CPContext.from_topology(topology, p.cp_comm))
+    ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm)
+    model = build_model(cfg, topology.device, ctx, topology.pp_rank)
     if cfg.train.compile:
         for layer in model.layers.values():
             layer.compile()
     names = {name for name, _ in model.named_parameters()}
     tied = set(TIED_COPY) & names if cfg.model.tied and topology.pp > 1 else set()
-    copies = set(model.tied_copies())
+    placements = model.placements_by_name()
     modules = model.chunk_modules()
     units = unit_index(modules) if p.zero >= 3 else None
-    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, tied, copies, units)
-    sharded = ShardedParameters(modules, grads.buffers) if p.zero >= 3 and topology.dp_cp > 1 else None
+    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, placements, tied, units)
+    sharded = GatherUnits(modules, grads.buffers) if p.zero >= 3 and topology.dp_cp > 1 else None
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
-                                     p.overlap_param_gather, copies)
+                                     p.overlap_param_gather, placements)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-    return Trainer(cfg, topology, model, tp, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded)
+    return Trainer(cfg, topology, model, ctx, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded)

@@ -100,7 +100,7 @@ class Run:
         self.optimizer.gather_params()  # the distributed optimizer's ranks loaded only their own slices
         self.state = resumed.state
         if resumed.rng is not None:
-            set_rng_state(resumed.rng, self.topology.device, self.trainer.tp.rng)
+            set_rng_state(resumed.rng, self.topology.device, self.trainer.ctx.rng)
         self.trainer.scaler.load_state_dict(self.state.loss_scaler)
         if not resumed.optimizer_loaded:
             why = "checkpoint.load_optimizer=false" if not c.load_optimizer else "the checkpoint holds weights only"
@@ -287,7 +287,7 @@ class Run:
     def _save(self) -> None:
         self._read_steps()  # the saved state counts the skipped steps
         self.optimizer.wait_params()
-        rng = rng_state(self.topology.device, self.trainer.tp.rng)
+        rng = rng_state(self.topology.device, self.trainer.ctx.rng)
         path = self.checkpointer.save(self.state, self.sharded, dump_yaml(self.cfg), rng)
         self.saved_step = self.state.step
         self.result.checkpoint = path

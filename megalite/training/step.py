@@ -124,6 +124,7 @@ def train_step(trainer: "Trainer", batches: list[Batch]) -> StepResult:
         loss_sum = loss_sum + loss.detach()
         return loss * scaler.scale
 
+    trainer.model.aux_losses.start_step(scaler.scale / (len(batches) * t.dp_cp), t.device)  # as the loss's
     pipeline = trainer.pipeline
     forward_step = microbatch_forward(trainer, batches, scaled_loss)
     run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace,

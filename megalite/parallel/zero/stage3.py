@@ -1,21 +1,23 @@
 """ZeRO-3: parameters stored sharded over the data-parallel ranks, whole only around their use.
 
-Each rank keeps only its slices of the parameters (grad_buffer.py `param_shard`, the same layout
-as its gradient and optimizer slices). The model's gather units are the modules its forward
-runs, in order (GPTModel.chunk_modules: the embedding, each transformer layer, the final norm,
-the LM head): a unit's buckets are all-gathered into their own storage just before its forward
-and the storage is freed after it; they are gathered again before its backward and freed once
-all of the bucket's gradients of that backward are in (they are then reduce-scattered, as under
-ZeRO-2). While a unit runs, the next one's gather is already in flight (the previous one's in
-backward), so communication overlaps compute with at most two units gathered in forward.
+`ShardedParameters` is stage 2 (zero/stages.py) whose ranks also keep only their slices of the
+parameters (`param_shard`, the same layout as their gradient and optimizer slices); each bucket's
+whole parameters have a storage of their own, gathered and freed around their use. `GatherUnits`
+decides when: the model's gather units are the modules its forward runs, in order
+(GPTModel.chunk_modules: the embedding, each transformer layer, the final norm, the LM head); a unit's
+buckets are all-gathered just before its forward and freed after it; they are gathered again before
+its backward and freed once all of the bucket's gradients of that backward are in (they are then
+reduce-scattered, as under stage 2). While a unit runs, the next one's gather is already in flight
+(the previous one's in backward), so communication overlaps compute with at most two units gathered
+in forward.
 
 Why megalite's own buffers and not torch's FSDP2 (`fully_shard`): the shards are the distributed
-optimizer's slices, so fp32 main weights, clipping (each element counted once, TP-replicated and
-tied parameters once), CPU offload and the layout-free checkpoint work unchanged at every stage,
-and a ZeRO-3 checkpoint is the same pieces as a ZeRO-1 one. FSDP2 shards each parameter as a DTensor
-on dim 0, which would give tensor-parallel shards a second sharding the optimizer, checkpoints and
-the TP layers know nothing of. Freeing is done by shrinking the bucket storage to zero bytes, as
-FSDP1 did: parameters stay views of it, so autograd's saved references and shapes stay valid.
+optimizer's slices, so fp32 main weights, clipping (each element counted once), CPU offload and the
+layout-free checkpoint work unchanged at every stage, and a ZeRO-3 checkpoint is the same pieces as a
+ZeRO-1 one. FSDP2 shards each parameter as a DTensor on dim 0, which would give tensor-parallel shards
+a second sharding the optimizer, checkpoints and the TP layers know nothing of. Freeing is done by
+shrinking the bucket storage to zero bytes, as FSDP1 did: parameters stay views of it, so autograd's
+saved references and shapes stay valid.
 
 Activation recompute runs a unit's forward again inside its backward, when the unit is gathered
 and marked as in backward: that forward neither counts as a user, prefetches nor frees (torch's
@@ -32,8 +34,50 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from megalite.parallel.grad_buffer import Bucket, GradBuffer
+from megalite.parallel.bucket_layout import Bucket, BucketLayout
 from megalite.parallel.mappings import all_gather_single
+from megalite.parallel.zero.stages import ShardedGradients
+
+
+class ShardedParameters(ShardedGradients):
+    """Stage 3: each rank stores its slice of the parameters; a bucket is whole only while gathered."""
+
+    def __init__(self, layout: BucketLayout, group: dist.ProcessGroup | None, rank: int,
+                 params: list[nn.Parameter], grad_dtype: torch.dtype) -> None:
+        self.weights: dict[int, torch.Tensor] = {}  # bucket index -> its whole parameters' storage
+        super().__init__(layout, group, rank, params, grad_dtype)
+
+    def _store_params(self, params: list[nn.Parameter]) -> None:
+        """Each bucket's parameters become views of its own storage; only this rank's slices are kept
+        (`param_shard`) and the bucket storage is freed until it is gathered."""
+        self.param_shard = self._zeros(self.layout.size // self.replicas, params[0].dtype)
+        for bucket in self.layout.buckets:
+            weights = self.weights[bucket.index] = self._zeros(bucket.end - bucket.start, params[0].dtype)
+            for param in bucket.params:
+                view = self._view(weights, param, bucket.start)
+                view.copy_(param.data)
+                param.data = view
+            a, b = bucket.shard(self.rank, self.replicas)
+            self.param_shard[self.layout.bucket_shard(bucket)].copy_(weights[a - bucket.start:b - bucket.start])
+            weights.untyped_storage().resize_(0)
+
+    def owned_weights(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        first = self.layout.shard_position(param, lo, self.rank)
+        return self.param_shard[first:first + hi - lo]
+
+    def gather_params(self, bucket: Bucket) -> dist.Work | None:
+        """Nothing after the step: each forward gathers what it uses."""
+        return None
+
+    def gather(self, bucket: Bucket) -> dist.Work:
+        """Launch the all-gather of the bucket's whole parameters into their (re-grown) storage."""
+        weights = self.weights[bucket.index]
+        weights.untyped_storage().resize_(weights.numel() * weights.element_size())
+        return all_gather_single(weights, self.param_shard[self.layout.bucket_shard(bucket)], self.group,
+                                 async_op=True)
+
+    def free(self, bucket: Bucket) -> None:
+        self.weights[bucket.index].untyped_storage().resize_(0)
 
 
 @dataclass
@@ -42,11 +86,15 @@ class GatheredBucket:
     is positive or `in_backward`; `work` is the gather in flight."""
 
     bucket: Bucket
-    buffer: GradBuffer
+    strategy: ShardedParameters
     present: bool = False
     users: int = 0
     in_backward: bool = False
     work: dist.Work | None = None
+
+    @property
+    def elements(self) -> int:
+        return self.bucket.end - self.bucket.start
 
 
 @dataclass
@@ -66,14 +114,15 @@ def unit_index(chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]]) -> dict
     return index
 
 
-class ShardedParameters:
+class GatherUnits:
     """`chunks`: per model chunk, the modules its forward runs in order, each with the parameters it reads
-    (GPTModel.chunk_modules); `buffers`: data parallelism's gradient buffers, built with shard_params."""
+    (GPTModel.chunk_modules); `buffers`: the gradient buffers, whose strategies are ShardedParameters. A
+    module may read parameters of another chunk's buffer (the LM head the tied embedding)."""
 
-    def __init__(self, chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]], buffers: list[GradBuffer]) -> None:
+    def __init__(self, chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]], buffers: list) -> None:
         self.gathered: dict[int, GatheredBucket] = {}
-        self.states = {id(b): GatheredBucket(b, buffer) for buffer in buffers for b in buffer.buckets}
-        where = {param: self.states[id(b)] for buffer in buffers for param, b in buffer.bucket_of.items()}
+        self.states = {id(b): GatheredBucket(b, buffer.strategy) for buffer in buffers for b in buffer.layout.buckets}
+        where = {param: self.states[id(b)] for buffer in buffers for param, b in buffer.layout.bucket_of.items()}
         self.peak_buckets = self.peak_elements = 0
         self.units: list[list[Unit]] = []
         for modules in chunks:
@@ -95,17 +144,14 @@ class ShardedParameters:
             buffer.on_grads_in = self._grads_in
 
     def _gather(self, state: GatheredBucket) -> None:
-        """Launch the bucket's all-gather into its (re-grown) storage, unless its parameters are present."""
+        """Launch the bucket's all-gather, unless its parameters are present."""
         if state.present:
             return
-        bucket, buffer = state.bucket, state.buffer
-        weights = bucket.weights
-        weights.untyped_storage().resize_(weights.numel() * weights.element_size())
-        state.work = all_gather_single(weights, buffer.shard_of(bucket), buffer.dp_group, async_op=True)
+        state.work = state.strategy.gather(state.bucket)
         state.present = True
-        self.gathered[id(bucket)] = state
+        self.gathered[id(state.bucket)] = state
         self.peak_buckets = max(self.peak_buckets, len(self.gathered))
-        self.peak_elements = max(self.peak_elements, sum(s.bucket.weights.numel() for s in self.gathered.values()))
+        self.peak_elements = max(self.peak_elements, sum(s.elements for s in self.gathered.values()))
 
     @staticmethod
     def _wait(states: list[GatheredBucket]) -> None:
@@ -122,7 +168,7 @@ class ShardedParameters:
         """Free the bucket's whole parameters if nothing uses them (its gather has landed: it was waited for)."""
         if state.present and state.users == 0 and not state.in_backward:
             self._wait([state])
-            state.bucket.weights.untyped_storage().resize_(0)
+            state.strategy.free(state.bucket)
             state.present = False
             del self.gathered[id(state.bucket)]
 

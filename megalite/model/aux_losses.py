@@ -1,0 +1,50 @@
+"""Auxiliary loss terms a layer adds in its forward (a mixture of experts' load-balancing and z-losses),
+reaching backward on whatever pipeline stage the layer runs, without the schedules knowing.
+
+A pipeline stage in the middle differentiates only the hidden states it hands on; no loss of its own ever
+reaches `backward`. So, as Megatron-LM's MoEAuxLossAutoScaler does, the term is attached to the layer's
+output by an autograd function that is the identity in forward and, in backward, passes the output's
+gradient through and gives the term the gradient `scale`: the term joins the loss exactly where the
+layer's backward runs. `scale` is set by the training step to what the main loss is multiplied by per
+micro batch (loss scale / (micro batches x data-parallel ranks)), so the term is averaged over the global
+batch like the loss. Each term's detached values are summed per name for logging (`totals`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _Attached(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        ctx.shape, ctx.dtype = loss.shape, loss.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(ctx.dtype).expand(ctx.shape).clone(), None
+
+
+class AuxLosses:
+    """The model's auxiliary loss terms of the current step, and the gradient scale the step gives them."""
+
+    def __init__(self) -> None:
+        self.scale = torch.ones(())
+        self.totals: dict[str, torch.Tensor] = {}
+
+    def attach(self, name: str, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """`output`, unchanged, carrying `loss` (a scalar) into backward; counted under `name` for logging."""
+        detached = loss.detach().float()
+        self.totals[name] = self.totals[name] + detached if name in self.totals else detached
+        if not torch.is_grad_enabled() or not loss.requires_grad:
+            return output
+        return _Attached.apply(output, loss, self.scale)
+
+    def start_step(self, scale: float, device: torch.device) -> None:
+        """A new step: its terms get gradient `scale` each (filled on `device`, not copied from the host), and
+        the totals start from zero."""
+        self.scale = torch.full((), scale, dtype=torch.float32, device=device)
+        self.totals = {}
