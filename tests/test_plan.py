@@ -1,6 +1,7 @@
 """The planner's figures against what megalite really allocates: parameter counts of built models,
-optimizer-state bytes measured from the tensors after a training step (tools/memory_report.py),
-and activation bytes from the tensors autograd saves in one micro batch's forward."""
+optimizer-state bytes measured from the tensors after a training step (planning/measure.py rank_memory, as
+tools/memory_report.py reports them), and activation bytes from the tensors autograd saves in one micro batch's
+forward."""
 
 from __future__ import annotations
 
@@ -23,13 +24,12 @@ from megalite.parallel.zero3 import unit_index
 from megalite.planning.memory import (chunk_activation_bytes, gathered_bytes, peak_activations, stage_memory,
                                       state_bytes)
 from megalite.planning.context_parallel import comm_bytes
+from megalite.planning.measure import rank_memory, saved_storages
 from megalite.planning.parameters import rank_parameters, stage_layout
 from megalite.planning.plan import format_plan, make_plan
 from megalite.training.build import build_model, build_trainer
 from megalite.training.step import precision_context
 from tools import plan as plan_tool
-from tools.benchmark_context_parallel import saved_storages
-from tools.memory_report import rank_memory
 
 LAYOUTS = [  # (tp, pp, vp, family, tied)
     (1, 1, 1, "gpt2", True), (2, 1, 1, "gpt2", True), (1, 2, 1, "gpt2", True), (2, 2, 2, "llama", False),

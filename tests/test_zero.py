@@ -14,14 +14,12 @@ from torch import nn
 
 from megalite.config import ConfigError
 from megalite.config_validation import validate
-from megalite.data.batches import BatchMaker
-from megalite.data.mock import MockDataset
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
+from megalite.planning.measure import kept_gradients, mock_batches, rank_memory
 from megalite.planning.memory import state_bytes
 from megalite.training.step import train_step
-from tools.memory_report import rank_memory
 
 from conftest import tiny_config
 from distributed import run_ranks, tiny_run
@@ -96,8 +94,7 @@ def _gathered_peaks(rank: int, world_size: int, recompute: str) -> dict[str, tup
     for family in ("llama", "gpt2"):
         cfg = tiny_config(family, parallel={"zero_stage": 3}, train={"recompute": recompute}, model={"num_layers": 6})
         with build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))) as trainer:
-            samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
-            train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+            train_step(trainer, mock_batches(cfg, 1, seed=rank))
             sharded = trainer.sharded_params
             left = {s.bucket.weights.untyped_storage().nbytes() for s in sharded.states.values()}
             peaks[family] = (sharded.peak_buckets, len(sharded.states), left)
@@ -169,8 +166,7 @@ def _host_copies_per_bucket(rank: int, world_size: int) -> tuple[list[int], int,
             started.append(sum(m.main.grad is not None for m in optimizer.shards()))
 
         optimizer.grads_landed = count
-        samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
-        train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+        train_step(trainer, mock_batches(cfg, 1, seed=rank))
     return started, len(optimizer.shards()), sum(len(b.buckets) for b in trainer.grads.buffers)
 
 
@@ -184,7 +180,7 @@ def test_offloaded_gradients_go_to_the_host_bucket_by_bucket():
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_offload_leaves_only_parameters_and_gradients_on_the_device(stage):
-    """Measured from the tensors after a step (tools/memory_report.py): the device keeps the parameters and
+    """Measured from the tensors after a step (planning/measure.py rank_memory): the device keeps the parameters and
     gradients the planner counts (bf16 at stage 3: 2/dp + 4/dp bytes/param), the host the fp32 main weights,
     Adam's moments and the gradient copies (16/dp bytes/param), within bucket padding."""
     cfg = tiny_config(parallel={"zero_stage": stage}, optim={"offload": "cpu"}, model={"hidden_size": 128},
@@ -201,8 +197,7 @@ def test_offload_leaves_only_parameters_and_gradients_on_the_device(stage):
 def _gradient_bytes(rank: int, world_size: int, stage: int) -> int:
     cfg = tiny_config(parallel={"zero_stage": stage, "bucket_size": 3000})
     buffers = build_trainer(cfg, Topology(rank, world_size, torch.device("cpu"))).grads.buffers
-    kept = [b.grad_data if b.grad_data is not None else b.shard_data for b in buffers]
-    return sum(t.numel() * t.element_size() for t in kept)
+    return sum(t.numel() * t.element_size() for t in kept_gradients(buffers))
 
 
 def test_stage2_keeps_a_dp_share_of_the_gradients():
