@@ -281,7 +281,8 @@ def wait_until_reading(pid: int, path: Path) -> None:
     deadline = time.monotonic() + 30
     while True:
         call = Path(f"/proc/{pid}/syscall").read_text().split()
-        if call[0] == READ_SYSCALL[platform.machine()] and os.readlink(f"/proc/{pid}/fd/{int(call[1], 16)}") == str(path):
+        reading = call[0] == READ_SYSCALL[platform.machine()]
+        if reading and os.readlink(f"/proc/{pid}/fd/{int(call[1], 16)}") == str(path):
             return
         assert time.monotonic() < deadline, f"the tool is not reading {path}: in system call {call}"
         time.sleep(0.01)
