@@ -17,10 +17,10 @@ from megalite.data.blending import parse_blend
 from megalite.data.indexed_dataset import data_file_path, index_file_path
 
 
-def validate(cfg: Config, world_size: int, data_files: bool = True) -> None:
+def validate(cfg: Config, world_size: int, data_files: bool = False) -> None:
     """Raise ConfigError listing every problem at once, each with its fix. `data_files`: also check that the
-    corpus files named in data.paths / train_paths / valid_paths exist (not when planning a run on a machine
-    that does not hold them)."""
+    corpus files named in data.paths / train_paths / valid_paths exist (pretrain does; planning a run, on a
+    machine that does not hold them, does not)."""
     errors = [e for check in _CHECKS for e in check(cfg, world_size)]
     ConfigError.raise_if(errors + (_check_data_files(cfg) if data_files else []))
 

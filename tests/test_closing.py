@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.local import WRITER_THREAD
-from megalite.data.batches import BatchMaker
-from megalite.data.mock import MockDataset
+from megalite.planning.measure import mock_batches
 from megalite.training import pretrain as pretrain_module
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
@@ -68,8 +67,7 @@ def _unwaited(rank: int, world_size: int, parallel: dict, close: bool, interrupt
     with pytest.MonkeyPatch.context() as patch:
         launched = _track_async_collectives(patch)
         cfg = tiny_config(parallel={"bucket_size": 2000, **parallel}, train={"global_batch_size": 8})
-        samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, rank)
-        batches = [BatchMaker()([samples[i], samples[i + 1]]) for i in (0, 2)]
+        batches = mock_batches(cfg, 2, seed=rank)
         trainer = build_trainer(cfg, cpu_topology(rank, world_size))
         train_step(trainer, batches)
         if interrupt:

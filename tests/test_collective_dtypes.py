@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.data.batches import BatchMaker
-from megalite.data.mock import MockDataset
 from megalite.parallel import layers
+from megalite.planning.measure import mock_batches
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
@@ -35,9 +34,8 @@ def _moved_dtypes(rank: int, world_size: int, sequence_parallel: bool) -> set[tu
         setattr(layers, name, recording(name))
     cfg = tiny_config("llama", parallel={"tp": 2, "sequence_parallel": sequence_parallel},
                       train={"precision": "bf16"})
-    samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
     with build_trainer(cfg, cpu_topology(rank, world_size, tp=2)) as trainer:
-        train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+        train_step(trainer, mock_batches(cfg, 1, seed=0))
     return moved
 
 

@@ -150,7 +150,7 @@ def test_command_line_corpus_drops_the_yaml_mock(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     path = _yaml(tmp_path, "data:\n  mock: true\n  tokenizer_type: NullTokenizer\n")
     cfg = parse_config(["--config", path, "--data.paths=/d/a"])
-    validate(cfg, 1, data_files=False)  # /d/a does not exist: the config is what is checked here
+    validate(cfg, 1)
     assert not cfg.data.mock and cfg.data.paths == ["/d/a"]
     assert capsys.readouterr().out == f"--data.paths given: ignoring data.mock=true from {path}\n"
 
@@ -267,12 +267,13 @@ def test_missing_corpus_files_are_reported_with_the_config(tmp_path):
     (tmp_path / "web.bin").write_bytes(b"")
     (tmp_path / "web.idx").write_bytes(b"")
     with pytest.raises(ConfigError) as error:
-        validate(parse_config(args), 1)
+        validate(parse_config(args), 1, data_files=True)
     assert f"data.paths: {tmp_path}/books.bin and {tmp_path}/books.idx not found" in str(error.value)
     assert "web" not in str(error.value)
-    validate(parse_config(args), 1, data_files=False)
+    validate(parse_config(args), 1)
     with pytest.raises(ConfigError, match="data.train_paths: blend"):
-        validate(parse_config(["--data.train_paths=[0.5, a, b]", "--data.tokenizer_type=NullTokenizer"]), 1)
+        validate(parse_config(["--data.train_paths=[0.5, a, b]", "--data.tokenizer_type=NullTokenizer"]), 1,
+                 data_files=True)
     failed = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True, text=True,
                             cwd=ROOT)
     assert failed.returncode == 2 and "books.idx not found" in failed.stderr and "Traceback" not in failed.stderr

@@ -31,13 +31,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megalite.checkpoint.local import Checkpointer, TrainingState, load_checkpoint, rng_state
 from megalite.config import Config, OptimConfig
 from megalite.config_cli import dump_yaml
-from megalite.data.batches import Batch, BatchMaker
-from megalite.data.mock import MockDataset
 from megalite.parallel import context_parallel
 from megalite.parallel.distributed_optimizer import adamw, decay_groups
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.random import RNGTracker, TENSOR_PARALLEL, checkpoint_with_rng
 from megalite.parallel.topology import Topology, init_process_group, pick_device
+from megalite.planning.measure import mock_batches
 from megalite.training.build import Trainer, build_model, build_trainer
 from megalite.training.pretrain import pretrain
 from megalite.training.step import precision_context, train_step
@@ -66,11 +65,6 @@ def _config(family: str = "gpt2", **train: object) -> Config:
     return tiny_config(family, train={"device": "cuda", "precision": "bf16", "param_dtype": "bf16",
                                       "micro_batch_size": 2, "global_batch_size": 2, **train},
                        data={"num_workers": 0})
-
-
-def _batch(cfg: Config) -> Batch:
-    data = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
-    return BatchMaker()([data[i] for i in range(cfg.train.micro_batch_size)])
 
 
 def _held(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -150,7 +144,7 @@ def test_attention_takes_a_fused_kernel_in_bf16(topology, family):
     cfg = _config(family)
     cfg.model.hidden_size, cfg.model.seq_length = 256, 128  # head dim 64
     model = build_model(cfg, topology.device, ParallelContext.from_topology(topology, False, cfg.train.seed), 0)
-    batch = _batch(cfg).to(topology.device)
+    batch = mock_batches(cfg, 1)[0].to(topology.device)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
         with precision_context("bf16", topology.device):
             losses = model(batch.tokens, batch.labels)
@@ -193,7 +187,7 @@ def test_bf16_parameters_step_through_fp32_main_weights(topology):
         assert shards and all(m.main.dtype == torch.float32 and m.main.device == DEVICE and m.is_copy for m in shards)
         assert all(group["fused"] for group in trainer.optimizer.optimizer.param_groups)
         before = [m.main.detach().clone() for m in shards]
-        figures = train_step(trainer, [_batch(cfg)]).read()
+        figures = train_step(trainer, mock_batches(cfg, 1)).read()
         assert not figures.skipped and math.isfinite(figures.loss) and math.isfinite(figures.grad_norm)
         assert any(not torch.equal(old, m.main) for old, m in zip(before, shards))
         for m in shards:
@@ -204,7 +198,7 @@ def test_a_non_finite_gradient_norm_skips_the_update_on_the_device(topology):
     """A NaN gradient norm reaches fused AdamW as its found_inf tensor on the GPU, and the kernel leaves
     weights, main weights, moments and step counts as they were; the next step updates again."""
     cfg = _config("llama")
-    batch = _batch(cfg)
+    batch = mock_batches(cfg, 1)[0]
     with build_trainer(cfg, topology) as trainer:
         train_step(trainer, [batch])
         expected = _held(trainer)
@@ -257,7 +251,7 @@ def test_checkpoint_of_cuda_state_round_trips(topology, tmp_path):
     """Saved from the GPU and loaded back onto it: bf16 parameters, fp32 main weights and Adam's moments
     equal, Adam's step counts back on the device, where fused AdamW goes on stepping them."""
     cfg = _config("llama")
-    batch = _batch(cfg)
+    batch = mock_batches(cfg, 1)[0]
     with build_trainer(cfg, topology) as trainer:
         train_step(trainer, [batch])
         expected = _held(trainer)
@@ -274,7 +268,7 @@ def test_async_saves_hold_the_state_of_their_step(topology, tmp_path):
     the steps taken while its files are written in the background do not leak into them; the second save
     reuses the first one's host buffers once its files are written."""
     cfg = _config("gpt2")
-    batch = _batch(cfg)
+    batch = mock_batches(cfg, 1)[0]
     with build_trainer(cfg, topology) as trainer:
         checkpointer = Checkpointer(str(tmp_path), topology, async_save=True)
         saved = []

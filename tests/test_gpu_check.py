@@ -16,7 +16,8 @@ import torch
 
 from megalite.config_validation import validate
 from tools import gpu_check
-from tools.gpu_check import Context, Goal, StepResult
+from tools.gpu_check import Context
+from tools.gpu_check_report import CheckResult, Goal, format_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -187,13 +188,13 @@ def test_report_markdown_from_step_results():
     env = {"command": "`python tools/gpu_check.py`", "device": "NVIDIA H100 80GB HBM3 (H100 SXM; bf16 peak 989.0 "
                                                                "TFLOP/s)", "total time": "312 s"}
     results = [
-        StepResult("tests", "PASS", "11 passed in 41.20s", ["`pytest -m cuda`: 11 passed"], seconds=42.04),
-        StepResult("train", "FAIL", "Llama-3.2-1B: exit status 1", [],
-                   [Goal("GPT-2 1.3B MFU >= 50%", "51.2%", True, "pretrain_gpt.py | eager"),
-                    Goal("Llama-3.2-1B MFU >= 45%", "n/a", None, "pretrain_gpt.py")], seconds=95.5),
-        StepResult("memory", "SKIP", "no finished training run", ["| model |", "|---|"], seconds=0.01),
+        CheckResult("tests", "PASS", "11 passed in 41.20s", ["`pytest -m cuda`: 11 passed"], seconds=42.04),
+        CheckResult("train", "FAIL", "Llama-3.2-1B: exit status 1", [],
+                    [Goal("GPT-2 1.3B MFU >= 50%", "51.2%", True, "pretrain_gpt.py | eager"),
+                     Goal("Llama-3.2-1B MFU >= 45%", "n/a", None, "pretrain_gpt.py")], seconds=95.5),
+        CheckResult("memory", "SKIP", "no finished training run", ["| model |", "|---|"], seconds=0.01),
     ]
-    assert gpu_check.format_report(env, results) == """\
+    assert format_report(env, results) == """\
 ## GPU check: NVIDIA H100 80GB HBM3 (H100 SXM; bf16 peak 989.0 TFLOP/s)
 
 - command: `python tools/gpu_check.py`

@@ -111,8 +111,7 @@ def test_tf32_follows_the_config(allowed, tmp_path):
 
 def _overflow_votes(rank: int, world_size: int, precision: str) -> int:
     from conftest import tiny_config
-    from megalite.data.batches import BatchMaker
-    from megalite.data.mock import MockDataset
+    from megalite.planning.measure import mock_batches
     from megalite.training.build import build_trainer
     from megalite.training.step import train_step
 
@@ -121,9 +120,8 @@ def _overflow_votes(rank: int, world_size: int, precision: str) -> int:
         votes = []
         vote = trainer.optimizer.any_overflow
         trainer.optimizer.any_overflow = lambda found: votes.append(found) or vote(found)
-        samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
         for _ in range(2):
-            train_step(trainer, [BatchMaker()([samples[0], samples[1]])])
+            train_step(trainer, mock_batches(cfg, 1, seed=0))
     return len(votes)
 
 
@@ -180,16 +178,14 @@ def test_checkpoint_host_copies_reuse_their_buffers(tmp_path, monkeypatch):
 def _host_reads(rank: int, world_size: int, precision: str, parallel: dict) -> int:
     """How many times one training step reads a tensor's value on the host (each would stall a GPU)."""
     from conftest import tiny_config
-    from megalite.data.batches import BatchMaker
-    from megalite.data.mock import MockDataset
+    from megalite.planning.measure import mock_batches
     from megalite.training.build import build_trainer
     from megalite.training.step import train_step
 
     cfg = tiny_config(train={"precision": precision}, parallel=parallel)
     topology = cpu_topology(rank, world_size, cfg)
     with build_trainer(cfg, topology) as trainer:
-        samples = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0)
-        batches = [BatchMaker()([samples[i], samples[i + 1]]) for i in range(0, 2 * cfg.num_microbatches(2), 2)]
+        batches = mock_batches(cfg, cfg.num_microbatches(2), seed=0)
         train_step(trainer, batches)  # warm-up: first-step allocations
         reads = []
         names = ("item", "tolist", "__float__", "__int__", "__bool__")

@@ -1,6 +1,7 @@
 """The planner's figures against what megalite really allocates: parameter counts of built models,
-optimizer-state bytes measured from the tensors after a training step (tools/memory_report.py),
-and activation bytes from the tensors autograd saves in one micro batch's forward."""
+optimizer-state bytes measured from the tensors after a training step (planning/measure.py rank_memory, as
+tools/memory_report.py reports them), and activation bytes from the tensors autograd saves in one micro batch's
+forward."""
 
 from __future__ import annotations
 
@@ -22,13 +23,12 @@ from megalite.parallel.zero import unit_index
 from megalite.planning.memory import (chunk_activation_bytes, gathered_bytes, peak_activations, stage_memory,
                                       state_bytes)
 from megalite.planning.context_parallel import comm_bytes
+from megalite.planning.measure import rank_memory, saved_storages
 from megalite.planning.parameters import rank_parameters, stage_layout
 from megalite.planning.plan import format_plan, make_plan
 from megalite.training.build import build_model, build_trainer
 from megalite.training.step import precision_context
 from tools import plan as plan_tool
-from tools.benchmark_context_parallel import saved_storages
-from tools.memory_report import rank_memory
 
 LAYOUTS = [  # (tp, pp, vp, family, tied)
     (1, 1, 1, "gpt2", True), (2, 1, 1, "gpt2", True), (1, 2, 1, "gpt2", True), (2, 2, 2, "llama", False),
@@ -246,15 +246,13 @@ def test_allgather_against_the_ring_to_the_byte(family):
 
 
 def test_context_parallelism_divides_activations():
-    """Every saved tensor is per token, so cp=2 halves one micro batch's activations; only the bf16 weight
-    copies autocast makes of fp32 parameters (one per micro batch in flight) do not shrink."""
-    cfg = _model_config("llama", train={"precision": "bf16", "param_dtype": "bf16"})
-    one = chunk_activation_bytes(cfg, 0)[0]
-    assert chunk_activation_bytes(_valid(cfg, cp=2, world=2), 0)[0] * 2 == one
-    cfg.train.param_dtype = "fp32"
-    copies = rank_parameters(cfg, 0).sharded * 2 - cfg.model.padded_vocab_size * cfg.model.hidden_size * 2
-    one = chunk_activation_bytes(cfg, 0)[0]
-    assert chunk_activation_bytes(_valid(cfg, cp=2, world=2), 0)[0] * 2 == one + copies
+    """Every saved tensor is per token, so cp=2 halves one micro batch's activations, with bf16 and fp32
+    parameters alike: the matmul hook (parallel/gemm.py) keeps the parameter itself for backward, where F.linear
+    under autocast kept a bf16 copy of each fp32 weight per micro batch in flight, which did not shrink."""
+    for param_dtype in ("bf16", "fp32"):
+        cfg = _model_config("llama", train={"precision": "bf16", "param_dtype": param_dtype})
+        one = chunk_activation_bytes(cfg, 0)[0]
+        assert chunk_activation_bytes(_valid(cfg, cp=2, world=2), 0)[0] * 2 == one
 
 
 def test_context_parallel_ranks_shard_model_state():

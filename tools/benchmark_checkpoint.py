@@ -43,11 +43,9 @@ import torch
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state
 from megalite.config import Config
-from megalite.config_validation import validate
-from megalite.config_cli import dump_yaml, load_yaml
-from megalite.data.batches import BatchMaker
-from megalite.data.mock import MockDataset
+from megalite.config_cli import dump_yaml
 from megalite.parallel.topology import Topology
+from megalite.planning.measure import measurement_config, mock_batches, param_dtype_fields
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
@@ -67,19 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    cfg = Config()
-    load_yaml(cfg, args.config)
-    if args.param_dtype == "fp32":
-        cfg.train.param_dtype = "fp32"
-    elif args.param_dtype == "bf16":
-        cfg.train.param_dtype = cfg.train.precision = "bf16"
-    cfg.parallel.tp = cfg.parallel.pp = cfg.parallel.vp = 1
-    cfg.train.micro_batch_size = cfg.train.global_batch_size = 1
-    cfg.data.mock, cfg.data.paths, cfg.data.train_paths, cfg.data.valid_paths, cfg.data.tokenizer_type = (
-        True, None, None, None, None)
-    cfg.train.device = "cpu"
-    validate(cfg, 1)
-    return cfg
+    """The model of args.config in one process, one sample per step."""
+    return measurement_config(1, args.config, parallel={"tp": 1, "pp": 1, "vp": 1},
+                              train={"micro_batch_size": 1, "global_batch_size": 1,
+                                     **param_dtype_fields(args.param_dtype)})
 
 
 class Trained:
@@ -89,10 +78,10 @@ class Trained:
         self.cfg = cfg
         self.topology = Topology.from_environment("cpu", cfg.parallel)
         torch.manual_seed(cfg.train.seed)
-        sample = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)[0]
+        batches = mock_batches(cfg, 1)
         with build_trainer(cfg, self.topology) as parts:
             begin = time.perf_counter()
-            train_step(parts, [BatchMaker()([sample])])
+            train_step(parts, batches)
             self.step_seconds = time.perf_counter() - begin
         self.sharded = parts.sharded_state()
         self.rng = rng_state(self.topology.device, parts.ctx.rng)

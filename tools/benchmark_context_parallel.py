@@ -9,8 +9,9 @@ Activation memory is what autograd keeps for backward during one forward (loss i
 distinct storages its saved-tensor hooks see, parameters left out. That counts a view (v of the
 fused QKV output, a slice of the gathered K/V) as the whole storage it keeps alive, and counts
 nothing that forward frees on its way (communication buffers, the ring's block outputs). It is
-what the planner's `activations` line predicts (planning/activations.py); the same measure backs
-tests/test_plan.py. Allocator figures would add the transient buffers and reuse, so they are not used.
+what the planner's `activations` line predicts (planning/activations.py); the same measure
+(planning/measure.py `saved_storages`) backs tests/test_plan.py. Allocator figures would add the
+transient buffers and reuse, so they are not used.
 
 Timing: the median over `--steps` of the slowest rank's forward+backward (a barrier before each),
 after one warm-up step. No optimizer step and no gradient reduction: only the model and its
@@ -23,20 +24,18 @@ attention communication. Ranks share this machine's cores, so compare times with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from megalite.config import Config
-from megalite.config_validation import validate
 from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
 from megalite.planning.context_parallel import comm_bytes
+from megalite.planning.measure import measurement_config, model_fields, saved_bytes
 from megalite.planning.memory import chunk_activation_bytes
 from megalite.training.build import build_trainer
 
@@ -58,39 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def make_config(args: argparse.Namespace, cp: int, comm: str) -> Config:
     """A tiny Llama in fp32 without recompute; micro batch 1."""
-    cfg = Config()
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    m.family, m.num_layers, m.hidden_size, m.num_attention_heads = "llama", args.layers, args.hidden, args.heads
-    m.num_query_groups, m.seq_length, m.vocab_size = args.groups, args.seq, args.vocab
-    p.cp, p.cp_comm, p.overlap_grad_reduce = cp, comm, False
-    t.micro_batch_size, t.global_batch_size, t.precision, t.param_dtype, t.recompute = 1, 1, "fp32", "fp32", "none"
-    cfg.data.mock = True
-    validate(cfg, cp)
-    return cfg
-
-
-@contextlib.contextmanager
-def saved_storages(model: torch.nn.Module) -> Iterator[dict[int, int]]:
-    """Bytes of each distinct non-parameter storage autograd saves inside the block, by address."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield seen
-
-
-def saved_bytes(model: torch.nn.Module, step) -> int:
-    """Distinct non-parameter storages autograd saves while `step()` runs the forward."""
-    with saved_storages(model) as seen:
-        loss = step()
-    loss.backward()
-    return sum(seen.values())
+    return measurement_config(
+        cp, model={**model_fields(args), "family": "llama", "num_query_groups": args.groups},
+        parallel={"cp": cp, "cp_comm": comm, "overlap_grad_reduce": False},
+        train={"micro_batch_size": 1, "global_batch_size": 1, "precision": "fp32", "param_dtype": "fp32",
+               "recompute": "none"})
 
 
 def _rank(rank: int, world: int, cfg: Config, steps: int) -> tuple[int, list[float]]:

@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import Config
-from megalite.config_validation import validate
-from megalite.data.batches import Batch, BatchMaker
-from megalite.data.mock import MockDataset
+from megalite.data.batches import Batch
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
+from megalite.planning.measure import measurement_config, mock_batches, model_fields
 from megalite.training.build import Trainer, build_trainer
 from megalite.training.step import train_step
 
@@ -62,22 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace, distributed: bool, overlap: bool) -> Config:
-    cfg = Config()
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size, m.seq_length = (
-        args.layers, args.hidden, args.heads, args.vocab, args.seq)
-    p.distributed_optimizer, p.overlap_grad_reduce, p.bucket_size = distributed, overlap, args.bucket_size
-    t.micro_batch_size, t.global_batch_size, t.precision = (
-        args.micro_batch, args.micro_batch * args.microbatches * WORLD_SIZE, args.precision)
-    cfg.data.mock = True
-    return cfg
-
-
-def mock_batches(cfg: Config, dp_rank: int, count: int) -> list[Batch]:
-    """`count` micro batches of mock data, different on each data-parallel rank."""
-    data, make, mbs = (MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), BatchMaker(),
-                       cfg.train.micro_batch_size)
-    return [make([data[(dp_rank * count + i) * mbs + j] for j in range(mbs)]) for i in range(count)]
+    """One case's validated config on WORLD_SIZE ranks."""
+    parallel = {"distributed_optimizer": distributed, "overlap_grad_reduce": overlap, "bucket_size": args.bucket_size}
+    return measurement_config(WORLD_SIZE, model=model_fields(args), parallel=parallel,
+                              train={"micro_batch_size": args.micro_batch, "precision": args.precision,
+                                     "global_batch_size": args.micro_batch * args.microbatches * WORLD_SIZE})
 
 
 @dataclass
@@ -91,7 +79,7 @@ class Case:
 
     @classmethod
     def build(cls, topology: Topology, cfg: Config, microbatches: int) -> Case:
-        return cls(cfg, build_trainer(cfg, topology), mock_batches(cfg, topology.dp_rank, microbatches))
+        return cls(cfg, build_trainer(cfg, topology), mock_batches(cfg, microbatches, topology.dp_rank))
 
     def step(self, topology: Topology) -> tuple[float, float]:
         """One train_step after a barrier: (seconds, grads.wait_seconds)."""
@@ -108,11 +96,10 @@ class Case:
         return self.parts.grads.wait_seconds
 
 
-def time_cases(topology: Topology, args: argparse.Namespace) -> list[dict]:
+def time_cases(topology: Topology, configs: list[Config], args: argparse.Namespace) -> list[dict]:
     """All configurations side by side, timed in turns (step i of each, then step i + 1), so that
     load from other processes on the machine spreads over all of them alike."""
-    cases = [Case.build(topology, build_config(args, distributed, overlap), args.microbatches)
-             for distributed, overlap in CASES]
+    cases = [Case.build(topology, cfg, args.microbatches) for cfg in configs]
     for i in range(args.warmup + args.iters):
         for case in cases:
             seconds, wait = case.step(topology)
@@ -129,8 +116,8 @@ def time_cases(topology: Topology, args: argparse.Namespace) -> list[dict]:
              "buckets": sum(len(b.buckets) for b in buffers)} for case in cases]
 
 
-def _rank_cases(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
-    return time_cases(Topology(rank, world_size, torch.device("cpu")), args)
+def _rank_cases(rank: int, world_size: int, configs: list[Config], args: argparse.Namespace) -> list[dict]:
+    return time_cases(Topology(rank, world_size, torch.device("cpu")), configs, args)
 
 
 def row(distributed: bool, overlap: bool, ranks: list[dict]) -> str:
@@ -148,10 +135,9 @@ def row(distributed: bool, overlap: bool, ranks: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    for distributed, overlap in CASES:
-        validate(build_config(args, distributed, overlap), WORLD_SIZE)
-    per_rank = run_on_ranks(WORLD_SIZE, _rank_cases, args)
-    m, first = build_config(args, False, False).model, per_rank[0][0]
+    configs = [build_config(args, distributed, overlap) for distributed, overlap in CASES]
+    per_rank = run_on_ranks(WORLD_SIZE, _rank_cases, configs, args)
+    m, first = configs[0].model, per_rank[0][0]
     print(f"gpt2: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size}, "
           f"{first['numel'] / 1e6:.1f}M parameters in {first['buckets']} buckets of >= {args.bucket_size:,} elements; "
           f"seq {args.seq}, micro batch {args.micro_batch}, {args.microbatches} micro batches/step/rank, "

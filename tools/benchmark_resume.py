@@ -36,30 +36,33 @@ import torch.distributed as dist
 from megalite.checkpoint.files import finalize, write_rank_files, write_run_files
 from megalite.checkpoint.local import TrainingState, load_checkpoint
 from megalite.checkpoint.sharded_state import ShardedState
-from megalite.config_cli import dump_yaml, parse_config
+from megalite.config import Config
+from megalite.config_cli import dump_yaml
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
+from megalite.planning.measure import measurement_config
 from megalite.training.build import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 # (saved layout, [(world size, resumed layout), ...]) per model: dp * tp * pp ranks each.
 PLANS = {
-    "125m": (["--parallel.tp=2", "--parallel.pp=2"], [
-        (4, ["--parallel.tp=2", "--parallel.pp=2"]), (8, ["--parallel.tp=2", "--parallel.pp=2"]),
-        (4, ["--parallel.tp=4"]), (2, ["--parallel.pp=2"]), (1, [])]),
-    "1.3b": (["--parallel.pp=8"], [
-        (8, ["--parallel.pp=8"]), (8, ["--parallel.pp=4"]), (4, ["--parallel.tp=2", "--parallel.pp=2"])]),
+    "125m": ({"tp": 2, "pp": 2}, [(4, {"tp": 2, "pp": 2}), (8, {"tp": 2, "pp": 2}), (4, {"tp": 4}), (2, {"pp": 2}),
+                                  (1, {})]),
+    "1.3b": ({"pp": 8}, [(8, {"pp": 8}), (8, {"pp": 4}), (4, {"tp": 2, "pp": 2})]),
 }
 SAVE_WORLD = 8
 
 
-def _config(model: str, layout: list[str]):
-    overrides = ["--data.mock=true", "--data.paths=null", "--data.tokenizer_type=null", "--train.device=cpu",
-                 "--train.micro_batch_size=1", "--train.global_batch_size=null", "--checkpoint.save=null", *layout]
-    return parse_config(["--config", str(ROOT / "examples" / f"gpt2_{model}.yaml"), *overrides])
+def _config(model: str, layout: dict[str, int], world_size: int) -> Config:
+    return measurement_config(world_size, ROOT / "examples" / f"gpt2_{model}.yaml", parallel=layout,
+                              train={"micro_batch_size": 1, "global_batch_size": None})
 
 
-def _rank_state(cfg, topology: Topology) -> ShardedState:
+def _named(layout: dict[str, int]) -> str:
+    return " ".join(f"--parallel.{name}={size}" for name, size in layout.items()) or "one device"
+
+
+def _rank_state(cfg: Config, topology: Topology) -> ShardedState:
     parts = build_trainer(cfg, topology)
     for m in parts.optimizer.shards():
         m.main.grad = torch.zeros_like(m.main)
@@ -82,7 +85,7 @@ def _in_turns(rank: int, world_size: int, work) -> object:
 
 
 def _save(rank: int, world_size: int, model: str, tmp: str) -> None:
-    cfg = _config(model, PLANS[model][0])
+    cfg = _config(model, PLANS[model][0], world_size)
     topology = Topology(rank, world_size, torch.device("cpu"), tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     _in_turns(rank, world_size, lambda: write_rank_files(Path(tmp), rank, _rank_state(cfg, topology).pieces(), None))
     if rank == 0:
@@ -98,8 +101,8 @@ def _drop_page_cache() -> bool:
         return False
 
 
-def _load(rank: int, world_size: int, model: str, layout: list[str], path: str) -> tuple[int, float, bool]:
-    cfg = _config(model, layout)
+def _load(rank: int, world_size: int, model: str, layout: dict[str, int], path: str) -> tuple[int, float, bool]:
+    cfg = _config(model, layout, world_size)
     topology = Topology(rank, world_size, torch.device("cpu"), tp=cfg.parallel.tp, pp=cfg.parallel.pp)
 
     def work() -> tuple[int, float, bool]:
@@ -125,7 +128,7 @@ def main() -> None:
         run_on_ranks(SAVE_WORLD, _save, args.model, str(tmp))
         finalize(tmp, final)
         size = sum(f.stat().st_size for f in final.glob("rank_*.safetensors"))
-        print(f"GPT-2 {args.model}, saved at {' '.join(PLANS[args.model][0]) or 'one device'} on "
+        print(f"GPT-2 {args.model}, saved at {_named(PLANS[args.model][0])} on "
               f"{SAVE_WORLD} ranks: {size / 2**30:.2f} GiB in {time.perf_counter() - begin:.0f} s (CPU: {_cpu()})")
         print("| resumed at | ranks | bytes read per rank (min-max) | all ranks / checkpoint | slowest rank's load "
               "| per-rank rate |")
@@ -135,7 +138,7 @@ def main() -> None:
             reads, seconds = [r[0] for r in results], [r[1] for r in results]
             slow = max(range(world), key=lambda r: seconds[r])
             cache = "cold" if all(r[2] for r in results) else "page cache kept"
-            print(f"| {' '.join(layout) or 'one device'} | {world} | "
+            print(f"| {_named(layout)} | {world} | "
                   f"{min(reads) / 2**30:.3f}-{max(reads) / 2**30:.3f} GiB | {sum(reads) / size:.2f} | "
                   f"{seconds[slow]:.1f} s ({cache}) | {reads[slow] / seconds[slow] / 2**30:.2f} GiB/s |")
     finally:

@@ -42,11 +42,12 @@ import transformers
 
 from megalite.checkpoint.hf_mapping import hf_config
 from megalite.config import Config
-from megalite.data.batches import Batch, BatchMaker
+from megalite.data.batches import Batch
+from megalite.parallel.distributed_optimizer import adamw, decay_groups
 from megalite.parallel.topology import Topology, synchronize
+from megalite.planning.measure import measurement_config, mock_batches, model_fields
 from megalite.training.build import build_trainer
 from megalite.training.flops import training_flops_per_token
-from megalite.parallel.distributed_optimizer import adamw, decay_groups
 from megalite.training.step import precision_context, train_step
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -87,16 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    """The megalite config of the benchmarked model; optimizer hyperparameters stay at their defaults."""
-    cfg = Config()
-    m, t = cfg.model, cfg.train
-    m.family, m.num_layers, m.hidden_size, m.num_attention_heads = args.family, args.layers, args.hidden, args.heads
-    m.num_query_groups, m.ffn_hidden_size, m.tie_embeddings = args.kv_heads, args.ffn, args.tie_embeddings
-    m.seq_length, m.vocab_size = args.seq, args.vocab
-    if args.rope_theta is not None:
-        m.rope_theta = args.rope_theta
-    t.micro_batch_size, t.precision, t.compile, t.seed = args.micro_batch, args.precision, args.compile, args.seed
-    return cfg
+    """The validated megalite config of the benchmarked model (one process, mock data); the model options left out
+    and the optimizer hyperparameters stay at their defaults."""
+    return measurement_config(1, model={"family": args.family, **model_fields(args)},
+                              train={"micro_batch_size": args.micro_batch, "precision": args.precision,
+                                     "compile": args.compile, "seed": args.seed, "device": args.device})
 
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, size: int = 4096, rounds: int = 5) -> float:
@@ -186,9 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = build_config(args)
     topology = Topology.from_environment(args.device)
     device = topology.device
-    generator = torch.Generator().manual_seed(args.seed)
-    samples = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=generator)
-    batch = BatchMaker()(list(samples.numpy()))
+    batch = mock_batches(cfg, 1)[0]
 
     peak = measure_peak_tflops(device, _DTYPES[args.precision])
     flops_per_token = training_flops_per_token(cfg.model)

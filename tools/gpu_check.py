@@ -24,11 +24,9 @@ command's output is kept in --out as NAME.log.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import signal
@@ -37,22 +35,20 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
-from datetime import date
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
-
-from megalite.config import Config, ConfigError
-from megalite.config_cli import parse_config
-from megalite.config_validation import validate
-from megalite.planning.plan import GIB, GPUS, RESERVED_GIB, Plan, make_plan
-from megalite.training.flops import device_model, peak_tflops, training_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script, Python puts tools/ on the path, not the repository root
+from megalite.config import Config, ConfigError  # noqa: E402
+from megalite.config_cli import parse_config  # noqa: E402
+from megalite.config_validation import validate  # noqa: E402
+from megalite.planning.plan import GIB, GPUS, RESERVED_GIB, Plan, make_plan  # noqa: E402
+from megalite.training.flops import device_model, peak_tflops, training_flops_per_token  # noqa: E402
 from tools.benchmark_throughput import build_config as benchmark_config, parse_args as benchmark_args  # noqa: E402
+from tools.gpu_check_report import CheckResult, Goal, environment, write_report  # noqa: E402
 
 STEPS = ("tests", "train", "throughput", "memory")
 SHAPES = {"gpt2": ("GPT-2 1.3B", "examples/gpt2_1.3b.yaml"), "llama": ("Llama-3.2-1B", "examples/llama_1b.yaml")}
@@ -66,25 +62,6 @@ BENCHMARK_MODES = {"eager": [], "compiled": ["--compile", "--hf-compile"]}
 # untimed: the first step compiles (in compiled mode) and allocates Adam's state, the second runs as timed ones do
 BENCHMARK_STEPS = ["--steps", "8", "--warmup", "2"]
 LIMITS = {"tests": 150, "train": 150, "eager": 120, "compiled": 240}  # seconds one command may take
-VERDICTS = {True: "met", False: "missed", None: "not measured"}
-
-
-@dataclass
-class Goal:
-    name: str
-    measured: str
-    met: bool | None  # None: not measured
-    source: str
-
-
-@dataclass
-class StepResult:
-    name: str
-    status: str  # PASS, FAIL or SKIP
-    summary: str
-    details: list[str] = field(default_factory=list)  # markdown lines of the step's section of the report
-    goals: list[Goal] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 @dataclass
@@ -157,7 +134,7 @@ def pytest_command() -> list[str]:
     return [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q", "-rs", "-p", "no:cacheprovider"]
 
 
-def step_tests(ctx: Context) -> StepResult:
+def step_tests(ctx: Context) -> CheckResult:
     cmd = pytest_command()
     rc, output = ctx.run("tests", cmd, LIMITS["tests"])
     lines = output.splitlines()
@@ -167,7 +144,7 @@ def step_tests(ctx: Context) -> StepResult:
     status = "FAIL" if rc != 0 else "PASS" if " passed" in summary else "SKIP"
     skipped = [f"- {line}" for line in lines if line.startswith("SKIPPED")]
     details = [f"`{display(cmd)}`: {summary}", *([""] + skipped if skipped else [])]
-    return StepResult("tests", status, summary, details + (tail(output) if status == "FAIL" else []))
+    return CheckResult("tests", status, summary, details + (tail(output) if status == "FAIL" else []))
 
 
 def train_runs(out: Path, iters: int) -> list[Run]:
@@ -211,7 +188,7 @@ def train_problem(rc: int | None, records: list[dict], iters: int) -> str | None
     return None if losses[-1] < losses[0] else f"the loss did not fall ({losses[0]:.3f} -> {losses[-1]:.3f})"
 
 
-def step_train(ctx: Context) -> StepResult:
+def step_train(ctx: Context) -> CheckResult:
     rows, goals, problems, logs, commands = [], [], [], [], []
     for run in train_runs(ctx.out, ctx.train_iters):
         run.metrics.unlink(missing_ok=True)  # the metrics writer appends
@@ -236,7 +213,7 @@ def step_train(ctx: Context) -> StepResult:
                "| model | steps | loss first -> last | tokens/s | MFU | peak allocated GiB |",
                "|---|---:|---|---:|---:|---:|", *rows, "", "Commands:", "", *commands, *logs]
     summary = "; ".join(problems) or "; ".join(f"{g.name.split(' MFU')[0]} MFU {g.measured}" for g in goals)
-    return StepResult("train", "FAIL" if problems else "PASS", summary, details, goals)
+    return CheckResult("train", "FAIL" if problems else "PASS", summary, details, goals)
 
 
 def benchmark_shape(example: Config) -> list[str]:
@@ -261,13 +238,10 @@ def benchmark_runs() -> list[Run]:
     for mode, options in BENCHMARK_MODES.items():
         for family, example in examples.items():
             argv = [*benchmark_shape(example), *BENCHMARK_STEPS, *options]
-            cfg = benchmark_config(benchmark_args(argv))
+            cfg = benchmark_config(benchmark_args(argv))  # validated as the benchmark runs it
             if cfg.model != example.model:
                 raise ValueError(f"tools/benchmark_throughput.py {' '.join(argv)} builds {cfg.model}, "
                                  f"not the model of {SHAPES[family][1]}")
-            checked = copy.deepcopy(cfg)
-            checked.data.mock = True  # the benchmark makes its own batches; the rest of its config must be valid
-            validate(checked, 1)
             runs.append(Run(family, [sys.executable, "tools/benchmark_throughput.py", *argv], cfg, mode=mode))
     return runs
 
@@ -309,7 +283,7 @@ def throughput_goals(measured: dict[tuple[str, str], dict[str, float]], flops: d
     return goals
 
 
-def step_throughput(ctx: Context) -> StepResult:
+def step_throughput(ctx: Context) -> CheckResult:
     runs = benchmark_runs()
     flops = flops_by_family(runs)
     rows, problems, logs, measured = [], [], [], {}
@@ -336,8 +310,8 @@ def step_throughput(ctx: Context) -> StepResult:
     summary = "; ".join(problems) or "; ".join(
         f"{SHAPES[family][0]} {mode}: {tokens['megalite'] / tokens['huggingface']:.2f}x HF {mode}"
         for (family, mode), tokens in measured.items())
-    return StepResult("throughput", "FAIL" if problems else "PASS", summary, details,
-                      throughput_goals(measured, flops, ctx.peak))
+    return CheckResult("throughput", "FAIL" if problems else "PASS", summary, details,
+                       throughput_goals(measured, flops, ctx.peak))
 
 
 def predicted_gib(plan: Plan) -> float:
@@ -346,7 +320,7 @@ def predicted_gib(plan: Plan) -> float:
     return plan.worst.total / GIB
 
 
-def step_memory(ctx: Context) -> StepResult:
+def step_memory(ctx: Context) -> CheckResult:
     rows, off = [], []
     for run in train_runs(ctx.out, ctx.train_iters):
         records, plan = read_metrics(run.metrics), make_plan(run.cfg, 1, ctx.gpu)
@@ -363,11 +337,11 @@ def step_memory(ctx: Context) -> StepResult:
                "| model | measured peak GiB | planner tensors GiB | planner total GiB | measured vs tensors |",
                "|---|---:|---:|---:|---:|", *rows]
     if not off:
-        return StepResult("memory", "SKIP", "no finished training run: run the train step first (same --out)",
-                          details)
+        return CheckResult("memory", "SKIP", "no finished training run: run the train step first (same --out)",
+                           details)
     status = "FAIL" if any(abs(diff) > ctx.memory_tolerance for _, diff in off) else "PASS"
-    return StepResult("memory", status, "; ".join(f"{label} {diff:+.1%} vs the planner" for label, diff in off),
-                      details)
+    return CheckResult("memory", status, "; ".join(f"{label} {diff:+.1%} vs the planner" for label, diff in off),
+                       details)
 
 
 STEP_FUNCTIONS = {"tests": step_tests, "train": step_train, "throughput": step_throughput, "memory": step_memory}
@@ -391,49 +365,17 @@ def dry_run_lines(ctx: Context, step: str) -> list[str]:
             for run in train_runs(ctx.out, ctx.train_iters)]
 
 
-def environment(argv: list[str], peak: float | None) -> dict[str, str]:
-    """The machine and the software, for the report (`peak`: the bf16 TFLOP/s MFU is taken against)."""
-    env = {"command": f"`{display([sys.executable, 'tools/gpu_check.py', *argv])}`", "date": date.today().isoformat()}
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        model = device_model(name) or "not in megalite/training/flops.py"
-        env["device"] = f"{name} ({model}; bf16 peak {peak or 'unknown'} TFLOP/s)"
-        env["software"] = (f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
-                           f"{torch.backends.cudnn.version()}, transformers {transformers.__version__}, "
-                           f"Python {platform.python_version()}")
-    git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
-    return env | {"commit": git.stdout.strip() or "unknown"}
-
-
-def cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def format_report(env: dict[str, str], results: list[StepResult]) -> str:
-    """The markdown report: the environment, one row per step, the goals, then each step's details."""
-    lines = [f"## GPU check: {env.get('device', 'no CUDA device')}", "", *(f"- {k}: {v}" for k, v in env.items())]
-    lines += ["", "| step | result | time | summary |", "|---|---|---:|---|"]
-    lines += [f"| {r.name} | {r.status} | {r.seconds:.1f} s | {cell(r.summary)} |" for r in results]
-    goals = [g for r in results for g in r.goals]
-    if goals:
-        lines += ["", "### Goals", "", "| goal | measured | verdict | from |", "|---|---|---|---|"]
-        lines += [f"| {g.name} | {g.measured} | {VERDICTS[g.met]} | {cell(g.source)} |" for g in goals]
-    for r in results:
-        lines += ["", f"### {r.name}", "", *r.details] if r.details else []
-    return "\n".join(lines) + "\n"
-
-
-def run_step(ctx: Context, name: str) -> StepResult:
+def run_step(ctx: Context, name: str) -> CheckResult:
     """One step, timed; an error inside it fails the step, and the other steps still run."""
     print(f"[{name}]", flush=True)
     start = time.monotonic()
     if ctx.deadline - start < 30:
-        result = StepResult(name, "SKIP", "the time budget (--budget) was spent")
+        result = CheckResult(name, "SKIP", "the time budget (--budget) was spent")
     else:
         try:
             result = STEP_FUNCTIONS[name](ctx)
         except Exception as error:  # noqa: BLE001 - reported in the step's row
-            result = StepResult(name, "FAIL", f"{type(error).__name__}: {error}", tail(traceback.format_exc(), 40))
+            result = CheckResult(name, "FAIL", f"{type(error).__name__}: {error}", tail(traceback.format_exc(), 40))
     result.seconds = time.monotonic() - start
     print(f"[{name}] {result.status} in {result.seconds:.1f} s: {result.summary}", flush=True)
     return result
@@ -482,9 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     results = [run_step(ctx, step) for step in steps]
-    env = environment(argv, peak) | {"total time": f"{time.monotonic() - start:.0f} s"}
-    args.report.parent.mkdir(parents=True, exist_ok=True)
-    args.report.write_text(format_report(env, results))
+    env = environment(display([sys.executable, "tools/gpu_check.py", *argv]), peak)
+    write_report(args.report, env | {"total time": f"{time.monotonic() - start:.0f} s"}, results)
     print(f"report written to {args.report}")
     return 1 if any(r.status == "FAIL" for r in results) else 0
 

@@ -8,7 +8,11 @@ storages behind (a view counts its whole storage, once; an empty one, such as a 
 parameter freed after use, counts nothing):
   - parameters: the model's parameters (with the distributed optimizer, the flat param buffer;
     at ZeRO-3, this rank's parameter slices);
-  - gradients: the flat fp32 grad buffers and any .grad not inside them;
+  - gradients: the flat fp32 grad buffers and any .grad not inside them, after the step; and "grads MiB
+    at peak", the most gradient storage alive at once during the step (what runs out): the buffers and
+    shards, the buckets filling and the inputs and outputs of reductions in flight (planning/measure.py
+    GradientBytes). ZeRO-2/3 reduce every micro batch and land each reduction early, so their peak is
+    the 1/dp shard plus a few buckets, not a full buffer;
   - main weights: tensors the optimizer steps that do not share storage with a parameter;
   - optimizer state: every tensor in the optimizer's state (Adam's two moments and step counts).
 Bytes per parameter divides the rank's total by the parameters it holds.
@@ -39,34 +43,26 @@ ZeRO-3 also holds whole parameters of the units being used (parallel/zero/stage3
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
 
 import torch
 
 from megalite.config import Config
-from megalite.config_validation import validate
-from megalite.config_cli import load_yaml
-from megalite.data.batches import Batch, BatchMaker
-from megalite.data.mock import MockDataset
 from megalite.parallel.spawn import run_on_ranks
-from megalite.parallel.topology import Topology
+from megalite.planning.measure import (MEMORY_CATEGORIES, MODEL_OPTIONS, measurement_config, model_fields,
+                                       param_dtype_fields, rank_memory)
 from megalite.planning.memory import gathered_bytes, state_bytes
 from megalite.planning.parameters import rank_parameters
-from megalite.training.build import build_trainer
-from megalite.training.step import train_step
 
 # A GPT-2-shaped model of 29M parameters: 8 ranks of it (444 MiB of tensors each) fit easily in 24 GB.
 DEFAULT_MODEL = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 32000, "seq_length": 256}
-MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads", "vocab": "vocab_size",
-               "seq": "seq_length"}
-CATEGORIES = ("params", "grads", "main", "state")
+MODEL_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (as pretrain_gpt.py takes); without it, a ~29M-parameter GPT-2 shape")
-    for flag, name in MODEL_FLAGS.items():
-        p.add_argument(f"--{flag}", type=int, help=f"model.{name} (overrides the config)")
+    for flag in MODEL_FLAGS:
+        p.add_argument(f"--{flag}", type=int, help=f"model.{MODEL_OPTIONS[flag]} (overrides the config)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel sizes, one layout each")
@@ -75,63 +71,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0, 1, 2, 3],
                    help="parallel.zero_stage values, one table block each (1 = the distributed optimizer)")
     p.add_argument("--offload", action="store_true", help="optim.offload=cpu: main weights and Adam state on the host")
+    p.add_argument("--microbatches", type=int, default=4,
+                   help="micro batches per step (a multiple of --pp): stages 2-3 reduce every one of them")
+    p.add_argument("--bucket-size", type=int, help="parallel.bucket_size (elements per gradient bucket)")
     return p.parse_args(argv)
 
 
 def build_config(args: argparse.Namespace, dp: int, stage: int) -> Config:
-    cfg = Config()
-    if args.config:
-        load_yaml(cfg, args.config)
-    else:
-        for name, value in DEFAULT_MODEL.items():
-            setattr(cfg.model, name, value)
-    for flag, name in MODEL_FLAGS.items():
-        if getattr(args, flag) is not None:
-            setattr(cfg.model, name, getattr(args, flag))
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage = args.tp, args.pp, stage
-    cfg.parallel.distributed_optimizer = stage >= 1
-    if args.param_dtype != "fp32":
-        cfg.train.param_dtype = cfg.train.precision = args.param_dtype
-    cfg.optim.offload = "cpu" if args.offload else "none"
-    # Mock data and pp micro batches per step (enough for any schedule): what stays allocated after
-    # the step does not depend on the data or the batch.
-    cfg.data.mock, cfg.data.paths, cfg.data.train_paths, cfg.data.valid_paths = True, None, None, None
-    cfg.train.global_batch_size = cfg.train.micro_batch_size * dp * args.pp
-    return cfg
-
-
-def storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    """Bytes of each distinct storage behind `tensors`, keyed by its address."""
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in tensors if t.untyped_storage().nbytes()}
-
-
-def mock_batches(cfg: Config, dp_rank: int, count: int) -> list[Batch]:
-    """`count` micro batches of mock data, different on each data-parallel rank."""
-    data, make, mbs = (MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), BatchMaker(),
-                       cfg.train.micro_batch_size)
-    return [make([data[(dp_rank * count + i) * mbs + j] for j in range(mbs)]) for i in range(count)]
-
-
-def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
-    """Build this rank's model and optimizer, train one step, and measure what stays allocated."""
-    topology = Topology(rank, world_size, torch.device("cpu"), tp=cfg.parallel.tp, pp=cfg.parallel.pp)
-    with build_trainer(cfg, topology) as parts:
-        params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]
-        train_step(parts, mock_batches(cfg, topology.dp_rank, cfg.num_microbatches(world_size)))
-    strategies = [b.strategy for b in parts.grads.buffers]
-    held = storages(params + [s.param_shard for s in strategies if s.param_shard is not None])
-    kept = [s.grad_data if s.grad_data is not None else s.shard_data for s in strategies]
-    grads = storages(kept + [t.grad for t in params + mains if t.grad is not None])
-    main = {k: v for k, v in storages(mains).items() if k not in held}
-    state = storages(t for s in parts.optimizer.optimizer.state.values() for t in s.values()
-                     if isinstance(t, torch.Tensor))
-    sizes = {name: sum(found.values()) for name, found in zip(CATEGORIES, (held, grads, main, state))}
-    sizes["host_grads"] = sum(storages(parts.optimizer.host_grads()).values())
-    sharded = parts.sharded_params
-    gathered = sharded.peak_elements * params[0].element_size() if sharded is not None else 0
-    return {**sizes, "rank": rank, "pp_rank": topology.pp_rank, "numel": sum(p.numel() for p in params),
-            "gathered": gathered}
+    """The layout's validated config. One sample per micro batch, --microbatches of them per step: what stays
+    allocated after the step does not depend on the data or the batch, the peak during it on the micro batches."""
+    bucket = {"bucket_size": args.bucket_size} if args.bucket_size else {}
+    return measurement_config(
+        args.tp * args.pp * dp, args.config, model={**({} if args.config else DEFAULT_MODEL), **model_fields(args)},
+        parallel={"tp": args.tp, "pp": args.pp, "zero_stage": stage, "distributed_optimizer": stage >= 1, **bucket},
+        train={"micro_batch_size": 1, "global_batch_size": dp * args.microbatches,
+               **param_dtype_fields(args.param_dtype)},
+        optim={"offload": "cpu" if args.offload else "none"})
 
 
 def run_layout(cfg: Config, world_size: int) -> list[dict[str, int]]:
@@ -145,11 +100,12 @@ def row(cfg: Config, dp: int, ranks: list[dict[str, int]]) -> str:
     on_host = ("main", "state") if cfg.optim.offload == "cpu" else ()
 
     def total(r: dict[str, int]) -> int:
-        return sum(r[c] for c in CATEGORIES if c not in on_host)
+        return sum(r[c] for c in MEMORY_CATEGORIES if c not in on_host)
 
     worst = max(ranks, key=total)
     expected = sum(state_bytes(cfg, 1, dp))  # the planner's accounting (megalite/planning/memory.py)
-    mib = " | ".join(f"{worst[c] / 2**20:.1f}" for c in CATEGORIES)
+    columns = ["params", "grads", "grads_peak", "main", "state"]  # MEMORY_CATEGORIES and the peak beside grads
+    mib = " | ".join(f"{worst[c] / 2**20:.1f}" for c in columns)
     spread = f"{min(map(total, ranks)) / 2**20:.1f}-{total(worst) / 2**20:.1f}"
     planned = gathered_bytes(cfg, rank_parameters(cfg, worst["pp_rank"]), dp)[0]
     gathered = (f"{worst['gathered'] / 2**20:.1f} | {planned / 2**20:.1f}" if cfg.parallel.zero >= 3 and dp > 1
@@ -161,21 +117,20 @@ def row(cfg: Config, dp: int, ranks: list[dict[str, int]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    m = build_config(args, 1, 0).model
+    m = build_config(args, args.dp[0], args.zero_stage[0]).model
     print(f"{m.family}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
           f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; "
           f"{args.param_dtype} parameters; optimizer offload {'cpu' if args.offload else 'none'}; "
           f"torch {torch.__version__}")
-    print("| dp | ZeRO stage | rank shown | parameters held | params MiB | grads MiB | main weights MiB "
+    print("| dp | ZeRO stage | rank shown | parameters held | params MiB | grads MiB | grads MiB at peak "
+          "| main weights MiB "
           "| optimizer state MiB | device MiB | device MiB over ranks | device bytes/param | expected "
           "| gathered MiB measured | gathered MiB planned | host MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for stage in args.zero_stage:
         for dp in args.dp:
             cfg = build_config(args, dp, stage)
-            world_size = args.tp * args.pp * dp
-            validate(cfg, world_size)
-            print(row(cfg, dp, run_layout(cfg, world_size)), flush=True)
+            print(row(cfg, dp, run_layout(cfg, args.tp * args.pp * dp)), flush=True)
 
 
 if __name__ == "__main__":

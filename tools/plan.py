@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
         cfg = parse_config(["--config", args.config, *overrides])
-        validate(cfg, args.world_size, data_files=False)  # planned here, trained where the corpus is
+        validate(cfg, args.world_size)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -4,9 +4,10 @@ Why a list and not Korthikanti et al.'s 34*s*b*h closed form: megalite differs i
 matter. Attention is SDPA (flash), so no s^2 scores are kept and selective recompute saves
 only the logsumexp; q, k and v are views of one fused QKV output; column-parallel layers
 under sequence parallelism keep only their local input shard (and gather it again in backward,
-parallel/mappings.py sequence_parallel_linear); the LM head keeps its [tokens, padded vocab]
-logits gradient; and with fp32 parameters under bf16 autocast every micro batch in flight holds
-bf16 copies of the weights autocast cast (not the sequence-parallel linears', which cast in place).
+parallel/gemm.py); the LM head keeps its [tokens, padded vocab] logits gradient. Every matmul runs
+through parallel/gemm.py, which keeps the parameter itself for backward and casts it to the compute
+dtype inside the matmul: fp32 parameters under bf16 autocast leave no bf16 weight copies behind (F.linear
+under autocast kept one per linear per micro batch in flight, freed only by its backward).
 tests/test_plan.py checks these figures against the tensors autograd saves in real CPU runs.
 
 Sizes: s = seq_length, b = micro_batch_size, tokens = s*b/cp (context parallelism gives each rank
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.planning.context_parallel import allgather_layer_bytes
-from megalite.planning.parameters import layer_parameters
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -35,7 +35,6 @@ class Widths:
     residual: int  # the residual stream between layers (the parameters' dtype)
     layernorm_input: int  # LayerNorm's saved input: CUDA autocast runs layer_norm in fp32 (a copy)
     layernorm_stats: int  # LayerNorm's mean and rstd
-    weight_copy: int  # autocast's per-forward cast of fp32 weights (0 when weights are already in the compute dtype)
 
     @classmethod
     def of(cls, cfg: Config, device: str) -> "Widths":
@@ -43,8 +42,7 @@ class Widths:
         compute, residual = _BYTES[t.precision], _BYTES[t.param_dtype]
         autocast = t.precision != "fp32"
         on_cuda = device == "cuda"
-        return cls(compute, residual, 4 if on_cuda and autocast else residual, 4 if on_cuda else residual,
-                   compute if autocast and residual != compute else 0)
+        return cls(compute, residual, 4 if on_cuda and autocast else residual, 4 if on_cuda else residual)
 
 
 def _norm(cfg: Config, rows: int, w: Widths) -> int:
@@ -82,11 +80,7 @@ def layer_bytes(cfg: Config, device: str = "cuda") -> int:
     intermediates = 4 if features.gated_mlp else 2  # gate|up, silu(gate), product / GELU input and output
     mlp = inputs * h * w.compute + intermediates * tokens * ffn * w.compute
     dropout = 2 * rows * h if m.hidden_dropout > 0 else 0  # boolean masks after attention and MLP
-    column = (h + features.bias) * ((m.num_attention_heads + 2 * m.kv_heads) * d + (2 if features.gated_mlp else 1)
-                                     * m.ffn_size) // tp  # QKV and first MLP weights (and biases)
-    copied = layer_parameters(m, tp).sharded - (column if sp else 0)
-    weights = copied * w.weight_copy  # autocast's copies of the matmul weights
-    return 2 * _norm(cfg, rows, w) + attention + allgather_layer_bytes(cfg, w.compute) + mlp + dropout + weights
+    return 2 * _norm(cfg, rows, w) + attention + allgather_layer_bytes(cfg, w.compute) + mlp + dropout
 
 
 def embedding_bytes(cfg: Config) -> int:
@@ -103,10 +97,9 @@ def head_bytes(cfg: Config, device: str = "cuda") -> int:
     m, tp, w = cfg.model, cfg.parallel.tp, Widths.of(cfg, device)
     tokens, rows = _rows(cfg)
     head_input = tokens * m.hidden_size * w.compute
-    weight = m.padded_vocab_size // tp * m.hidden_size * w.weight_copy
     if tp == 1:
         logits = tokens * m.padded_vocab_size * w.compute  # over the padded vocabulary, padding masked
     else:
         logits = tokens * (m.padded_vocab_size // tp * 4 + 8 + 1)  # probabilities, local label ids, ownership mask
     loss = tokens * 8  # per-token losses and the loss mask
-    return _norm(cfg, rows, w) + head_input + weight + logits + loss
+    return _norm(cfg, rows, w) + head_input + logits + loss

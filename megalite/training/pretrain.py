@@ -306,7 +306,7 @@ def pretrain(cfg: Config) -> RunResult:
     Works on a copy of `cfg`: the tokenizer fills in model.vocab_size for this run only.
     """
     cfg = copy.deepcopy(cfg)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)), data_files=True)
     created = not dist.is_initialized()
     topology = Topology.from_environment(cfg.train.device, cfg.parallel)
     try:

@@ -8,9 +8,10 @@ Megatron-FSDP's words stage 1 is `optim`, 2 `optim_grads`, 3 `optim_grads_params
 - 2 (`ShardedGradients`): no full-size gradient buffer between micro batches. A bucket's gradients
   accumulate in a buffer of the bucket's size, reduce-scattered every micro batch once they are all in;
   this rank's slice is added into `shard_data` (the owned slices of every bucket, 1/replicas of the
-  layout). A bucket's previous reduction lands before its next buffer is made, so each bucket has at most
-  one reduction in flight and one buffer filling: the collective keeps its input alive until it is waited
-  for, and leaving reductions in flight until the end of the step held one full buffer per micro batch.
+  layout). A collective keeps its input alive until it is waited for, so reductions must land, not pile
+  up: at most MAX_IN_FLIGHT are in flight at once (launching another lands the oldest), and a bucket's
+  previous one always lands before its next buffer is made. Leaving them in flight until the end of the
+  step (as before issue 25) held one full-size buffer per micro batch, more than stage 1's one.
 
 Every strategy has the same few methods; the gradient buffer (grad_buffer.py) decides when a bucket is
 complete and calls them. A reduction in flight keeps its input referenced until it lands, so what it holds
@@ -28,6 +29,8 @@ from torch import nn
 from megalite.parallel.bucket_layout import Bucket, BucketLayout
 from megalite.parallel.mappings import all_gather_single, reduce_scatter_single
 from megalite.parallel.timing import Mark, mark
+
+MAX_IN_FLIGHT = 2  # stages 2-3: bucket reductions in flight at once (each holds its bucket's buffer)
 
 
 class InFlight(NamedTuple):
@@ -190,17 +193,25 @@ class ShardedGradients(ReduceScatter):
         return bucket.index in self.filling
 
     def launch(self, bucket: Bucket) -> None:
+        """Reduce-scatter the bucket straight into this rank's slice of `shard_data`: the slice's sum so far is
+        first added into this rank's part of the input (no other rank adds there), so the reduced slice is
+        the new total, with no output buffer or addition of its own."""
         data = self.filling.pop(bucket.index)
         for param in bucket.params:
             param.main_grad = None
+        mine = self.shard_data[self.layout.bucket_shard(bucket)]
         if self.replicas == 1:
-            self.in_flight[bucket.index] = InFlight(None, data, data)
+            mine.add_(data)
             return
-        out = self._zeros((bucket.end - bucket.start) // self.replicas)
-        self.in_flight[bucket.index] = InFlight(reduce_scatter_single(out, data, self.group, async_op=True), data, out)
+        a, b = bucket.shard(self.rank, self.replicas)
+        data[a - bucket.start:b - bucket.start].add_(mine)
+        work = reduce_scatter_single(mine, data, self.group, async_op=True)
+        self.in_flight[bucket.index] = InFlight(work, data, mine)
+        while len(self.in_flight) > MAX_IN_FLIGHT:  # the oldest lands: its buffer is freed
+            self.land(self.layout.buckets[next(iter(self.in_flight))])
 
     def _put(self, bucket: Bucket, reduced: torch.Tensor) -> None:
-        self.shard_data[self.layout.bucket_shard(bucket)].add_(reduced)
+        """The reduction wrote its total in place."""
 
     def zero(self) -> None:
         self.shard_data.zero_()
