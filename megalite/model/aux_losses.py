@@ -20,7 +20,7 @@ class _Attached(torch.autograd.Function):
     def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(scale)
         ctx.shape, ctx.dtype = loss.shape, loss.dtype
-        return output.view_as(output)
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -36,7 +36,9 @@ class AuxLosses:
         self.totals: dict[str, torch.Tensor] = {}
 
     def attach(self, name: str, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        """`output`, unchanged, carrying `loss` (a scalar) into backward; counted under `name` for logging."""
+        """A copy of `output` carrying `loss` (a scalar) into backward; counted under `name` for logging. Attach
+        to a small tensor the layer goes on computing with (a router's probabilities, as Megatron-LM does): a
+        copy, not a view, so that it is safe even on a tensor a pipeline stage sends and then frees."""
         detached = loss.detach().float()
         self.totals[name] = self.totals[name] + detached if name in self.totals else detached
         if not torch.is_grad_enabled() or not loss.requires_grad:

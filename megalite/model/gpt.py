@@ -33,7 +33,8 @@ TIED_COPY = ("lm_head.weight", "embedding.word_embeddings.weight")
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, ctx: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, ctx: ParallelContext,
+                 aux_losses: AuxLosses | None = None) -> None:
         super().__init__()
         norm = cfg.features.norm
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
@@ -41,7 +42,7 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.mlp = MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-        self.ctx = ctx
+        self.ctx, self.aux_losses = ctx, aux_losses or AuxLosses()  # the model's: terms the layer adds in forward
         self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -96,20 +97,20 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size, self.ctx = cfg, cfg.vocab_size, ctx or ParallelContext()
         self.stage = stage or StageLayout.single(cfg.num_layers)
+        self.aux_losses = AuxLosses()  # terms layers add in forward (model/aux_losses.py)
         with torch.device("meta"):
             self._build_modules(cfg, device)
         self.to_empty(device=device)
         if device.type != "meta":  # a meta build is for shapes and counts (planner, tests): nothing to draw
             init_parameters(self, seed, cfg, self.placements_by_name(), self.ctx.coord, self.tied_copies())
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.aux_losses = AuxLosses()  # terms layers add in forward (model/aux_losses.py)
 
     def _build_modules(self, cfg: ModelConfig, device: torch.device) -> None:
         """The embedding, layers, final norm and LM head this stage holds (the first/last chunk's parts only there)."""
         stage, ctx = self.stage, self.ctx
         self.embedding = Embedding(cfg, ctx) if stage.has_embedding else None
         indices = [i for a, b in stage.chunks for i in range(a, b)]
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, device, ctx) for i in indices})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, device, ctx, self.aux_losses) for i in indices})
         self.final_norm = self.lm_head = None
         if stage.has_head:
             self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)

@@ -1,0 +1,121 @@
+"""The matmul hook (parallel/gemm.py) and the way out for auxiliary losses (model/aux_losses.py).
+
+- Through `gemm.linear`, output and input gradient are F.linear's; with a gradient buffer's sink on the
+  weight, dW is added straight into the fp32 main gradient (accumulating over micro batches) and nothing
+  is handed to autograd; bf16 operands are accumulated in fp32, not rounded to bf16 first.
+- An auxiliary loss attached on a middle pipeline stage reaches backward there: a pp=2 run with such a
+  term equals the one-device run with it, and the term does change the gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite.model.aux_losses import AuxLosses
+from megalite.model.gpt import TransformerLayer
+from megalite.parallel import gemm
+
+from distributed import run_ranks
+
+
+def _sink(main: torch.Tensor, calls: list[int]):
+    def accumulate(add) -> None:
+        add(main)
+        calls.append(1)
+    return accumulate
+
+
+def test_weight_gradient_goes_into_the_fp32_main_gradient():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g) for shape in ((3, 5, 8), (6, 8), (6,)))
+    reference = [t.clone().requires_grad_() for t in (x, w, b)]
+    out = F.linear(*reference)
+    out.square().sum().backward()
+
+    x1, w1, b1 = (t.clone().requires_grad_() for t in (x, w, b))
+    main, calls = torch.full((6, 8), 0.5), []
+    w1.accumulate_grad = _sink(main, calls)
+    for _ in range(2):  # two micro batches accumulate
+        y = gemm.linear(x1, w1, b1)
+        y.square().sum().backward()
+    assert torch.allclose(y, out, atol=1e-6) and calls == [1, 1] and w1.grad is None
+    assert torch.allclose(main, 0.5 + 2 * reference[1].grad, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(x1.grad, 2 * reference[0].grad, rtol=1e-6) and torch.allclose(b1.grad, 2 * reference[2].grad)
+
+    w2 = w.clone().requires_grad_()  # no sink (no buffer): autograd gets dW as usual
+    gemm.linear(x, w2).square().sum().backward()
+    assert torch.allclose(w2.grad, F.linear(x, w).mul(2).flatten(0, 1).t().matmul(x.flatten(0, 1)), rtol=1e-5)
+
+
+def test_bf16_operands_accumulate_in_fp32():
+    """Under bf16 autocast the matmuls run in bf16, but dW = grad^T x is summed in fp32 into the main gradient:
+    exactly the fp32 product of the bf16 operands, where autograd's dW would be rounded to bf16 first."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 32, generator=g), torch.randn(16, 32, generator=g).requires_grad_()
+    main, calls = torch.zeros(16, 32), []
+    w.accumulate_grad = _sink(main, calls)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gemm.linear(x, w)
+    grad = torch.randn(y.shape, generator=g).to(torch.bfloat16)
+    y.backward(grad)
+    exact = grad.float().t() @ x.to(torch.bfloat16).float()
+    assert y.dtype == torch.bfloat16 and calls == [1]
+    assert torch.allclose(main, exact, rtol=1e-6, atol=1e-6)
+    rounded = (grad.t() @ x.to(torch.bfloat16)).float()  # what a bf16 dW would have been
+    assert not torch.equal(rounded, exact)
+
+
+def test_an_attached_loss_gets_the_step_scale_as_gradient():
+    losses = AuxLosses()
+    losses.start_step(0.25, torch.device("cpu"))
+    x = torch.ones(3, requires_grad=True)
+    a = torch.tensor(2.0, requires_grad=True)
+    y = losses.attach("toy", x * 3, (a * a) / 2)
+    assert torch.equal(y, x * 3) and y.data_ptr() != x.data_ptr() and losses.totals["toy"] == 2.0
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 3.0)) and a.grad == 0.25 * 2.0
+
+
+AUX = 1.0
+ARGS = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
+        "--model.vocab_size=250", "--model.family=llama", "--model.num_query_groups=4", "--train.micro_batch_size=1",
+        "--train.global_batch_size=4", "--train.train_iters=4", "--optim.lr=3e-3", "--logging.progress_bar=false",
+        "--data.mock=true", "--data.num_workers=0", "--train.device=cpu"]
+
+
+def _grad_norms(rank: int, world_size: int, args: list[str], aux: bool, metrics: str) -> list[float]:
+    """One run in this spawned rank (its gradient norms, known on the last rank); with `aux`, every transformer
+    layer adds AUX * mean((output - 1)^2) as an auxiliary loss (layers 0-1 sit on the first of two pipeline stages,
+    where no loss of its own reaches backward)."""
+    import json
+    import os
+
+    from megalite.config_cli import parse_config
+    from megalite.training.pretrain import pretrain
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    if aux:
+        forward = TransformerLayer.forward
+
+        def with_loss(self, x, rope, cache=None):
+            out = forward(self, x, rope, cache)
+            return self.aux_losses.attach("toy", out, AUX * (out.float() - 1).square().mean())
+
+        TransformerLayer.forward = with_loss
+    pretrain(parse_config([*args, f"--logging.metrics_file={metrics}", "--logging.log_interval=1"]))
+    if rank != world_size - 1:
+        return []
+    return [json.loads(line)["grad_norm"] for line in open(metrics) if "grad_norm" in line]
+
+
+def test_auxiliary_losses_reach_backward_on_every_pipeline_stage(tmp_path):
+    """pp=2 with 4 micro batches, each stage's layers adding the term: every step's gradient norm equals the
+    one-device run's with the term (so the first stage's terms reached its backward), and differs from the run
+    without it."""
+    plain = run_ranks(1, _grad_norms, ARGS, False, str(tmp_path / "plain.jsonl"))[0]
+    one = run_ranks(1, _grad_norms, ARGS, True, str(tmp_path / "one.jsonl"))[0]
+    two = run_ranks(2, _grad_norms, [*ARGS, "--parallel.pp=2"], True, str(tmp_path / "two.jsonl"))[-1]
+    assert len(two) == 4 and two == pytest.approx(one, rel=1e-5)
+    assert one != pytest.approx(plain, rel=1e-2)
