@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megalite.config_validation import validate
-from tools import gpu_check
-from tools.gpu_check import Context
+from tools import gpu_check, gpu_check_steps
+from tools.gpu_check_steps import Context
 from tools.gpu_check_report import CheckResult, Goal, format_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_dry_run_prints_every_step_and_writes_nothing(tmp_path):
 
 
 def test_the_configs_it_would_run_validate(tmp_path):
-    runs = gpu_check.train_runs(tmp_path, 10)
+    runs = gpu_check_steps.train_runs(tmp_path, 10)
     assert [run.name for run in runs] == ["gpt2", "llama"]
     for run in runs:
         validate(run.cfg, 1)
@@ -54,11 +54,11 @@ def test_the_configs_it_would_run_validate(tmp_path):
         assert run.cfg.batch_size(1) == t.micro_batch_size and run.cfg.logging.metrics_file == str(run.metrics)
         script = run.command.index("pretrain_gpt.py")
         assert run.command[script - 1:script + 3] == ["--nproc_per_node=1", "pretrain_gpt.py", "--config",
-                                                      gpu_check.SHAPES[run.name][1]]
+                                                      gpu_check_steps.SHAPES[run.name][1]]
     gpt2, llama = (run.cfg.model for run in runs)
     assert (gpt2.num_layers, gpt2.hidden_size, gpt2.seq_length) == (24, 2048, 2048)
     assert (llama.family, llama.num_layers, llama.kv_heads, llama.vocab_size) == ("llama", 16, 8, 128256)
-    benchmarks = gpu_check.benchmark_runs()
+    benchmarks = gpu_check_steps.benchmark_runs()
     assert [(run.name, run.mode) for run in benchmarks] == [("gpt2", "eager"), ("llama", "eager"),
                                                             ("gpt2", "compiled"), ("llama", "compiled")]
     for run in benchmarks:
@@ -92,25 +92,25 @@ def _fake_training(peaks: dict[str, float], losses: list[float]):
 
 def test_train_and_memory_steps_read_the_metrics(tmp_path):
     ctx = _context(tmp_path, _fake_training({"gpt2": 50.0, "llama": 58.0}, [10.9, 9.0, 8.1, 7.5]))
-    train = gpu_check.step_train(ctx)
+    train = gpu_check_steps.step_train(ctx)
     assert train.status == "PASS", train.summary
-    mfu = {run.name: 50_000 * gpu_check.training_flops_per_token(run.cfg.model) / 989e12
-           for run in gpu_check.train_runs(tmp_path, 4)}  # 50,000 tokens/s on a 989 TFLOP/s GPU
+    mfu = {run.name: 50_000 * gpu_check_steps.training_flops_per_token(run.cfg.model) / 989e12
+           for run in gpu_check_steps.train_runs(tmp_path, 4)}  # 50,000 tokens/s on a 989 TFLOP/s GPU
     assert f"| GPT-2 1.3B | 4 | 10.900 -> 7.500 | 50,000 | {mfu['gpt2']:.1%} | 50.00 |" in train.details
     assert [(g.name, g.measured, g.met) for g in train.goals] == [
         ("GPT-2 1.3B MFU >= 50%", f"{mfu['gpt2']:.1%}", mfu["gpt2"] >= 0.5),
         ("Llama-3.2-1B MFU >= 45%", f"{mfu['llama']:.1%}", mfu["llama"] >= 0.45)]
-    memory = gpu_check.step_memory(ctx)
+    memory = gpu_check_steps.step_memory(ctx)
     assert memory.status == "PASS" and memory.summary.startswith("GPT-2 1.3B -2.0% vs the planner")
 
     ctx.run = _fake_training({"gpt2": 50.0, "llama": 70.0}, [10.9, 11.0, 11.2, 11.3])
-    train = gpu_check.step_train(ctx)
+    train = gpu_check_steps.step_train(ctx)
     assert train.status == "FAIL" and "the loss did not fall (10.900 -> 11.300)" in train.summary
-    assert gpu_check.step_memory(ctx).status == "FAIL"  # Llama 27% above the planner
+    assert gpu_check_steps.step_memory(ctx).status == "FAIL"  # Llama 27% above the planner
 
 
 def test_memory_without_training_runs_is_skipped(tmp_path):
-    assert gpu_check.step_memory(_context(tmp_path, None)).status == "SKIP"
+    assert gpu_check_steps.step_memory(_context(tmp_path, None)).status == "SKIP"
 
 
 @pytest.mark.parametrize("rc, output, status", [
@@ -120,7 +120,7 @@ def test_memory_without_training_runs_is_skipped(tmp_path):
     (None, "..", "FAIL"),
 ])
 def test_tests_step_reads_pytest_summary(tmp_path, rc, output, status):
-    result = gpu_check.step_tests(_context(tmp_path, lambda name, cmd, limit: (rc, output)))
+    result = gpu_check_steps.step_tests(_context(tmp_path, lambda name, cmd, limit: (rc, output)))
     assert result.status == status
     assert result.summary == (output.splitlines()[-1] if rc is not None else "timed out")
 
@@ -138,10 +138,10 @@ def test_throughput_step_sets_the_benchmark_against_the_goals(tmp_path):
                "throughput_llama_eager": (0, _benchmark_output(45_000, 30_000)),
                "throughput_gpt2_compiled": (0, _benchmark_output(56_000, 50_000)),
                "throughput_llama_compiled": (None, "compiling...")}
-    result = gpu_check.step_throughput(_context(tmp_path, lambda name, cmd, limit: outputs[name]))
+    result = gpu_check_steps.step_throughput(_context(tmp_path, lambda name, cmd, limit: outputs[name]))
     assert result.status == "FAIL" and result.summary == "Llama-3.2-1B compiled: timed out"
     assert "| Llama-3.2-1B | eager | 45,000 |" in "\n".join(result.details)
-    flops = gpu_check.flops_by_family(gpu_check.benchmark_runs())
+    flops = gpu_check_steps.flops_by_family(gpu_check_steps.benchmark_runs())
     mfu = {"gpt2": 56_000 * flops["gpt2"] / 989e12, "llama": 45_000 * flops["llama"] / 989e12}
     assert [(g.name, g.measured, g.met) for g in result.goals] == [
         ("GPT-2 1.3B MFU >= 50%", f"{mfu['gpt2']:.1%} (compiled)", mfu["gpt2"] >= 0.5),
@@ -151,11 +151,11 @@ def test_throughput_step_sets_the_benchmark_against_the_goals(tmp_path):
         ("Llama-3.2-1B tokens/s >= 1.3x HF eager", "1.50x", True),
         ("Llama-3.2-1B tokens/s >= 1.0x HF compiled", "n/a", None)]
     outputs["throughput_llama_compiled"] = (0, _benchmark_output(60_000, 61_000))
-    passing = gpu_check.step_throughput(_context(tmp_path, lambda name, cmd, limit: outputs[name]))
+    passing = gpu_check_steps.step_throughput(_context(tmp_path, lambda name, cmd, limit: outputs[name]))
     assert passing.status == "PASS" and passing.summary == (
         "GPT-2 1.3B eager: 1.25x HF eager; Llama-3.2-1B eager: 1.50x HF eager; "
         "GPT-2 1.3B compiled: 1.12x HF compiled; Llama-3.2-1B compiled: 0.98x HF compiled")
-    failing = gpu_check.step_throughput(_context(tmp_path, lambda name, cmd, limit: (1, "CUDA out of memory")))
+    failing = gpu_check_steps.step_throughput(_context(tmp_path, lambda name, cmd, limit: (1, "CUDA out of memory")))
     assert failing.status == "FAIL" and failing.summary.startswith("GPT-2 1.3B eager: exit status 1; ")
     assert [g.met for g in failing.goals] == [None] * 6
 
