@@ -13,7 +13,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 
@@ -63,25 +63,25 @@ class ModelConfig:
     num_layers: int = _f(2, "number of transformer layers")
     hidden_size: int = _f(128, "model width")
     num_attention_heads: int = _f(4, "query heads")
-    num_query_groups: Optional[int] = _f(
+    num_query_groups: int | None = _f(
         None, "key/value heads for grouped-query attention (default: num_attention_heads)")
-    ffn_hidden_size: Optional[int] = _f(
+    ffn_hidden_size: int | None = _f(
         None, "MLP width (default: 4*hidden, or 8/3*hidden rounded up to 64 with a gated MLP)")
     seq_length: int = _f(128, "tokens per sample")
-    max_position_embeddings: Optional[int] = _f(
+    max_position_embeddings: int | None = _f(
         None, "positions the model covers: rows of the learned table or of RoPE's (default: seq_length)")
     vocab_size: int = _f(50257, "vocabulary size, used with mock data (a tokenizer sets it otherwise)")
     make_vocab_size_divisible_by: int = _f(
         128, "pad the vocabulary to a multiple of this; padded entries never take probability mass")
-    bias: Optional[bool] = _f(
+    bias: bool | None = _f(
         None, "biases in the linear layers; LayerNorm keeps its own (default: gpt2 true, llama false)")
-    gated_mlp: Optional[bool] = _f(
+    gated_mlp: bool | None = _f(
         None, "SwiGLU MLP (gate and up projections) instead of GELU (default: gpt2 false, llama true)")
-    norm: Optional[Literal["layernorm", "rmsnorm"]] = _f(
+    norm: Literal["layernorm", "rmsnorm"] | None = _f(
         None, "normalisation layers (default: gpt2 layernorm, llama rmsnorm)")
-    position_embedding: Optional[Literal["learned", "rope"]] = _f(
+    position_embedding: Literal["learned", "rope"] | None = _f(
         None, "learned: a position table added to the embeddings; rope: rotary (default: gpt2 learned, llama rope)")
-    tie_embeddings: Optional[bool] = _f(
+    tie_embeddings: bool | None = _f(
         None, "share input embedding and LM head (default: true for gpt2, false for llama)")
     rope_theta: float = _f(10000.0, "RoPE base frequency (position_embedding=rope)")
     norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm / RMSNorm")
@@ -139,15 +139,15 @@ class ParallelConfig:
     vp: int = _f(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)")
     pipeline_schedule: Literal["1f1b", "gpipe"] = _f(
         "1f1b", "1f1b (interleaved when vp > 1) or gpipe (all forwards, then all backwards; vp = 1)")
-    first_stage_layers: Optional[int] = _f(
+    first_stage_layers: int | None = _f(
         None, "layers of the first pipeline chunk (it also holds the embedding); the rest are split evenly")
-    last_stage_layers: Optional[int] = _f(None, "layers of the last pipeline chunk (it also holds the head and loss)")
+    last_stage_layers: int | None = _f(None, "layers of the last pipeline chunk (it also holds the head and loss)")
     sequence_parallel: bool = _f(
         False, "shard norm/dropout activations along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(
         False, "shard optimizer state and fp32 main weights across data-parallel ranks (ZeRO-1; "
                "the same as parallel.zero_stage=1)")
-    zero_stage: Optional[int] = _f(
+    zero_stage: int | None = _f(
         None, "what data-parallel ranks shard (DeepSpeed's stages; Megatron-FSDP's strategies): 0 nothing; "
               "1 optimizer state and fp32 main weights (optim); 2 also gradients (optim_grads); "
               "3 also parameters, gathered per layer around its use (optim_grads_params) "
@@ -179,13 +179,13 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     micro_batch_size: int = _f(1, "samples per micro batch per data-parallel rank")
-    global_batch_size: Optional[int] = _f(
+    global_batch_size: int | None = _f(
         None, "samples per optimizer step (default: micro_batch_size * dp); "
               "must be a multiple of micro_batch_size * dp")
     train_iters: int = _f(100, "optimizer steps to train for")
-    exit_interval: Optional[int] = _f(
+    exit_interval: int | None = _f(
         None, "stop cleanly when the step is a multiple of this (saving a checkpoint when checkpoint.save is set)")
-    exit_duration_mins: Optional[float] = _f(
+    exit_duration_mins: float | None = _f(
         None, "stop cleanly (saving a checkpoint) once this many minutes have passed since start, "
               "e.g. before a job's wall-clock limit")
     max_skipped_steps: int = _f(
@@ -199,7 +199,7 @@ class TrainConfig:
                 "(= train.precision) keep fp32 main weights in the optimizer, as Megatron-LM's --bf16")
     recompute: Literal["none", "selective", "full"] = _f(
         "none", "activation recompute: selective = core attention, full = whole layers")
-    eval_interval: Optional[int] = _f(
+    eval_interval: int | None = _f(
         None, "evaluate on the validation set every this many steps (and at the end); none disables")
     eval_iters: int = _f(10, "global batches per evaluation")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: cuda when available (one GPU per LOCAL_RANK), else cpu")
@@ -215,8 +215,8 @@ class OptimConfig:
     warmup_iters: int = _f(0, "linear warmup steps")
     decay_style: Literal["cosine", "linear", "constant", "wsd"] = _f(
         "cosine", "decay after warmup; wsd = constant then decay over optim.wsd_decay_iters")
-    decay_iters: Optional[int] = _f(None, "steps from start to the end of decay (default: train.train_iters)")
-    wsd_decay_iters: Optional[int] = _f(None, "length of the final decay phase of wsd (default: 20% of decay_iters)")
+    decay_iters: int | None = _f(None, "steps from start to the end of decay (default: train.train_iters)")
+    wsd_decay_iters: int | None = _f(None, "length of the final decay phase of wsd (default: 20% of decay_iters)")
     weight_decay: float = _f(0.1, "decoupled weight decay (not applied to biases and norms)")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.95, "Adam beta2")
@@ -235,19 +235,19 @@ class DataConfig:
     mock: bool = _f(
         False, "synthetic tokens, a deterministic function of train.seed and the global sample index "
                "(no corpus needed)")
-    paths: Optional[list[str]] = _f(
+    paths: list[str] | None = _f(
         None, "blend of preprocessed prefixes: [0.7, /data/a_text_document, 0.3, /data/b_text_document] or one prefix")
     split: str = _f("969,30,1", "train,valid,test weights over the documents of data.paths")
-    train_paths: Optional[list[str]] = _f(None, "training blend, instead of splitting data.paths")
-    valid_paths: Optional[list[str]] = _f(None, "validation blend, instead of splitting data.paths")
-    cache_dir: Optional[str] = _f(
+    train_paths: list[str] | None = _f(None, "training blend, instead of splitting data.paths")
+    valid_paths: list[str] | None = _f(None, "validation blend, instead of splitting data.paths")
+    cache_dir: str | None = _f(
         None, "where index files (.npy) are cached (default: a cache/ folder next to the first prefix)")
-    tokenizer_type: Optional[Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-                                     "NullTokenizer"]] = _f(
+    tokenizer_type: (Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]
+                     | None) = _f(
         None, "tokenizer the corpus was preprocessed with; sets model.vocab_size")
-    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: vocab.json")
-    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: merges.txt")
-    tokenizer_model: Optional[str] = _f(
+    vocab_file: str | None = _f(None, "GPT2BPETokenizer: vocab.json")
+    merge_file: str | None = _f(None, "GPT2BPETokenizer: merges.txt")
+    tokenizer_model: str | None = _f(
         None, "SentencePiece .model file, or a Hugging Face tokenizer directory / tokenizer.json")
     reset_position_ids: bool = _f(False, "restart position ids after every end-of-document token")
     eod_mask_loss: bool = _f(False, "no loss on predictions made from an end-of-document token")
@@ -256,14 +256,14 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = _f(None, "directory to save checkpoints into (iter_XXXXXXX/ and a latest file)")
-    load: Optional[str] = _f(
+    save: str | None = _f(None, "directory to save checkpoints into (iter_XXXXXXX/ and a latest file)")
+    load: str | None = _f(
         None, "resume from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory "
               "(default: checkpoint.save, so a restarted job resumes)")
-    save_interval: Optional[int] = _f(None, "save every this many steps (and at the end of training)")
+    save_interval: int | None = _f(None, "save every this many steps (and at the end of training)")
     async_save: bool = _f(
         False, "write checkpoint files in a background thread; training stalls only to copy state to host memory")
-    keep_last: Optional[int] = _f(
+    keep_last: int | None = _f(
         None, "keep only this many newest checkpoints (older ones deleted after a newer one is complete)")
     fallback: bool = _f(
         True, "if the latest checkpoint is damaged (missing, truncated or corrupt file), "
@@ -278,30 +278,30 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = _f(10, "steps between metric lines")
-    metrics_file: Optional[str] = _f(None, "append one JSON object per logged step to this file")
-    pipeline_trace: Optional[str] = _f(
+    metrics_file: str | None = _f(None, "append one JSON object per logged step to this file")
+    pipeline_trace: str | None = _f(
         None, "write the first pipeline_trace_steps steps' schedule "
               "(every forward/backward of every rank) to this Chrome-trace JSON")
     pipeline_trace_steps: int = _f(2, "how many steps the pipeline trace records")
     progress_bar: bool = _f(True, "show a progress bar on the logging rank")
-    peak_tflops: Optional[float] = _f(
+    peak_tflops: float | None = _f(
         None, "per-device peak TFLOP/s for MFU (default: table lookup by device; n/a when unknown)")
-    wandb_project: Optional[str] = _f(None, "Weights & Biases project; none disables W&B")
-    wandb_entity: Optional[str] = _f(None, "W&B entity (team or user)")
-    wandb_name: Optional[str] = _f(None, "W&B run name")
+    wandb_project: str | None = _f(None, "Weights & Biases project; none disables W&B")
+    wandb_entity: str | None = _f(None, "W&B entity (team or user)")
+    wandb_name: str | None = _f(None, "W&B run name")
     wandb_mode: Literal["online", "offline", "disabled"] = _f(
         "online", "offline writes the run locally for a later `wandb sync`")
-    wandb_dir: Optional[str] = _f(None, "where W&B writes its files (default: checkpoint.save, else ./wandb)")
+    wandb_dir: str | None = _f(None, "where W&B writes its files (default: checkpoint.save, else ./wandb)")
     wandb_timeout: float = _f(
         30.0, "seconds W&B may hold up the run: an online start that takes longer falls back to offline, "
               "and the end of training waits at most this long for W&B to finish")
-    profile_steps: Optional[list[int]] = _f(
+    profile_steps: list[int] | None = _f(
         None, "[a, b]: record a torch.profiler trace of steps a..b (inclusive) on logging.profile_ranks")
-    profile_ranks: Optional[list[int]] = _f(None, "global ranks that profile (default: [0])")
+    profile_ranks: list[int] | None = _f(None, "global ranks that profile (default: [0])")
     profile_dir: str = _f(
         "profiles", "where profiler traces go: rank<R>_steps<a>-<b>.pt.trace.json (Chrome trace) and .txt "
                     "(top operators)")
-    memory_snapshot: Optional[str] = _f(
+    memory_snapshot: str | None = _f(
         None, "CUDA only: record the allocator's history from start-up and dump it to this pickle after profile_steps "
               "(default: step 2) or at exit; '{rank}' in the path is replaced by the rank")
 

@@ -10,9 +10,11 @@ import dataclasses
 import difflib
 import os
 import sys
+import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -35,7 +37,7 @@ def _suggest(name: str, options: Sequence[str]) -> str:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Turn a YAML or command-line value into the annotated type, or explain why not."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union:
+    if origin in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in _NONE):
             return None
         return _coerce(value, next(a for a in args if a is not type(None)), where)
@@ -165,7 +167,7 @@ def _say(line: str) -> None:
 
 def _choices(tp: Any) -> tuple[str, ...]:
     """The values a Literal field accepts, also an optional one (e.g. model.norm), for --help; () for other types."""
-    if typing.get_origin(tp) is typing.Union:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
 

@@ -15,7 +15,6 @@ from megalite.config import Config
 from megalite.parallel.spawn import run_on_ranks as run_ranks  # noqa: F401  (re-exported for the tests)
 from megalite.parallel.topology import Topology
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

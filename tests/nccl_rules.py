@@ -30,8 +30,9 @@ import inspect
 import sys
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ def _caller() -> str:
 class _RecordedWork:
     """A Work whose wait() is recorded; receive digests are taken once the data is there."""
 
-    def __init__(self, work: Any, recorder: "CommRecorder", call: Call, received: list[tuple[Message, torch.Tensor]]):
+    def __init__(self, work: Any, recorder: CommRecorder, call: Call, received: list[tuple[Message, torch.Tensor]]):
         self._work, self._recorder, self._call, self._received = work, recorder, call, received
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
@@ -134,7 +135,7 @@ class CommRecorder:
         self._depth = threading.local()
         self._saved: dict[tuple[Any, str], Callable] = {}
 
-    def __enter__(self) -> "CommRecorder":
+    def __enter__(self) -> CommRecorder:
         for name in ("batch_isend_irecv", *P2P_FUNCTIONS, *COLLECTIVES):
             original = getattr(c10d, name)
             wrapped = self._wrap(name, original)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import tiny_config
 
 from megalite.checkpoint.local import choose_checkpoint
 from megalite.training.pretrain import pretrain
-
-from conftest import tiny_config
 
 
 @pytest.fixture

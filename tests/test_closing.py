@@ -15,15 +15,14 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import tiny_config
+from distributed import cpu_topology, run_ranks
 
 from megalite.checkpoint.local import WRITER_THREAD
 from megalite.planning.measure import mock_batches
 from megalite.training import pretrain as pretrain_module
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
-
-from conftest import tiny_config
-from distributed import cpu_topology, run_ranks
 
 ASYNC_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
                      "all_reduce")

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_config
+from distributed import cpu_topology, run_ranks
 
 from megalite.parallel import layers
 from megalite.planning.measure import mock_batches
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
-
-from conftest import tiny_config
-from distributed import cpu_topology, run_ranks
 
 
 def _moved_dtypes(rank: int, world_size: int, sequence_parallel: bool) -> set[tuple[str, torch.dtype]]:

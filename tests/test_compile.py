@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from distributed import run_ranks
 
 from megalite.config_cli import parse_config
 from megalite.training.pretrain import pretrain
-
-from distributed import run_ranks
 
 BASE = ["--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=4", "--model.seq_length=32",
         "--model.vocab_size=250", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=3",

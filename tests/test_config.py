@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from megalite.config import FAMILY_FEATURES, SECTIONS, Config, ConfigError, Features
-from megalite.config_validation import validate
 from megalite.config_cli import config_from_yaml_text, dump_yaml, help_text, parse_config
+from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.training.pretrain import pretrain
-
-from conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

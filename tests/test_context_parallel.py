@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from megalite.parallel.context_parallel import context_parallel_attention, local_positions
-
 from distributed import run_ranks
 from nccl_rules import CommRecorder, replay
+
+from megalite.parallel.context_parallel import context_parallel_attention, local_positions
 
 HEADS, BATCH, DIM = 4, 2, 16
 # (comm, KV groups, sequence length, dtype)
@@ -65,7 +64,8 @@ def test_attention_matches_one_device(cp):
             got, _ = per_rank[rank][index]
             local = [t.index_select(2, local_positions(seq, cp, rank)) for t in expected]
             for name, g, e in zip(("out", "dq", "dk", "dv"), got, local):
-                torch.testing.assert_close(g, e, **tol, msg=lambda m: f"{case} rank {rank} {name}: {m}")
+                where = f"{case} rank {rank} {name}"
+                torch.testing.assert_close(g, e, **tol, msg=lambda m, where=where: f"{where}: {m}")
         report = replay([results[index][1] for results in per_rank])
         assert report.ok, f"{case}:\n{report.text()}"
         assert report.messages > 0 or comm == "allgather", case

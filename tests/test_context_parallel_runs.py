@@ -8,7 +8,6 @@ sequence, pipeline and data parallelism; a checkpoint resumes at another cp size
 from __future__ import annotations
 
 import pytest
-
 from corpus import VOCAB, write_corpus
 from distributed import tiny_run
 from parity import LLAMA, TINY

@@ -19,29 +19,28 @@ import copy
 import json
 import math
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import tiny_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, load_checkpoint, rng_state
 from megalite.config import Config, OptimConfig
 from megalite.config_cli import dump_yaml
 from megalite.parallel import context_parallel
-from megalite.parallel.distributed_optimizer import adamw, decay_groups
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.random import RNGTracker, TENSOR_PARALLEL, checkpoint_with_rng
+from megalite.parallel.distributed_optimizer import adamw, decay_groups
+from megalite.parallel.random import TENSOR_PARALLEL, RNGTracker, checkpoint_with_rng
 from megalite.parallel.topology import Topology, init_process_group, pick_device
 from megalite.planning.measure import mock_batches
 from megalite.training.build import Trainer, build_model, build_trainer
 from megalite.training.pretrain import pretrain
 from megalite.training.step import precision_context, train_step
-
-from conftest import tiny_config
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from megalite.training.build import build_trainer
-
 from conftest import tiny_config
 from distributed import cpu_topology, run_ranks, tiny_run
-from parity import LLAMA, TINY, clipped_run as _run
+from parity import LLAMA, TINY
+from parity import clipped_run as _run
+
+from megalite.training.build import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,12 +7,12 @@ import math
 from pathlib import Path
 
 import pytest
-
-from megalite.training.pretrain import pretrain
-
 from conftest import tiny_config
 from corpus import VOCAB, write_corpus
-from distributed import metrics as read_metrics, pretrain_torchrun
+from distributed import metrics as read_metrics
+from distributed import pretrain_torchrun
+
+from megalite.training.pretrain import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,6 +6,8 @@ under sequence parallelism)."""
 from __future__ import annotations
 
 import torch
+from conftest import tiny_config
+from distributed import cpu_topology, run_ranks
 
 from megalite.data.batches import BatchMaker
 from megalite.data.loader import micro_batches
@@ -14,9 +16,6 @@ from megalite.parallel.random import RNGTracker, checkpoint_with_rng
 from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
-
-from conftest import tiny_config
-from distributed import cpu_topology, run_ranks
 
 MODES = ("none", "selective", "full")
 TP_CASES = [(family, sp) for family in ("gpt2", "llama") for sp in (False, True)]

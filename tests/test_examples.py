@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.config_validation import validate
 from megalite.config_cli import parse_config
+from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.planning.parameters import model_parameters, vocabulary_padding
 from megalite.planning.plan import make_plan

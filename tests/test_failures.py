@@ -30,13 +30,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from distributed import metrics as read_metrics
+from distributed import run_ranks
 from safetensors.torch import load_file
 
 from megalite.checkpoint.files import problem_with
 from megalite.config_cli import parse_config
 from megalite.training.pretrain import pretrain
-
-from distributed import metrics as read_metrics, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0",

@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import run_ranks
 
 from megalite.model.aux_losses import AuxLosses
 from megalite.model.gpt import TransformerLayer
 from megalite.parallel import gemm
-
-from distributed import run_ranks
 
 
 def _sink(main: torch.Tensor, calls: list[int]):

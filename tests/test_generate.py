@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from trained import passage
 
 from megalite.checkpoint.hf_convert import megalite_to_hf
 from megalite.inference.generate import Sampling, generate, load_model, next_token
 from megalite.model.kv_cache import KVCache
-
-from trained import passage
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

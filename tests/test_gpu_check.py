@@ -16,8 +16,8 @@ import torch
 
 from megalite.config_validation import validate
 from tools import gpu_check, gpu_check_steps
-from tools.gpu_check_steps import Context
 from tools.gpu_check_report import CheckResult, Goal, format_report
+from tools.gpu_check_steps import Context
 
 ROOT = Path(__file__).resolve().parents[1]
 

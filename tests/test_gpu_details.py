@@ -11,13 +11,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import cpu_topology, run_ranks
 
 from megalite.parallel import topology as topology_module
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, pick_device
 from megalite.training.flops import PEAK_TFLOPS, device_model
-
-from distributed import cpu_topology, run_ranks
 
 
 def test_each_rank_takes_local_rank_modulo_the_visible_devices(monkeypatch):
@@ -99,6 +98,7 @@ def test_mfu_peak_is_that_of_the_exact_device_model(name, model, bf16):
 def test_tf32_follows_the_config(allowed, tmp_path):
     """fp32 matmuls on CUDA use TF32 unless train.allow_tf32=false (torch's own default is off)."""
     from conftest import tiny_config
+
     from megalite.training.pretrain import pretrain
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not allowed
@@ -111,6 +111,7 @@ def test_tf32_follows_the_config(allowed, tmp_path):
 
 def _overflow_votes(rank: int, world_size: int, precision: str) -> int:
     from conftest import tiny_config
+
     from megalite.planning.measure import mock_batches
     from megalite.training.build import build_trainer
     from megalite.training.step import train_step
@@ -135,6 +136,7 @@ def _stop_votes(rank: int, world_size: int) -> int:
     import os
 
     from conftest import tiny_config
+
     from megalite.training.pretrain import pretrain
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -155,6 +157,7 @@ def test_checkpoint_host_copies_reuse_their_buffers(tmp_path, monkeypatch):
     """Every save copies the pieces into the same host buffers (pinned on a GPU, non-blocking copies, one
     synchronisation), instead of a fresh blocking copy per piece per save; the files hold the values."""
     from conftest import tiny_config
+
     from megalite.checkpoint.local import Checkpointer
     from megalite.training.pretrain import pretrain
 
@@ -178,6 +181,7 @@ def test_checkpoint_host_copies_reuse_their_buffers(tmp_path, monkeypatch):
 def _host_reads(rank: int, world_size: int, precision: str, parallel: dict) -> int:
     """How many times one training step reads a tensor's value on the host (each would stall a GPU)."""
     from conftest import tiny_config
+
     from megalite.planning.measure import mock_batches
     from megalite.training.build import build_trainer
     from megalite.training.step import train_step
@@ -229,7 +233,7 @@ class _FakeEvent:
     def synchronize(self) -> None:
         self.synchronized = True
 
-    def elapsed_time(self, end: "_FakeEvent") -> float:
+    def elapsed_time(self, end: _FakeEvent) -> float:
         assert end.synchronized, "reading an interval must wait for its end"
         return (end.at - self.at) * 1000.0  # milliseconds, as CUDA reports
 

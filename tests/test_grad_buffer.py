@@ -9,19 +9,18 @@ so one bucket closes at the size, one overshoots it (a parameter is never split)
 
 from __future__ import annotations
 
-import pytest
-import torch
 import math
 
+import pytest
+import torch
 import torch.distributed as dist
+from distributed import run_ranks
 from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel.bucket_layout import BucketLayout
 from megalite.parallel.grad_buffer import GradBuffer
-
-from distributed import run_ranks
 
 SIZES = [1, 3, 5, 2, 4]
 BUCKET = 6

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
+from trained import passage, tokenizer
 
 from megalite.checkpoint.hf_convert import megalite_to_hf
 from megalite.checkpoint.hf_tokenizer import hf_tokenizer
@@ -19,8 +20,6 @@ from megalite.checkpoint.model_io import read_model_tensors
 from megalite.config import DataConfig, ModelConfig
 from megalite.data.build import tokenizer_from_config
 from megalite.inference.generate import load_model
-
-from trained import passage, tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import tiny_config
 
 from megalite.checkpoint.hf_mapping import from_hf, hf_config, to_hf
 from megalite.model.gpt import GPTModel
-
-from conftest import tiny_config
 
 FAMILIES = {
     "gpt2": ({}, transformers.GPT2LMHeadModel),

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from distributed import tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]

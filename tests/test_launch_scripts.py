@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from distributed import metrics as read_metrics
+
 from megalite.parallel.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,11 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
-from megalite.parallel.mappings import (all_gather_single, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
-                                        reduce_scatter_single, reduce_scatter_to_sp, scatter_to_sp)
-
 from distributed import run_ranks
+
+from megalite.parallel.mappings import (
+    all_gather_single,
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_single,
+    reduce_scatter_to_sp,
+    scatter_to_sp,
+)
 
 WORLD = 2
 FULL, HALF = (4, 2, 6), (2, 2, 6)

@@ -14,15 +14,14 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import cpu_topology, run_ranks
+from nccl_rules import Call, CommRecorder, Message, RankRecord, replay
 
 from megalite.config_cli import parse_config
 from megalite.parallel.p2p import PipelineComm
 from megalite.parallel.pipeline_layout import PipelineStage
 from megalite.parallel.schedules import run_schedule
 from megalite.training.pretrain import pretrain
-
-from distributed import cpu_topology, run_ranks
-from nccl_rules import Call, CommRecorder, Message, RankRecord, replay
 
 
 def _ring_sends_first(rank: int, world_size: int) -> RankRecord:
@@ -109,7 +108,8 @@ def _executor_ranks(rank: int, world_size: int) -> list[tuple[tuple, RankRecord]
         me = PipelineStage(world_size, vp, rank)
         weights = torch.linspace(1.0, 2.0, vp * world_size).view(vp, world_size)[:, rank].clone().requires_grad_()
 
-        def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None, weights=weights,
+                         me=me) -> torch.Tensor:
             x = torch.full((3, 1, 4), 1.0 + microbatch) if hidden is None else hidden
             out = x * weights[chunk] + chunk
             return out.sum() if me.is_last_chunk(chunk) else out

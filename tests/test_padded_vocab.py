@@ -10,12 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_ranks
 
 from megalite.config import ModelConfig
 from megalite.model.head import LMHead
 from megalite.parallel.context import ParallelContext
-
-from distributed import run_ranks
 
 HIDDEN, SEQ, BATCH = 64, 8, 3
 

@@ -11,20 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import tiny_config
+from distributed import cpu_topology, pretrain_torchrun, run_ranks, tiny_run
 
 from megalite.data.batches import BatchMaker
 from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
-from megalite.parallel.placement import unshard
 from megalite.parallel.pipeline_layout import PipelineStage
+from megalite.parallel.placement import unshard
 from megalite.parallel.schedules import communication_plan, needs, schedule_ops
 from megalite.parallel.topology import Topology
 from megalite.training.build import build_trainer
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.step import train_step
-
-from conftest import tiny_config
-from distributed import cpu_topology, pretrain_torchrun, run_ranks, tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ([(pp, vp, m) for pp in (2, 4, 8) for vp in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp)]

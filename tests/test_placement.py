@@ -16,6 +16,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from megalite.checkpoint.files import finalize, write_rank_files
 from megalite.checkpoint.reader import CheckpointReader, Target
@@ -24,8 +25,6 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.context import AxisView, ParallelContext
 from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.placement import DATA_AXES, Placement, ShardSpec, unshard
-
-from conftest import tiny_config
 
 LAYOUTS = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"tp": 2, "pp": 2}, {"cp": 2},
            {"tp": 2, "cp": 2, "sequence_parallel": True}]
@@ -57,7 +56,8 @@ def test_every_parameter_is_its_placements_slice_of_the_one_device_model(family,
             placement, original = placements[name], copies.get(name, name)
             assert placement.copy == (name in copies)
             coord = {"tp": (tp_rank, tp)}.get
-            assert torch.equal(param.detach(), placement.local(full[original].detach(), lambda a: coord(a, (0, 1))))
+            assert torch.equal(param.detach(), placement.local(full[original].detach(),
+                                                               lambda a, coord=coord: coord(a, (0, 1))))
             assert placement.partial == (("tp",) if sp and not placement.shards else ())
             seen.add(original)
     assert seen == set(full)  # every one-device parameter lives somewhere
@@ -83,7 +83,7 @@ def test_each_element_is_counted_once_over_all_ranks(parallel, sharded_data):
         model = models[(at["tp"], at["pp"])]
         placements = model.placements_by_name()
         for name, param in model.named_parameters():
-            counted = placements[name].counted(DENSE, sharded_data, lambda a: (at[a], sizes[a]))
+            counted = placements[name].counted(DENSE, sharded_data, lambda a, at=at: (at[a], sizes[a]))
             share = 1 / (sizes["dp"] * sizes["cp"]) if sharded_data else 1
             total += counted * param.numel() * share
     one = sum(p.numel() for p in GPTModel(tiny_config(model={"num_layers": 4}).model, torch.device("meta"),

@@ -8,22 +8,21 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
 import pytest
-
+import torch
 from conftest import tiny_config
 from distributed import cpu_topology, run_ranks
+
 from megalite.config import Config
 from megalite.config_cli import parse_config
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
-from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.zero import unit_index
-from megalite.planning.memory import (chunk_activation_bytes, gathered_bytes, peak_activations, stage_memory,
-                                      state_bytes)
 from megalite.planning.context_parallel import comm_bytes
 from megalite.planning.measure import rank_memory, saved_storages
+from megalite.planning.memory import chunk_activation_bytes, gathered_bytes, peak_activations, stage_memory, state_bytes
 from megalite.planning.parameters import rank_parameters, stage_layout
 from megalite.planning.plan import format_plan, make_plan
 from megalite.training.build import build_model, build_trainer

@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
-from megalite.parallel.topology import DENSE_AXES, EXPERT_AXES, RankGrid, Topology
-
 from distributed import run_ranks
 from megatron_rank_groups import LAYOUTS
+
+from megalite.parallel.topology import DENSE_AXES, EXPERT_AXES, RankGrid, Topology
 
 # (tp, pp, dp) -> each rank's (pp, dp, tp) coordinates, as every layout so far placed them
 PLACEMENT = {

@@ -15,14 +15,13 @@ import os
 from pathlib import Path
 
 import pytest
+from distributed import cpu_topology, run_ranks
 
 from megalite.checkpoint.local import load_checkpoint
 from megalite.checkpoint.model_io import read_model_tensors, write_model_checkpoint
 from megalite.config_cli import parse_config
 from megalite.training.build import build_trainer
 from megalite.training.pretrain import pretrain
-
-from distributed import cpu_topology, run_ranks
 
 ARGS = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=4", "--model.seq_length=32",
         "--model.vocab_size=300", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=4",

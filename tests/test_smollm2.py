@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import metrics as read_metrics
+from distributed import pretrain_torchrun
+from trained import passage
 
 from megalite.checkpoint.hf_convert import hf_model_to_megalite, load_hf
 from megalite.data.indexed_dataset import IndexedDatasetWriter
 from megalite.inference.generate import Sampling, generate, load_model
-
-from distributed import metrics as read_metrics, pretrain_torchrun
-from trained import passage
 
 GGUF = "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CPU = torch.device("cpu")

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import tiny_config
+from distributed import cpu_topology, pretrain_torchrun, run_ranks
+from distributed import metrics as read_metrics
 
 from megalite.model.gpt import GPTModel
 from megalite.parallel.placement import unshard
 from megalite.training.build import build_trainer
-
-from conftest import tiny_config
-from distributed import cpu_topology, metrics as read_metrics, pretrain_torchrun, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [(family, sp) for family in ("gpt2", "llama") for sp in (False, True)]

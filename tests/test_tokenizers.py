@@ -10,8 +10,15 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from megalite.data.tokenizers import (TOKENIZER_TYPES, GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer,
-                                      SentencePieceTokenizer, Tokenizer, build_tokenizer)
+from megalite.data.tokenizers import (
+    TOKENIZER_TYPES,
+    GPT2BPETokenizer,
+    HuggingFaceTokenizer,
+    NullTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    build_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")

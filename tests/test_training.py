@@ -7,11 +7,10 @@ import json
 import math
 
 import pytest
-
-from megalite.training.pretrain import pretrain
-
 from conftest import tiny_config
 from wandb_records import read_run
+
+from megalite.training.pretrain import pretrain
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

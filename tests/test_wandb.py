@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from conftest import tiny_config
+from wandb_records import read_run
 
 from megalite.config import ConfigError
 from megalite.config_validation import validate
 from megalite.parallel.spawn import free_port
 from megalite.training.pretrain import pretrain
 from megalite.training.wandb_logger import WandbLogger
-
-from conftest import tiny_config
-from wandb_records import read_run
 
 TIMEOUT = 15.0
 

@@ -10,19 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import tiny_config
+from distributed import cpu_topology, run_ranks, tiny_run
+from parity import LLAMA, TINY
+from parity import clipped_run as _run
 from torch import nn
 
 from megalite.config import ConfigError
 from megalite.config_validation import validate
 from megalite.parallel.grad_buffer import GradBuffer
-from megalite.training.build import build_trainer
 from megalite.planning.measure import kept_gradients, mock_batches, rank_memory
 from megalite.planning.memory import state_bytes
+from megalite.training.build import build_trainer
 from megalite.training.step import train_step
-
-from conftest import tiny_config
-from distributed import cpu_topology, run_ranks, tiny_run
-from parity import LLAMA, TINY, clipped_run as _run
 
 STAGE2 = "--parallel.zero_stage=2"
 STAGE3 = "--parallel.zero_stage=3"

@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from distributed import pretrain_torchrun
 
 from megalite.data.indexed_dataset import IndexedDatasetWriter, optimal_dtype
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
-
-from distributed import pretrain_torchrun
 
 PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt")
 

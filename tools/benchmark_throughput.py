@@ -35,7 +35,7 @@ import contextlib
 import gc
 import statistics
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import transformers

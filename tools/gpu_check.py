@@ -37,8 +37,19 @@ from megalite.config import ConfigError  # noqa: E402
 from megalite.planning.plan import GPUS, make_plan  # noqa: E402
 from megalite.training.flops import device_model, peak_tflops  # noqa: E402
 from tools.gpu_check_report import CheckResult, environment, write_report  # noqa: E402
-from tools.gpu_check_steps import (SHAPES, STEP_FUNCTIONS, STEPS, Context, benchmark_runs, display,  # noqa: E402
-                                   flops_by_family, predicted_gib, pytest_command, tail, train_runs)
+from tools.gpu_check_steps import (  # noqa: E402
+    SHAPES,
+    STEP_FUNCTIONS,
+    STEPS,
+    Context,
+    benchmark_runs,
+    display,
+    flops_by_family,
+    predicted_gib,
+    pytest_command,
+    tail,
+    train_runs,
+)
 
 
 def dry_run_lines(ctx: Context, step: str) -> list[str]:

@@ -21,7 +21,8 @@ from megalite.config_cli import parse_config
 from megalite.config_validation import validate
 from megalite.planning.plan import GIB, RESERVED_GIB, Plan, make_plan
 from megalite.training.flops import training_flops_per_token
-from tools.benchmark_throughput import build_config as benchmark_config, parse_args as benchmark_args
+from tools.benchmark_throughput import build_config as benchmark_config
+from tools.benchmark_throughput import parse_args as benchmark_args
 from tools.gpu_check_report import CheckResult, Goal
 
 ROOT = Path(__file__).resolve().parents[1]

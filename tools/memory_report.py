@@ -48,8 +48,14 @@ import torch
 
 from megalite.config import Config
 from megalite.parallel.spawn import run_on_ranks
-from megalite.planning.measure import (MEMORY_CATEGORIES, MODEL_OPTIONS, measurement_config, model_fields,
-                                       param_dtype_fields, rank_memory)
+from megalite.planning.measure import (
+    MEMORY_CATEGORIES,
+    MODEL_OPTIONS,
+    measurement_config,
+    model_fields,
+    param_dtype_fields,
+    rank_memory,
+)
 from megalite.planning.memory import gathered_bytes, state_bytes
 from megalite.planning.parameters import rank_parameters
 

@@ -19,8 +19,8 @@ import argparse
 import sys
 
 from megalite.config import ConfigError
-from megalite.config_validation import validate
 from megalite.config_cli import parse_config
+from megalite.config_validation import validate
 from megalite.planning.plan import GPUS, format_plan, make_plan
 
 

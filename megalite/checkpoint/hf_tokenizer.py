@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 
 import sentencepiece
-from tokenizers import Regex, models, normalizers
 from sentencepiece import sentencepiece_model_pb2
+from tokenizers import Regex, models, normalizers
 
 from megalite.config import DataConfig
 from megalite.data.build import tokenizer_from_config

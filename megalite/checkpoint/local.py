@@ -20,8 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.files import (LATEST, complete_iterations, finalize, iteration_dir, problem_with,
-                                       write_rank_files, write_run_files)
+from megalite.checkpoint.files import (
+    LATEST,
+    complete_iterations,
+    finalize,
+    iteration_dir,
+    problem_with,
+    write_rank_files,
+    write_run_files,
+)
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.parallel.random import RNGTracker
@@ -59,7 +66,7 @@ class TrainingState:
     skipped_steps: int = 0
 
     @classmethod
-    def from_json(cls, text: str) -> "TrainingState":
+    def from_json(cls, text: str) -> TrainingState:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 

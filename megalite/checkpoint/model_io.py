@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint.files import finalize, iteration_dir, write_rank_files, write_run_files
-from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.local import TrainingState, choose_checkpoint
+from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.sharded_state import MAIN, Piece
 from megalite.config import Config
 from megalite.config_cli import config_from_yaml_text, dump_yaml

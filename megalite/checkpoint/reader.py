@@ -44,7 +44,7 @@ class Target:
     hi: int
 
     @classmethod
-    def whole(cls, shape: list[int] | tuple[int, ...]) -> "Target":
+    def whole(cls, shape: list[int] | tuple[int, ...]) -> Target:
         return cls(tuple(shape), (), 0, int(torch.Size(shape).numel()))
 
 

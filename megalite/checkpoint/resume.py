@@ -23,8 +23,13 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.files import problem_with
-from megalite.checkpoint.local import (TrainingState, checkpoint_candidates, give_up_unless_fallback, load_checkpoint,
-                                       none_complete)
+from megalite.checkpoint.local import (
+    TrainingState,
+    checkpoint_candidates,
+    give_up_unless_fallback,
+    load_checkpoint,
+    none_complete,
+)
 from megalite.checkpoint.reader import DamagedCheckpoint
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.parallel.topology import Topology

@@ -102,8 +102,8 @@ class ShardedState:
             shape = self._global_shape(e.local, e.param)
 
             def add(kind: str, tensor: torch.Tensor, lo: int = e.lo, hi: int = e.hi, shape: list[int] = shape,
-                    where=where) -> None:
-                out.append((Piece(e.stored, kind, shape, where, lo, hi), tensor.detach().reshape(-1)))
+                    where=where, stored: str = e.stored) -> None:
+                out.append((Piece(stored, kind, shape, where, lo, hi), tensor.detach().reshape(-1)))
 
             add("model", e.weights)
             if e.main.dtype != e.param.dtype:

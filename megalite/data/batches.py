@@ -7,8 +7,8 @@ carry no loss; with reset_position_ids, positions count from 0 after each such t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -21,18 +21,18 @@ class Batch:
     loss_mask: torch.Tensor
     position_ids: torch.Tensor | None = None
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(move(self.tokens), move(self.labels), move(self.loss_mask), move(self.position_ids))
 
-    def select(self, positions: torch.Tensor) -> "Batch":
+    def select(self, positions: torch.Tensor) -> Batch:
         """The batch restricted to these sequence positions (context parallelism's part of every sample),
         with their position ids: positions keep counting where they were, documents restart where they did."""
         pick = lambda t: t.index_select(1, positions)  # noqa: E731
         ids = positions.expand(self.tokens.shape[0], -1) if self.position_ids is None else pick(self.position_ids)
         return Batch(pick(self.tokens), pick(self.labels), pick(self.loss_mask), ids)
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         """Called by DataLoader(pin_memory=True) so host-to-GPU copies can overlap compute."""
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
         return Batch(pin(self.tokens), pin(self.labels), pin(self.loss_mask), pin(self.position_ids))

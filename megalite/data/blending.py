@@ -16,7 +16,7 @@ which keeps every share within 1% of its weight from n = 50 * (D - 1) samples on
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

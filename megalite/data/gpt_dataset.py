@@ -22,7 +22,8 @@ import hashlib
 import json
 import os
 import uuid
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 

@@ -9,7 +9,7 @@ after a change of dp.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -40,7 +40,7 @@ class MicroBatches:
     def __init__(self, loader: DataLoader) -> None:
         self._batches = iter(loader)
 
-    def __iter__(self) -> "MicroBatches":
+    def __iter__(self) -> MicroBatches:
         return self
 
     def __next__(self) -> Batch:
@@ -51,7 +51,7 @@ class MicroBatches:
         if shutdown is not None:
             shutdown()
 
-    def __enter__(self) -> "MicroBatches":
+    def __enter__(self) -> MicroBatches:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

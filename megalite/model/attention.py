@@ -24,8 +24,8 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.model.kv_cache import LayerCache
 from megalite.model.rope import apply_rope
-from megalite.parallel.context_parallel import context_parallel_attention
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.context_parallel import context_parallel_attention
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.random import checkpoint_with_rng
 

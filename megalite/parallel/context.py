@@ -36,7 +36,7 @@ class ParallelContext:
 
     @classmethod
     def from_topology(cls, topology: Topology, sequence_parallel: bool, seed: int,
-                      cp_comm: str = "p2p") -> "ParallelContext":
+                      cp_comm: str = "p2p") -> ParallelContext:
         """`sequence_parallel`: ParallelConfig.sequence_parallel_active (asked for, and tp > 1)."""
         return cls(AxisView(topology.tp_group, topology.tp_rank, topology.tp),
                    AxisView(topology.cp_group, topology.cp_rank, topology.cp), sequence_parallel, cp_comm,
@@ -44,7 +44,7 @@ class ParallelContext:
 
     @classmethod
     def tensor_parallel(cls, group: dist.ProcessGroup | None, rank: int, size: int,
-                        sequence_parallel: bool = False) -> "ParallelContext":
+                        sequence_parallel: bool = False) -> ParallelContext:
         """Tensor parallelism alone (tests and benchmarks of single layers)."""
         return cls(AxisView(group, rank, size), sequence_parallel=sequence_parallel)
 

@@ -32,8 +32,8 @@ The data pipeline slices tokens, labels, masks and position ids with `local_posi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -175,7 +175,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
     lse[:, :, rows] = new
 
 
-def _attend(q: torch.Tensor, ring: "_Ring", blocks: Iterator[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list]:
+def _attend(q: torch.Tensor, ring: _Ring, blocks: Iterator[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Forward over the K/V blocks of every cp rank, in ring order (step j: cp rank i-j's [2, b, g, 2c, d]),
     merged by log-sum-exp: the output in q's dtype, the fp32 log-sum-exp, and each block's kernel extras."""
     c, out, lse, metas = q.shape[2] // 2, None, None, []

@@ -18,7 +18,7 @@ What the optimizer then does with the gradients lives in distributed_optimizer.p
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

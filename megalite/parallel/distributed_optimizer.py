@@ -22,7 +22,7 @@ resume silently restarted Adam's moments. One optimizer means one checkpoint for
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

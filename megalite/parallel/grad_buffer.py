@@ -16,7 +16,7 @@ the whole global batch (training/step.py), so the sum is the global mean for any
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -28,7 +28,7 @@ class Pipeline:
     trace: Trace | None = None
 
     @classmethod
-    def build(cls, cfg: Config, topology: Topology) -> "Pipeline":
+    def build(cls, cfg: Config, topology: Topology) -> Pipeline:
         stage = PipelineStage(topology.pp, cfg.parallel.vp, topology.pp_rank)
         if topology.pp == 1:
             return cls(cfg.parallel.pipeline_schedule, stage)

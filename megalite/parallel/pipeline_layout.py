@@ -59,19 +59,19 @@ class StageLayout(PipelineStage):
 
     @classmethod
     def for_rank(cls, num_layers: int, pp: int, vp: int, rank: int, first: int | None = None,
-                 last: int | None = None) -> "StageLayout":
+                 last: int | None = None) -> StageLayout:
         counts = chunk_layer_counts(num_layers, pp * vp, first, last)
         starts = [sum(counts[:g]) for g in range(pp * vp)]
         mine = [rank + k * pp for k in range(vp)]
         return cls(pp, vp, rank, tuple((starts[g], starts[g] + counts[g]) for g in mine))
 
     @classmethod
-    def single(cls, num_layers: int) -> "StageLayout":
+    def single(cls, num_layers: int) -> StageLayout:
         """The whole model on one rank (no pipeline parallelism)."""
         return cls(1, 1, 0, ((0, num_layers),))
 
 
-def stage_layout(cfg: "Config", pp_rank: int) -> StageLayout:
+def stage_layout(cfg: Config, pp_rank: int) -> StageLayout:
     """Pipeline rank `pp_rank`'s layout as the config asks (the whole model when parallel.pp = 1)."""
     p = cfg.parallel
     if p.pp == 1:

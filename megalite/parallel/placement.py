@@ -18,8 +18,8 @@ the planner counts bytes per rank. A new sharding is a new Placement, not a bran
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ class Placement:
     copy: bool = False  # a copy of another stage's parameter: its gradient joins the original's; never counted
 
     @classmethod
-    def split(cls, axis: str, dim: int, blocks: int = 1, grid: str = "dense") -> "Placement":
+    def split(cls, axis: str, dim: int, blocks: int = 1, grid: str = "dense") -> Placement:
         """Split along one axis: what tensor-parallel layers declare."""
         return cls(((axis, ShardSpec(dim, blocks)),), grid)
 

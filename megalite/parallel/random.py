@@ -10,8 +10,9 @@ on by then: `checkpoint_with_rng` restores them too.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -89,20 +89,20 @@ class RankGrid:
     sizes: tuple[int, ...]
 
     @classmethod
-    def dense(cls, tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1) -> "RankGrid":
+    def dense(cls, tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1) -> RankGrid:
         return cls(DENSE_AXES, (tp, cp, dp, pp))
 
     @classmethod
-    def expert(cls, etp: int = 1, ep: int = 1, edp: int = 1, pp: int = 1) -> "RankGrid":
+    def expert(cls, etp: int = 1, ep: int = 1, edp: int = 1, pp: int = 1) -> RankGrid:
         return cls(EXPERT_AXES, (etp, ep, edp, pp))
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> "RankGrid":
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> RankGrid:
         """The dense grid of `world_size` ranks; data parallelism takes whatever the other axes leave."""
         return cls.dense(tp, cp, _rest(world_size, tp * cp * pp, "tp * cp * pp"), pp)
 
     @classmethod
-    def experts_for_world(cls, world_size: int, etp: int = 1, ep: int = 1, pp: int = 1) -> "RankGrid":
+    def experts_for_world(cls, world_size: int, etp: int = 1, ep: int = 1, pp: int = 1) -> RankGrid:
         """The expert grid of `world_size` ranks; expert data parallelism takes what etp, ep and pp leave."""
         return cls.expert(etp, ep, _rest(world_size, etp * ep * pp, "etp * ep * pp"), pp)
 
@@ -312,14 +312,14 @@ class Topology:
 
     @classmethod
     def from_config(cls, rank: int, world_size: int, device: torch.device, parallel: ParallelConfig,
-                    experts: bool = False) -> "Topology":
+                    experts: bool = False) -> Topology:
         """The topology `parallel` asks for, on a process group that already exists."""
         return cls(rank, world_size, device, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, experts=experts,
                    timeout_minutes=parallel.timeout_minutes)
 
     @classmethod
     def from_environment(cls, device_preference: str = "auto", parallel: ParallelConfig | None = None,
-                         experts: bool = False) -> "Topology":
+                         experts: bool = False) -> Topology:
         """Join the job torchrun started (or form a one-process group) and build the topology on it."""
         parallel = parallel or ParallelConfig()
         device = pick_device(device_preference, int(os.environ.get("LOCAL_RANK", 0)))

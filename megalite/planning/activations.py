@@ -37,7 +37,7 @@ class Widths:
     layernorm_stats: int  # LayerNorm's mean and rstd
 
     @classmethod
-    def of(cls, cfg: Config, device: str) -> "Widths":
+    def of(cls, cfg: Config, device: str) -> Widths:
         t = cfg.train
         compute, residual = _BYTES[t.precision], _BYTES[t.param_dtype]
         autocast = t.precision != "fp32"

@@ -120,7 +120,7 @@ class GradientBytes:
         self.peak = 0
 
     @contextlib.contextmanager
-    def tracking(self) -> Iterator["GradientBytes"]:
+    def tracking(self) -> Iterator[GradientBytes]:
         zeros = AllReduce._zeros
 
         def counted(strategy: AllReduce, size: int, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -21,10 +21,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.schedules import schedule_ops
 from megalite.planning.activations import _BYTES, Widths, embedding_bytes, head_bytes, layer_bytes
 from megalite.planning.context_parallel import attention_transient_bytes
-from megalite.parallel.pipeline_layout import stage_layout
 from megalite.planning.parameters import Parameters, rank_parameters
 
 

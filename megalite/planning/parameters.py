@@ -31,7 +31,7 @@ class Parameters:
     def total(self) -> int:
         return self.sharded + self.replicated
 
-    def __add__(self, other: "Parameters") -> "Parameters":
+    def __add__(self, other: Parameters) -> Parameters:
         return Parameters(self.sharded + other.sharded, self.replicated + other.replicated,
                           max(self.largest, other.largest), self.units + other.units,
                           self.tied_head or other.tied_head)

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.config import TORCH_DTYPES, Config
 from megalite.checkpoint.sharded_state import ShardedState
+from megalite.config import TORCH_DTYPES, Config
 from megalite.model.gpt import TIED_COPY, GPTModel
 from megalite.model.recompute import apply_recompute
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.distributed_optimizer import DistributedOptimizer
-from megalite.parallel.context import ParallelContext
 from megalite.parallel.pipeline import Pipeline
 from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.topology import Topology
@@ -50,7 +50,7 @@ class Trainer:
         if self.sharded_params is not None:
             self.sharded_params.wait_all()
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

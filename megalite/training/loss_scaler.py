@@ -24,7 +24,7 @@ class LossScaler:
     clean_steps: int = 0
 
     @classmethod
-    def for_precision(cls, precision: str, cfg: OptimConfig) -> "LossScaler":
+    def for_precision(cls, precision: str, cfg: OptimConfig) -> LossScaler:
         if precision != "fp16":
             return cls()
         return cls(cfg.initial_loss_scale, True, cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis,

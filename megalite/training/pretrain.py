@@ -8,9 +8,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,10 +18,11 @@ import torch.distributed as dist
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
 from megalite.checkpoint.resume import resume
 from megalite.config import Config
-from megalite.config_validation import validate
 from megalite.config_cli import dump_yaml
+from megalite.config_validation import validate
 from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import MicroBatches, micro_batches
+from megalite.parallel.schedules import Trace
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, synchronize
 from megalite.training.build import build_trainer
@@ -30,7 +31,6 @@ from megalite.training.flops import peak_tflops, training_flops_per_token
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
-from megalite.parallel.schedules import Trace
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
 from megalite.training.trace import write_chrome_trace
 from megalite.training.wandb_logger import new_run_id

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megalite.data.batches import Batch
 from megalite.config import TORCH_DTYPES
+from megalite.data.batches import Batch
 from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.schedules import ForwardStep, run_schedule
 
@@ -84,7 +85,7 @@ def read_steps(results: list[StepResult]) -> list[StepFigures]:
     return [StepFigures(loss, norm, int(tokens), r.overflow) for (loss, norm, tokens), r in zip(values, results)]
 
 
-def local_batches(trainer: "Trainer", batches: list[Batch]) -> list[Batch]:
+def local_batches(trainer: Trainer, batches: list[Batch]) -> list[Batch]:
     """The micro batches on this rank's device, cut to its part of every sequence under context parallelism."""
     t = trainer.topology
     batches = [b.to(t.device) for b in batches]
@@ -94,7 +95,7 @@ def local_batches(trainer: "Trainer", batches: list[Batch]) -> list[Batch]:
     return [b.select(positions) for b in batches]
 
 
-def microbatch_forward(trainer: "Trainer", batches: list[Batch],
+def microbatch_forward(trainer: Trainer, batches: list[Batch],
                        on_last_chunk: Callable[[torch.Tensor, Batch], torch.Tensor]) -> ForwardStep:
     """The schedule's forward step, shared by training and evaluation: run model chunk `chunk` on micro
     batch `microbatch` in the configured precision; on the last chunk hand the per-token losses and the
@@ -110,7 +111,7 @@ def microbatch_forward(trainer: "Trainer", batches: list[Batch],
     return forward_step
 
 
-def train_step(trainer: "Trainer", batches: list[Batch]) -> StepResult:
+def train_step(trainer: Trainer, batches: list[Batch]) -> StepResult:
     """One optimizer step of `trainer` over this rank's micro batches."""
     t, grads, optimizer, scaler = trainer.topology, trainer.grads, trainer.optimizer, trainer.scaler
     grads.zero()

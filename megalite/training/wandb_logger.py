@@ -19,8 +19,9 @@ import secrets
 import string
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _RESTARTS = 3  # offline restarts after failures before W&B is given up for this run
 
