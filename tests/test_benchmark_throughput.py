@@ -7,7 +7,7 @@ import pytest
 
 from megalite.checkpoint.hf_mapping import hf_config
 from tools import benchmark_throughput as bench
-from tools.gpu_check import parse_benchmark
+from tools.gpu_check_steps import parse_benchmark
 
 TINY = ["--layers", "1", "--hidden", "64", "--heads", "4", "--seq", "16", "--micro-batch", "2", "--vocab", "300",
         "--precision", "fp32", "--steps", "1", "--warmup", "1", "--device", "cpu"]
