@@ -17,7 +17,6 @@ the planner counts bytes per rank. A new sharding is a new Placement, not a bran
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -114,7 +113,3 @@ def parameter_placements(model: nn.Module, sequence_parallel: bool,
     for name in copies or {}:
         found[name] = Placement(found[name].shards, found[name].grid, found[name].partial, copy=True)
     return found
-
-
-def numel_full(placement: Placement, local_shape: torch.Size, coord: Coord) -> int:
-    return math.prod(placement.global_shape(local_shape, coord))
