@@ -88,6 +88,26 @@ class ModelConfig:
     init_std: float = _f(0.02, "std of the normal init; output projections use init_std/sqrt(2*num_layers)")
     hidden_dropout: float = _f(0.0, "dropout after attention and MLP (and on embeddings)")
     attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    num_experts: int = _f(0, "routed experts per mixture-of-experts layer (0: every layer has a dense MLP)")
+    moe_topk: int = _f(2, "experts each token is routed to")
+    moe_ffn_hidden_size: int | None = _f(None, "width of each routed expert's MLP (default: the MLP width)")
+    moe_router: Literal["softmax", "sigmoid"] = _f(
+        "softmax", "expert scores: softmax over all experts (Mixtral, Qwen3-MoE) or a sigmoid each (DeepSeek-V3)")
+    moe_norm_topk_prob: bool = _f(
+        True, "renormalise the chosen experts' scores to sum to 1 (Mixtral's softmax over the k chosen logits; "
+              "Qwen3-MoE's norm_topk_prob; DeepSeek-V3's sigmoid normalisation)")
+    moe_scaling_factor: float = _f(1.0, "multiply the chosen experts' weights by this (DeepSeek-V3: 2.5)")
+    moe_router_groups: int = _f(
+        1, "group-limited routing: experts fall into this many equal groups (DeepSeek-V3: 8 nodes' worth)")
+    moe_router_group_topk: int | None = _f(
+        None, "group-limited routing: tokens choose experts only in this many best groups (default: all groups)")
+    moe_aux_loss_coeff: float = _f(0.0, "switch-transformer load-balancing loss per micro batch (0: off)")
+    moe_seq_aux_loss_coeff: float = _f(0.0, "sequence-level load-balancing loss (DeepSeek-V3; 0: off)")
+    moe_z_loss_coeff: float = _f(0.0, "router z-loss: mean squared logsumexp of the router logits (0: off)")
+    moe_shared_expert_size: int = _f(0, "width of an always-on shared expert MLP next to the routed ones (0: none)")
+    moe_shared_expert_gate: bool = _f(False, "scale the shared expert's output by a sigmoid gate (Qwen2-MoE)")
+    moe_first_dense_layers: int = _f(0, "the first this many layers keep a dense MLP (DeepSeek-V3: 3)")
+    moe_layer_freq: int = _f(1, "after the first dense layers, every this-many-th layer is a mixture of experts")
 
     @property
     def kv_heads(self) -> int:
@@ -114,6 +134,15 @@ class ModelConfig:
         return 4 * self.hidden_size
 
     @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (global, from 0) has routed experts instead of a dense MLP."""
+        later = index - self.moe_first_dense_layers
+        return self.num_experts > 0 and later >= 0 and later % self.moe_layer_freq == 0
+
+    @property
     def tied(self) -> bool:
         return self.features.tie_embeddings
 
@@ -136,6 +165,11 @@ class ParallelConfig:
     cp_comm: Literal["p2p", "allgather"] = _f(
         "p2p", "how context-parallel attention sees the other ranks' keys and values: p2p (ring attention, "
                "overlapped with the blocks) or allgather (all of them gathered once per layer)")
+    ep: int = _f(1, "expert-parallel size: each rank holds num_experts/ep experts; carved out of the tp*cp*dp ranks "
+                    "of a pipeline stage (the expert grid folds over the dense one: ep may exceed dp)")
+    moe_dispatcher: Literal["alltoall", "allgather"] = _f(
+        "alltoall", "how tokens reach their experts' ranks: alltoall (each token to the ranks of its experts, "
+                    "uneven splits) or allgather (every rank sees all tokens of the expert-parallel group; small ep)")
     vp: int = _f(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)")
     pipeline_schedule: Literal["1f1b", "gpipe"] = _f(
         "1f1b", "1f1b (interleaved when vp > 1) or gpipe (all forwards, then all backwards; vp = 1)")

@@ -54,6 +54,46 @@ def _check_model(cfg: Config, world_size: int) -> list[str]:
     return errors
 
 
+def _check_moe(cfg: Config, world_size: int) -> list[str]:
+    m, p, errors = cfg.model, cfg.parallel, []
+    if p.ep < 1:
+        return [f"parallel.ep={p.ep} must be >= 1"]
+    if m.num_experts == 0:
+        return [f"parallel.ep={p.ep} needs experts; set model.num_experts"] if p.ep > 1 else []
+    if m.num_experts < 0:
+        return [f"model.num_experts={m.num_experts} must be >= 0 (0: dense MLPs)"]
+    if not 1 <= m.moe_topk <= m.num_experts:
+        errors.append(f"model.moe_topk={m.moe_topk} must be between 1 and model.num_experts={m.num_experts}")
+    if m.num_experts % p.ep:
+        errors.append(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
+                      "expert-parallel rank holds the same number of experts")
+    if world_size % (p.ep * p.pp):
+        errors.append(f"world size {world_size} is not divisible by parallel.ep*parallel.pp={p.ep * p.pp}: the "
+                      "expert-parallel ranks are carved out of each pipeline stage's ranks")
+    if p.tp > 1 and not p.sequence_parallel:
+        errors.append("mixture-of-experts layers with parallel.tp > 1 need parallel.sequence_parallel=true (each "
+                      "tensor-parallel rank routes its own slice of the tokens)")
+    groups, chosen = m.moe_router_groups, m.moe_router_group_topk or m.moe_router_groups
+    if groups < 1 or m.num_experts % groups:
+        errors.append(f"model.moe_router_groups={groups} must divide model.num_experts={m.num_experts}")
+    elif not 1 <= chosen <= groups or m.moe_topk > chosen * (m.num_experts // groups) or chosen > m.moe_topk:
+        errors.append(f"model.moe_router_group_topk={chosen} must be between 1 and min(model.moe_topk, "
+                      f"model.moe_router_groups) and leave at least moe_topk={m.moe_topk} experts to choose from")
+    for name in ("moe_aux_loss_coeff", "moe_seq_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_size",
+                 "moe_first_dense_layers"):
+        if getattr(m, name) < 0:
+            errors.append(f"model.{name}={getattr(m, name)} must be >= 0")
+    if m.moe_layer_freq < 1:
+        errors.append(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
+    if m.moe_shared_expert_size % p.tp:
+        errors.append(f"model.moe_shared_expert_size={m.moe_shared_expert_size} is not divisible by parallel.tp="
+                      f"{p.tp}; the shared expert is a tensor-parallel MLP")
+    if not any(m.is_moe_layer(i) for i in range(m.num_layers)):
+        errors.append(f"model.num_experts={m.num_experts} but no layer is a mixture of experts: "
+                      f"model.moe_first_dense_layers={m.moe_first_dense_layers} covers all {m.num_layers} layers")
+    return errors
+
+
 def _check_parallel(cfg: Config, world_size: int) -> list[str]:
     p, errors = cfg.parallel, []
     for name in ("tp", "cp", "pp", "vp"):
@@ -279,4 +319,5 @@ def profile_ranks(cfg: LoggingConfig) -> list[int]:
     return [0] if cfg.profile_ranks is None else cfg.profile_ranks
 
 
-_CHECKS = (_check_model, _check_parallel, _check_train, _check_optim, _check_data, _check_checkpoint, _check_logging)
+_CHECKS = (_check_model, _check_moe, _check_parallel, _check_train, _check_optim, _check_data, _check_checkpoint,
+           _check_logging)

@@ -22,7 +22,7 @@ def cpu_topology(rank: int, world_size: int, cfg: Config | None = None, **sizes:
     """The topology a spawned gloo rank works in: `cfg`'s layout (Topology.from_config), or the axis sizes
     given (tp=, pp=, cp=, ...; the rest 1), on the CPU."""
     if cfg is not None:
-        return Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel)
+        return Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel, cfg.model.num_experts > 0)
     return Topology(rank, world_size, torch.device("cpu"), **sizes)
 
 

@@ -69,6 +69,7 @@ class Call:
     messages: list[Message] = field(default_factory=list)
     nbytes: int | None = None  # collectives: the size every member must agree on
     dtype: str | None = None
+    splits: tuple[list[int], list[int]] | None = None  # all_to_all_single: bytes sent to, received from each member
     where: str = ""  # the caller's file:line, for reports
 
     @property
@@ -207,7 +208,9 @@ class CommRecorder:
             else:
                 received.append((message, tensor))
             call.messages.append(message)
-        if not ops:
+        if name == "all_to_all_single":  # uneven splits: members agree pairwise, not on one size
+            call.dtype, call.splits = str(a["input"].dtype), _all_to_all_splits(a, len(call.members))
+        elif not ops:
             tensor = _collective_tensor(name, a)
             if tensor is not None:
                 call.nbytes, call.dtype = tensor.numel() * tensor.element_size(), str(tensor.dtype)
@@ -224,6 +227,18 @@ class CommRecorder:
             return _RecordedWork(result, self, call, received)
         _RecordedWork(None, self, call, received).wait()  # a blocking call: posted, then waited
         return result
+
+
+def _all_to_all_splits(arguments: dict[str, Any], members: int) -> tuple[list[int], list[int]]:
+    """Bytes an all_to_all_single sends to and receives from each member, in group order (even splits when
+    none are given)."""
+    def per_member(tensor: torch.Tensor, sizes: list[int] | None) -> list[int]:
+        row = tensor[0].numel() * tensor.element_size() if tensor.dim() and len(tensor) else 0
+        rows = sizes if sizes else [len(tensor) // members] * members
+        return [n * row for n in rows]
+
+    return (per_member(arguments["input"], arguments.get("input_split_sizes")),
+            per_member(arguments["output"], arguments.get("output_split_sizes")))
 
 
 def _collective_tensor(name: str, arguments: dict[str, Any]) -> torch.Tensor | None:
@@ -325,8 +340,18 @@ class _Replay:
             if len(shapes) > 1:
                 self._problem(f"group {comm}: collective #{position} differs across members: "
                               + "; ".join(self.calls[k].describe() for k in keys))
+            if all(self.calls[k].splits is not None for k in keys):
+                self._pair_all_to_all([self.calls[k] for k in keys])
             for key in keys:
                 partners[key].update(k for k in keys if k != key)
+
+    def _pair_all_to_all(self, calls: list[Call]) -> None:
+        """Member i's bytes to member j are what j expects from i."""
+        for i, sender in enumerate(calls):
+            for j, receiver in enumerate(calls):
+                if sender.splits[0][j] != receiver.splits[1][i]:
+                    self._problem(f"all-to-all size mismatch: {sender.describe()} sends {sender.splits[0][j]} bytes "
+                                  f"to {receiver.describe()}, which expects {receiver.splits[1][i]}")
 
     def _problem(self, text: str) -> None:
         self.report.problems.append(f"[{self.placement} placement] {text}")

@@ -18,6 +18,7 @@ from megalite.model.head import LMHead
 from megalite.model.init import init_parameters
 from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
+from megalite.model.moe.layer import MoELayer
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
@@ -34,15 +35,16 @@ TIED_COPY = ("lm_head.weight", "embedding.word_embeddings.weight")
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device, ctx: ParallelContext,
-                 aux_losses: AuxLosses | None = None) -> None:
+                 aux_losses: AuxLosses | None = None, index: int = 0) -> None:
+        """`index`: the layer's global index (which layers have experts)."""
         super().__init__()
         norm = cfg.features.norm
+        self.ctx, self.aux_losses = ctx, aux_losses or AuxLosses()  # the model's: terms the layer adds in forward
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.attention = SelfAttention(cfg, ctx)
         self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.mlp = MLP(cfg, ctx)
+        self.mlp = MoELayer(cfg, ctx, self.aux_losses) if cfg.is_moe_layer(index) else MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-        self.ctx, self.aux_losses = ctx, aux_losses or AuxLosses()  # the model's: terms the layer adds in forward
         self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -110,7 +112,8 @@ class GPTModel(nn.Module):
         stage, ctx = self.stage, self.ctx
         self.embedding = Embedding(cfg, ctx) if stage.has_embedding else None
         indices = [i for a, b in stage.chunks for i in range(a, b)]
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, device, ctx, self.aux_losses) for i in indices})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, device, ctx, self.aux_losses, i)
+                                     for i in indices})
         self.final_norm = self.lm_head = None
         if stage.has_head:
             self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)

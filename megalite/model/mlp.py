@@ -16,12 +16,13 @@ from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, width: int | None = None) -> None:
+        """`width`: the hidden width (default: the model's MLP width; a shared expert's is its own)."""
         super().__init__()
         self.swiglu, bias = cfg.features.gated_mlp, cfg.features.bias
-        blocks = 2 if self.swiglu else 1
-        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, blocks * cfg.ffn_size, ctx, bias, blocks=blocks)
-        self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ctx, bias)
+        blocks, width = 2 if self.swiglu else 1, width or cfg.ffn_size
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, blocks * width, ctx, bias, blocks=blocks)
+        self.linear_fc2 = RowParallelLinear(width, cfg.hidden_size, ctx, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

@@ -10,6 +10,10 @@ Sequence parallelism, along the first (sequence) dim of [seq, batch, hidden]:
   scatter_to_sp     split         / all-gather     (enter the sequence-parallel region)
 Context parallelism, along the sequence dim of keys and values:
   gather_from_cp    all-gather    / reduce-scatter (all-gather attention: every rank's keys and values)
+Expert parallelism, along the token dim of [tokens, hidden]:
+  all_to_all        all-to-all    / all-to-all, splits swapped (tokens to their experts' ranks and back)
+  gather_from_ep    all-gather    / reduce-scatter (the all-gather dispatcher: every rank's tokens)
+  reduce_scatter_to_ep reduce-scatter / all-gather (its combine: each rank's tokens, summed over experts)
 The linear layers' matmuls, and the sequence-parallel all-gather inside them, are in gemm.py.
 With a group of one every function is the identity, so tp=1 pays nothing.
 
@@ -121,6 +125,24 @@ class _GatherRows(torch.autograd.Function):
         return reduce_scatter_rows(grad, ctx.group, ctx.what), None, None
 
 
+def all_to_all_rows(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Rows in_splits[r] of x go to rank r; rows out_splits[r] come from rank r, in rank order."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.splits = group, (in_splits, out_splits)
+        return all_to_all_rows(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_rows(grad, ctx.group, *ctx.splits), None, None, None
+
+
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -179,3 +201,15 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
 
 def scatter_to_sp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     return x if _trivial(group) else _ScatterToSP.apply(x, group)
+
+
+def all_to_all(x: torch.Tensor, group: Group | None, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    return x if _trivial(group) else _AllToAll.apply(x, group, out_splits, in_splits)
+
+
+def gather_from_ep(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    return x if _trivial(group) else _GatherRows.apply(x, group, "expert-parallel")
+
+
+def reduce_scatter_to_ep(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    return x if _trivial(group) else _ReduceScatterToSP.apply(x, group)

@@ -176,6 +176,7 @@ GROUPS: dict[tuple[str, tuple[str, ...]], str] = {
     ("dense", ("cp", "dp")): "data-and-context-parallel",
     ("dense", ("pp",)): "pipeline-parallel",
     ("dense", ("tp", "pp")): "model-parallel",
+    ("dense", ("tp", "cp")): "tensor-and-context-parallel",
     ("expert", ("etp",)): "expert-tensor-parallel",
     ("expert", ("ep",)): "expert-parallel",
     ("expert", ("edp",)): "expert-data-parallel",
@@ -244,8 +245,8 @@ class Topology:
         """This rank's group along `axes` of `grid` (one of the GROUPS table's)."""
         if (grid, axes) not in GROUPS:
             raise ValueError(f"no {grid} process group along {axes}; the groups are {sorted(GROUPS)}")
-        if grid == "dense" and axes == ("cp", "dp") and self.cp == 1:
-            axes = ("dp",)
+        if grid == "dense" and "cp" in axes and len(axes) > 1 and self.cp == 1:
+            axes = tuple(axis for axis in axes if axis != "cp")  # cp = 1 makes no cp groups: the same ranks
         if (grid, axes) not in self.groups:
             raise ValueError(f"this layout made no {grid} group along {axes} (no expert layers, or cp = 1)")
         return self.groups[(grid, axes)]
@@ -314,8 +315,8 @@ class Topology:
     def from_config(cls, rank: int, world_size: int, device: torch.device, parallel: ParallelConfig,
                     experts: bool = False) -> Topology:
         """The topology `parallel` asks for, on a process group that already exists."""
-        return cls(rank, world_size, device, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, experts=experts,
-                   timeout_minutes=parallel.timeout_minutes)
+        return cls(rank, world_size, device, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep,
+                   experts=experts, timeout_minutes=parallel.timeout_minutes)
 
     @classmethod
     def from_environment(cls, device_preference: str = "auto", parallel: ParallelConfig | None = None,

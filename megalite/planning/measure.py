@@ -145,7 +145,7 @@ class GradientBytes:
 def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     """Build this rank's model and optimizer, train one step, and measure what stays allocated: bytes by
     MEMORY_CATEGORIES, the host copies of the gradients, the parameters held and the most gathered at once."""
-    topology = Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel)
+    topology = Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel, cfg.model.num_experts > 0)
     gradients = GradientBytes()
     with gradients.tracking(), build_trainer(cfg, topology) as parts:
         params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]

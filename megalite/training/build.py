@@ -70,7 +70,8 @@ def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank
 def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     """The one place that assembles training: pretrain, the tools and the tests all start here."""
     p = cfg.parallel
-    ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm)
+    ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm,
+                                        p.moe_dispatcher)
     model = build_model(cfg, topology.device, ctx, topology.pp_rank)
     if cfg.train.compile:
         for layer in model.layers.values():

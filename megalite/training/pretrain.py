@@ -308,7 +308,7 @@ def pretrain(cfg: Config) -> RunResult:
     cfg = copy.deepcopy(cfg)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)), data_files=True)
     created = not dist.is_initialized()
-    topology = Topology.from_environment(cfg.train.device, cfg.parallel)
+    topology = Topology.from_environment(cfg.train.device, cfg.parallel, experts=cfg.model.num_experts > 0)
     try:
         torch.manual_seed(cfg.train.seed)
         allow_tf32(cfg.train.allow_tf32)

@@ -1,0 +1,72 @@
+"""The routed experts of one rank: every expert's MLP weights stacked, run over the tokens grouped by expert
+with one grouped GEMM per projection (`torch._grouped_mm`), however unevenly the tokens fall.
+
+Weights are stored as linear layers store theirs, [experts, out, in] (transformers v5 keeps Mixtral's and
+Qwen3-MoE's experts fused the same way: gate_up_proj [E, 2I, H], down_proj [E, H, I]); a gated MLP's fc1
+holds the gate rows, then the up rows. They live on the expert grid, split by expert over ep: each rank holds
+num_experts/ep consecutive experts, and their gradients are reduced over the expert-data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.placement import Placement
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the grouped GEMM's backward rejects an
+    expanded one (the gradient of a `sum()`)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows offsets[e-1]:offsets[e] of x [tokens, in] times weight[e] [out, in]^T, for every expert e, in x's
+    dtype (the weights are cast as autocast would cast a linear layer's). `offsets` [experts] int32 are the
+    cumulative token counts, on the device: no host read."""
+    out = torch._grouped_mm(x, weight.to(x.dtype).transpose(-2, -1), offs=offsets)
+    return _ContiguousGrad.apply(out)
+
+
+class ExpertLinear(nn.Module):
+    """One projection of this rank's experts: weight [local experts, out, in]."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
+        self.placements = {"weight": Placement.split("ep", 0, grid="expert")}
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return grouped_linear(x, self.weight, offsets)
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.gated = cfg.features.gated_mlp
+        self.local = cfg.num_experts // ctx.ep.size
+        width = cfg.expert_ffn_size
+        self.linear_fc1 = ExpertLinear(self.local, cfg.hidden_size, (2 if self.gated else 1) * width)
+        self.linear_fc2 = ExpertLinear(self.local, width, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden] grouped by local expert, `counts` [local experts] tokens each (on the device)."""
+        offsets = counts.cumsum(0).to(torch.int32)
+        h = self.linear_fc1(x, offsets)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.linear_fc2(h, offsets)

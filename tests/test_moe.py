@@ -1,0 +1,164 @@
+"""Mixture of experts on one device: routers and balancing losses against hand-computed values, the grouped GEMM
+against a per-expert loop, the whole layer against a loop over tokens and experts, and the config's checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_config
+
+from megalite.config import ConfigError, ModelConfig
+from megalite.config_validation import validate
+from megalite.model.gpt import GPTModel
+from megalite.model.moe.experts import grouped_linear
+from megalite.model.moe.layer import MoELayer
+from megalite.model.moe.router import choose, expert_counts, route, sequence_loss, switch_loss, z_loss
+from megalite.parallel.context import AxisView, ParallelContext
+
+
+def moe_config(**fields) -> ModelConfig:
+    base = dict(family="llama", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
+                num_experts=4, moe_topk=2, moe_ffn_hidden_size=16)
+    return ModelConfig(**{**base, **fields})
+
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]])
+
+
+def test_softmax_router_renormalised_is_mixtrals_softmax_over_the_chosen_logits():
+    routing = route(LOGITS, moe_config())
+    assert routing.experts.tolist() == [[0, 1], [1, 3]]
+    mixtral = torch.stack([LOGITS[0, [0, 1]], LOGITS[1, [1, 3]]]).softmax(-1)
+    torch.testing.assert_close(routing.weights, mixtral)
+
+
+def test_softmax_router_without_renormalising_keeps_the_probabilities():
+    """Qwen3-MoE with norm_topk_prob=false (Qwen2-MoE): the chosen experts' share of the softmax over all."""
+    routing = route(LOGITS, moe_config(moe_norm_topk_prob=False))
+    e = [math.exp(v) for v in (2.0, 1.0, 0.0, -1.0)]
+    assert routing.weights[0].tolist() == pytest.approx([e[0] / sum(e), e[1] / sum(e)])
+
+
+def test_sigmoid_router_normalises_and_scales():
+    routing = route(LOGITS, moe_config(moe_router="sigmoid", moe_scaling_factor=2.5))
+    s = torch.sigmoid(torch.tensor([3.0, 2.0]))
+    assert routing.experts[1].tolist() == [1, 3]
+    assert routing.weights[1].tolist() == pytest.approx((2.5 * s / s.sum()).tolist())
+
+
+def test_group_limited_routing_chooses_only_inside_the_best_groups():
+    """Groups {0,1} and {2,3}; k=2 over one group: each group scores its best expert. Token 0's best group is
+    {0,1}, though expert 2 alone outscores expert 1."""
+    scores = torch.tensor([[0.9, 0.1, 0.5, 0.4]])
+    assert choose(scores, 2).tolist() == [[0, 2]]
+    assert choose(scores, 2, groups=2, group_topk=1).tolist() == [[0, 1]]
+
+
+def test_switch_loss_is_one_coefficient_at_perfect_balance_and_by_hand_otherwise():
+    probs = torch.full((4, 4), 0.25)
+    counts = torch.full((4,), 2.0)  # 4 tokens x 2 choices spread evenly
+    assert switch_loss(probs, counts, tokens=4, k=2).item() == pytest.approx(1.0)
+    probs = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.4, 0.4, 0.1, 0.1]])
+    counts = expert_counts(torch.tensor([[0, 1], [0, 1]]), 4)
+    # E * sum_e f_e P_e with f = counts / (k T) = [.5, .5, 0, 0], P = mean probs = [.55, .25, .1, .1]
+    assert switch_loss(probs, counts, tokens=2, k=2).item() == pytest.approx(4 * (0.5 * 0.55 + 0.5 * 0.25))
+
+
+def test_sequence_loss_averages_each_sequences_switch_loss():
+    probs = torch.tensor([[[0.7, 0.3], [0.5, 0.5]], [[0.1, 0.9], [0.5, 0.5]]])  # [seq 2, batch 2, experts 2]
+    experts = torch.tensor([[[0], [1]], [[0], [0]]])  # [batch, seq, k=1]
+    counts = expert_counts(experts, 2)
+    per_sequence = [switch_loss(probs[:, b], counts[b], tokens=2, k=1) for b in range(2)]
+    assert sequence_loss(probs, counts, seq=2, k=1).item() == pytest.approx(sum(per_sequence).item() / 2)
+
+
+def test_z_loss_is_the_mean_squared_logsumexp():
+    expected = (torch.logsumexp(LOGITS, -1) ** 2).mean()
+    assert z_loss(LOGITS, tokens=2).item() == pytest.approx(expected.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_equals_the_loop_over_experts(dtype):
+    """Uneven groups, one of them empty, forward and backward."""
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(9, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(4, 8, 16, requires_grad=True)
+    y = grouped_linear(x, w, counts.cumsum(0).to(torch.int32))
+    y.sum().backward()  # an expanded gradient: the grouped GEMM's backward needs it made contiguous
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loop = torch.cat([F.linear(part, wr[e].to(dtype)) for e, part in enumerate(xr.split(counts.tolist()))])
+    loop.sum().backward()
+    tol = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, loop, **tol)
+    torch.testing.assert_close(x.grad, xr.grad, **tol)
+    torch.testing.assert_close(w.grad, wr.grad, **tol)
+
+
+def _loop_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The layer computed token by token, expert by expert: what the sorting and grouping must equal."""
+    tokens = x.reshape(-1, x.shape[-1])
+    routing = route(F.linear(tokens, layer.router.weight), layer.router.cfg)
+    fc1, fc2 = layer.experts.linear_fc1.weight, layer.experts.linear_fc2.weight
+    out = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        for e, w in zip(routing.experts[t].tolist(), routing.weights[t]):
+            gate, up = F.linear(tokens[t], fc1[e]).chunk(2)
+            out[t] += w * F.linear(F.silu(gate) * up, fc2[e])
+    shared = layer.shared_expert(x).reshape(tokens.shape)
+    return (out + shared * torch.sigmoid(tokens @ layer.shared_expert_gate.t())).view_as(x)
+
+
+def test_the_layer_equals_the_loop_over_tokens_and_experts():
+    cfg = moe_config(moe_shared_expert_size=24, moe_shared_expert_gate=True, moe_aux_loss_coeff=0.01)
+    model = GPTModel(cfg, torch.device("cpu"), seed=3)
+    layer = model.layers["0"].mlp
+    x = torch.randn(8, 3, cfg.hidden_size)
+    torch.testing.assert_close(layer(x), _loop_moe(layer, x))
+
+
+def test_balancing_losses_reach_the_router_and_are_counted():
+    cfg = moe_config(moe_aux_loss_coeff=0.1, moe_seq_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    model = GPTModel(cfg, torch.device("cpu"), seed=3)
+    layer = model.layers["1"].mlp
+    layer.router.aux_losses.start_step(1.0, torch.device("cpu"))
+    layer(torch.randn(8, 2, cfg.hidden_size)).sum().backward()
+    with_terms = layer.router.weight.grad.clone()
+    assert set(layer.router.aux_losses.totals) == {"moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss"}
+    layer.router.aux_losses.start_step(0.0, torch.device("cpu"))  # the terms' gradient scaled to nothing
+    layer.router.weight.grad = None
+    layer(torch.randn(8, 2, cfg.hidden_size)).sum().backward()
+    assert not torch.allclose(with_terms, layer.router.weight.grad)
+
+
+def test_first_dense_layers_and_the_layer_frequency_pick_the_moe_layers():
+    cfg = moe_config(num_layers=6, moe_first_dense_layers=1, moe_layer_freq=2)
+    model = GPTModel(cfg, torch.device("meta"), seed=0)
+    assert [i for i, layer in model.layers.items() if isinstance(layer.mlp, MoELayer)] == ["1", "3", "5"]
+
+
+def test_expert_weights_are_slices_of_the_one_device_experts():
+    """Rank 1 of ep 2 holds experts 2 and 3 of the one-device model, drawn at full shape."""
+    cfg = moe_config()
+    whole = GPTModel(cfg, torch.device("cpu"), seed=5)
+    part = GPTModel(cfg, torch.device("cpu"), ParallelContext(ep=AxisView(None, 1, 2)), seed=5)
+    name = "layers.0.mlp.experts.linear_fc2.weight"
+    torch.testing.assert_close(dict(part.named_parameters())[name], dict(whole.named_parameters())[name][2:])
+    assert part.placements_by_name()[name].grid == "expert"
+
+
+@pytest.mark.parametrize("fields, world, message", [
+    (dict(model={"num_experts": 6}, parallel={"ep": 4}), 4, "not divisible by parallel.ep=4"),
+    (dict(model={"num_experts": 4, "moe_topk": 5}), 1, "moe_topk=5"),
+    (dict(model={"num_experts": 4}, parallel={"tp": 2}), 2, "need parallel.sequence_parallel=true"),
+    (dict(parallel={"ep": 2}), 2, "needs experts"),
+    (dict(model={"num_experts": 4, "moe_router_groups": 3}), 1, "moe_router_groups=3"),
+    (dict(model={"num_experts": 4, "moe_first_dense_layers": 2}), 1, "no layer is a mixture of experts"),
+    (dict(model={"num_experts": 4}, parallel={"ep": 4, "pp": 2}), 4, "parallel.ep*parallel.pp=8"),
+])
+def test_moe_settings_are_checked(fields, world, message):
+    with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace(".", r"\.")):
+        validate(tiny_config(**fields), world)
+
