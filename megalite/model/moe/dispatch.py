@@ -96,15 +96,17 @@ class AllGather:
             experts = routing.experts.new_empty((self.ep.size * experts.shape[0], experts.shape[1]))
             dist.all_gather_into_tensor(experts, routing.experts.contiguous(), group=self.ep.group)
         # This rank's experts first (ids shifted to 0..local-1), the others after them: the grouped GEMM runs
-        # only the rows its offsets cover, and the rest are masked out of the combine.
+        # only the rows its offsets cover and leaves the others undefined, so they are masked out both ways
+        # (a select, not a product: an undefined row may hold a NaN).
         shifted = (experts - self.ep.rank * self.local) % self.num_experts
         pairs = Sorted.of(shifted, weights, self.num_experts)
-        mine = torch.arange(pairs.token.shape[0], device=tokens.device) < pairs.counts[:self.local].sum()
-        return pairs.rows(tokens), pairs.counts[:self.local], (pairs, tokens.shape[0], mine)
+        mine = (torch.arange(pairs.token.shape[0], device=tokens.device) < pairs.counts[:self.local].sum())[:, None]
+        rows = torch.where(mine, pairs.rows(tokens), 0.0)
+        return rows, pairs.counts[:self.local], (pairs, tokens.shape[0], mine)
 
     def combine(self, rows: torch.Tensor, state: tuple) -> torch.Tensor:
         pairs, num_tokens, mine = state
-        rows = torch.where(mine.unsqueeze(-1), rows, rows.new_zeros(()))
+        rows = torch.where(mine, rows, 0.0)
         return reduce_scatter_to_ep(pairs.combine(rows, num_tokens), self.ep.group)
 
 

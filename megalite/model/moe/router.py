@@ -11,7 +11,8 @@ The balancing losses need the whole micro batch's load, but under sequence or co
 holds part of its tokens. Every rank therefore sums its expert counts over the ranks holding the rest
 (`ctx.tokens`; counts carry no gradient), and each adds only its own tokens' share of the probability sums:
 the ranks' terms add up to the one-device loss, and their gradients meet where the router's do (its weight's
-gradient is partial over tp under SP, and reduced over cp with the data).
+gradient is partial over tp under SP, so summed over tp). Over cp the gradients are averaged with the data
+(each context-parallel rank's main loss is the mean over its own tokens), so there a term counts cp times.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ class Router(nn.Module):
         weights = self._balancing(routing, logits, seq, batch)
         return Routing(routing.experts, weights, routing.scores)
 
+    def _attach(self, name: str, weights: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return self.aux_losses.attach(name, weights, loss * self.ctx.cp.size)
+
     def _balancing(self, routing: Routing, logits: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
         cfg, group, weights = self.cfg, self.ctx.tokens.group, routing.weights
         sharers = self.ctx.tokens.size  # ranks holding parts of each sequence of this micro batch
@@ -131,12 +135,12 @@ class Router(nn.Module):
         if cfg.moe_aux_loss_coeff:
             counts = _summed(expert_counts(routing.experts.detach(), cfg.num_experts), group)
             loss = cfg.moe_aux_loss_coeff * switch_loss(probs, counts, tokens, k)
-            weights = self.aux_losses.attach("moe_aux_loss", weights, loss)
+            weights = self._attach("moe_aux_loss", weights, loss)
         if cfg.moe_seq_aux_loss_coeff:
             per_sequence = routing.experts.detach().view(seq, batch, k).transpose(0, 1)
             counts = _summed(expert_counts(per_sequence, cfg.num_experts), group)
             loss = cfg.moe_seq_aux_loss_coeff * sequence_loss(probs.view(seq, batch, -1), counts, seq * sharers, k)
-            weights = self.aux_losses.attach("moe_seq_aux_loss", weights, loss)
+            weights = self._attach("moe_seq_aux_loss", weights, loss)
         if cfg.moe_z_loss_coeff:
-            weights = self.aux_losses.attach("moe_z_loss", weights, cfg.moe_z_loss_coeff * z_loss(logits, tokens))
+            weights = self._attach("moe_z_loss", weights, cfg.moe_z_loss_coeff * z_loss(logits, tokens))
         return weights

@@ -1,0 +1,54 @@
+"""Expert parallelism equals one device holding every expert: the same losses and gradient norms (fp32, dropless,
+clipping active, every balancing loss on) at every layout of four ranks, the expert grid folded over the dense
+one (ep up to tp x cp x dp). All layouts run one after another on one group of four spawned ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from distributed import metrics, run_ranks
+from parity import LLAMA, TINY
+
+from megalite.config_cli import parse_config
+from megalite.training.pretrain import pretrain
+
+MOE = [*LLAMA, "--model.num_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden_size=32",
+       "--model.moe_aux_loss_coeff=0.01", "--model.moe_seq_aux_loss_coeff=0.01", "--model.moe_z_loss_coeff=0.001",
+       "--model.moe_shared_expert_size=32", "--model.moe_shared_expert_gate=true", "--model.moe_first_dense_layers=1"]
+
+LAYOUTS = {
+    "ep4": ["--parallel.ep=4"],
+    "ep2 x edp2, distributed optimizer": ["--parallel.ep=2", "--parallel.distributed_optimizer=true"],
+    "tp2 SP x ep2": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2"],
+    "tp2 SP x ep4 (ep over tp x dp)": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=4"],
+    "pp2 (vp2) x ep2": ["--parallel.pp=2", "--parallel.vp=2", "--parallel.ep=2"],
+    "cp2 x ep2": ["--parallel.cp=2", "--parallel.ep=2"],
+    "ep2, ZeRO-3": ["--parallel.ep=2", "--parallel.zero_stage=3"],
+    "ep4, all-gather dispatcher": ["--parallel.ep=4", "--parallel.moe_dispatcher=allgather"],
+}
+
+
+def _runs(rank: int, world_size: int, root: str, layouts: dict[str, list[str]]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    for index, extra in enumerate(layouts.values()):
+        pretrain(parse_config([*TINY, *MOE, *extra, f"--logging.metrics_file={root}/run{world_size}-{index}.jsonl"]))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    run_ranks(1, _runs, str(root), {"one device": []})
+    run_ranks(4, _runs, str(root), LAYOUTS)
+    return {name: metrics(root / f"run4-{i}.jsonl") for i, name in enumerate(LAYOUTS)} | {
+        "one device": metrics(root / "run1-0.jsonl")}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_expert_parallel_layout_equals_one_device(runs, layout):
+    reference, records = runs["one device"], runs[layout]
+    assert len(records) == len(reference) == 5
+    assert all(r["grad_norm"] > 0.5 for r in reference), "clipping must be active"
+    for mine, one in zip(records, reference):
+        assert mine["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
