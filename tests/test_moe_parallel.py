@@ -1,6 +1,7 @@
-"""Expert parallelism equals one device holding every expert: the same losses and gradient norms (fp32, dropless,
-clipping active, every balancing loss on) at every layout of four ranks, the expert grid folded over the dense
-one (ep up to tp x cp x dp). All layouts run one after another on one group of four spawned ranks."""
+"""Expert parallelism equals one device holding every expert: the same losses, gradient norms and logged routing
+figures (balancing terms, load imbalance per layer) (fp32, dropless, clipping active, every balancing loss on) at
+every layout of four ranks, the expert grid folded over the dense one (ep up to tp x cp x dp). All layouts run
+one after another on one group of four spawned ranks."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ LAYOUTS = {
     "cp2 x ep2": ["--parallel.cp=2", "--parallel.ep=2"],
     "ep2, ZeRO-3": ["--parallel.ep=2", "--parallel.zero_stage=3"],
     "ep4, all-gather dispatcher": ["--parallel.ep=4", "--parallel.moe_dispatcher=allgather"],
+    "ep2, full recompute": ["--parallel.ep=2", "--train.recompute=full"],
 }
+ROUTING_FIGURES = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "moe_load_imbalance/layer_1",
+                   "moe_load_imbalance/layer_3")
 
 
 def _runs(rank: int, world_size: int, root: str, layouts: dict[str, list[str]]) -> None:
@@ -52,3 +56,4 @@ def test_expert_parallel_layout_equals_one_device(runs, layout):
     for mine, one in zip(records, reference):
         assert mine["loss"] == pytest.approx(one["loss"], rel=1e-5)
         assert mine["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+        assert {k: mine[k] for k in ROUTING_FIGURES} == pytest.approx({k: one[k] for k in ROUTING_FIGURES}, rel=1e-5)

@@ -12,6 +12,9 @@ batch like the loss. Each term's detached values are summed per name for logging
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -29,24 +32,46 @@ class _Attached(torch.autograd.Function):
 
 
 class AuxLosses:
-    """The model's auxiliary loss terms of the current step, and the gradient scale the step gives them."""
+    """The model's auxiliary loss terms of the current step, the gradient scale the step gives them, and what the
+    routers saw (tokens per expert, by layer) for logging. A layer's forward rerun by activation recompute
+    (inside `replaying()`) attaches its terms again for backward but counts nothing twice."""
 
     def __init__(self) -> None:
         self.scale = torch.ones(())
         self.totals: dict[str, torch.Tensor] = {}
+        self.loads: dict[int, torch.Tensor] = {}  # layer index -> tokens routed to each expert this step
+        self.replaying_forward = False
 
     def attach(self, name: str, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """A copy of `output` carrying `loss` (a scalar) into backward; counted under `name` for logging. Attach
         to a small tensor the layer goes on computing with (a router's probabilities, as Megatron-LM does): a
         copy, not a view, so that it is safe even on a tensor a pipeline stage sends and then frees."""
-        detached = loss.detach().float()
-        self.totals[name] = self.totals[name] + detached if name in self.totals else detached
+        if not self.replaying_forward:
+            self.totals[name] = _added(self.totals.get(name), loss.detach().float())
         if not torch.is_grad_enabled() or not loss.requires_grad:
             return output
         return _Attached.apply(output, loss, self.scale)
 
+    def record_load(self, layer: int, counts: torch.Tensor) -> None:
+        """Layer `layer` routed `counts` of this rank's (token, choice) pairs to each expert."""
+        if not self.replaying_forward:
+            self.loads[layer] = _added(self.loads.get(layer), counts.detach().float())
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """A forward run again for activation recompute: nothing it reports is counted."""
+        self.replaying_forward = True
+        try:
+            yield
+        finally:
+            self.replaying_forward = False
+
     def start_step(self, scale: float, device: torch.device) -> None:
         """A new step: its terms get gradient `scale` each (filled on `device`, not copied from the host), and
-        the totals start from zero."""
+        the totals and loads start from zero."""
         self.scale = torch.full((), scale, dtype=torch.float32, device=device)
-        self.totals = {}
+        self.totals, self.loads = {}, {}
+
+
+def _added(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if total is None else total + value

@@ -43,7 +43,7 @@ class TransformerLayer(nn.Module):
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.attention = SelfAttention(cfg, ctx)
         self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.mlp = MoELayer(cfg, ctx, self.aux_losses) if cfg.is_moe_layer(index) else MLP(cfg, ctx)
+        self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if cfg.is_moe_layer(index) else MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 
@@ -180,7 +180,7 @@ class GPTModel(nn.Module):
         for index in range(*self.stage.chunks[chunk]):
             layer = self.layers[str(index)]
             if layer.recompute and self.training:
-                x = checkpoint_with_rng(layer, x, rope, tracker=self.ctx.rng)
+                x = checkpoint_with_rng(layer, x, rope, tracker=self.ctx.rng, replay=self.aux_losses.replaying)
             else:
                 x = layer(x, rope, None if cache is None else cache[index])
         if not self.stage.is_last_chunk(chunk):

@@ -99,14 +99,24 @@ class RNGTracker:
         self.states = dict(states)
 
 
-def checkpoint_with_rng(function: Callable[..., Any], *args: Any, tracker: RNGTracker | None) -> Any:
+def checkpoint_with_rng(function: Callable[..., Any], *args: Any, tracker: RNGTracker | None,
+                        replay: Callable[[], contextlib.AbstractContextManager] | None = None) -> Any:
     """torch's non-reentrant activation checkpoint of function(*args) whose recompute also sees the
-    tracker as it was at the forward (streams and open forks), so dropout draws the same masks."""
-    if tracker is None:
+    tracker as it was at the forward (streams and open forks), so dropout draws the same masks, and runs
+    inside `replay()` when given (what the forward reports is then not counted twice)."""
+    if tracker is None and replay is None:
         return checkpoint(function, *args, use_reentrant=False)
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return contextlib.nullcontext(), tracker.replaying(tracker.snapshot())
+        snapshot = tracker.snapshot() if tracker is not None else None  # the streams as the forward found them
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            with (tracker.replaying(snapshot) if tracker is not None else contextlib.nullcontext()), \
+                    (replay() if replay is not None else contextlib.nullcontext()):
+                yield
+
+        return contextlib.nullcontext(), recompute()
 
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
 

@@ -31,6 +31,7 @@ from megalite.training.flops import peak_tflops, training_flops_per_token
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
+from megalite.training.routing_metrics import RoutingMetrics
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
 from megalite.training.trace import write_chrome_trace
 from megalite.training.wandb_logger import new_run_id
@@ -78,6 +79,7 @@ class Run:
             self.state.wandb_run_id = chosen[0]
         self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)
         self.flops_per_token = training_flops_per_token(cfg.model)
+        self.routing = RoutingMetrics(cfg.model, topology) if cfg.model.num_experts else None
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
         self.saved_step, self.diverged_in_a_row = -1, 0
         self.unread: list[tuple[int, StepResult]] = []  # steps whose figures are still on the device
@@ -123,6 +125,8 @@ class Run:
                 batches = [next(stream) for _ in range(per_step)]
                 self.profiler.step_started(step)
                 result = train_step(self.trainer, batches)
+                if self.routing is not None:
+                    self.routing.add_step(self.trainer.model.aux_losses)
                 self.profiler.step_finished(step)
                 self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
                 self.state.loss_scaler = self.trainer.scaler.state_dict()
@@ -269,6 +273,8 @@ class Run:
             "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
             "peak_memory_gib": memory, "peak_memory_kind": what,
         }
+        if self.routing is not None:
+            record |= self.routing.read(self.cfg.num_microbatches(self.topology.world_size))
         self.writer.log(record, _CONSOLE)
 
     def _write_trace(self, steps: int) -> None:

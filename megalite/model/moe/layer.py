@@ -23,9 +23,9 @@ from megalite.parallel.mappings import in_compute_dtype
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, aux_losses: AuxLosses) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, aux_losses: AuxLosses, layer: int) -> None:
         super().__init__()
-        self.router = Router(cfg, ctx, aux_losses)
+        self.router = Router(cfg, ctx, aux_losses, layer)
         self.experts = GroupedExperts(cfg, ctx)
         self.dispatcher = DISPATCHERS[ctx.expert_dispatcher](ctx.ep, cfg.num_experts)
         self.shared_expert = MLP(cfg, ctx, cfg.moe_shared_expert_size) if cfg.moe_shared_expert_size else None

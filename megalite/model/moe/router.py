@@ -28,6 +28,9 @@ from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
 from megalite.parallel.context import ParallelContext
 
+# The balancing terms a router attaches (model/aux_losses.py), by the name they are logged under.
+BALANCING_TERMS = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss")
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -107,9 +110,10 @@ class Router(nn.Module):
     """The gate: fp32 logits of every expert for every token, the routing, and the balancing terms attached
     (model/aux_losses.py) to the combine weights the layer goes on computing with."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, aux_losses: AuxLosses) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, aux_losses: AuxLosses, layer: int) -> None:
+        """`layer`: the global index of the layer it routes for (its load is logged under it)."""
         super().__init__()
-        self.cfg, self.ctx, self.aux_losses = cfg, ctx, aux_losses
+        self.cfg, self.ctx, self.aux_losses, self.layer = cfg, ctx, aux_losses, layer
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
 
     def forward(self, x: torch.Tensor) -> Routing:
@@ -120,6 +124,7 @@ class Router(nn.Module):
         routing = route(logits, self.cfg)
         if not self.training:
             return routing
+        self.aux_losses.record_load(self.layer, expert_counts(routing.experts, self.cfg.num_experts))
         weights = self._balancing(routing, logits, seq, batch)
         return Routing(routing.experts, weights, routing.scores)
 
@@ -135,12 +140,12 @@ class Router(nn.Module):
         if cfg.moe_aux_loss_coeff:
             counts = _summed(expert_counts(routing.experts.detach(), cfg.num_experts), group)
             loss = cfg.moe_aux_loss_coeff * switch_loss(probs, counts, tokens, k)
-            weights = self._attach("moe_aux_loss", weights, loss)
+            weights = self._attach(BALANCING_TERMS[0], weights, loss)
         if cfg.moe_seq_aux_loss_coeff:
             per_sequence = routing.experts.detach().view(seq, batch, k).transpose(0, 1)
             counts = _summed(expert_counts(per_sequence, cfg.num_experts), group)
             loss = cfg.moe_seq_aux_loss_coeff * sequence_loss(probs.view(seq, batch, -1), counts, seq * sharers, k)
-            weights = self._attach("moe_seq_aux_loss", weights, loss)
+            weights = self._attach(BALANCING_TERMS[1], weights, loss)
         if cfg.moe_z_loss_coeff:
-            weights = self._attach("moe_z_loss", weights, cfg.moe_z_loss_coeff * z_loss(logits, tokens))
+            weights = self._attach(BALANCING_TERMS[2], weights, cfg.moe_z_loss_coeff * z_loss(logits, tokens))
         return weights
