@@ -29,6 +29,15 @@ LAYOUTS = {
     "ep4, all-gather dispatcher": ["--parallel.ep=4", "--parallel.moe_dispatcher=allgather"],
     "ep2, full recompute": ["--parallel.ep=2", "--train.recompute=full"],
 }
+# A run saved at ep 4 (step 3 of 5) resumed at other expert layouts: steps 4 and 5 as if never stopped.
+SAVED = ["--parallel.ep=4", "--parallel.distributed_optimizer=true", "--checkpoint.save={root}/ep4",
+         "--train.exit_interval=3"]
+RESUMED = {
+    "ep2 x edp2, distributed optimizer": ["--parallel.ep=2", "--parallel.distributed_optimizer=true"],
+    "ep1 (every rank holds every expert)": [],
+    "tp2 SP x ep2, ZeRO-2": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2",
+                              "--parallel.zero_stage=2"],
+}
 ROUTING_FIGURES = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "moe_load_imbalance/layer_1",
                    "moe_load_imbalance/layer_3")
 
@@ -36,15 +45,18 @@ ROUTING_FIGURES = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss", "moe_load_i
 def _runs(rank: int, world_size: int, root: str, layouts: dict[str, list[str]]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     for index, extra in enumerate(layouts.values()):
-        pretrain(parse_config([*TINY, *MOE, *extra, f"--logging.metrics_file={root}/run{world_size}-{index}.jsonl"]))
+        args = [arg.format(root=root) for arg in extra]
+        pretrain(parse_config([*TINY, *MOE, *args, f"--logging.metrics_file={root}/run{world_size}-{index}.jsonl"]))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
+    layouts = LAYOUTS | {"saved": SAVED} | {
+        f"resumed at {name}": [*extra, "--checkpoint.load={root}/ep4"] for name, extra in RESUMED.items()}
     run_ranks(1, _runs, str(root), {"one device": []})
-    run_ranks(4, _runs, str(root), LAYOUTS)
-    return {name: metrics(root / f"run4-{i}.jsonl") for i, name in enumerate(LAYOUTS)} | {
+    run_ranks(4, _runs, str(root), layouts)
+    return {name: metrics(root / f"run4-{i}.jsonl") for i, name in enumerate(layouts)} | {
         "one device": metrics(root / "run1-0.jsonl")}
 
 
@@ -57,3 +69,14 @@ def test_expert_parallel_layout_equals_one_device(runs, layout):
         assert mine["loss"] == pytest.approx(one["loss"], rel=1e-5)
         assert mine["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
         assert {k: mine[k] for k in ROUTING_FIGURES} == pytest.approx({k: one[k] for k in ROUTING_FIGURES}, rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", sorted(RESUMED))
+def test_a_run_saved_at_ep4_resumes_at_another_expert_layout(runs, layout):
+    """Experts are stored by their global index, with their optimizer state and the data position."""
+    assert [r["step"] for r in runs["saved"]] == [1, 2, 3]
+    records, reference = runs[f"resumed at {layout}"], runs["one device"][3:]
+    assert [r["step"] for r in records] == [4, 5]
+    for mine, one in zip(records, reference):
+        assert mine["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
