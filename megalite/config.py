@@ -167,6 +167,8 @@ class ParallelConfig:
                "overlapped with the blocks) or allgather (all of them gathered once per layer)")
     ep: int = _f(1, "expert-parallel size: each rank holds num_experts/ep experts; carved out of the tp*cp*dp ranks "
                     "of a pipeline stage (the expert grid folds over the dense one: ep may exceed dp)")
+    etp: int = _f(1, "expert-tensor-parallel size: each expert's MLP split over this many ranks, as tp splits the "
+                     "dense MLP (independent of tp; parallel.etp * parallel.ep ranks hold one copy of the experts)")
     moe_dispatcher: Literal["alltoall", "allgather"] = _f(
         "alltoall", "how tokens reach their experts' ranks: alltoall (each token to the ranks of its experts, "
                     "uneven splits) or allgather (every rank sees all tokens of the expert-parallel group; small ep)")

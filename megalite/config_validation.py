@@ -56,10 +56,11 @@ def _check_model(cfg: Config, world_size: int) -> list[str]:
 
 def _check_moe(cfg: Config, world_size: int) -> list[str]:
     m, p, errors = cfg.model, cfg.parallel, []
-    if p.ep < 1:
-        return [f"parallel.ep={p.ep} must be >= 1"]
+    if p.ep < 1 or p.etp < 1:
+        return [f"parallel.ep={p.ep} and parallel.etp={p.etp} must be >= 1"]
     if m.num_experts == 0:
-        return [f"parallel.ep={p.ep} needs experts; set model.num_experts"] if p.ep > 1 else []
+        split = [f"parallel.{name}={getattr(p, name)}" for name in ("ep", "etp") if getattr(p, name) > 1]
+        return [f"{' and '.join(split)} need experts; set model.num_experts"] if split else []
     if m.num_experts < 0:
         return [f"model.num_experts={m.num_experts} must be >= 0 (0: dense MLPs)"]
     if not 1 <= m.moe_topk <= m.num_experts:
@@ -67,9 +68,12 @@ def _check_moe(cfg: Config, world_size: int) -> list[str]:
     if m.num_experts % p.ep:
         errors.append(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
                       "expert-parallel rank holds the same number of experts")
-    if world_size % (p.ep * p.pp):
-        errors.append(f"world size {world_size} is not divisible by parallel.ep*parallel.pp={p.ep * p.pp}: the "
-                      "expert-parallel ranks are carved out of each pipeline stage's ranks")
+    if world_size % (p.etp * p.ep * p.pp):
+        errors.append(f"world size {world_size} is not divisible by parallel.etp*parallel.ep*parallel.pp="
+                      f"{p.etp * p.ep * p.pp}: the expert grid is carved out of each pipeline stage's ranks")
+    if m.expert_ffn_size % p.etp:
+        errors.append(f"the experts' width (model.moe_ffn_hidden_size) {m.expert_ffn_size} is not divisible by "
+                      f"parallel.etp={p.etp}; pick an etp that divides it")
     if p.tp > 1 and not p.sequence_parallel:
         errors.append("mixture-of-experts layers with parallel.tp > 1 need parallel.sequence_parallel=true (each "
                       "tensor-parallel rank routes its own slice of the tokens)")

@@ -153,10 +153,13 @@ def test_expert_weights_are_slices_of_the_one_device_experts():
     (dict(model={"num_experts": 6}, parallel={"ep": 4}), 4, "not divisible by parallel.ep=4"),
     (dict(model={"num_experts": 4, "moe_topk": 5}), 1, "moe_topk=5"),
     (dict(model={"num_experts": 4}, parallel={"tp": 2}), 2, "need parallel.sequence_parallel=true"),
-    (dict(parallel={"ep": 2}), 2, "needs experts"),
+    (dict(parallel={"ep": 2}), 2, "parallel.ep=2 need experts"),
     (dict(model={"num_experts": 4, "moe_router_groups": 3}), 1, "moe_router_groups=3"),
     (dict(model={"num_experts": 4, "moe_first_dense_layers": 2}), 1, "no layer is a mixture of experts"),
-    (dict(model={"num_experts": 4}, parallel={"ep": 4, "pp": 2}), 4, "parallel.ep*parallel.pp=8"),
+    (dict(model={"num_experts": 4}, parallel={"ep": 4, "pp": 2}), 4, "parallel.etp*parallel.ep*parallel.pp=8"),
+    (dict(model={"num_experts": 4, "moe_ffn_hidden_size": 6}, parallel={"etp": 4}), 4,
+     "not divisible by parallel.etp=4"),
+    (dict(parallel={"etp": 2}), 2, "parallel.etp=2 need experts"),
 ])
 def test_moe_settings_are_checked(fields, world, message):
     with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace(".", r"\.")):

@@ -23,6 +23,10 @@ LAYOUTS = {
     "ep2 x edp2, distributed optimizer": ["--parallel.ep=2", "--parallel.distributed_optimizer=true"],
     "tp2 SP x ep2": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2"],
     "tp2 SP x ep4 (ep over tp x dp)": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=4"],
+    "tp2 SP x ep2 x etp2 (experts split like the dense MLP)": [
+        "--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2", "--parallel.etp=2"],
+    "etp4 (no ep)": ["--parallel.etp=4"],
+    "ep2 x etp2, all-gather dispatcher": ["--parallel.ep=2", "--parallel.etp=2", "--parallel.moe_dispatcher=allgather"],
     "pp2 (vp2) x ep2": ["--parallel.pp=2", "--parallel.vp=2", "--parallel.ep=2"],
     "cp2 x ep2": ["--parallel.cp=2", "--parallel.ep=2"],
     "ep2, ZeRO-3": ["--parallel.ep=2", "--parallel.zero_stage=3"],
@@ -35,6 +39,7 @@ SAVED = ["--parallel.ep=4", "--parallel.distributed_optimizer=true", "--checkpoi
 RESUMED = {
     "ep2 x edp2, distributed optimizer": ["--parallel.ep=2", "--parallel.distributed_optimizer=true"],
     "ep1 (every rank holds every expert)": [],
+    "ep2 x etp2": ["--parallel.ep=2", "--parallel.etp=2"],
     "tp2 SP x ep2, ZeRO-2": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2",
                               "--parallel.zero_stage=2"],
 }

@@ -1,7 +1,7 @@
 """What the model's layers know of the parallel layout, handed to them as one object.
 
 The model is written once, for every layout: its layers ask this context for the group, rank and size of
-the axes they split along (tensor parallelism, context parallelism, expert parallelism on the expert grid),
+the axes they split along (tensor and context parallelism; expert and expert-tensor parallelism on the expert grid),
 the ranks that share one micro batch's tokens (a router's load counts span them), whether sequence
 parallelism is on, and which RNG stream their dropout draws from. Nothing else of the topology reaches the
 model, and a model built without one (`ParallelContext()`) is the one-device model.
@@ -35,6 +35,8 @@ class ParallelContext:
     cp_comm: str = "p2p"  # how context-parallel attention sees the other ranks' keys and values
     rng: RNGTracker | None = None
     ep: AxisView = field(default_factory=AxisView)  # expert parallelism (the expert grid's ep axis)
+    etp: AxisView = field(default_factory=AxisView)  # expert tensor parallelism (its etp axis)
+    ep_etp: AxisView = field(default_factory=AxisView)  # the etp x ep ranks that together hold every expert
     tokens: AxisView = field(default_factory=AxisView)  # ranks holding parts of one micro batch (tp under SP, cp)
     expert_dispatcher: str = "alltoall"  # how tokens reach their experts' ranks (parallel.moe_dispatcher)
 
@@ -42,16 +44,19 @@ class ParallelContext:
     def from_topology(cls, topology: Topology, sequence_parallel: bool, seed: int,
                       cp_comm: str = "p2p", expert_dispatcher: str = "alltoall") -> ParallelContext:
         """`sequence_parallel`: ParallelConfig.sequence_parallel_active (asked for, and tp > 1)."""
-        ep = AxisView()
+        ep = etp = ep_etp = AxisView()
         if "expert" in topology.grids:
-            ep = AxisView(topology.group("ep", grid="expert"), topology.coord("ep", grid="expert"), topology.ep)
+            ep, etp, ep_etp = (AxisView(topology.group(*axes, grid="expert"), topology.coord(*axes, grid="expert"),
+                                        topology.size(*axes, grid="expert")) for axes in (("ep",), ("etp",),
+                                                                                          ("etp", "ep")))
         token_axes = (("tp",) if sequence_parallel else ()) + (("cp",) if topology.cp > 1 else ())
         tokens = AxisView()
         if token_axes:
             tokens = AxisView(topology.group(*token_axes), topology.coord(*token_axes), topology.size(*token_axes))
         return cls(AxisView(topology.tp_group, topology.tp_rank, topology.tp),
                    AxisView(topology.cp_group, topology.cp_rank, topology.cp), sequence_parallel, cp_comm,
-                   model_parallel_tracker(seed, topology.tp_rank, topology.device), ep, tokens, expert_dispatcher)
+                   model_parallel_tracker(seed, topology.tp_rank, topology.device), ep, etp, ep_etp,
+                   tokens, expert_dispatcher)
 
     @classmethod
     def tensor_parallel(cls, group: dist.ProcessGroup | None, rank: int, size: int,

@@ -14,6 +14,9 @@ Expert parallelism, along the token dim of [tokens, hidden]:
   all_to_all        all-to-all    / all-to-all, splits swapped (tokens to their experts' ranks and back)
   gather_from_ep    all-gather    / reduce-scatter (the all-gather dispatcher: every rank's tokens)
   reduce_scatter_to_ep reduce-scatter / all-gather (its combine: each rank's tokens, summed over experts)
+  gather_rows_v     all-gather    / reduce-scatter, uneven row counts (rows for the experts' tensor-parallel
+                                    ranks; padded to the largest, so every backend and NCCL's rules allow it)
+  reduce_scatter_rows_v reduce-scatter / all-gather, uneven (the experts' partial outputs back to their rows)
 The linear layers' matmuls, and the sequence-parallel all-gather inside them, are in gemm.py.
 With a group of one every function is the identity, so tp=1 pays nothing.
 
@@ -143,6 +146,48 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all_rows(grad, ctx.group, *ctx.splits), None, None, None
 
 
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))]) if rows > x.shape[0] else x
+
+
+def gather_rows_uneven(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
+    """Every rank's rows, sizes[r] of them from rank r, in rank order."""
+    most = max(sizes)
+    out = x.new_empty((len(sizes) * most, *x.shape[1:]))
+    all_gather_single(out, _pad_rows(x, most).contiguous(), group)
+    return torch.cat([out[r * most:r * most + n] for r, n in enumerate(sizes)])
+
+
+def reduce_scatter_rows_uneven(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:
+    """Rows sizes[r] (in order) summed over the group onto rank r."""
+    most = max(sizes)
+    out = x.new_empty((most, *x.shape[1:]))
+    reduce_scatter_single(out, torch.cat([_pad_rows(part, most) for part in x.split(sizes)]).contiguous(), group)
+    return out[:sizes[dist.get_rank(group)]]
+
+
+class _GatherRowsV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return gather_rows_uneven(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_rows_uneven(grad, ctx.group, ctx.sizes), None, None
+
+
+class _ReduceScatterRowsV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return reduce_scatter_rows_uneven(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_rows_uneven(grad, ctx.group, ctx.sizes), None, None
+
+
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -213,3 +258,11 @@ def gather_from_ep(x: torch.Tensor, group: Group | None) -> torch.Tensor:
 
 def reduce_scatter_to_ep(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     return x if _trivial(group) else _ReduceScatterToSP.apply(x, group)
+
+
+def gather_rows_v(x: torch.Tensor, group: Group | None, sizes: list[int]) -> torch.Tensor:
+    return x if _trivial(group) else _GatherRowsV.apply(x, group, sizes)
+
+
+def reduce_scatter_rows_v(x: torch.Tensor, group: Group | None, sizes: list[int]) -> torch.Tensor:
+    return x if _trivial(group) else _ReduceScatterRowsV.apply(x, group, sizes)

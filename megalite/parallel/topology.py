@@ -316,7 +316,7 @@ class Topology:
                     experts: bool = False) -> Topology:
         """The topology `parallel` asks for, on a process group that already exists."""
         return cls(rank, world_size, device, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep,
-                   experts=experts, timeout_minutes=parallel.timeout_minutes)
+                   etp=parallel.etp, experts=experts, timeout_minutes=parallel.timeout_minutes)
 
     @classmethod
     def from_environment(cls, device_preference: str = "auto", parallel: ParallelConfig | None = None,

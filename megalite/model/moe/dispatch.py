@@ -5,10 +5,12 @@ in token order on every layout), run through the experts, and added back into th
 the router (fp32 sums, k rows per token in expert order). Between the two, the rows travel:
 
 - `AllToAll` (the default): each rank sends every row to the rank holding its expert, in one all-to-all over
-  the expert-parallel group with uneven splits; the received rows (grouped by source rank, then expert) are
-  regrouped by expert for the grouped GEMM, and everything runs backwards on the way home. The split sizes
-  must be known on the host: one read of the device per layer per forward (the expert counts of every rank,
-  exchanged first in a small all-to-all); backward reuses them.
+  the expert-parallel group with uneven splits; under expert tensor parallelism the ranks sharing those
+  experts' matrices then gather each other's rows (uneven too). The received rows (grouped by etp rank,
+  source rank, then expert) are regrouped by expert for the grouped GEMM, and everything runs backwards on
+  the way home (the etp ranks' partial outputs summed by a reduce-scatter). The split sizes must be known on
+  the host: one read of the device per layer per forward (the expert counts of every rank, exchanged first
+  in a small all-to-all and all-gather); backward reuses them.
 - `AllGather`: every rank gathers all tokens and choices of the group, runs its experts on the rows routed to
   them, and a reduce-scatter sums each token's rows back to its rank. No host read at all (the grouped GEMM
   takes its offsets on the device); each rank moves every token of the group, so it suits small ep.
@@ -24,8 +26,15 @@ import torch
 import torch.distributed as dist
 
 from megalite.model.moe.router import Routing
-from megalite.parallel.context import AxisView
-from megalite.parallel.mappings import all_to_all, gather_from_ep, reduce_scatter_to_ep
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.mappings import (
+    all_gather_single,
+    all_to_all,
+    gather_from_ep,
+    gather_rows_v,
+    reduce_scatter_rows_v,
+    reduce_scatter_to_ep,
+)
 
 
 @dataclass
@@ -53,48 +62,59 @@ class Sorted:
 
 
 class AllToAll:
-    def __init__(self, ep: AxisView, num_experts: int) -> None:
-        self.ep, self.num_experts = ep, num_experts
-        self.local = num_experts // ep.size
+    def __init__(self, ctx: ParallelContext, num_experts: int) -> None:
+        self.ep, self.etp, self.num_experts = ctx.ep, ctx.etp, num_experts
+        self.local = num_experts // ctx.ep.size
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """tokens [T, hidden] -> (rows for this rank's experts grouped by expert, rows per local expert, state)."""
         pairs = Sorted.of(routing.experts, routing.weights, self.num_experts)
         rows = pairs.rows(tokens)
-        if self.ep.size == 1:
+        if self.ep.size == 1 and self.etp.size == 1:
             return rows, pairs.counts, (pairs, tokens.shape[0], None)
-        ep, local = self.ep.size, self.local
-        received = torch.empty_like(pairs.counts)
-        dist.all_to_all_single(received, pairs.counts, group=self.ep.group)  # [source rank, local expert]
+        ep, etp, local = self.ep.size, self.etp.size, self.local
+        received = pairs.counts  # rows this rank gets: [source rank, local expert]
+        if ep > 1:
+            received = torch.empty_like(pairs.counts)
+            dist.all_to_all_single(received, pairs.counts, group=self.ep.group)
         received = received.view(ep, local)
-        splits = torch.stack([pairs.counts.view(ep, local).sum(1), received.sum(1)]).tolist()  # the host read
-        sent, got = splits
-        rows = all_to_all(rows, self.ep.group, got, sent)
-        expert = torch.arange(local, device=rows.device).repeat(ep)
-        regroup = expert.repeat_interleave(received.reshape(-1), output_size=sum(got)).argsort(stable=True)
-        return rows.index_select(0, regroup), received.sum(0), (pairs, tokens.shape[0], (regroup, sent, got))
+        blocks = received.view(1, ep, local)
+        if etp > 1:  # and the rows of the ranks sharing these experts' matrices: [etp rank, source rank, expert]
+            gathered = received.new_empty((etp * ep, local))
+            all_gather_single(gathered, received.contiguous(), self.etp.group)
+            blocks = gathered.view(etp, ep, local)
+        sizes = torch.cat([pairs.counts.view(ep, local).sum(1), received.sum(1), blocks.sum((1, 2))]).tolist()
+        sent, got, shared = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]  # the one host read
+        rows = gather_rows_v(all_to_all(rows, self.ep.group, got, sent), self.etp.group, shared)
+        expert = torch.arange(local, device=rows.device).repeat(etp * ep)
+        regroup = expert.repeat_interleave(blocks.reshape(-1), output_size=sum(shared)).argsort(stable=True)
+        travel = (regroup, sent, got, shared)
+        return rows.index_select(0, regroup), blocks.sum((0, 1)), (pairs, tokens.shape[0], travel)
 
     def combine(self, rows: torch.Tensor, state: tuple) -> torch.Tensor:
         pairs, num_tokens, travel = state
         if travel is not None:
-            regroup, sent, got = travel
+            regroup, sent, got, shared = travel
             back = torch.empty_like(regroup).scatter_(0, regroup, torch.arange(len(regroup), device=rows.device))
-            rows = all_to_all(rows.index_select(0, back), self.ep.group, sent, got)
+            rows = reduce_scatter_rows_v(rows.index_select(0, back), self.etp.group, shared)
+            rows = all_to_all(rows, self.ep.group, sent, got)
         return pairs.combine(rows, num_tokens)
 
 
 class AllGather:
-    def __init__(self, ep: AxisView, num_experts: int) -> None:
-        self.ep, self.num_experts = ep, num_experts
-        self.local = num_experts // ep.size
+    def __init__(self, ctx: ParallelContext, num_experts: int) -> None:
+        self.ep, self.group, self.num_experts = ctx.ep, ctx.ep_etp, num_experts
+        self.local = num_experts // ctx.ep.size
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        tokens = gather_from_ep(tokens, self.ep.group)
-        weights = gather_from_ep(routing.weights, self.ep.group)
+        """Every rank of the etp x ep group gathers all their tokens; expert tensor-parallel ranks compute
+        partial sums of the same rows, which the combine's reduce-scatter adds up with the other experts'."""
+        tokens = gather_from_ep(tokens, self.group.group)
+        weights = gather_from_ep(routing.weights, self.group.group)
         experts = routing.experts
-        if self.ep.size > 1:
-            experts = routing.experts.new_empty((self.ep.size * experts.shape[0], experts.shape[1]))
-            dist.all_gather_into_tensor(experts, routing.experts.contiguous(), group=self.ep.group)
+        if self.group.size > 1:
+            experts = routing.experts.new_empty((self.group.size * experts.shape[0], experts.shape[1]))
+            all_gather_single(experts, routing.experts.contiguous(), self.group.group)
         # This rank's experts first (ids shifted to 0..local-1), the others after them: the grouped GEMM runs
         # only the rows its offsets cover and leaves the others undefined, so they are masked out both ways
         # (a select, not a product: an undefined row may hold a NaN).
@@ -107,7 +127,7 @@ class AllGather:
     def combine(self, rows: torch.Tensor, state: tuple) -> torch.Tensor:
         pairs, num_tokens, mine = state
         rows = torch.where(mine, rows, 0.0)
-        return reduce_scatter_to_ep(pairs.combine(rows, num_tokens), self.ep.group)
+        return reduce_scatter_to_ep(pairs.combine(rows, num_tokens), self.group.group)
 
 
 DISPATCHERS = {"alltoall": AllToAll, "allgather": AllGather}

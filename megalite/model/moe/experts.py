@@ -5,6 +5,8 @@ Weights are stored as linear layers store theirs, [experts, out, in] (transforme
 Qwen3-MoE's experts fused the same way: gate_up_proj [E, 2I, H], down_proj [E, H, I]); a gated MLP's fc1
 holds the gate rows, then the up rows. They live on the expert grid, split by expert over ep: each rank holds
 num_experts/ep consecutive experts, and their gradients are reduced over the expert-data-parallel ranks.
+Under expert tensor parallelism (etp) each expert's MLP is split as a dense one is over tp: fc1's output
+features (gate and up each) and fc2's input features, so the output is a partial sum over the etp ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.placement import Placement
+from megalite.parallel.placement import Placement, ShardSpec
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -40,12 +42,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 
 class ExpertLinear(nn.Module):
-    """One projection of this rank's experts: weight [local experts, out, in]."""
+    """One projection of this rank's experts: weight [local experts, out, in], split over etp along `dim` (1:
+    output features in `blocks` blocks, 2: input features)."""
 
-    def __init__(self, experts: int, in_features: int, out_features: int) -> None:
+    def __init__(self, experts: int, in_features: int, out_features: int, dim: int, blocks: int = 1) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
-        self.placements = {"weight": Placement.split("ep", 0, grid="expert")}
+        self.placements = {"weight": Placement((("ep", ShardSpec(0)), ("etp", ShardSpec(dim, blocks))), "expert")}
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return grouped_linear(x, self.weight, offsets)
@@ -56,9 +59,9 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gated = cfg.features.gated_mlp
         self.local = cfg.num_experts // ctx.ep.size
-        width = cfg.expert_ffn_size
-        self.linear_fc1 = ExpertLinear(self.local, cfg.hidden_size, (2 if self.gated else 1) * width)
-        self.linear_fc2 = ExpertLinear(self.local, width, cfg.hidden_size)
+        width, blocks = cfg.expert_ffn_size // ctx.etp.size, 2 if self.gated else 1
+        self.linear_fc1 = ExpertLinear(self.local, cfg.hidden_size, blocks * width, dim=1, blocks=blocks)
+        self.linear_fc2 = ExpertLinear(self.local, width, cfg.hidden_size, dim=2)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden] grouped by local expert, `counts` [local experts] tokens each (on the device)."""
