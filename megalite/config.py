@@ -106,6 +106,15 @@ class ModelConfig:
     moe_z_loss_coeff: float = _f(0.0, "router z-loss: mean squared logsumexp of the router logits (0: off)")
     moe_shared_expert_size: int = _f(0, "width of an always-on shared expert MLP next to the routed ones (0: none)")
     moe_shared_expert_gate: bool = _f(False, "scale the shared expert's output by a sigmoid gate (Qwen2-MoE)")
+    moe_capacity_factor: float | None = _f(
+        None, "each expert takes at most factor * tokens * k / experts of a rank's (token, choice) pairs per micro "
+              "batch, the rest dropped (their weight lost; the residual and shared expert still carry the token); "
+              "none: dropless")
+    moe_drop_policy: Literal["probs", "position"] = _f(
+        "probs", "with a capacity, which pairs an expert keeps: the highest router weights, or the first tokens")
+    moe_pad_to_capacity: bool = _f(
+        False, "with a capacity, give every expert exactly its capacity (zero-weight padding): the all-to-all's "
+               "sizes are then known in advance, with no read of the device")
     moe_first_dense_layers: int = _f(0, "the first this many layers keep a dense MLP (DeepSeek-V3: 3)")
     moe_layer_freq: int = _f(1, "after the first dense layers, every this-many-th layer is a mixture of experts")
 

@@ -87,6 +87,13 @@ def _check_moe(cfg: Config, world_size: int) -> list[str]:
                  "moe_first_dense_layers"):
         if getattr(m, name) < 0:
             errors.append(f"model.{name}={getattr(m, name)} must be >= 0")
+    if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:
+        errors.append(f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 (or unset: dropless)")
+    if m.moe_capacity_factor is not None and p.moe_dispatcher != "alltoall":
+        errors.append("model.moe_capacity_factor needs parallel.moe_dispatcher=alltoall (each rank drops from its "
+                      "own tokens before they travel)")
+    if m.moe_pad_to_capacity and m.moe_capacity_factor is None:
+        errors.append("model.moe_pad_to_capacity=true needs a model.moe_capacity_factor")
     if m.moe_layer_freq < 1:
         errors.append(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
     if m.moe_shared_expert_size % p.tp:

@@ -13,9 +13,18 @@ from conftest import tiny_config
 from megalite.config import ConfigError, ModelConfig
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
+from megalite.model.moe.dispatch import Sorted
 from megalite.model.moe.experts import grouped_linear
 from megalite.model.moe.layer import MoELayer
-from megalite.model.moe.router import choose, expert_counts, route, sequence_loss, switch_loss, z_loss
+from megalite.model.moe.router import (
+    capacity,
+    choose,
+    expert_counts,
+    route,
+    sequence_loss,
+    switch_loss,
+    z_loss,
+)
 from megalite.parallel.context import AxisView, ParallelContext
 
 
@@ -97,6 +106,27 @@ def test_grouped_gemm_equals_the_loop_over_experts(dtype):
     torch.testing.assert_close(w.grad, wr.grad, **tol)
 
 
+# Tokens 0..3, k=1: experts 0, 0, 0, 1 with weights .2, .9, .5, .7; expert 0 over a capacity of 2.
+CHOSEN, WEIGHTS = torch.tensor([[0], [0], [0], [1]]), torch.tensor([[0.2], [0.9], [0.5], [0.7]])
+
+
+@pytest.mark.parametrize("by_weight, kept", [(True, [1, 2, 3]), (False, [0, 1, 3])])
+def test_capacity_keeps_the_heaviest_or_the_first_pairs(by_weight, kept):
+    pairs = Sorted.within_capacity(CHOSEN, WEIGHTS, 2, capacity=2, by_weight=by_weight, pad=False)
+    assert sorted(pairs.token.tolist()) == kept and pairs.counts.tolist() == [2, 1]
+    assert pairs.token.tolist()[2] == 3  # expert 1's row after expert 0's
+
+
+def test_padding_to_capacity_gives_every_expert_exactly_its_capacity_in_zero_weight_rows():
+    pairs = Sorted.within_capacity(CHOSEN, WEIGHTS, 2, capacity=2, by_weight=True, pad=True)
+    assert pairs.counts.tolist() == [2, 2]
+    assert pairs.token.tolist() == [1, 2, 3, 0] and pairs.weight.tolist() == pytest.approx([0.9, 0.5, 0.7, 0.0])
+
+
+def test_capacity_is_the_factor_of_an_even_share():
+    assert capacity(moe_config(moe_capacity_factor=1.25), tokens=10) == math.ceil(1.25 * 10 * 2 / 4)
+
+
 def _loop_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     """The layer computed token by token, expert by expert: what the sorting and grouping must equal."""
     tokens = x.reshape(-1, x.shape[-1])
@@ -160,6 +190,9 @@ def test_expert_weights_are_slices_of_the_one_device_experts():
     (dict(model={"num_experts": 4, "moe_ffn_hidden_size": 6}, parallel={"etp": 4}), 4,
      "not divisible by parallel.etp=4"),
     (dict(parallel={"etp": 2}), 2, "parallel.etp=2 need experts"),
+    (dict(model={"num_experts": 4, "moe_pad_to_capacity": True}), 1, "needs a model.moe_capacity_factor"),
+    (dict(model={"num_experts": 4, "moe_capacity_factor": 1.0}, parallel={"moe_dispatcher": "allgather"}), 1,
+     "needs parallel.moe_dispatcher=alltoall"),
 ])
 def test_moe_settings_are_checked(fields, world, message):
     with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace(".", r"\.")):

@@ -33,6 +33,14 @@ LAYOUTS = {
     "ep4, all-gather dispatcher": ["--parallel.ep=4", "--parallel.moe_dispatcher=allgather"],
     "ep2, full recompute": ["--parallel.ep=2", "--train.recompute=full"],
 }
+# With an expert capacity each rank drops from its own tokens: at layouts that do not split a micro batch's
+# tokens (ep, etp, dp, pp) the drops are one device's.
+CAPACITY = ["--model.moe_capacity_factor=0.75"]
+CAPACITY_LAYOUTS = {
+    "ep4, capacity 0.75, dropping the lowest weights": ["--parallel.ep=4"],
+    "ep2 x etp2, capacity 0.75 padded (no host read)": ["--parallel.ep=2", "--parallel.etp=2",
+                                                         "--model.moe_pad_to_capacity=true"],
+}
 # A run saved at ep 4 (step 3 of 5) resumed at other expert layouts: steps 4 and 5 as if never stopped.
 SAVED = ["--parallel.ep=4", "--parallel.distributed_optimizer=true", "--checkpoint.save={root}/ep4",
          "--train.exit_interval=3"]
@@ -57,23 +65,26 @@ def _runs(rank: int, world_size: int, root: str, layouts: dict[str, list[str]]) 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    layouts = LAYOUTS | {"saved": SAVED} | {
-        f"resumed at {name}": [*extra, "--checkpoint.load={root}/ep4"] for name, extra in RESUMED.items()}
-    run_ranks(1, _runs, str(root), {"one device": []})
+    layouts = LAYOUTS | {name: [*CAPACITY, *extra] for name, extra in CAPACITY_LAYOUTS.items()} | {
+        "saved": SAVED} | {f"resumed at {name}": [*extra, "--checkpoint.load={root}/ep4"]
+                           for name, extra in RESUMED.items()}
+    references = {"one device": [], "one device, capacity 0.75": CAPACITY}
+    run_ranks(1, _runs, str(root), references)
     run_ranks(4, _runs, str(root), layouts)
     return {name: metrics(root / f"run4-{i}.jsonl") for i, name in enumerate(layouts)} | {
-        "one device": metrics(root / "run1-0.jsonl")}
+        name: metrics(root / f"run1-{i}.jsonl") for i, name in enumerate(references)}
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS) + sorted(CAPACITY_LAYOUTS))
 def test_expert_parallel_layout_equals_one_device(runs, layout):
-    reference, records = runs["one device"], runs[layout]
+    reference, records = runs["one device, capacity 0.75" if layout in CAPACITY_LAYOUTS else "one device"], runs[layout]
     assert len(records) == len(reference) == 5
     assert all(r["grad_norm"] > 0.5 for r in reference), "clipping must be active"
     for mine, one in zip(records, reference):
         assert mine["loss"] == pytest.approx(one["loss"], rel=1e-5)
         assert mine["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
-        assert {k: mine[k] for k in ROUTING_FIGURES} == pytest.approx({k: one[k] for k in ROUTING_FIGURES}, rel=1e-5)
+        figures = [*ROUTING_FIGURES, *(["moe_dropped_fraction"] if layout in CAPACITY_LAYOUTS else [])]
+        assert {k: mine[k] for k in figures} == pytest.approx({k: one[k] for k in figures}, rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", sorted(RESUMED))
@@ -85,3 +96,8 @@ def test_a_run_saved_at_ep4_resumes_at_another_expert_layout(runs, layout):
     for mine, one in zip(records, reference):
         assert mine["loss"] == pytest.approx(one["loss"], rel=1e-5)
         assert mine["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+
+
+def test_a_capacity_drops_pairs_and_says_how_many(runs):
+    assert all(0.0 < r["moe_dropped_fraction"] < 0.5 for r in runs["one device, capacity 0.75"])
+    assert "moe_dropped_fraction" not in runs["one device"][0]

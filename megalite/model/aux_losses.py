@@ -40,6 +40,7 @@ class AuxLosses:
         self.scale = torch.ones(())
         self.totals: dict[str, torch.Tensor] = {}
         self.loads: dict[int, torch.Tensor] = {}  # layer index -> tokens routed to each expert this step
+        self.dropped: torch.Tensor | None = None  # pairs the experts' capacity dropped this step
         self.replaying_forward = False
 
     def attach(self, name: str, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -52,10 +53,13 @@ class AuxLosses:
             return output
         return _Attached.apply(output, loss, self.scale)
 
-    def record_load(self, layer: int, counts: torch.Tensor) -> None:
-        """Layer `layer` routed `counts` of this rank's (token, choice) pairs to each expert."""
+    def record_load(self, layer: int, counts: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
+        """Layer `layer` routed `counts` of this rank's (token, choice) pairs to each expert, and its experts'
+        capacity dropped `dropped` of them."""
         if not self.replaying_forward:
             self.loads[layer] = _added(self.loads.get(layer), counts.detach().float())
+            if dropped is not None:
+                self.dropped = _added(self.dropped, dropped.detach().float())
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
@@ -70,7 +74,7 @@ class AuxLosses:
         """A new step: its terms get gradient `scale` each (filled on `device`, not copied from the host), and
         the totals and loads start from zero."""
         self.scale = torch.full((), scale, dtype=torch.float32, device=device)
-        self.totals, self.loads = {}, {}
+        self.totals, self.loads, self.dropped = {}, {}, None
 
 
 def _added(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

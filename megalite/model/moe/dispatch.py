@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite.model.moe.router import Routing
+from megalite.config import ModelConfig
+from megalite.model.moe.router import Routing, capacity
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.mappings import (
     all_gather_single,
@@ -52,6 +53,24 @@ class Sorted:
         counts = torch.bincount(flat, minlength=num_experts)
         return cls(order // experts.shape[-1], weights.reshape(-1)[order], counts)
 
+    @classmethod
+    def within_capacity(cls, experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int,
+                        by_weight: bool, pad: bool) -> Sorted:
+        """The pairs each expert keeps, at most `capacity`: those of the highest weight (`by_weight`) or the first
+        tokens. `pad`: exactly `capacity` rows per expert, the missing ones zero-weight rows of token 0, so the
+        sizes are known without reading the device; else the kept rows only (one read, to select them)."""
+        k, flat, w = experts.shape[-1], experts.reshape(-1), weights.reshape(-1)
+        first = (-w.detach()).argsort(stable=True) if by_weight else torch.arange(len(flat), device=flat.device)
+        order = first[flat[first].argsort(stable=True)]  # by expert, then by priority
+        counts = torch.bincount(flat, minlength=num_experts)
+        slot = torch.arange(capacity, device=flat.device)
+        kept = slot < counts[:, None]  # [experts, capacity]
+        source = order[((counts.cumsum(0) - counts)[:, None] + slot).clamp(max=len(order) - 1)]
+        token, weight = torch.where(kept, source // k, 0), torch.where(kept, w[source], 0.0)
+        if pad:
+            return cls(token.reshape(-1), weight.reshape(-1), torch.full_like(counts, capacity))
+        return cls(token[kept], weight[kept], counts.clamp(max=capacity))
+
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens.index_select(0, self.token)
 
@@ -62,29 +81,44 @@ class Sorted:
 
 
 class AllToAll:
-    def __init__(self, ctx: ParallelContext, num_experts: int) -> None:
-        self.ep, self.etp, self.num_experts = ctx.ep, ctx.etp, num_experts
-        self.local = num_experts // ctx.ep.size
+    def __init__(self, ctx: ParallelContext, cfg: ModelConfig) -> None:
+        self.ep, self.etp, self.cfg, self.num_experts = ctx.ep, ctx.etp, cfg, cfg.num_experts
+        self.local = cfg.num_experts // ctx.ep.size
+
+    def _sorted(self, routing: Routing) -> Sorted:
+        cfg = self.cfg
+        if cfg.moe_capacity_factor is None:
+            return Sorted.of(routing.experts, routing.weights, self.num_experts)
+        return Sorted.within_capacity(routing.experts, routing.weights, self.num_experts,
+                                      capacity(cfg, routing.experts.shape[0]), cfg.moe_drop_policy == "probs",
+                                      cfg.moe_pad_to_capacity)
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """tokens [T, hidden] -> (rows for this rank's experts grouped by expert, rows per local expert, state)."""
-        pairs = Sorted.of(routing.experts, routing.weights, self.num_experts)
+        pairs = self._sorted(routing)
         rows = pairs.rows(tokens)
         if self.ep.size == 1 and self.etp.size == 1:
             return rows, pairs.counts, (pairs, tokens.shape[0], None)
         ep, etp, local = self.ep.size, self.etp.size, self.local
-        received = pairs.counts  # rows this rank gets: [source rank, local expert]
-        if ep > 1:
-            received = torch.empty_like(pairs.counts)
-            dist.all_to_all_single(received, pairs.counts, group=self.ep.group)
-        received = received.view(ep, local)
-        blocks = received.view(1, ep, local)
-        if etp > 1:  # and the rows of the ranks sharing these experts' matrices: [etp rank, source rank, expert]
-            gathered = received.new_empty((etp * ep, local))
-            all_gather_single(gathered, received.contiguous(), self.etp.group)
-            blocks = gathered.view(etp, ep, local)
-        sizes = torch.cat([pairs.counts.view(ep, local).sum(1), received.sum(1), blocks.sum((1, 2))]).tolist()
-        sent, got, shared = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]  # the one host read
+        if self.cfg.moe_pad_to_capacity:  # every expert gets `capacity` rows from every rank: nothing to exchange
+            each = capacity(self.cfg, tokens.shape[0])
+            received = torch.full((ep, local), each, dtype=pairs.counts.dtype, device=rows.device)
+            blocks = received.expand(etp, ep, local)
+            sent = got = [each * local] * ep
+            shared = [each * local * ep] * etp
+        else:
+            received = pairs.counts  # rows this rank gets: [source rank, local expert]
+            if ep > 1:
+                received = torch.empty_like(pairs.counts)
+                dist.all_to_all_single(received, pairs.counts, group=self.ep.group)
+            received = received.view(ep, local)
+            blocks = received.view(1, ep, local)
+            if etp > 1:  # and the rows of the ranks sharing these experts' matrices: [etp rank, source, expert]
+                gathered = received.new_empty((etp * ep, local))
+                all_gather_single(gathered, received.contiguous(), self.etp.group)
+                blocks = gathered.view(etp, ep, local)
+            sizes = torch.cat([pairs.counts.view(ep, local).sum(1), received.sum(1), blocks.sum((1, 2))]).tolist()
+            sent, got, shared = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]  # the one host read
         rows = gather_rows_v(all_to_all(rows, self.ep.group, got, sent), self.etp.group, shared)
         expert = torch.arange(local, device=rows.device).repeat(etp * ep)
         regroup = expert.repeat_interleave(blocks.reshape(-1), output_size=sum(shared)).argsort(stable=True)
@@ -102,9 +136,9 @@ class AllToAll:
 
 
 class AllGather:
-    def __init__(self, ctx: ParallelContext, num_experts: int) -> None:
-        self.ep, self.group, self.num_experts = ctx.ep, ctx.ep_etp, num_experts
-        self.local = num_experts // ctx.ep.size
+    def __init__(self, ctx: ParallelContext, cfg: ModelConfig) -> None:
+        self.ep, self.group, self.num_experts = ctx.ep, ctx.ep_etp, cfg.num_experts
+        self.local = cfg.num_experts // ctx.ep.size
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """Every rank of the etp x ep group gathers all their tokens; expert tensor-parallel ranks compute

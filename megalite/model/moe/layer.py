@@ -27,7 +27,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.router = Router(cfg, ctx, aux_losses, layer)
         self.experts = GroupedExperts(cfg, ctx)
-        self.dispatcher = DISPATCHERS[ctx.expert_dispatcher](ctx, cfg.num_experts)
+        self.dispatcher = DISPATCHERS[ctx.expert_dispatcher](ctx, cfg)
         self.shared_expert = MLP(cfg, ctx, cfg.moe_shared_expert_size) if cfg.moe_shared_expert_size else None
         self.shared_expert_gate = None
         if cfg.moe_shared_expert_size and cfg.moe_shared_expert_gate:

@@ -17,6 +17,7 @@ gradient is partial over tp under SP, so summed over tp). Over cp the gradients 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,11 @@ def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = No
     if cfg.moe_norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return Routing(experts, weights * cfg.moe_scaling_factor, scores)
+
+
+def capacity(cfg: ModelConfig, tokens: int) -> int:
+    """How many (token, choice) pairs each expert keeps of a rank's `tokens` tokens (moe_capacity_factor)."""
+    return math.ceil(cfg.moe_capacity_factor * tokens * cfg.moe_topk / cfg.num_experts)
 
 
 def balance_probabilities(routing: Routing, cfg: ModelConfig) -> torch.Tensor:
@@ -124,7 +130,11 @@ class Router(nn.Module):
         routing = route(logits, self.cfg)
         if not self.training:
             return routing
-        self.aux_losses.record_load(self.layer, expert_counts(routing.experts, self.cfg.num_experts))
+        counts = expert_counts(routing.experts, self.cfg.num_experts)
+        dropped = None
+        if self.cfg.moe_capacity_factor is not None:
+            dropped = (counts - counts.clamp(max=capacity(self.cfg, seq * batch))).sum()
+        self.aux_losses.record_load(self.layer, counts, dropped)
         weights = self._balancing(routing, logits, seq, batch)
         return Routing(routing.experts, weights, routing.scores)
 
