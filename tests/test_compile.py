@@ -31,6 +31,8 @@ def _eager_and_compiled(rank: int, world_size: int, layout: list[str]) -> tuple[
     ["--model.family=gpt2", "--parallel.pp=2"],
     ["--model.family=gpt2", "--parallel.distributed_optimizer=true", "--parallel.overlap_param_gather=true"],
     ["--model.family=llama", "--model.num_query_groups=2", "--parallel.zero_stage=3"],
+    ["--model.family=llama", "--model.num_experts=4", "--model.moe_ffn_hidden_size=32", "--parallel.ep=2",
+     "--model.moe_aux_loss_coeff=0.01"],
 ])
 def test_compiled_layers_train_like_eager(layout):
     """Inductor fuses the layers' elementwise work and may reorder float sums, so compiled and eager steps

@@ -327,3 +327,22 @@ def test_context_parallel_flash_blocks_match_sdpa_in_bf16(monkeypatch):
     for rank, p in enumerate(positions):
         for index, name in enumerate(("dk", "dv")):
             assert _relative_error(dkv[rank, index], expected[name].index_select(2, p)) < 2e-2, (rank, name)
+
+
+def test_grouped_gemm_runs_the_cuda_kernel_in_bf16_and_equals_the_loop():
+    """bf16 operands with 16-byte rows take torch._grouped_mm's CUDA kernel (uneven groups, one empty);
+    fp32 ones fall back to the loop over experts. Both equal per-expert matmuls."""
+    from megalite.model.moe.experts import grouped_kernel_takes, grouped_linear
+
+    counts = torch.tensor([300, 0, 517, 9], device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(int(counts.sum()), 256, device=DEVICE, generator=gen).to(dtype).requires_grad_()
+        w = torch.randn(4, 128, 256, device=DEVICE, generator=gen).requires_grad_()
+        assert grouped_kernel_takes(x, w.to(dtype)) == (dtype == torch.bfloat16)
+        y = grouped_linear(x, w, counts.cumsum(0).to(torch.int32))
+        y.float().square().sum().backward()
+        parts = x.detach().float().split(counts.tolist())
+        loop = torch.cat([part @ w.detach()[e].to(dtype).float().t() for e, part in enumerate(parts)])
+        assert _relative_error(y.float(), loop) < 2e-2, dtype
+        assert x.grad is not None and w.grad is not None

@@ -14,7 +14,7 @@ from megalite.config import ConfigError, ModelConfig
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.model.moe.dispatch import Sorted
-from megalite.model.moe.experts import grouped_linear
+from megalite.model.moe.experts import grouped_kernel_takes, grouped_linear
 from megalite.model.moe.layer import MoELayer
 from megalite.model.moe.router import (
     capacity,
@@ -125,6 +125,14 @@ def test_padding_to_capacity_gives_every_expert_exactly_its_capacity_in_zero_wei
 
 def test_capacity_is_the_factor_of_an_even_share():
     assert capacity(moe_config(moe_capacity_factor=1.25), tokens=10) == math.ceil(1.25 * 10 * 2 / 4)
+
+
+def test_bf16_rows_not_a_multiple_of_16_bytes_fall_back_to_the_loop():
+    counts = torch.tensor([2, 3])
+    x, w = torch.randn(5, 12).bfloat16(), torch.randn(2, 4, 12)
+    assert not grouped_kernel_takes(x, w.bfloat16())
+    expected = torch.cat([F.linear(x[:2], w[0].bfloat16()), F.linear(x[2:], w[1].bfloat16())])
+    torch.testing.assert_close(grouped_linear(x, w, counts.cumsum(0).to(torch.int32)), expected)
 
 
 def _loop_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:

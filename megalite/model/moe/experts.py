@@ -33,12 +33,34 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def grouped_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these operands. On CUDA it takes bf16 only, with every row a multiple of
+    16 bytes (8 elements: the hidden size and the experts' width), as its checks in torch/_meta_registrations.py
+    (`_meta_grouped_mm_common`, mirroring aten/src/ATen/native/cuda/Blas.cpp) say; the group sizes need no
+    alignment. On the CPU every float dtype runs (bf16 with the same 16-byte rows)."""
+    rows_aligned = x.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and rows_aligned
+    return x.dtype != torch.bfloat16 or rows_aligned
+
+
+@torch.compiler.disable
+def _eager_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Outside torch.compile: the compiler checks every grouped GEMM against the CUDA kernel's rules (bf16 only)."""
+    return torch._grouped_mm(x, weight, offs=offs)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows offsets[e-1]:offsets[e] of x [tokens, in] times weight[e] [out, in]^T, for every expert e, in x's
     dtype (the weights are cast as autocast would cast a linear layer's). `offsets` [experts] int32 are the
-    cumulative token counts, on the device: no host read."""
-    out = torch._grouped_mm(x, weight.to(x.dtype).transpose(-2, -1), offs=offsets)
-    return _ContiguousGrad.apply(out)
+    cumulative token counts, on the device: no host read when the grouped kernel takes the operands; otherwise
+    a loop over the experts reads them once."""
+    weight = weight.to(x.dtype)
+    if not grouped_kernel_takes(x, weight):
+        sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+        return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(x.split(sizes))])
+    matmul = torch._grouped_mm if x.dtype == torch.bfloat16 else _eager_grouped_mm
+    return _ContiguousGrad.apply(matmul(x, weight.transpose(-2, -1), offs=offsets))
 
 
 class ExpertLinear(nn.Module):
