@@ -104,6 +104,10 @@ class ModelConfig:
     moe_aux_loss_coeff: float = _f(0.0, "switch-transformer load-balancing loss per micro batch (0: off)")
     moe_seq_aux_loss_coeff: float = _f(0.0, "sequence-level load-balancing loss (DeepSeek-V3; 0: off)")
     moe_z_loss_coeff: float = _f(0.0, "router z-loss: mean squared logsumexp of the router logits (0: off)")
+    moe_expert_bias: bool = _f(
+        False, "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores to choose experts "
+               "(never to weigh them), moved after each step towards the experts that got fewer tokens")
+    moe_bias_update_rate: float = _f(1e-3, "how far each step moves the expert bias (DeepSeek-V3's gamma)")
     moe_shared_expert_size: int = _f(0, "width of an always-on shared expert MLP next to the routed ones (0: none)")
     moe_shared_expert_gate: bool = _f(False, "scale the shared expert's output by a sigmoid gate (Qwen2-MoE)")
     moe_capacity_factor: float | None = _f(

@@ -84,7 +84,7 @@ def _check_moe(cfg: Config, world_size: int) -> list[str]:
         errors.append(f"model.moe_router_group_topk={chosen} must be between 1 and min(model.moe_topk, "
                       f"model.moe_router_groups) and leave at least moe_topk={m.moe_topk} experts to choose from")
     for name in ("moe_aux_loss_coeff", "moe_seq_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_size",
-                 "moe_first_dense_layers"):
+                 "moe_first_dense_layers", "moe_bias_update_rate"):
         if getattr(m, name) < 0:
             errors.append(f"model.{name}={getattr(m, name)} must be >= 0")
     if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:

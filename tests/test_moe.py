@@ -66,6 +66,23 @@ def test_group_limited_routing_chooses_only_inside_the_best_groups():
     assert choose(scores, 2, groups=2, group_topk=1).tolist() == [[0, 1]]
 
 
+def test_the_expert_bias_chooses_but_never_weighs():
+    bias = torch.tensor([0.0, 0.0, 5.0, 0.0])  # pushes expert 2 into every token's choice
+    plain, biased = route(LOGITS, moe_config()), route(LOGITS, moe_config(), bias)
+    assert biased.experts.tolist() == [[2, 0], [2, 1]]
+    chosen = LOGITS.softmax(-1).gather(1, biased.experts)
+    torch.testing.assert_close(biased.weights, chosen / chosen.sum(-1, keepdim=True))
+    assert not torch.equal(plain.experts, biased.experts)
+
+
+def test_the_bias_moves_towards_the_experts_below_the_mean_load():
+    model = GPTModel(moe_config(moe_expert_bias=True, moe_bias_update_rate=0.1), torch.device("cpu"), seed=0)
+    router = model.layers["0"].mlp.router
+    assert router.expert_bias.tolist() == [0.0] * 4 and "layers.0.mlp.router.expert_bias" in model.state_dict()
+    router.adjust_bias(torch.tensor([10.0, 2.0, 4.0, 0.0]))  # mean 4
+    assert router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.1])
+
+
 def test_switch_loss_is_one_coefficient_at_perfect_balance_and_by_hand_otherwise():
     probs = torch.full((4, 4), 0.25)
     counts = torch.full((4,), 2.0)  # 4 tokens x 2 choices spread evenly

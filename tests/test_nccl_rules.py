@@ -141,7 +141,8 @@ RUNS = {
     "llama MoE tp2 x pp2 (vp2) x dp2, SP, ep2 x etp2 (all-to-all and uneven all-gathers), ZeRO-1, bf16":
         ["--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--model.num_experts=8",
          "--model.moe_topk=2", "--model.moe_ffn_hidden_size=16", "--model.moe_first_dense_layers=1",
-         "--model.moe_aux_loss_coeff=0.01", "--model.moe_shared_expert_size=16", "--parallel.ep=2", "--parallel.etp=2",
+         "--model.moe_aux_loss_coeff=0.01", "--model.moe_shared_expert_size=16", "--model.moe_expert_bias=true",
+         "--parallel.ep=2", "--parallel.etp=2",
          "--parallel.tp=2", "--parallel.pp=2", "--parallel.vp=2", "--parallel.sequence_parallel=true",
          "--parallel.distributed_optimizer=true", "--train.precision=bf16", "--train.param_dtype=bf16",
          "--train.global_batch_size=8", "--parallel.bucket_size=2000"],

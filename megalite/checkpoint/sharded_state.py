@@ -12,7 +12,9 @@ and range (reader.py), so tp, pp, vp, dp and the distributed optimizer may all d
 save and load. Which rank writes which element is the placement's `counted` rule: each once.
 
 Kinds of piece per parameter: `model` (in the parameter's dtype), `main_param` (fp32 main
-weights when parameters are bf16/fp16), Adam's `exp_avg`, `exp_avg_sq` and `step`.
+weights when parameters are bf16/fp16), Adam's `exp_avg`, `exp_avg_sq` and `step`. The model's persistent
+buffers (a router's expert bias: state that training moves without gradients) are `model` pieces too, whole,
+written once by the first rank along every axis (they are replicated, like an undeclared parameter).
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class ShardedState:
         self.params = [(n, copies.get(n, n), p) for n, p in model.named_parameters()]
         self.entries = [Entry(m.name, copies.get(m.name, m.name), m.param, m.main, m.weights, order[id(m.main)],
                               m.start, m.end, placements[m.name]) for m in optimizer.shards()]
+        persistent = model.state_dict().keys()
+        self.buffers = {name: buffer for name, buffer in model.named_buffers() if name in persistent}
 
     def _global_shape(self, local: str, param: nn.Parameter) -> list[int]:
         placement = self.placements[local]
@@ -114,6 +118,9 @@ class ShardedState:
                     add(kind, state[kind])
             if "step" in state and e.lo == 0 and not any(split[2] for split in where or []):  # one per parameter
                 add("step", torch.as_tensor(state["step"], dtype=torch.float32), 0, 1, [1], None)
+        if Placement().counted(self.topology.axes(), False, self.topology.placement_coord()):
+            out += [(Piece(name, "model", list(b.shape), None, 0, b.numel()), b.detach().reshape(-1))
+                    for name, b in self.buffers.items()]
         return out
 
     def load(self, reader: CheckpointReader, load_optimizer: bool = True) -> bool:
@@ -127,6 +134,10 @@ class ShardedState:
             values = reader.read_part(e.stored, "model", target) if values is None else values
             e.main.data.copy_(values.view_as(e.main))
             e.weights.copy_(values)
+        for name, buffer in self.buffers.items():  # a checkpoint without one (an HF model's) keeps the initial value
+            values = reader.read_part(name, "model", Target(tuple(buffer.shape), (), 0, buffer.numel()))
+            if values is not None:
+                buffer.copy_(values.view_as(buffer))
         if not load_optimizer or not reader.kinds() & {*MOMENTS, "step"}:
             return False
         state: dict[int, dict[str, torch.Tensor]] = {}

@@ -39,8 +39,11 @@ def initial_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> 
 def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, placements: dict[str, Placement], coord: Coord,
                     tied_copies: dict[str, str]) -> None:
     """Fill every parameter with this rank's slice (its placement's) of the full initial value; a tied copy
-    ({copy name: original name}) takes the value of the one-device parameter it copies."""
+    ({copy name: original name}) takes the value of the one-device parameter it copies. Buffers (a router's
+    expert bias) start at zero."""
     for local_name, param in model.named_parameters():
         placement, name = placements[local_name], tied_copies.get(local_name, local_name)
         full = initial_value(name, torch.Size(placement.global_shape(param.shape, coord)), seed, cfg)
         param.copy_(placement.local(full, coord))
+    for buffer in model.buffers():
+        buffer.zero_()

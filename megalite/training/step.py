@@ -33,6 +33,7 @@ from megalite.config import TORCH_DTYPES
 from megalite.data.batches import Batch
 from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.schedules import ForwardStep, run_schedule
+from megalite.training.expert_bias import update_expert_biases
 
 if TYPE_CHECKING:
     from megalite.training.build import Trainer
@@ -130,6 +131,8 @@ def train_step(trainer: Trainer, batches: list[Batch]) -> StepResult:
     forward_step = microbatch_forward(trainer, batches, scaled_loss)
     run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace,
                  grads.start_sync)
+    if trainer.cfg.model.moe_expert_bias:
+        update_expert_biases(trainer.model, t)
     grads.reduce(optimizer.grads_landed)
     optimizer.collect_grads()
     tokens = sum(b.loss_mask.sum(dtype=torch.float64) for b in batches).reshape(1)  # exact beyond 2^24 tokens

@@ -121,13 +121,21 @@ class Router(nn.Module):
         super().__init__()
         self.cfg, self.ctx, self.aux_losses, self.layer = cfg, ctx, aux_losses, layer
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # State, not a parameter: no gradient, moved by `adjust_bias`; checkpointed; starts at zero (model/init.py).
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts) if cfg.moe_expert_bias else None)
+
+    @torch.no_grad()
+    def adjust_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's update from the step's tokens per expert over every rank: up for the experts below
+        the mean, down for those above."""
+        self.expert_bias += self.cfg.moe_bias_update_rate * torch.sign(load.mean() - load)
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [seq (local), batch, hidden] -> the routing of its tokens, flattened seq-major."""
         seq, batch, _ = x.shape
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.weight.float())
-        routing = route(logits, self.cfg)
+        routing = route(logits, self.cfg, self.expert_bias)
         if not self.training:
             return routing
         counts = expert_counts(routing.experts, self.cfg.num_experts)
