@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import cpu_topology, run_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite.parallel import topology as topology_module
 from megalite.parallel.timeouts import collective_timeout_message
@@ -178,7 +179,23 @@ def test_checkpoint_host_copies_reuse_their_buffers(tmp_path, monkeypatch):
     assert {**first.losses, **resumed.losses} == straight.losses
 
 
-def _host_reads(rank: int, world_size: int, precision: str, parallel: dict) -> int:
+class _DataDependentShapes(TorchDispatchMode):
+    """Counts the ops whose output size depends on tensor values (a boolean mask's selection, nonzero): on a GPU
+    each waits for the device, like a read."""
+
+    def __init__(self, reads: list[str]) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masked = func is torch.ops.aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if masked or func in (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _host_reads(rank: int, world_size: int, precision: str, parallel: dict, model: dict | None = None) -> int:
     """How many times one training step reads a tensor's value on the host (each would stall a GPU)."""
     from conftest import tiny_config
 
@@ -186,7 +203,7 @@ def _host_reads(rank: int, world_size: int, precision: str, parallel: dict) -> i
     from megalite.training.build import build_trainer
     from megalite.training.step import train_step
 
-    cfg = tiny_config(train={"precision": precision}, parallel=parallel)
+    cfg = tiny_config(train={"precision": precision}, parallel=parallel, model=model or {})
     topology = cpu_topology(rank, world_size, cfg)
     with build_trainer(cfg, topology) as trainer:
         batches = mock_batches(cfg, cfg.num_microbatches(2), seed=0)
@@ -197,7 +214,8 @@ def _host_reads(rank: int, world_size: int, precision: str, parallel: dict) -> i
         for name, original in originals.items():
             setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
         try:
-            result = train_step(trainer, batches)
+            with _DataDependentShapes(reads):
+                result = train_step(trainer, batches)
         finally:
             for name, original in originals.items():
                 setattr(torch.Tensor, name, original)
@@ -216,6 +234,22 @@ def test_a_training_step_never_reads_the_device_on_the_host(precision, parallel)
     norm skips the update inside the fused AdamW kernel: no host read in a bf16 or fp32 step (fp16 alone
     votes on overflows)."""
     assert run_ranks(2, _host_reads, precision, parallel) == [0, 0]
+
+
+MOE = {"num_experts": 4, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01}
+
+
+@pytest.mark.parametrize("parallel, model, reads", [
+    ({"ep": 2}, MOE, 2),  # dropless all-to-all: the split sizes, once per MoE layer (2) per micro batch (1)
+    ({"ep": 2}, {**MOE, "moe_capacity_factor": 1.0, "moe_pad_to_capacity": True}, 0),
+    ({"ep": 2, "moe_dispatcher": "allgather"}, MOE, 0),
+    ({}, {**MOE, "moe_expert_bias": True}, 0),  # ep 1: the grouped GEMM takes its offsets on the device
+])
+def test_host_reads_of_a_mixture_of_experts_step(parallel, model, reads):
+    """The dropless all-to-all must know its split sizes on the host: one read per MoE layer per forward (a
+    stall of the host, not of the device work queued before it); padding to a capacity or the all-gather
+    dispatcher need none, nor does ep 1."""
+    assert run_ranks(2, _host_reads, "bf16", parallel, model) == [reads, reads]
 
 
 class _FakeEvent:
