@@ -25,7 +25,9 @@ from megalite.model.moe.router import (
     switch_loss,
     z_loss,
 )
+from megalite.model.recompute import apply_recompute
 from megalite.parallel.context import AxisView, ParallelContext
+from megalite.planning.measure import saved_storages
 
 
 def moe_config(**fields) -> ModelConfig:
@@ -186,6 +188,24 @@ def test_balancing_losses_reach_the_router_and_are_counted():
     layer.router.weight.grad = None
     layer(torch.randn(8, 2, cfg.hidden_size)).sum().backward()
     assert not torch.allclose(with_terms, layer.router.weight.grad)
+
+
+def test_selective_recompute_drops_the_experts_activation_and_keeps_the_gradients():
+    cfg = moe_config()
+    grads, saved = [], []
+    for mode in ("none", "selective"):
+        model = GPTModel(cfg, torch.device("cpu"), seed=3)
+        apply_recompute(model, mode)
+        experts = model.layers["0"].mlp.experts
+        rows, counts = torch.randn(10, cfg.hidden_size), torch.tensor([4, 0, 5, 1])
+        with saved_storages(experts) as seen:
+            out = experts(rows, counts)
+        out.square().sum().backward()
+        saved.append(sum(seen.values()))
+        grads.append([p.grad for p in experts.parameters()])
+    assert saved[0] - saved[1] == 2 * 10 * cfg.expert_ffn_size * 4  # silu(gate) and the activation, fp32 rows
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(plain, recomputed, rtol=0, atol=0)
 
 
 def test_first_dense_layers_and_the_layer_frequency_pick_the_moe_layers():
