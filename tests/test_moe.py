@@ -193,11 +193,11 @@ def test_balancing_losses_reach_the_router_and_are_counted():
 def test_selective_recompute_drops_the_experts_activation_and_keeps_the_gradients():
     cfg = moe_config()
     grads, saved = [], []
+    rows, counts = torch.randn(10, cfg.hidden_size), torch.tensor([4, 0, 5, 1])
     for mode in ("none", "selective"):
         model = GPTModel(cfg, torch.device("cpu"), seed=3)
         apply_recompute(model, mode)
         experts = model.layers["0"].mlp.experts
-        rows, counts = torch.randn(10, cfg.hidden_size), torch.tensor([4, 0, 5, 1])
         with saved_storages(experts) as seen:
             out = experts(rows, counts)
         out.square().sum().backward()
