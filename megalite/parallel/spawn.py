@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megalite.parallel.topology import release_process_groups
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -37,7 +39,7 @@ def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Call
         if rank == 0:  # a file, not a pipe: a large result would block the writer until the parent reads
             Path(out).write_bytes(pickle.dumps(gathered))
     finally:
-        dist.destroy_process_group()
+        release_process_groups()
 
 
 def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, threads: int | None = 1) -> list[Any]:

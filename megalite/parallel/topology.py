@@ -7,6 +7,7 @@ only module that touches CUDA device selection; everything else asks `topology.d
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
@@ -326,6 +327,15 @@ class Topology:
         device = pick_device(device_preference, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(device, parallel.timeout_minutes)
         return cls.from_config(dist.get_rank(), dist.get_world_size(), device, parallel, experts)
+
+
+def release_process_groups() -> None:
+    """Destroy every process group while the interpreter is fully alive. What holds groups in reference cycles
+    (a trainer, its topology) is collected first, so each gloo group's worker threads are joined now: joined
+    during interpreter shutdown instead, releasing a tensor they still hold aborts the process (SIGABRT,
+    "terminate called without an active exception"), now and then, after a run that succeeded."""
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def synchronize(device: torch.device) -> None:

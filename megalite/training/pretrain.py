@@ -24,7 +24,7 @@ from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import MicroBatches, micro_batches
 from megalite.parallel.schedules import Trace
 from megalite.parallel.timeouts import collective_timeout_message
-from megalite.parallel.topology import Topology, peak_memory, synchronize
+from megalite.parallel.topology import Topology, peak_memory, release_process_groups, synchronize
 from megalite.training.build import build_trainer
 from megalite.training.evaluate import evaluate
 from megalite.training.flops import peak_tflops, training_flops_per_token
@@ -333,7 +333,8 @@ def pretrain(cfg: Config) -> RunResult:
         return result
     finally:
         if created:
-            dist.destroy_process_group()
+            run = topology = None  # nothing of the run may hold a group once they are destroyed
+            release_process_groups()
 
 
 @contextlib.contextmanager
