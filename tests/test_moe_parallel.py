@@ -32,6 +32,10 @@ LAYOUTS = {
     "pp2 (vp2) x ep2": ["--parallel.pp=2", "--parallel.vp=2", "--parallel.ep=2"],
     "cp2 x ep2": ["--parallel.cp=2", "--parallel.ep=2"],
     "ep2, ZeRO-3": ["--parallel.ep=2", "--parallel.zero_stage=3"],
+    "ep4, ZeRO-3 (experts whole: edp 1)": ["--parallel.ep=4", "--parallel.zero_stage=3"],
+    "tp4 SP, ZeRO-3 (only the experts sharded: dp 1, edp 4)": ["--parallel.tp=4", "--parallel.sequence_parallel=true",
+                                                                "--parallel.zero_stage=3"],
+    "pp2 (vp2) x edp2 (an expert and a dense buffer per chunk)": ["--parallel.pp=2", "--parallel.vp=2"],
     "ep4, all-gather dispatcher": ["--parallel.ep=4", "--parallel.moe_dispatcher=allgather"],
     "ep2, full recompute": ["--parallel.ep=2", "--train.recompute=full"],
 }

@@ -60,14 +60,16 @@ class DataParallelGrads:
         self.tied = [p for n, p in named if n in tied]
         held = frozenset(id(p) for p in self.tied)
         grid_of = {id(p): placements[n].grid for n, p in named}
-        self.buffers = []
+        self.buffers, self.chunk_buffers = [], []  # every buffer; each chunk's (one per grid)
         for params in chunks:
+            self.chunk_buffers.append([])
             for grid in dict.fromkeys(grid_of[id(p)] for p in params):
                 axes = DATA_AXES[grid]
-                self.buffers.append(GradBuffer(
+                self.chunk_buffers[-1].append(GradBuffer(
                     [p for p in params if grid_of[id(p)] == grid], cfg.bucket_size, topology.group(*axes, grid=grid),
                     topology.size(*axes, grid=grid), topology.coord(*axes, grid=grid), cfg.zero,
                     cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype], units))
+                self.buffers.append(self.chunk_buffers[-1][-1])
         self.waits: list[tuple[Mark, Mark]] = []
 
     def zero(self) -> None:
@@ -87,8 +89,9 @@ class DataParallelGrads:
         return sum(seconds(start, end) for start, end in self.waits)
 
     def start_sync(self, chunk: int) -> None:
-        """The next backward is chunk `chunk`'s last of the step: reduce its buckets as they fill."""
-        self.buffers[chunk].start_sync()
+        """The next backward is chunk `chunk`'s last of the step: reduce its buckets (of every grid) as they fill."""
+        for buffer in self.chunk_buffers[chunk]:
+            buffer.start_sync()
 
     def reduce(self, landed: Callable[[Bucket], None] | None = None) -> None:
         """Every gradient final: summed over the embedding group, reduced over the data axes (each rank's own

@@ -16,7 +16,7 @@ from megalite.parallel.distributed_optimizer import DistributedOptimizer
 from megalite.parallel.pipeline import Pipeline
 from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.topology import Topology
-from megalite.parallel.zero import GatherUnits, unit_index
+from megalite.parallel.zero import GatherUnits, ShardedParameters, unit_index
 from megalite.training.loss_scaler import LossScaler
 
 
@@ -33,7 +33,7 @@ class Trainer:
     optimizer: DistributedOptimizer
     scaler: LossScaler
     pipeline: Pipeline
-    sharded_params: GatherUnits | None = None  # ZeRO-3 with more than one replica
+    sharded_params: GatherUnits | None = None  # ZeRO-3 where a grid has more than one data-parallel replica
 
     def sharded_state(self) -> ShardedState:
         """The checkpoint's view of the model and optimizer state this rank holds."""
@@ -82,7 +82,8 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     modules = model.chunk_modules()
     units = unit_index(modules) if p.zero >= 3 else None
     grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, placements, tied, units)
-    sharded = GatherUnits(modules, grads.buffers) if p.zero >= 3 and topology.dp_cp > 1 else None
+    stage3 = any(isinstance(buffer.strategy, ShardedParameters) for buffer in grads.buffers)
+    sharded = GatherUnits(modules, grads.buffers) if stage3 else None
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
                                      p.overlap_param_gather, placements)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)

@@ -120,6 +120,9 @@ class GatherUnits:
     module may read parameters of another chunk's buffer (the LM head the tied embedding)."""
 
     def __init__(self, chunks: list[list[tuple[nn.Module, list[nn.Parameter]]]], buffers: list) -> None:
+        # Only buffers whose parameters are sharded take part: a grid with one data-parallel replica (the experts'
+        # at edp 1, the dense ones at dp x cp 1) keeps its parameters whole, always present.
+        buffers = [buffer for buffer in buffers if isinstance(buffer.strategy, ShardedParameters)]
         self.gathered: dict[int, GatheredBucket] = {}
         self.states = {id(b): GatheredBucket(b, buffer.strategy) for buffer in buffers for b in buffer.layout.buckets}
         where = {param: self.states[id(b)] for buffer in buffers for param, b in buffer.layout.bucket_of.items()}
@@ -130,7 +133,7 @@ class GatherUnits:
             for module, params in modules:
                 unit = Unit(module)
                 for param in params:
-                    if where[id(param)] not in unit.buckets:
+                    if id(param) in where and where[id(param)] not in unit.buckets:
                         unit.buckets.append(where[id(param)])
                 units.append(unit)
             self.units.append(units)
