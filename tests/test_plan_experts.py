@@ -208,10 +208,11 @@ def test_moe_lines_in_the_plan():
     text = format_plan(make_plan(cfg, 8))
     assert f"{active_parameters(cfg.model) / 1e9:.3f} B active per token" in text
     assert "mixture of experts: 3 of 4 layers, 8 experts 48 wide, top 2, shared expert 32 wide" in text
-    assert "ep 4 (2 experts per rank) x edp 2; all-to-all dispatch of 128 rows per rank per layer" in text
+    assert "; ep 4 x edp 2 (2 experts per GPU" in text
+    assert "expert dispatch: all-to-all, 128 rows per GPU per layer per micro batch" in text
     forward, backward = comm_bytes(cfg, 64)
-    assert f"{forward / 2**20:.1f} MiB sent per rank (forward)" in text
-    assert "of which experts" in text and "sharded over edp 2 where the dense parts' is over dp x cp 8" in text
+    assert f"{forward / 2**20:.1f} MiB sent per GPU per layer (forward), {backward / 2**20:.1f} MiB" in text
+    assert "the experts' " in text and "replicated over edp 2, the dense parts over dp x cp 8" in text
     dense = moe_config(model={"num_experts": 0})
     validate(dense, 2)
     assert not {"active", "experts"} & set(format_plan(make_plan(dense, 2)).replace(",", " ").split())

@@ -82,18 +82,20 @@ def comm_bytes(cfg: Config, tokens: int) -> tuple[int, int]:
     return forward, backward + (forward if cfg.train.recompute == "full" else 0)
 
 
-def describe(cfg: Config, tokens: int, layers: int, replicas: int) -> str:
-    """The plan's line for mixture-of-experts layers: `layers` of them, `tokens` routed per rank and micro batch,
-    expert state sharded over `replicas` (edp) ranks at ZeRO stage 1 and above."""
+def describe(cfg: Config, tokens: int, layers: int, replicas: int) -> list[str]:
+    """The plan's lines for mixture-of-experts layers: `layers` of them, `tokens` routed per rank and micro batch,
+    the experts' state sharded over `replicas` (edp) ranks."""
     m, p = cfg.model, cfg.parallel
+    local = m.num_experts // p.ep
     shared = f", shared expert {m.moe_shared_expert_size} wide" if m.moe_shared_expert_size else ""
-    line = (f"mixture of experts: {layers} of {m.num_layers} layers, {m.num_experts} experts "
-            f"{m.expert_ffn_size} wide, top {m.moe_topk}{shared}; ep {p.ep} ({m.num_experts // p.ep} experts per "
-            f"rank) x edp {replicas}; {DISPATCHER_NAMES[p.moe_dispatcher]} dispatch of "
-            f"{routed_rows(cfg, tokens)} rows per rank per layer per micro batch")
-    if p.ep == 1:
-        return line
-    forward, backward = comm_bytes(cfg, tokens)
-    recomputed = ", layer forward recomputed" if cfg.train.recompute == "full" else ""
-    return line + (f": {forward / 2**20:.1f} MiB sent per rank (forward), "
-                   f"{backward / 2**20:.1f} MiB (backward{recomputed})")
+    lines = [f"mixture of experts: {layers} of {m.num_layers} layers, {m.num_experts} experts {m.expert_ffn_size} "
+             f"wide, top {m.moe_topk}{shared}; ep {p.ep} x edp {replicas} ({local} expert{'s' if local > 1 else ''} "
+             f"per GPU, their gradients reduced over the {replicas} edp ranks)"]
+    line = (f"expert dispatch: {DISPATCHER_NAMES[p.moe_dispatcher]}, {routed_rows(cfg, tokens)} rows per GPU per layer "
+            f"per micro batch (balanced routing)")
+    if p.ep > 1:
+        forward, backward = comm_bytes(cfg, tokens)
+        recomputed = ", layer forward recomputed" if cfg.train.recompute == "full" else ""
+        line += (f"; {forward / 2**20:.1f} MiB sent per GPU per layer (forward), "
+                 f"{backward / 2**20:.1f} MiB (backward{recomputed})")
+    return [*lines, line]

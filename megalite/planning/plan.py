@@ -128,11 +128,11 @@ def _gathered(plan: Plan) -> str:
 
 
 def _moe_lines(plan: Plan) -> list[str]:
-    """The mixture-of-experts line (layers, experts, ep x edp, dispatch traffic), or none for a dense model."""
+    """The mixture-of-experts lines (layers, experts, ep x edp, dispatch traffic), or none for a dense model."""
     m = plan.cfg.model
     if not m.num_experts:
         return []
-    return [describe_moe(plan.cfg, token_rows(plan.cfg)[1], moe_layers(m), plan.expert_replicas)]
+    return describe_moe(plan.cfg, token_rows(plan.cfg)[1], moe_layers(m), plan.expert_replicas)
 
 
 def _parameter_line(plan: Plan) -> str:
@@ -146,8 +146,9 @@ def _expert_state(plan: Plan) -> list[str]:
     w = plan.worst
     if not plan.cfg.model.num_experts:
         return []
-    return [f"    of which experts {_gib(w.expert_state)} ({w.parameters.expert / 1e6:.1f} M parameters, state "
-            f"sharded over edp {plan.expert_replicas} where the dense parts' is over dp x cp {plan.replicas})"]
+    return [f"  of these four, the experts' {_gib(w.expert_state)} ({w.parameters.expert / 1e6:.1f} M parameters, "
+            f"replicated over edp {plan.expert_replicas}, the dense parts over dp x cp {plan.replicas}: "
+            "ZeRO shards over these)"]
 
 
 def format_plan(plan: Plan) -> str:
