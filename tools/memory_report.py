@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="parallel.sequence_parallel (mixture-of-experts layers need it at tp > 1)")
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel sizes, one layout each")
     p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                    help="train.param_dtype (bf16 also sets bf16 precision)")
@@ -96,8 +98,8 @@ def build_config(args: argparse.Namespace, dp: int, stage: int) -> Config:
     bucket = {"bucket_size": args.bucket_size} if args.bucket_size else {}
     return measurement_config(
         args.tp * args.pp * dp, args.config, model={**({} if args.config else DEFAULT_MODEL), **model_fields(args)},
-        parallel={"tp": args.tp, "pp": args.pp, "ep": args.ep, "zero_stage": stage, "distributed_optimizer": stage >= 1,
-                  **bucket},
+        parallel={"tp": args.tp, "pp": args.pp, "ep": args.ep, "sequence_parallel": args.sequence_parallel,
+                  "zero_stage": stage, "distributed_optimizer": stage >= 1, **bucket},
         train={"micro_batch_size": 1, "global_batch_size": dp * args.microbatches,
                **param_dtype_fields(args.param_dtype)},
         optim={"offload": "cpu" if args.offload else "none"})
