@@ -19,7 +19,7 @@ from megalite.parallel.zero import unit_index
 from megalite.planning.activations import Widths, moe_block_bytes, token_rows
 from megalite.planning.experts import comm_bytes
 from megalite.planning.measure import rank_memory, saved_storages
-from megalite.planning.memory import chunk_activation_bytes, gathered_bytes, replicas, stage_memory
+from megalite.planning.memory import chunk_activation_bytes, gathered_bytes, grid_replicas, stage_memory
 from megalite.planning.parameters import active_parameters, model_parameters, rank_parameters
 from megalite.planning.plan import format_plan, make_plan
 from megalite.training.build import build_model, build_trainer
@@ -74,9 +74,9 @@ def test_expert_state_is_sharded_over_edp():
     cfg = moe_config(parallel={"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True, "distributed_optimizer": True},
                      train={"precision": "bf16", "param_dtype": "bf16", "global_batch_size": 8})
     validate(cfg, 16)
-    assert replicas(cfg, 16) == {"dense": 4, "expert": 4}
+    assert grid_replicas(cfg, 16) == {"dense": 4, "expert": 4}
     cfg.parallel.ep = 8
-    assert replicas(cfg, 16) == {"dense": 4, "expert": 1}
+    assert grid_replicas(cfg, 16) == {"dense": 4, "expert": 1}
     stage = stage_memory(cfg, 16, 1)
     dense, experts = stage.parameters.by_grid["dense"], stage.parameters.expert
     assert stage.expert_state == experts * 18  # ZeRO-1 over one expert replica: nothing sharded

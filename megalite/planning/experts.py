@@ -43,19 +43,19 @@ def routed_bytes(cfg: Config, tokens: int, compute: int, fp32_parameters: bool) 
     m, p = cfg.model, cfg.parallel
     h, k, experts, width = m.hidden_size, m.moe_topk, m.num_experts, m.expert_ffn_size
     rows = routed_rows(cfg, tokens)
-    router = tokens * h * 4 + tokens * experts * 4 + tokens * k * 8
-    router += 0 if fp32_parameters else experts * h * 4
-    router += tokens * (k + 1) * 4 if m.moe_norm_topk_prob else 0
-    router += tokens * (experts + 1) * 4 if m.moe_z_loss_coeff else 0
-    sorting = 2 * rows * 8
+    router = tokens * h * 4 + tokens * experts * 4 + tokens * k * 8  # fp32 input, scores, chosen ids
+    router += 0 if fp32_parameters else experts * h * 4  # its weight cast to fp32
+    router += tokens * (k + 1) * 4 if m.moe_norm_topk_prob else 0  # chosen scores and their sums
+    router += tokens * (experts + 1) * 4 if m.moe_z_loss_coeff else 0  # logits and their logsumexp
+    sorting = 2 * rows * 8  # the expert order and each row's token
     if p.ep > 1:
         sorting += rows if p.moe_dispatcher == "allgather" else 2 * rows * 8  # mask / regrouping both ways
     gated = m.features.gated_mlp
     intermediates = 4 if gated else 2
     expert_rows = rows * h * compute + intermediates * rows * width * compute
-    if fp32_parameters and compute != 4:
+    if fp32_parameters and compute != 4:  # the grouped GEMM keeps its cast of the local experts' weights
         expert_rows += m.num_experts // p.ep * (3 if gated else 2) * h * width * compute
-    combine = 2 * rows * h * 4 + rows * 4
+    combine = 2 * rows * h * 4 + rows * 4  # rows as fp32, weighted, and their weights
     return router + sorting + expert_rows + combine
 
 

@@ -16,7 +16,7 @@ and moments (12 or 8 of those bytes, before dividing) off the device.
 
 Experts' weights live on the expert grid (placement.py): their gradients are reduced, and ZeRO shards
 them, over that grid's data axes, the expert-data-parallel ranks (edp = world / (ep x pp)), not over
-dp x cp. `replicas` reads which axes those are from placement.py DATA_AXES for each grid.
+dp x cp. `grid_replicas` reads which axes those are from placement.py DATA_AXES for each grid.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, 
     return weights, grads, numel * main / shards, numel * 8 / shards
 
 
-def replicas(cfg: Config, world_size: int) -> dict[str, int]:
+def grid_replicas(cfg: Config, world_size: int) -> dict[str, int]:
     """Per rank grid, how many ranks hold the same parameters and see different data: the sizes of the grid's
     data axes (placement.py DATA_AXES) in this layout. Dense: dp x cp; expert: edp = world / (ep x pp)."""
     p = cfg.parallel
@@ -82,7 +82,7 @@ def replicas(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 def grid_state_bytes(cfg: Config, params: Parameters, shards: dict[str, int]) -> dict[str, tuple[float, ...]]:
-    """`state_bytes` of each grid's parameters, sharded over that grid's `replicas`."""
+    """`state_bytes` of each grid's parameters, sharded over that grid's replicas (`shards`)."""
     return {grid: state_bytes(cfg, numel, shards[grid]) for grid, numel in params.by_grid.items()}
 
 
@@ -153,7 +153,7 @@ def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "
 
 def stage_memory(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> StageMemory:
     params = rank_parameters(cfg, pp_rank)
-    shards = replicas(cfg, world_size)
+    shards = grid_replicas(cfg, world_size)
     grids = grid_state_bytes(cfg, params, shards)
     state = [sum(parts) for parts in zip(*grids.values())]  # weights, gradients, main weights, optimizer
     activations, in_flight = peak_activations(cfg, world_size, pp_rank, device)

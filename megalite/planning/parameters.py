@@ -51,9 +51,9 @@ class Parameters:
 
 def _params(tp: int, sharded: list[int], replicated: list[int], expert: tuple[int, ...] = ()) -> Parameters:
     """One gather unit's parameters; `expert` are already this rank's (split over ep)."""
-    local = [n // tp for n in sharded] + list(expert)
-    return Parameters(sum(local) - sum(expert), sum(replicated), sum(expert), max(local + replicated, default=0),
-                      (sum(local + replicated),))
+    split = [n // tp for n in sharded]
+    local = split + replicated + list(expert)
+    return Parameters(sum(split), sum(replicated), sum(expert), max(local, default=0), (sum(local),))
 
 
 def _mlp(m: ModelConfig, width: int) -> tuple[list[int], list[int]]:
@@ -111,13 +111,12 @@ def head_parameters(m: ModelConfig, tp: int = 1, with_output_layer: bool = True)
 
 
 def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
-    """What one tensor-parallel rank of pipeline stage `pp_rank` holds (same for every tp rank)."""
-    m, p, stage = cfg.model, cfg.parallel, stage_layout(cfg, pp_rank)
-    tp = p.tp
+    """What one tensor- and expert-parallel rank of pipeline stage `pp_rank` holds (same for every such rank)."""
+    m, (tp, ep), stage = cfg.model, (cfg.parallel.tp, cfg.parallel.ep), stage_layout(cfg, pp_rank)
     total = embedding_parameters(m, tp) if stage.has_embedding else Parameters()
     for a, b in stage.chunks:
         for index in range(a, b):
-            total = total + layer_parameters(m, tp, index, p.ep)
+            total = total + layer_parameters(m, tp, index, ep)
     tied_head = m.tied and stage.has_embedding and stage.has_head
     if stage.has_head:
         total = total + head_parameters(m, tp, with_output_layer=not tied_head)

@@ -11,7 +11,7 @@ from megalite.config import Config
 from megalite.planning.activations import token_rows
 from megalite.planning.context_parallel import describe as describe_cp
 from megalite.planning.experts import describe as describe_moe
-from megalite.planning.memory import StageMemory, gathered_bytes, memory_per_stage, replicas
+from megalite.planning.memory import StageMemory, gathered_bytes, grid_replicas, memory_per_stage
 from megalite.planning.parameters import active_parameters, model_parameters, moe_layers
 from megalite.training.flops import PEAK_TFLOPS, training_flops_per_token
 
@@ -41,12 +41,12 @@ class Plan:
     @property
     def replicas(self) -> int:
         """Ranks holding the same weights, which ZeRO shards the model state over: dp x cp."""
-        return self.dp * self.cfg.parallel.cp
+        return grid_replicas(self.cfg, self.world_size)["dense"]
 
     @property
     def expert_replicas(self) -> int:
         """Ranks holding the same experts, which their state is sharded over: edp = world / (ep x pp)."""
-        return replicas(self.cfg, self.world_size)["expert"]
+        return grid_replicas(self.cfg, self.world_size)["expert"]
 
     @property
     def microbatches(self) -> int:
