@@ -12,7 +12,7 @@ import torch
 from megalite.config_cli import parse_config
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
-from megalite.planning.parameters import model_parameters, vocabulary_padding
+from megalite.planning.parameters import active_parameters, model_parameters, vocabulary_padding
 from megalite.planning.plan import make_plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -21,7 +21,8 @@ PLAN_LINE = re.compile(r"^# plan: python tools/plan.py --config (\S+) --world-si
 
 
 def test_every_size_has_an_example():
-    assert {"gpt2_125m", "gpt2_350m", "gpt2_1.3b", "llama_1b", "llama_8b", "llama_70b"} <= {p.stem for p in PLANNED}
+    assert {"gpt2_125m", "gpt2_350m", "gpt2_1.3b", "llama_1b", "llama_8b", "llama_70b", "mixtral_8x7b",
+            "qwen3_30b_a3b"} <= {p.stem for p in PLANNED}
 
 
 def test_tiny_cpu_example_validates_for_two_processes():
@@ -49,9 +50,13 @@ def build_on_meta(path: Path) -> GPTModel:
 
 
 # Published sizes: GPT-2 small 124,439,808 (Hugging Face's count, vocabulary 50257 unpadded), Llama-3.2-1B
-# 1.24B and Llama-3.1-8B 8.03B (model cards); the rest are the planner's own count.
+# 1.24B, Llama-3.1-8B 8.03B and Mixtral-8x7B 46.7B (model cards; Hugging Face's count 46,702,792,704);
+# the rest are the planner's own count. Qwen3-30B-A3B's shape differs from the published one (head_dim, see
+# its example).
 PUBLISHED = {"gpt2_125m": 124_439_808, "llama_1b": 1_235_814_400, "llama_8b": 8_030_261_248,
-             "llama_8b_zero3": 8_030_261_248, "llama_8b_128k": 8_030_261_248}
+             "llama_8b_zero3": 8_030_261_248, "llama_8b_128k": 8_030_261_248, "mixtral_8x7b": 46_702_792_704}
+# Parameters one token uses: Mixtral's 12.9B "active" (its two experts of eight, embeddings included).
+ACTIVE = {"mixtral_8x7b": 12_879_925_248}
 
 
 @pytest.mark.parametrize("path", PLANNED, ids=lambda p: p.stem)
@@ -67,3 +72,7 @@ def test_model_built_on_meta_has_the_published_size(path):
         assert built - vocabulary_padding(m) == PUBLISHED[path.stem]
     if path.stem == "gpt2_125m":
         assert built == 124_475_904
+    if path.stem in ACTIVE:
+        assert active_parameters(m) == ACTIVE[path.stem]
+    elif not m.num_experts:
+        assert active_parameters(m) == built

@@ -15,7 +15,12 @@ parameter freed after use, counts nothing):
     the 1/dp shard plus a few buckets, not a full buffer;
   - main weights: tensors the optimizer steps that do not share storage with a parameter;
   - optimizer state: every tensor in the optimizer's state (Adam's two moments and step counts).
-Bytes per parameter divides the rank's total by the parameters it holds.
+Bytes per parameter divides the rank's total by the parameters it holds; "expected" is the planner's figure
+for the same rank (megalite/planning/memory.py).
+
+Mixture-of-experts models (--experts, or a config with model.num_experts) hold num_experts/ep experts per rank
+(--ep), whose gradients are reduced and optimizer state sharded over edp = world / (ep x pp) ranks rather
+than dp: their bytes per parameter differ from the dense parts', and "expected" mixes the two as the rank does.
 
 Megatron-LM counts 18 bytes/param for bf16 parameters with fp32 main weights and grads
 (2 + 4 + 4 + 8), and 6 + 12/dp with the distributed optimizer (ZeRO-1): that is `--param-dtype
@@ -38,6 +43,7 @@ ZeRO-3 also holds whole parameters of the units being used (parallel/zero/stage3
     python tools/memory_report.py --param-dtype fp32
     python tools/memory_report.py --offload --dp 2 --zero-stage 1 2 3
     python tools/memory_report.py --tp 2 --pp 2 --dp 2 --zero-stage 1 --config examples/tiny_cpu.yaml
+    python tools/memory_report.py --experts 8 --topk 2 --expert-ffn 512 --ep 4 --dp 4 --zero-stage 1
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import argparse
 
 import torch
 
-from megalite.config import Config
+from megalite.config import Config, ModelConfig
 from megalite.parallel.spawn import run_on_ranks
 from megalite.planning.measure import (
     MEMORY_CATEGORIES,
@@ -56,21 +62,24 @@ from megalite.planning.measure import (
     param_dtype_fields,
     rank_memory,
 )
-from megalite.planning.memory import gathered_bytes, state_bytes
-from megalite.planning.parameters import rank_parameters
+from megalite.planning.memory import gathered_bytes, stage_memory
 
 # A GPT-2-shaped model of 29M parameters: 8 ranks of it (444 MiB of tensors each) fit easily in 24 GB.
 DEFAULT_MODEL = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 32000, "seq_length": 256}
-MODEL_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
+MODEL_FLAGS = ("layers", "hidden", "heads", "vocab", "seq", "experts", "topk", "expert_ffn")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (as pretrain_gpt.py takes); without it, a ~29M-parameter GPT-2 shape")
     for flag in MODEL_FLAGS:
-        p.add_argument(f"--{flag}", type=int, help=f"model.{MODEL_OPTIONS[flag]} (overrides the config)")
+        p.add_argument(f"--{flag.replace('_', '-')}", type=int,
+                       help=f"model.{MODEL_OPTIONS[flag]} (overrides the config)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="parallel.sequence_parallel (mixture-of-experts layers need it at tp > 1)")
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel sizes, one layout each")
     p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                    help="train.param_dtype (bf16 also sets bf16 precision)")
@@ -89,7 +98,8 @@ def build_config(args: argparse.Namespace, dp: int, stage: int) -> Config:
     bucket = {"bucket_size": args.bucket_size} if args.bucket_size else {}
     return measurement_config(
         args.tp * args.pp * dp, args.config, model={**({} if args.config else DEFAULT_MODEL), **model_fields(args)},
-        parallel={"tp": args.tp, "pp": args.pp, "zero_stage": stage, "distributed_optimizer": stage >= 1, **bucket},
+        parallel={"tp": args.tp, "pp": args.pp, "ep": args.ep, "sequence_parallel": args.sequence_parallel,
+                  "zero_stage": stage, "distributed_optimizer": stage >= 1, **bucket},
         train={"micro_batch_size": 1, "global_batch_size": dp * args.microbatches,
                **param_dtype_fields(args.param_dtype)},
         optim={"offload": "cpu" if args.offload else "none"})
@@ -109,23 +119,29 @@ def row(cfg: Config, dp: int, ranks: list[dict[str, int]]) -> str:
         return sum(r[c] for c in MEMORY_CATEGORIES if c not in on_host)
 
     worst = max(ranks, key=total)
-    expected = sum(state_bytes(cfg, 1, dp))  # the planner's accounting (megalite/planning/memory.py)
+    planned = stage_memory(cfg, len(ranks), worst["pp_rank"], "cpu")
+    expected = planned.state / planned.parameters.total  # the planner's accounting (megalite/planning/memory.py)
     columns = ["params", "grads", "grads_peak", "main", "state"]  # MEMORY_CATEGORIES and the peak beside grads
     mib = " | ".join(f"{worst[c] / 2**20:.1f}" for c in columns)
     spread = f"{min(map(total, ranks)) / 2**20:.1f}-{total(worst) / 2**20:.1f}"
-    planned = gathered_bytes(cfg, rank_parameters(cfg, worst["pp_rank"]), dp)[0]
-    gathered = (f"{worst['gathered'] / 2**20:.1f} | {planned / 2**20:.1f}" if cfg.parallel.zero >= 3 and dp > 1
+    planned_gather = gathered_bytes(cfg, planned.parameters, dp)[0]
+    gathered = (f"{worst['gathered'] / 2**20:.1f} | {planned_gather / 2**20:.1f}" if cfg.parallel.zero >= 3 and dp > 1
                 else "- | -")
     return (f"| {dp} | {cfg.parallel.zero} | {worst['rank']} | {worst['numel'] / 1e6:.2f}M | {mib} "
             f"| {total(worst) / 2**20:.1f} | {spread} | {total(worst) / worst['numel']:.3f} | {expected:.3g} "
             f"| {gathered} | {(sum(worst[c] for c in on_host) + worst['host_grads']) / 2**20:.1f} |")
 
 
+def _experts(m: ModelConfig) -> str:
+    return f", {m.num_experts} experts (top {m.moe_topk}, {m.expert_ffn_size} wide)" if m.num_experts else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     m = build_config(args, args.dp[0], args.zero_stage[0]).model
     print(f"{m.family}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
-          f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}; tp={args.tp} pp={args.pp}; "
+          f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}{_experts(m)}; "
+          f"tp={args.tp} pp={args.pp} ep={args.ep}; "
           f"{args.param_dtype} parameters; optimizer offload {'cpu' if args.offload else 'none'}; "
           f"torch {torch.__version__}")
     print("| dp | ZeRO stage | rank shown | parameters held | params MiB | grads MiB | grads MiB at peak "

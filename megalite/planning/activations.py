@@ -14,7 +14,8 @@ Sizes: s = seq_length, b = micro_batch_size, tokens = s*b/cp (context parallelis
 seq/cp tokens of every sample, and every term here is per token: flash attention is linear in s);
 a tensor inside the tensor-parallel region has its heads / MLP width divided by tp; under sequence
 parallelism, norms and the residual stream hold tokens/tp rows. What allgather attention keeps
-instead of the local K/V (the whole sequence's): planning/context_parallel.py.
+instead of the local K/V (the whole sequence's): planning/context_parallel.py. What a mixture-of-experts
+layer's router, dispatch and experts keep: planning/experts.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.planning.context_parallel import allgather_layer_bytes
+from megalite.planning.experts import routed_bytes
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -53,21 +55,21 @@ def _norm(cfg: Config, rows: int, w: Widths) -> int:
     return rows * (2 * h * 4 + 4)
 
 
-def _rows(cfg: Config) -> tuple[int, int]:
+def token_rows(cfg: Config) -> tuple[int, int]:
     """(this rank's tokens of a micro batch, seq/cp per sample; rows of its residual stream: tokens / tp under SP)."""
     tokens = cfg.model.seq_length // cfg.parallel.cp * cfg.train.micro_batch_size
     return tokens, tokens // cfg.parallel.tp if cfg.parallel.sequence_parallel_active else tokens
 
 
-def layer_bytes(cfg: Config, device: str = "cuda") -> int:
-    """One transformer layer's saved tensors for one micro batch on one rank."""
+def layer_bytes(cfg: Config, device: str = "cuda", index: int = 0) -> int:
+    """Transformer layer `index`'s saved tensors (global index: which layers have experts) for one micro batch on
+    one rank."""
     m, tp, w = cfg.model, cfg.parallel.tp, Widths.of(cfg, device)
     features = m.features
-    tokens, rows = _rows(cfg)
+    tokens, rows = token_rows(cfg)
     if cfg.train.recompute == "full":
         return rows * m.hidden_size * w.residual  # the layer's input, kept by the checkpoint
     h, d, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads // tp, m.kv_heads // tp
-    ffn = m.ffn_size // tp
     sp = cfg.parallel.sequence_parallel_active
     inputs = rows if sp else tokens  # a column-parallel layer keeps its local input under SP
     attention = (
@@ -77,15 +79,36 @@ def layer_bytes(cfg: Config, device: str = "cuda") -> int:
         + tokens * heads * d * w.compute  # attention output = projection input
         + (tokens * heads * 4 if cfg.train.recompute == "none" else 0)  # flash logsumexp
     )
-    intermediates = 4 if features.gated_mlp else 2  # gate|up, silu(gate), product / GELU input and output
-    mlp = inputs * h * w.compute + intermediates * tokens * ffn * w.compute
+    mlp = moe_block_bytes(cfg, rows, w) if m.is_moe_layer(index) else inputs * h * w.compute + _mlp(cfg, m.ffn_size, w)
     dropout = 2 * rows * h if m.hidden_dropout > 0 else 0  # boolean masks after attention and MLP
     return 2 * _norm(cfg, rows, w) + attention + allgather_layer_bytes(cfg, w.compute) + mlp + dropout
 
 
+def _mlp(cfg: Config, width: int, w: Widths) -> int:
+    """A tensor-parallel MLP `width` wide, past its input: gate|up, silu(gate), product / GELU input and output,
+    for all local tokens (column-parallel layers gather them under SP)."""
+    intermediates = 4 if cfg.model.features.gated_mlp else 2
+    return intermediates * token_rows(cfg)[0] * (width // cfg.parallel.tp) * w.compute
+
+
+def moe_block_bytes(cfg: Config, rows: int, w: Widths) -> int:
+    """A mixture-of-experts block routing this rank's `rows` tokens: the routed part (planning/experts.py), and
+    the shared expert, an MLP (gated: times a sigmoid gate, keeping both factors). The router keeps its input
+    as fp32; the shared expert's fc1 and gate keep it in the compute dtype: the same tensor when no cast is
+    needed (the router's when that is fp32), else a copy each."""
+    m = cfg.model
+    size = routed_bytes(cfg, rows, w.compute, w.residual == 4)
+    if not m.moe_shared_expert_size:
+        return size
+    gated = m.moe_shared_expert_gate
+    copies = (2 if gated else 1) if w.compute != w.residual else int(w.compute != 4)
+    gate = rows * (m.hidden_size + 1) * w.compute if gated else 0
+    return size + copies * rows * m.hidden_size * w.compute + _mlp(cfg, m.moe_shared_expert_size, w) + gate
+
+
 def embedding_bytes(cfg: Config) -> int:
     """The first chunk's embedding: token ids (and, under tp, the out-of-range mask), dropout mask."""
-    tokens, rows = _rows(cfg)
+    tokens, rows = token_rows(cfg)
     out_of_range = tokens if cfg.parallel.tp > 1 else 0
     dropout = rows * cfg.model.hidden_size if cfg.model.hidden_dropout > 0 else 0
     return tokens * 8 + out_of_range + dropout
@@ -95,7 +118,7 @@ def head_bytes(cfg: Config, device: str = "cuda") -> int:
     """The last chunk's final norm, LM head and loss: one device keeps the [tokens, vocab] logits
     gradient in the compute dtype; vocab-parallel cross-entropy keeps fp32 probabilities."""
     m, tp, w = cfg.model, cfg.parallel.tp, Widths.of(cfg, device)
-    tokens, rows = _rows(cfg)
+    tokens, rows = token_rows(cfg)
     head_input = tokens * m.hidden_size * w.compute
     if tp == 1:
         logits = tokens * m.padded_vocab_size * w.compute  # over the padded vocabulary, padding masked

@@ -35,7 +35,8 @@ MEASUREMENT = {"data": {"mock": True, "paths": None, "train_paths": None, "valid
 # The tools' model-shape options (argparse destinations) and the model fields they set.
 MODEL_OPTIONS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
                  "kv_heads": "num_query_groups", "ffn": "ffn_hidden_size", "tie_embeddings": "tie_embeddings",
-                 "rope_theta": "rope_theta", "seq": "seq_length", "vocab": "vocab_size"}
+                 "rope_theta": "rope_theta", "seq": "seq_length", "vocab": "vocab_size", "experts": "num_experts",
+                 "topk": "moe_topk", "expert_ffn": "moe_ffn_hidden_size"}
 MEMORY_CATEGORIES = ("params", "grads", "main", "state")  # what rank_memory measures, by kind of tensor
 
 

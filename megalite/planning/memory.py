@@ -13,16 +13,23 @@ functions. For bf16 parameters with fp32 gradients, bytes per parameter are:
   stage 3: 18/dp (parameters too), plus the gather units in flight, counted as transient.
 For fp32 parameters: 16, 8 + 8/dp, 4 + 12/dp, 16/dp. optim.offload=cpu takes the main weights
 and moments (12 or 8 of those bytes, before dividing) off the device.
+
+Experts' weights live on the expert grid (placement.py): their gradients are reduced, and ZeRO shards
+them, over that grid's data axes, the expert-data-parallel ranks (edp = world / (ep x pp)), not over
+dp x cp. `grid_replicas` reads which axes those are from placement.py DATA_AXES for each grid.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.placement import DATA_AXES
 from megalite.parallel.schedules import schedule_ops
+from megalite.parallel.topology import RankGrid
 from megalite.planning.activations import _BYTES, Widths, embedding_bytes, head_bytes, layer_bytes
 from megalite.planning.context_parallel import attention_transient_bytes
 from megalite.planning.parameters import Parameters, rank_parameters
@@ -41,6 +48,7 @@ class StageMemory:
     activations: float  # at the schedule's peak
     in_flight: int  # (chunk, micro batch) forwards whose activations are held at that peak
     transient: float  # short-lived: see `transient_bytes`
+    expert_state: float = 0.0  # the experts' share of weights + gradients + main weights + optimizer state
 
     @property
     def state(self) -> float:
@@ -64,6 +72,20 @@ def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, 
     return weights, grads, numel * main / shards, numel * 8 / shards
 
 
+def grid_replicas(cfg: Config, world_size: int) -> dict[str, int]:
+    """Per rank grid, how many ranks hold the same parameters and see different data: the sizes of the grid's
+    data axes (placement.py DATA_AXES) in this layout. Dense: dp x cp; expert: edp = world / (ep x pp)."""
+    p = cfg.parallel
+    grids = {"dense": RankGrid.for_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp),
+             "expert": RankGrid.experts_for_world(world_size, ep=p.ep, pp=p.pp)}
+    return {name: math.prod(grid.size(axis) for axis in DATA_AXES[name]) for name, grid in grids.items()}
+
+
+def grid_state_bytes(cfg: Config, params: Parameters, shards: dict[str, int]) -> dict[str, tuple[float, ...]]:
+    """`state_bytes` of each grid's parameters, sharded over that grid's replicas (`shards`)."""
+    return {grid: state_bytes(cfg, numel, shards[grid]) for grid, numel in params.by_grid.items()}
+
+
 def gathered_elements(params: Parameters) -> tuple[int, int]:
     """ZeRO-3 (parallel/zero/stage3.py): (parameter, gradient) elements of whole gather units present at once,
     at worst. Parameters: the unit running and the one prefetched (any two units stand in for adjacent
@@ -85,21 +107,22 @@ def gathered_bytes(cfg: Config, params: Parameters, dp: int) -> tuple[float, flo
     return weights * _BYTES[cfg.train.param_dtype], grads * _BYTES[cfg.parallel.grad_reduce_dtype]
 
 
-def transient_bytes(cfg: Config, params: Parameters, dp: int, activations: float, device: str = "cuda") -> float:
+def transient_bytes(cfg: Config, params: Parameters, shards: dict[str, int], activations: float,
+                    device: str = "cuda") -> float:
     """Memory above state + activations at the worst moment: in backward, the largest parameter's
     gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
     activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`),
     plus context-parallel attention's buffers (planning/context_parallel.py); in the optimizer step
     (activations and whole units freed), fp32 copies of bf16-reduced gradient slices for the fp32
-    main weights."""
-    backward = (params.largest * _BYTES[cfg.train.param_dtype] + sum(gathered_bytes(cfg, params, dp))
+    main weights (each grid's over its own `shards`, the replicas)."""
+    backward = (params.largest * _BYTES[cfg.train.param_dtype] + sum(gathered_bytes(cfg, params, shards["dense"]))
                 + attention_transient_bytes(cfg, Widths.of(cfg, device).compute))
     if cfg.train.recompute == "full":
-        backward += layer_bytes(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none")),
-                                device)
-    shards = dp if cfg.parallel.zero >= 1 else 1
-    step = params.total * 4 / shards if cfg.parallel.grad_reduce_dtype != "fp32" else 0
-    return max(backward, step - activations)
+        kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
+        backward += max(layer_bytes(kept, device, index) for index in range(cfg.model.num_layers))
+    sharded = cfg.parallel.zero >= 1
+    step = sum(numel * 4 / (shards[grid] if sharded else 1) for grid, numel in params.by_grid.items())
+    return max(backward, step - activations if cfg.parallel.grad_reduce_dtype != "fp32" else 0)
 
 
 def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
@@ -107,7 +130,7 @@ def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> l
     stage = stage_layout(cfg, pp_rank)
     sizes = []
     for index, (a, b) in enumerate(stage.chunks):
-        size = (b - a) * layer_bytes(cfg, device)
+        size = sum(layer_bytes(cfg, device, index) for index in range(a, b))
         size += embedding_bytes(cfg) if stage.is_first_chunk(index) else 0
         size += head_bytes(cfg, device) if stage.is_last_chunk(index) else 0
         sizes.append(size)
@@ -130,10 +153,12 @@ def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "
 
 def stage_memory(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> StageMemory:
     params = rank_parameters(cfg, pp_rank)
-    dp = cfg.data_parallel_size(world_size) * cfg.parallel.cp  # the replicas state is sharded over
+    shards = grid_replicas(cfg, world_size)
+    grids = grid_state_bytes(cfg, params, shards)
+    state = [sum(parts) for parts in zip(*grids.values())]  # weights, gradients, main weights, optimizer
     activations, in_flight = peak_activations(cfg, world_size, pp_rank, device)
-    transient = transient_bytes(cfg, params, dp, activations, device)
-    return StageMemory(pp_rank, params, *state_bytes(cfg, params.total, dp), activations, in_flight, transient)
+    transient = transient_bytes(cfg, params, shards, activations, device)
+    return StageMemory(pp_rank, params, *state, activations, in_flight, transient, sum(grids["expert"]))
 
 
 def memory_per_stage(cfg: Config, world_size: int, device: str = "cuda") -> list[StageMemory]:

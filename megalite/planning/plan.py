@@ -1,14 +1,18 @@
 """A whole plan for one config and world size: parameters, memory per GPU with a verdict, pipeline
-bubble, FLOPs and the step time an assumed MFU gives. `tools/plan.py` prints it."""
+bubble, FLOPs and the step time an assumed MFU gives. `tools/plan.py` prints it. With mixture-of-experts
+layers it also gives the parameters one token uses (what the FLOPs count), the experts' share of each
+GPU's model state and what the token dispatch sends (planning/experts.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.planning.activations import token_rows
 from megalite.planning.context_parallel import describe as describe_cp
-from megalite.planning.memory import StageMemory, gathered_bytes, memory_per_stage
-from megalite.planning.parameters import model_parameters
+from megalite.planning.experts import describe as describe_moe
+from megalite.planning.memory import StageMemory, gathered_bytes, grid_replicas, memory_per_stage
+from megalite.planning.parameters import active_parameters, model_parameters, moe_layers
 from megalite.training.flops import PEAK_TFLOPS, training_flops_per_token
 
 GIB = 2**30
@@ -37,7 +41,12 @@ class Plan:
     @property
     def replicas(self) -> int:
         """Ranks holding the same weights, which ZeRO shards the model state over: dp x cp."""
-        return self.dp * self.cfg.parallel.cp
+        return grid_replicas(self.cfg, self.world_size)["dense"]
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts, which their state is sharded over: edp = world / (ep x pp)."""
+        return grid_replicas(self.cfg, self.world_size)["expert"]
 
     @property
     def microbatches(self) -> int:
@@ -46,6 +55,11 @@ class Plan:
     @property
     def parameters(self) -> int:
         return model_parameters(self.cfg.model)
+
+    @property
+    def active_parameters(self) -> int:
+        """What one token uses: all but the experts it is not routed to."""
+        return active_parameters(self.cfg.model)
 
     @property
     def worst(self) -> StageMemory:
@@ -113,6 +127,30 @@ def _gathered(plan: Plan) -> str:
     return f" (ZeRO-3 units gathered in backward: {_gib(weights)} parameters + {_gib(grads)} gradients)"
 
 
+def _moe_lines(plan: Plan) -> list[str]:
+    """The mixture-of-experts lines (layers, experts, ep x edp, dispatch traffic), or none for a dense model."""
+    m = plan.cfg.model
+    if not m.num_experts:
+        return []
+    return describe_moe(plan.cfg, token_rows(plan.cfg)[1], moe_layers(m), plan.expert_replicas)
+
+
+def _parameter_line(plan: Plan) -> str:
+    active = f", {plan.active_parameters / 1e9:.3f} B active per token" if plan.cfg.model.num_experts else ""
+    per_gpu = ", ".join(f"stage {s.pp_rank}: {s.parameters.total / 1e6:.1f} M" for s in plan.stages)
+    return f"parameters: {plan.parameters / 1e9:.3f} B total{active}; per GPU {per_gpu}"
+
+
+def _expert_state(plan: Plan) -> list[str]:
+    """The experts' part of the model state above, for a mixture-of-experts model."""
+    w = plan.worst
+    if not plan.cfg.model.num_experts:
+        return []
+    return [f"  of these four, the experts' {_gib(w.expert_state)} ({w.parameters.expert / 1e6:.1f} M parameters, "
+            f"replicated over edp {plan.expert_replicas}, the dense parts over dp x cp {plan.replicas}: "
+            "ZeRO shards over these)"]
+
+
 def format_plan(plan: Plan) -> str:
     cfg, p, m, w = plan.cfg, plan.cfg.parallel, plan.cfg.model, plan.worst
     lines = [
@@ -124,13 +162,14 @@ def format_plan(plan: Plan) -> str:
         f"{cfg.train.micro_batch_size} x dp {plan.dp}; "
         f"precision {cfg.train.precision}, parameters {cfg.train.param_dtype}, recompute {cfg.train.recompute}",
         *([describe_cp(cfg)] if p.cp > 1 else []),
-        f"parameters: {plan.parameters / 1e9:.3f} B total; per GPU "
-        + ", ".join(f"stage {s.pp_rank}: {s.parameters.total / 1e6:.1f} M" for s in plan.stages),
+        *_moe_lines(plan),
+        _parameter_line(plan),
         f"memory per GPU, pipeline stage {w.pp_rank} (the largest):",
         f"  weights          {_gib(w.weights)}",
         f"  gradients        {_gib(w.gradients)}",
         f"  main weights     {_gib(w.main_weights)}",
         f"  optimizer state  {_gib(w.optimizer)}",
+        *_expert_state(plan),
         f"  activations      {_gib(w.activations)} (peak: {w.in_flight} forward{'s' if w.in_flight != 1 else ''} "
         f"held for backward, recompute {cfg.train.recompute})",
         f"  transient        {_gib(w.transient)}{_gathered(plan)}",

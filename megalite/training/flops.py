@@ -6,6 +6,10 @@ not the embedding lookup nor norms) and the second term is the attention scores 
 weighted sum (2 matmuls, 2 FLOPs per multiply-add, x3 for forward + backward) counted
 over the full s x s square as Megatron-LM and the PaLM paper do. Recompute is not
 counted: this is model FLOPs utilisation, not hardware FLOPs.
+
+A mixture-of-experts layer counts what one token runs through (its active weights): the router
+[experts, hidden], the moe_topk experts it is routed to, the shared expert and its gate; not the
+experts it skips, which a token costs nothing (as Megatron-LM and torchtitan count MoE MFU).
 """
 
 from __future__ import annotations
@@ -45,12 +49,29 @@ DEVICE_MODELS = (
 )
 
 
+def _mlp_weights(cfg: ModelConfig, width: int) -> int:
+    """An MLP `width` wide: fc1 (gate and up when gated) and fc2."""
+    return cfg.hidden_size * width * (3 if cfg.features.gated_mlp else 2)
+
+
+def _mlp_matmul_parameters(cfg: ModelConfig, index: int) -> int:
+    """Weights one token multiplies in layer `index`'s MLP: the dense MLP's, or a mixture of experts' router,
+    top-k experts, shared expert and its gate."""
+    if not cfg.is_moe_layer(index):
+        return _mlp_weights(cfg, cfg.ffn_size)
+    h, shared = cfg.hidden_size, cfg.moe_shared_expert_size
+    gate = h if shared and cfg.moe_shared_expert_gate else 0
+    experts = cfg.moe_topk * _mlp_weights(cfg, cfg.expert_ffn_size)
+    return cfg.num_experts * h + experts + _mlp_weights(cfg, shared) + gate
+
+
 def matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights one token multiplies (active weights: see the module's docstring), the LM head's included."""
     h, d = cfg.hidden_size, cfg.head_dim
     qkv = h * (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
     proj = cfg.num_attention_heads * d * h
-    mlp = h * cfg.ffn_size * (3 if cfg.features.gated_mlp else 2)
-    return cfg.num_layers * (qkv + proj + mlp) + h * cfg.vocab_size
+    mlp = sum(_mlp_matmul_parameters(cfg, i) for i in range(cfg.num_layers))
+    return cfg.num_layers * (qkv + proj) + mlp + h * cfg.vocab_size
 
 
 def training_flops_per_token(cfg: ModelConfig) -> float:
