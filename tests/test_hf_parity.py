@@ -7,7 +7,8 @@ import torch
 import transformers
 from conftest import tiny_config
 
-from megalite.checkpoint.hf_mapping import from_hf, hf_config, to_hf
+from megalite.checkpoint.hf_config import hf_config
+from megalite.checkpoint.hf_mapping import from_hf, to_hf
 from megalite.model.gpt import GPTModel
 
 FAMILIES = {
