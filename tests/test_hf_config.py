@@ -55,6 +55,11 @@ def test_qwen3_moe_has_experts_in_megalites_expert_layers(layers, first_dense, f
     assert [i for i in range(layers) if back.is_moe_layer(i)] == ours
 
 
+def test_a_sliding_window_covering_the_whole_context_is_full_attention():
+    cfg = model_config_from_hf(_hf(transformers.MixtralConfig, sliding_window=TINY["max_position_embeddings"]), "t")
+    assert cfg.family == "llama" and cfg.num_experts == 8 and cfg.positions == TINY["max_position_embeddings"]
+
+
 def _hf(config_class, **fields):
     return config_class(**{**TINY, **fields})
 
