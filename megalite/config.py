@@ -46,20 +46,24 @@ class Features:
     norm: Literal["layernorm", "rmsnorm"]
     position_embedding: Literal["learned", "rope"]
     tie_embeddings: bool
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
 
 
 # Each family's features: the defaults of the ModelConfig fields of the same names.
 FAMILY_FEATURES: dict[str, Features] = {
     "gpt2": Features(bias=True, gated_mlp=False, norm="layernorm", position_embedding="learned", tie_embeddings=True),
     "llama": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False),
+    "qwen3": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False,
+                      qk_norm=True),
 }
 
 
 @dataclass
 class ModelConfig:
-    family: Literal["gpt2", "llama"] = _f(
+    family: Literal["gpt2", "llama", "qwen3"] = _f(
         "gpt2", "gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings; "
-                "llama: RoPE, RMSNorm, SwiGLU, no biases (the defaults of the feature fields below)")
+                "llama: RoPE, RMSNorm, SwiGLU, no biases; qwen3: llama's with qk_norm "
+                "(the defaults of the feature fields below); with num_experts > 0 llama is Mixtral, qwen3 Qwen3-MoE")
     num_layers: int = _f(2, "number of transformer layers")
     hidden_size: int = _f(128, "model width")
     num_attention_heads: int = _f(4, "query heads")
@@ -83,6 +87,8 @@ class ModelConfig:
         None, "learned: a position table added to the embeddings; rope: rotary (default: gpt2 learned, llama rope)")
     tie_embeddings: bool | None = _f(
         None, "share input embedding and LM head (default: true for gpt2, false for llama)")
+    qk_norm: bool | None = _f(
+        None, "RMSNorm over each query and key head before RoPE (default: qwen3 true, gpt2 and llama false)")
     rope_theta: float = _f(10000.0, "RoPE base frequency (position_embedding=rope)")
     norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm / RMSNorm")
     init_std: float = _f(0.02, "std of the normal init; output projections use init_std/sqrt(2*num_layers)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.checkpoint.hf_mapping import hf_config
+from megalite.checkpoint.hf_config import hf_config
 from tools import benchmark_throughput as bench
 from tools.gpu_check_steps import parse_benchmark
 

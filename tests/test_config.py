@@ -204,6 +204,7 @@ LINEAR_BIASES = {f"layers.{i}.{linear}.bias" for i in range(2)
 NORM_BIASES = {f"layers.{i}.{norm}.bias" for i in range(2) for norm in ("input_norm", "pre_mlp_norm")}
 NORM_BIASES |= {"final_norm.bias"}
 POSITIONS = {"embedding.position_embeddings.weight"}
+QK_NORMS = {f"layers.{i}.attention.{p}_norm.weight" for i in range(2) for p in "qk"}
 
 
 @pytest.mark.parametrize("family, feature, value, added, removed", [
@@ -215,6 +216,8 @@ POSITIONS = {"embedding.position_embeddings.weight"}
     ("gpt2", "norm", "rmsnorm", set(), NORM_BIASES),
     ("llama", "tie_embeddings", True, set(), {"lm_head.weight"}),
     ("gpt2", "tie_embeddings", False, {"lm_head.weight"}, set()),
+    ("llama", "qk_norm", True, QK_NORMS, set()),
+    ("qwen3", "qk_norm", False, set(), QK_NORMS),
 ])
 def test_a_feature_override_adds_or_removes_exactly_its_parameters(family, feature, value, added, removed):
     base, changed = _parameter_shapes(family), _parameter_shapes(family, **{feature: value})

@@ -1,6 +1,8 @@
 """tools/convert_checkpoint.py: a checkpoint trained at tp=2 x pp=2 becomes a Hugging Face model with
 the same logits on real text, loads without missing or unexpected weights, and comes back
-bit-exact; bad input fails with a message naming the file and the fix."""
+bit-exact; tiny random Mixtral, Qwen3 and Qwen3-MoE models come in with HF's logits, train under
+tensor and expert parallelism and go back out with megalite's logits and greedy generations; bad input
+fails with a message naming the file and the fix."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from distributed import pretrain_torchrun
+from hf_models import CLASSES, MODELS, random_hf, routing_margin
 from safetensors.torch import load_file
 from trained import passage, tokenizer
 
@@ -19,7 +23,7 @@ from megalite.checkpoint.hf_tokenizer import hf_tokenizer
 from megalite.checkpoint.model_io import read_model_tensors
 from megalite.config import DataConfig, ModelConfig
 from megalite.data.build import tokenizer_from_config
-from megalite.inference.generate import load_model
+from megalite.inference.generate import Sampling, generate, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
@@ -132,3 +136,63 @@ def test_sentencepiece_export_gives_sentencepiece_ids(model, assets, tmp_path):
               for name in ("rape_of_lucrece_gut.txt", "sonnets_gut.txt", "tempest_gut.txt")]
     for text in texts:
         assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+
+
+# How each tiny HF model trains after coming in: tensor parallelism for qwen3's q/k norms, expert parallelism
+# for the experts (2 ranks each).
+LAYOUTS = {"mixtral": ["--parallel.ep=2"], "qwen3": ["--parallel.tp=2"],
+           "qwen3_moe": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2"]}
+
+
+def _same_logits(name: str, model, hf, tokens: torch.Tensor) -> None:
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    print(f"{name}: max |logits difference| {(ours - theirs).abs().max().item():.2e}")
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    if model.cfg.num_experts:
+        assert routing_margin(model, tokens) > 1e-4  # no expert choice near a tie
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hf_moe_and_qk_norm_models_convert_in_train_and_convert_out(name, tmp_path):
+    hf_in = random_hf(name)
+    hf_in.save_pretrained(tmp_path / "hf_in")
+    convert("--from-hf", "--load", str(tmp_path / "hf_in"), "--save", str(tmp_path / "megalite"))
+    tokens = torch.randint(0, hf_in.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
+    _same_logits(f"{name} in", model, hf_in, tokens)
+    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "hf_back"))
+    before, after = hf_tensors(tmp_path / "hf_in"), hf_tensors(tmp_path / "hf_back")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+    moe = ["--model.moe_aux_loss_coeff=0.01"] if cfg.model.num_experts else []
+    pretrain_torchrun(2, ["--config", str(tmp_path / "megalite/iter_0000000/config.yaml"), *LAYOUTS[name], *moe,
+                          f"--checkpoint.load={tmp_path / 'megalite'}", f"--checkpoint.save={tmp_path / 'trained'}",
+                          "--model.seq_length=32", "--train.micro_batch_size=2", "--train.global_batch_size=4",
+                          "--train.train_iters=3", "--optim.lr=1e-2", "--data.mock=true", "--data.num_workers=0",
+                          "--logging.progress_bar=false"])
+    convert("--to-hf", "--load", str(tmp_path / "trained"), "--save", str(tmp_path / "hf_out"))
+    hf_out, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out", output_loading_info=True)
+    assert type(hf_out).__name__ == CLASSES[name]
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
+    trained, _, _ = load_model(tmp_path / "trained", torch.device("cpu"))
+    with torch.no_grad():
+        assert (trained(tokens) - model(tokens)).abs().max() > 1e-2  # training moved the weights
+    _same_logits(f"{name} trained, out", trained, hf_out.eval(), tokens)
+    prompt = tokens[0, :12].tolist()
+    ours = generate(trained, prompt, Sampling(max_new_tokens=16, temperature=0))
+    theirs = hf_out.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert ours == theirs[0, len(prompt):].tolist()
+
+
+def test_an_hf_moe_model_megalite_does_not_compute_is_refused_with_the_reason(tmp_path, capsys):
+    config = transformers.Qwen2MoeConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, num_experts=2,
+                                         num_experts_per_tok=1, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=16)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path / "qwen2_moe")
+    with pytest.raises(SystemExit):
+        convert("--from-hf", "--load", str(tmp_path / "qwen2_moe"), "--save", str(tmp_path / "out"))
+    assert ("model_type='qwen2_moe' computes biases on q/k/v only (model.bias puts them in every linear layer), "
+            "which megalite does not; this model cannot be converted") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -1,4 +1,6 @@
-"""megalite's GPT equals Hugging Face's GPT2LMHeadModel / LlamaForCausalLM on the same weights."""
+"""megalite's GPT equals Hugging Face's GPT2LMHeadModel / LlamaForCausalLM / Qwen3ForCausalLM and, with routed
+experts, MixtralForCausalLM / Qwen3MoeForCausalLM on the same weights (routers spread so that no top-k choice is
+near a tie, tests/hf_models.py)."""
 
 from __future__ import annotations
 
@@ -6,23 +8,44 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_config
+from hf_models import routing_margin, spread_routers_and_norms
 
-from megalite.checkpoint.hf_mapping import from_hf, hf_config, to_hf
+from megalite.checkpoint.hf_config import hf_config
+from megalite.checkpoint.hf_mapping import from_hf, to_hf
 from megalite.model.gpt import GPTModel
 
-FAMILIES = {
-    "gpt2": ({}, transformers.GPT2LMHeadModel),
-    "llama": ({"num_query_groups": 2, "rope_theta": 5000.0, "vocab_size": 250}, transformers.LlamaForCausalLM),
-    "llama-tied-mha": ({"num_query_groups": None, "tie_embeddings": True}, transformers.LlamaForCausalLM),
+MOE = {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32, "num_query_groups": 2, "num_layers": 3}
+FAMILIES = {  # name -> (family, model fields, HF class)
+    "gpt2": ("gpt2", {}, transformers.GPT2LMHeadModel),
+    "llama": ("llama", {"num_query_groups": 2, "rope_theta": 5000.0, "vocab_size": 250},
+              transformers.LlamaForCausalLM),
+    "llama-tied-mha": ("llama", {"num_query_groups": None, "tie_embeddings": True}, transformers.LlamaForCausalLM),
+    "qwen3": ("qwen3", {"num_query_groups": 2, "tie_embeddings": True}, transformers.Qwen3ForCausalLM),
+    "mixtral": ("llama", {**MOE, "rope_theta": 1e6}, transformers.MixtralForCausalLM),
+    "qwen3-moe": ("qwen3", {**MOE, "moe_first_dense_layers": 1, "moe_norm_topk_prob": False},
+                  transformers.Qwen3MoeForCausalLM),
 }
 
 
 def _pair(name: str):
-    overrides, hf_class = FAMILIES[name]
-    cfg = tiny_config("gpt2" if name == "gpt2" else "llama", model=overrides)
+    family, overrides, hf_class = FAMILIES[name]
+    cfg = tiny_config(family, model=overrides)
     model = GPTModel(cfg.model, torch.device("cpu"), seed=cfg.train.seed).eval()
     hf = hf_class(hf_config(cfg.model)).eval()
+    spread_routers_and_norms(model)
+    spread_routers_and_norms(hf, seed=1)
     return cfg, model, hf
+
+
+def _assert_same_logits(name: str, model: GPTModel, hf, tokens: torch.Tensor) -> None:
+    """Equal logits, at choices of experts far from ties (when the model has experts)."""
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    print(f"{name}: max |logits difference| {(ours - theirs).abs().max().item():.2e} "
+          f"(logits up to {theirs.abs().max().item():.2f})")
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    if model.cfg.num_experts:
+        assert routing_margin(model, tokens) > 1e-4
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -30,18 +53,14 @@ def test_megalite_weights_in_hf_give_same_logits(name):
     cfg, model, hf = _pair(name)
     result = hf.load_state_dict(to_hf(model.state_dict(), cfg.model), strict=False)
     assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length))
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
+    _assert_same_logits(name, model, hf, torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length)))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_hf_weights_in_megalite_give_same_logits(name):
     cfg, model, hf = _pair(name)
     model.load_state_dict(from_hf(hf.state_dict(), cfg.model))
-    tokens = torch.randint(0, cfg.model.vocab_size, (3, 17))
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
+    _assert_same_logits(name, model, hf, torch.randint(0, cfg.model.vocab_size, (3, 17)))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -70,6 +89,9 @@ def test_loss_ignores_vocab_padding():
 @pytest.mark.parametrize("family, feature, value, message", [
     ("llama", "bias", True, "model.bias=true, but LlamaForCausalLM \\(model.family=llama\\) computes bias=false"),
     ("gpt2", "position_embedding", "rope", "model.position_embedding=rope, but GPT2LMHeadModel"),
+    ("llama", "qk_norm", True, "model.qk_norm=true, but LlamaForCausalLM \\(model.family=llama\\) computes "
+                               "qk_norm=false"),
+    ("qwen3", "qk_norm", False, "model.qk_norm=false, but Qwen3ForCausalLM"),
 ])
 def test_a_model_whose_features_differ_from_its_family_is_not_converted(family, feature, value, message):
     cfg = tiny_config(family, model={feature: value})
@@ -79,7 +101,7 @@ def test_a_model_whose_features_differ_from_its_family_is_not_converted(family, 
             convert()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "qwen3-moe"])
 def test_position_ids_match_hf(name):
     cfg, model, hf = _pair(name)
     hf.load_state_dict(to_hf(model.state_dict(), cfg.model), strict=False)

@@ -1,4 +1,4 @@
-"""Where each parameter lives (parallel/placement.py), checked for every parameter of both families at
+"""Where each parameter lives (parallel/placement.py), checked for every parameter of every family at
 tensor-, sequence-, pipeline- and context-parallel layouts without a process group (the ranks' contexts
 are built by hand), and the checkpoint pieces it describes, split along several axes at once.
 
@@ -6,7 +6,8 @@ are built by hand), and the checkpoint pieces it describes, split along several 
   tensor-parallel ranks put together are the one-device tensor.
 - Each element is counted once over all ranks (the gradient norm, checkpoint writes), with and without the
   distributed optimizer; a tied copy never.
-- Under sequence parallelism exactly the tensor-parallel-replicated parameters are partial over tp.
+- Under sequence parallelism exactly the tensor-parallel-replicated parameters are partial over tp; the per-head
+  q/k norm weights (qwen3) are at any tp > 1, every rank's heads adding to them.
 - A tensor split along two axes at one layout is read back at another (and whole) exactly.
 """
 
@@ -41,7 +42,7 @@ def _models(family: str, parallel: dict) -> dict[tuple[int, int], GPTModel]:
             for t in range(tp) for s in range(pp)}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
 @pytest.mark.parametrize("parallel", LAYOUTS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 def test_every_parameter_is_its_placements_slice_of_the_one_device_model(family, parallel):
     whole = GPTModel(tiny_config(family, model={"num_layers": 4}).model, torch.device("cpu"), seed=1234)
@@ -58,7 +59,8 @@ def test_every_parameter_is_its_placements_slice_of_the_one_device_model(family,
             coord = {"tp": (tp_rank, tp)}.get
             assert torch.equal(param.detach(), placement.local(full[original].detach(),
                                                                lambda a, coord=coord: coord(a, (0, 1))))
-            assert placement.partial == (("tp",) if sp and not placement.shards else ())
+            qk_norm = name.endswith(("q_norm.weight", "k_norm.weight")) and tp > 1
+            assert placement.partial == (("tp",) if (sp or qk_norm) and not placement.shards else ())
             seen.add(original)
     assert seen == set(full)  # every one-device parameter lives somewhere
     for name in full:  # the tensor-parallel slices together are the whole tensor
@@ -69,14 +71,15 @@ def test_every_parameter_is_its_placements_slice_of_the_one_device_model(family,
             assert torch.equal(unshard(parts, spec) if spec else parts[0], full[name].detach()), name
 
 
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
 @pytest.mark.parametrize("parallel", LAYOUTS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 @pytest.mark.parametrize("sharded_data", [False, True])
-def test_each_element_is_counted_once_over_all_ranks(parallel, sharded_data):
+def test_each_element_is_counted_once_over_all_ranks(family, parallel, sharded_data):
     """Over every rank of the dense grid (tp x cp x dp x pp, dp 2): the elements counted sum to the one-device
     model's, tied copies excluded. Under the distributed optimizer each data-parallel rank counts only the
     elements it owns, which here is modelled as 1/dp of each counted parameter."""
     sizes = {"tp": parallel.get("tp", 1), "cp": parallel.get("cp", 1), "dp": 2, "pp": parallel.get("pp", 1)}
-    models = _models("gpt2", parallel)
+    models = _models(family, parallel)
     total = 0.0
     for coords in itertools.product(*(range(sizes[a]) for a in DENSE)):
         at = dict(zip(DENSE, coords))
@@ -86,7 +89,7 @@ def test_each_element_is_counted_once_over_all_ranks(parallel, sharded_data):
             counted = placements[name].counted(DENSE, sharded_data, lambda a, at=at: (at[a], sizes[a]))
             share = 1 / (sizes["dp"] * sizes["cp"]) if sharded_data else 1
             total += counted * param.numel() * share
-    one = sum(p.numel() for p in GPTModel(tiny_config(model={"num_layers": 4}).model, torch.device("meta"),
+    one = sum(p.numel() for p in GPTModel(tiny_config(family, model={"num_layers": 4}).model, torch.device("meta"),
                                           seed=0).parameters())
     assert total == pytest.approx(one)
 

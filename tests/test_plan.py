@@ -60,6 +60,8 @@ def test_parameter_counts_equal_the_built_model(tp, pp, vp, family, tied):
     ("llama", {"bias": True, "position_embedding": "learned", "norm": "layernorm"}),
     ("gpt2", {"bias": False, "gated_mlp": True, "position_embedding": "rope"}),
     ("gpt2", {"norm": "rmsnorm"}),
+    ("qwen3", {}),
+    ("llama", {"qk_norm": True}),
 ])
 def test_parameter_counts_follow_feature_overrides(family, features):
     cfg = _model_config(family, parallel={"tp": 2, "pp": 2}, model=features)

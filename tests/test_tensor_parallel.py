@@ -1,5 +1,6 @@
 """Tensor (and sequence) parallelism equals one device: logits, per-token losses and every
-parameter's gradient, for both families, vocabularies not divisible by tp, SP on and off."""
+parameter's gradient, for every family (qwen3's per-head q/k norm weights, shared by the ranks' heads,
+included), vocabularies not divisible by tp, SP on and off."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from megalite.parallel.placement import unshard
 from megalite.training.build import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = [(family, sp) for family in ("gpt2", "llama") for sp in (False, True)]
+CASES = [(family, sp) for family in ("gpt2", "llama", "qwen3") for sp in (False, True)]
 
 
 def _config(family: str, **sections):
     # vocab 250 pads to 256: with tp=4 the last rank's vocabulary slice is partly padding
-    model = {"vocab_size": 250, "num_query_groups": 4 if family == "llama" else None, "num_attention_heads": 8}
+    model = {"vocab_size": 250, "num_query_groups": None if family == "gpt2" else 4, "num_attention_heads": 8}
     return tiny_config(family, model=model, **sections)
 
 

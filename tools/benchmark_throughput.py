@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 import transformers
 
-from megalite.checkpoint.hf_mapping import hf_config
+from megalite.checkpoint.hf_config import hf_config
 from megalite.config import Config
 from megalite.data.batches import Batch
 from megalite.parallel.distributed_optimizer import adamw, decay_groups

@@ -1,11 +1,12 @@
-"""Convert checkpoints between megalite and Hugging Face transformers (GPT-2 and Llama families).
+"""Convert checkpoints between megalite and Hugging Face transformers (GPT-2, Llama, Mixtral, Qwen3, Qwen3-MoE).
 
 --to-hf reads a megalite checkpoint saved at any parallel layout (its root, which means its
 latest iteration, or one iter_* directory) and writes a Hugging Face model directory: config.json,
 sharded model.safetensors with its index, generation_config.json and the tokenizer the run was
 trained with. --from-hf reads a Hugging Face model directory (or a .gguf file) and writes a
 weights-only megalite checkpoint that pretrain_gpt.py resumes at any tp/pp/vp/dp, with the
-model config derived from config.json saved in its config.yaml.
+model config derived from config.json saved in its config.yaml. Which architectures map, and what is
+refused because one side does not compute it, is megalite/checkpoint/hf_config.py's to say.
 
 Examples:
     python tools/convert_checkpoint.py --to-hf --load runs/quickstart/checkpoints --save runs/quickstart/hf

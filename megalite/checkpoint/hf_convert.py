@@ -4,7 +4,7 @@
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load as they load a
 released model; `hf_to_megalite` turns such a directory (or a GGUF file transformers can read)
 into a weights-only checkpoint that `pretrain_gpt.py --checkpoint.load` resumes at any layout.
-Tensor names and layouts are hf_mapping.py's business; this module deals with files.
+Configs are hf_config.py's business, tensor names and layouts hf_mapping.py's; this module deals with files.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.hf_mapping import from_hf, hf_config, model_config_from_hf, to_hf
+from megalite.checkpoint.hf_config import hf_config, model_config_from_hf
+from megalite.checkpoint.hf_mapping import from_hf, to_hf
 from megalite.checkpoint.hf_tokenizer import has_tokenizer, hf_tokenizer, keep_tokenizer
 from megalite.checkpoint.model_io import read_model_tensors, write_model_checkpoint
 from megalite.config import Config, DataConfig
@@ -89,7 +90,7 @@ def hf_to_megalite(load: str | Path, save: str | Path, make_vocab_size_divisible
 
 def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str,
                          make_vocab_size_divisible_by: int = 128) -> Path:
-    """Write a weights-only megalite checkpoint of a loaded GPT2LMHeadModel / LlamaForCausalLM, with its
+    """Write a weights-only megalite checkpoint of a loaded transformers model (hf_config.ARCHITECTURES), with its
     tokenizer (if any) under save/tokenizer; returns the iteration directory, whose config.yaml holds the
     derived model config and names the tokenizer. `source` names the model in errors."""
     save = _fresh_target(save)

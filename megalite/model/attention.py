@@ -8,6 +8,10 @@ layout differs from Hugging Face's [all q][all k][all v] (the HF mapping reorder
 During generation a KV cache (model/kv_cache.py) supplies the keys and values of earlier
 tokens; the new tokens' queries then attend to those plus their own causal prefix.
 
+With `qk_norm` (Qwen3) every query and key head is RMS-normalised over its head_dim before RoPE, by one
+weight per projection shared by all heads. Each tensor-parallel rank applies it to its own heads, so its
+gradient there is a partial sum over tp, as the weights' placement says.
+
 Selective recompute (model/recompute.py sets `recompute_core`) keeps only the inputs of the
 core attention and recomputes it in backward.
 
@@ -23,17 +27,20 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.kv_cache import LayerCache
+from megalite.model.norms import build_norm
 from megalite.model.rope import apply_rope
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.parallel.placement import Placement
 from megalite.parallel.random import checkpoint_with_rng
 
 
 class SelfAttention(nn.Module):
     """Each tensor-parallel rank computes whole query groups: heads/tp query and groups/tp KV heads."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device: torch.device) -> None:
+        """`device`: where the model will live (which norm implementation runs)."""
         super().__init__()
         tp = ctx.tp.size
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp, cfg.kv_heads // tp, cfg.head_dim
@@ -41,6 +48,12 @@ class SelfAttention(nn.Module):
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias)
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
+        self.q_norm = self.k_norm = None
+        if cfg.features.qk_norm:
+            self.q_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
+            self.k_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
+            partial = Placement(partial=("tp",) if tp > 1 else ())  # every rank's heads add to the one weight
+            self.placements = {"q_norm.weight": partial, "k_norm.weight": partial}
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
         self.ctx = ctx
@@ -55,6 +68,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)
         q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))

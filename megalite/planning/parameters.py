@@ -2,9 +2,10 @@
 
 Mirrors how megalite/model builds the GPT: a fused QKV and (for SwiGLU) a fused gate/up matrix,
 column-parallel weights and biases split over tp, row-parallel weights split and their biases
-replicated, norms and learned positions replicated, the padded vocabulary split over tp. With
-tied embeddings under pipeline parallelism the last stage holds its own copy of the word
-embeddings as the LM head (kept equal to the first stage's), which costs memory there.
+replicated, norms (the per-head q/k norms too) and learned positions replicated, the padded
+vocabulary split over tp. With tied embeddings under pipeline parallelism the last stage holds its
+own copy of the word embeddings as the LM head (kept equal to the first stage's), which costs
+memory there.
 Each count also lists its ZeRO-3 gather units (GPTModel.chunk_modules): the embedding, each layer,
 the final norm and an untied LM head, each gathered whole around its use (parallel/zero/stage3.py).
 
@@ -85,7 +86,7 @@ def layer_parameters(m: ModelConfig, tp: int = 1, index: int = 0, ep: int = 1) -
     qkv = (m.num_attention_heads + 2 * m.kv_heads) * d
     norm = _norm_parameters(m)
     sharded = [h * qkv, m.num_attention_heads * d * h] + ([qkv] if bias else [])
-    replicated = [norm, norm] + ([h] if bias else [])
+    replicated = [norm, norm] + ([h] if bias else []) + ([d, d] if m.features.qk_norm else [])
     expert: tuple[int, ...] = ()
     if m.is_moe_layer(index):
         mlp_sharded, mlp_replicated, expert = _moe(m, ep)

@@ -1,0 +1,107 @@
+"""Configs both ways between megalite and transformers (megalite/checkpoint/hf_config.py): the family and the
+experts pick the HF class, a config survives megalite -> HF -> megalite, Qwen3-MoE's expert layers land where
+megalite puts them, and every network one side computes but the other does not is refused with its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_config
+from hf_models import TINY
+
+from megalite.checkpoint.hf_config import hf_config, model_config_from_hf
+from megalite.checkpoint.hf_mapping import to_hf
+from megalite.config import ModelConfig
+from megalite.model.gpt import GPTModel
+
+MOE = {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32}
+
+
+def network(m: ModelConfig) -> tuple:
+    """What determines the function a model computes, routed experts included."""
+    experts = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+    moe = (m.num_experts, m.moe_topk, m.expert_ffn_size, m.moe_norm_topk_prob, experts) if experts else ()
+    dense_ffn = m.ffn_size if len(experts) < m.num_layers else None
+    theta = m.rope_theta if m.features.position_embedding == "rope" else None
+    return (m.family, m.features, m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, dense_ffn,
+            m.positions, m.vocab_size, theta, m.norm_epsilon, moe)
+
+
+@pytest.mark.parametrize("family, experts, architecture", [
+    ("gpt2", {}, "GPT2LMHeadModel"), ("llama", {}, "LlamaForCausalLM"), ("llama", MOE, "MixtralForCausalLM"),
+    ("qwen3", {}, "Qwen3ForCausalLM"), ("qwen3", MOE, "Qwen3MoeForCausalLM"),
+    ("qwen3", {**MOE, "moe_layer_freq": 2, "moe_norm_topk_prob": False}, "Qwen3MoeForCausalLM"),
+])
+def test_a_config_survives_megalite_to_hf_and_back(family, experts, architecture):
+    cfg = tiny_config(family, model={"num_layers": 4, "rope_theta": 5e5, "norm_epsilon": 1e-6, **experts}).model
+    hf = hf_config(cfg)
+    assert transformers.AutoModelForCausalLM.from_config(hf).__class__.__name__ == architecture
+    assert network(model_config_from_hf(hf, "test")) == network(cfg)
+
+
+@pytest.mark.parametrize("layers, first_dense, freq", [(4, 0, 1), (4, 1, 1), (4, 1, 2), (6, 2, 3), (5, 0, 2),
+                                                       (4, 3, 1), (6, 1, 4)])
+def test_qwen3_moe_has_experts_in_megalites_expert_layers(layers, first_dense, freq):
+    """Qwen3-MoE's decoder_sparse_step counts layers from 1 and mlp_only_layers lists dense ones; megalite's
+    moe_layer_freq counts from after moe_first_dense_layers: the same layers either way."""
+    cfg = tiny_config("qwen3", model={**MOE, "num_layers": layers, "moe_first_dense_layers": first_dense,
+                                      "moe_layer_freq": freq}).model
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(hf_config(cfg))
+    ours = [i for i in range(layers) if cfg.is_moe_layer(i)]
+    assert [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")] == ours
+    back = model_config_from_hf(hf.config, "test")
+    assert [i for i in range(layers) if back.is_moe_layer(i)] == ours
+
+
+def test_a_sliding_window_covering_the_whole_context_is_full_attention():
+    cfg = model_config_from_hf(_hf(transformers.MixtralConfig, sliding_window=TINY["max_position_embeddings"]), "t")
+    assert cfg.family == "llama" and cfg.num_experts == 8 and cfg.positions == TINY["max_position_embeddings"]
+
+
+def _hf(config_class, **fields):
+    return config_class(**{**TINY, **fields})
+
+
+@pytest.mark.parametrize("config, message", [
+    (_hf(transformers.MixtralConfig, sliding_window=16),
+     r"layers \[0, 1, 2\] attend through a sliding window \(sliding_window=16"),
+    (_hf(transformers.MixtralConfig, router_jitter_noise=0.1),
+     "router_jitter_noise=0.1, but megalite's mixtral computes router_jitter_noise=0.0"),
+    (_hf(transformers.Qwen3Config, use_sliding_window=True, max_window_layers=1),
+     r"layers \[1, 2\] attend through a sliding window"),
+    (_hf(transformers.Qwen3Config, attention_bias=True), "attention_bias=True, but megalite's qwen3 computes"),
+    (_hf(transformers.Qwen3MoeConfig, num_hidden_layers=4, mlp_only_layers=[1], num_experts=4),
+     r"experts in layers \[0, 2, 3\] \(decoder_sparse_step=1, mlp_only_layers=\[1\]\); megalite puts experts"),
+    (_hf(transformers.Qwen3MoeConfig, head_dim=32),  # Qwen3's released models: head_dim 128 x heads != hidden
+     r"head_dim=32 x num_attention_heads=4 != hidden_size=64"),
+    (transformers.AutoConfig.for_model("deepseek_v3"), r"model_type='deepseek_v3' computes multi-head latent"),
+    (transformers.AutoConfig.for_model("gpt_oss"), "model_type='gpt_oss' computes attention sinks"),
+    (transformers.AutoConfig.for_model("qwen2_moe"), "model_type='qwen2_moe' computes biases on q/k/v only"),
+    (transformers.AutoConfig.for_model("olmoe"), "model_type='olmoe' computes a q/k norm over all heads"),
+], ids=lambda x: x.model_type if hasattr(x, "model_type") else None)
+def test_an_hf_network_megalite_does_not_compute_is_refused(config, message):
+    with pytest.raises(ValueError, match=f"^source: {message}"):
+        model_config_from_hf(config, "source")
+
+
+@pytest.mark.parametrize("family, fields, message", [
+    ("gpt2", MOE, "model.family=gpt2 with model.num_experts=4 has no Hugging Face architecture"),
+    ("llama", {**MOE, "moe_router": "sigmoid"},
+     r"model.moe_router=sigmoid, but MixtralForCausalLM \(model.family=llama\) computes moe_router=softmax"),
+    ("llama", {**MOE, "moe_norm_topk_prob": False}, "model.moe_norm_topk_prob=false, but MixtralForCausalLM"),
+    ("llama", {**MOE, "moe_first_dense_layers": 1},
+     r"layers \[0\] have dense MLPs .* but MixtralForCausalLM \(model.family=llama\) has experts in every layer"),
+    ("qwen3", {**MOE, "moe_shared_expert_size": 32}, "model.moe_shared_expert_size=32, but Qwen3MoeForCausalLM"),
+    ("qwen3", {**MOE, "moe_scaling_factor": 2.5}, "model.moe_scaling_factor=2.5, but Qwen3MoeForCausalLM"),
+    ("qwen3", {**MOE, "moe_expert_bias": True}, "model.moe_expert_bias=true, but Qwen3MoeForCausalLM"),
+    ("qwen3", {**MOE, "moe_router_groups": 2, "moe_router_group_topk": 1},
+     "model.moe_router_group_topk=1, but Qwen3MoeForCausalLM"),
+])
+def test_a_megalite_network_hf_does_not_compute_is_refused(family, fields, message):
+    cfg = tiny_config(family, model={"num_layers": 2, **fields}).model
+    state = GPTModel(cfg, torch.device("meta"), seed=0).state_dict()
+    for convert in (lambda: hf_config(cfg), lambda: to_hf(state, cfg)):
+        with pytest.raises(ValueError, match=message):
+            convert()
