@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from distributed import metrics, run_ranks
 from parity import LLAMA, TINY
 
@@ -115,3 +116,21 @@ def test_a_capacity_drops_pairs_and_says_how_many(runs):
 def test_the_expert_bias_changes_the_routing_after_the_first_step(runs):
     with_bias, without = ([r["loss"] for r in runs[name]] for name in ("one device", "one device, no expert bias"))
     assert with_bias[0] == without[0] and with_bias[1:] != pytest.approx(without[1:], rel=1e-6)
+
+
+def _without_expert_grid(rank: int, world_size: int) -> str:
+    from conftest import tiny_config
+
+    from megalite.parallel.topology import Topology
+    from megalite.training.build import build_trainer
+
+    cfg = tiny_config(model={"num_experts": 4})
+    try:
+        build_trainer(cfg, Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel))
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def test_a_topology_without_the_expert_grid_is_refused_with_the_fix():
+    assert "build it with experts=True" in run_ranks(1, _without_expert_grid)[0]

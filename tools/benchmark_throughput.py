@@ -55,8 +55,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2",
-                   help="megalite's model family, against GPT2LMHeadModel or LlamaForCausalLM")
+    p.add_argument("--family", choices=("gpt2", "llama", "qwen3"), default="gpt2",
+                   help="megalite's model family, against its HF class: GPT2LMHeadModel, LlamaForCausalLM "
+                        "(MixtralForCausalLM with --experts), Qwen3ForCausalLM (Qwen3MoeForCausalLM with --experts)")
     p.add_argument("--precision", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per model before timing")
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share the input embedding and the LM head (default: the family's, gpt2 tied, llama not)")
     p.add_argument("--rope-theta", type=float, default=None,
                    help="llama: RoPE base frequency (default: model.rope_theta's); changes values, not speed")
+    p.add_argument("--experts", type=int, default=None, help="routed experts per layer (model.num_experts)")
+    p.add_argument("--topk", type=int, default=None, help="experts per token (model.moe_topk)")
+    p.add_argument("--expert-ffn", type=int, default=None, help="each expert's width (model.moe_ffn_hidden_size)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=50304)
@@ -84,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.family == "gpt2" and (args.kv_heads is not None or args.rope_theta is not None):
         p.error("--kv-heads and --rope-theta are llama options: GPT2LMHeadModel has neither")
+    if args.family == "gpt2" and args.experts:
+        p.error("--experts: GPT-2 has no Hugging Face mixture-of-experts class; use --family llama or qwen3")
     return args
 
 
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = build_config(args)
-    topology = Topology.from_environment(args.device)
+    topology = Topology.from_environment(args.device, cfg.parallel, experts=cfg.model.num_experts > 0)
     device = topology.device
     batch = mock_batches(cfg, 1)[0]
 
@@ -190,8 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"transformers {transformers.__version__}")
     m = cfg.model
+    experts = f" experts={m.num_experts} top{m.moe_topk} expert_ffn={m.expert_ffn_size}" if m.num_experts else ""
     print(f"model {m.family} L={m.num_layers} h={m.hidden_size} heads={m.num_attention_heads} kv={m.kv_heads} "
-          f"ffn={m.ffn_size} tied={m.tied} seq={m.seq_length} mb={args.micro_batch} vocab={m.vocab_size}, "
+          f"ffn={m.ffn_size}{experts} tied={m.tied} seq={m.seq_length} mb={args.micro_batch} vocab={m.vocab_size}, "
           f"precision {args.precision}, {flops_per_token / 1e6:.1f} MFLOP/token")
     print(f"compiled: megalite {'each layer' if args.compile else 'no'}, huggingface "
           f"{'whole model' if args.hf_compile else 'no'}; HF attention sdpa, HF optimizer {args.hf_optimizer}")

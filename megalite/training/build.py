@@ -70,6 +70,9 @@ def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank
 def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     """The one place that assembles training: pretrain, the tools and the tests all start here."""
     p = cfg.parallel
+    if cfg.model.num_experts and "expert" not in topology.grids:
+        raise ValueError("the model has experts (model.num_experts) but the topology has no expert grid: build it "
+                         "with experts=True (Topology.from_config(..., experts=cfg.model.num_experts > 0))")
     ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm,
                                         p.moe_dispatcher)
     model = build_model(cfg, topology.device, ctx, topology.pp_rank)
