@@ -86,7 +86,10 @@ def _unwaited(rank: int, world_size: int, parallel: dict, close: bool, interrupt
         if close:
             trainer.close()
             trainer.close()  # twice is harmless
-        return sum(not work.waited for work in launched)
+        unwaited = sum(not work.waited for work in launched)
+        for work in launched:  # land what an unclosed trainer left, so this process ends cleanly either way
+            work.work.wait()
+        return unwaited
 
 
 @pytest.mark.parametrize("parallel", [

@@ -36,7 +36,7 @@ from megalite.parallel import context_parallel
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.distributed_optimizer import adamw, decay_groups
 from megalite.parallel.random import TENSOR_PARALLEL, RNGTracker, checkpoint_with_rng
-from megalite.parallel.topology import Topology, init_process_group, pick_device
+from megalite.parallel.topology import Topology, init_process_group, pick_device, release_process_groups
 from megalite.planning.measure import mock_batches
 from megalite.training.build import Trainer, build_model, build_trainer
 from megalite.training.pretrain import pretrain
@@ -56,7 +56,7 @@ def topology() -> Iterator[Topology]:
     init_process_group(device)
     yield Topology(0, 1, device)
     if created:
-        dist.destroy_process_group()
+        release_process_groups()
 
 
 def _config(family: str = "gpt2", **train: object) -> Config:

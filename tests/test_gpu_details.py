@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite.parallel import topology as topology_module
 from megalite.parallel.timeouts import collective_timeout_message
-from megalite.parallel.topology import Topology, pick_device
+from megalite.parallel.topology import Topology, pick_device, release_process_groups
 from megalite.training.flops import PEAK_TFLOPS, device_model
 
 
@@ -62,7 +62,7 @@ def test_an_nccl_timeout_names_the_rank_and_the_group():
         assert collective_timeout_message(ValueError("timed out"), 0, 10.0, {}) is None
         assert collective_timeout_message(RuntimeError("CUDA out of memory"), 0, 10.0, {}) is None
     finally:
-        dist.destroy_process_group()
+        release_process_groups()
 
 
 def _time_out_in_a_group(rank: int, world_size: int) -> str | None:

@@ -20,7 +20,7 @@ from megalite.data.mock import MockDataset
 from megalite.parallel.pipeline_layout import PipelineStage
 from megalite.parallel.placement import unshard
 from megalite.parallel.schedules import communication_plan, needs, schedule_ops
-from megalite.parallel.topology import Topology
+from megalite.parallel.topology import Topology, release_process_groups
 from megalite.training.build import build_trainer
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.step import train_step
@@ -129,7 +129,7 @@ def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
         try:
             refs[family] = _train(_config(family, 1, 1, 1, False), topology)
         finally:
-            dist.destroy_process_group()
+            release_process_groups()
     return refs
 
 
