@@ -36,3 +36,15 @@ def test_a_tiny_run_prints_both_sides(family, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert parse_benchmark(out).keys() == {"megalite", "huggingface"}
     assert f"model {family[1]} L=1 h=64" in out and "HF attention sdpa" in out
+
+
+def test_profile_prints_each_sides_top_ops_and_matmul_share(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "measure_peak_tflops", lambda device, dtype: 1.0)
+    bench.main([*TINY, "--family", "qwen3", "--experts", "4", "--topk", "2", "--expert-ffn", "32", "--profile", "5"])
+    out = capsys.readouterr().out
+    assert parse_benchmark(out).keys() == {"megalite", "huggingface"}
+    for side in ("megalite", "huggingface"):
+        assert f"{side} profile of one step:" in out
+        line = next(line for line in out.splitlines() if line.startswith(f"{side} matmuls: "))
+        matmul, total = (float(word) for word in line.split() if word.replace(".", "").isdigit())
+        assert 0 < matmul < total

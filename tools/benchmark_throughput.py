@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-optimizer", choices=("fused", "default"), default="fused",
                    help="fused: Trainer's default adamw_torch_fused; default: torch AdamW's default implementation")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile one more step of each side: its N ops with the most self time, and "
+                        "the share of matmuls (which both sides run alike) in the step")
     args = p.parse_args(argv)
     if args.family == "gpt2" and (args.kv_heads is not None or args.rope_theta is not None):
         p.error("--kv-heads and --rope-theta are llama options: GPT2LMHeadModel has neither")
@@ -180,6 +183,28 @@ def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool, compil
     return step
 
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
+
+
+def profile_step(step: Callable[[], None], rows: int) -> tuple[str, float, float]:
+    """(table of the `rows` ops with the most self time, matmul seconds, all seconds) of one call of `step`.
+
+    The matmuls' share bounds what any code outside them can gain: the same network runs the same matmuls on both
+    sides, so a step can be at most all / matmul times faster than another that has no overhead at all."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *(
+            [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]) as prof:
+        step()
+    events = prof.key_averages()
+    device = torch.cuda.is_available() and any(e.self_device_time_total for e in events)
+
+    def self_us(e) -> float:
+        return e.self_device_time_total if device else e.self_cpu_time_total
+
+    table = events.table(sort_by="self_device_time_total" if device else "self_cpu_time_total", row_limit=rows,
+                         max_name_column_width=48)
+    return (table, sum(self_us(e) for e in events if e.key in MATMULS) / 1e6, sum(self_us(e) for e in events) / 1e6)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     transformers.logging.set_verbosity_error()
@@ -211,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, build in builders.items():
         with build() as step:
             seconds = median_step_seconds(step, args.warmup, args.steps, device)
+            if args.profile:
+                table, matmul, total = profile_step(step, args.profile)
+                print(f"{name} profile of one step:\n{table}\n{name} matmuls: {matmul:.3f} s of {total:.3f} s "
+                      f"self time ({matmul / total:.0%})", flush=True)
         tokens_per_s[name] = tokens_per_step / seconds
         mfu = tokens_per_s[name] * flops_per_token / (peak * 1e12)
         print(f"{name:<12} {seconds * 1e3:8.1f} ms/step {tokens_per_s[name]:10.1f} tokens/s  MFU {mfu:6.1%}",
