@@ -3,7 +3,10 @@ print the result lines tools/gpu_check.py reads. Compiling is left out: it takes
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from megalite.checkpoint.hf_config import hf_config
 from tools import benchmark_throughput as bench
@@ -48,3 +51,27 @@ def test_profile_prints_each_sides_top_ops_and_matmul_share(monkeypatch, capsys)
         line = next(line for line in out.splitlines() if line.startswith(f"{side} matmuls: "))
         matmul, total = (float(word) for word in line.split() if word.replace(".", "").isdigit())
         assert 0 < matmul < total
+
+
+def test_plain_runs_megalites_model_in_a_bare_loop_as_a_third_side(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "measure_peak_tflops", lambda device, dtype: 1.0)
+    bench.main([*TINY, "--plain"])
+    out = capsys.readouterr().out
+    assert parse_benchmark(out).keys() == {"megalite", "huggingface"}  # what gpu_check reads is unchanged
+    assert re.search(r"^plain\s+[\d.]+ ms/step\s+[\d.]+ tokens/s", out, re.M)
+    assert re.search(r"^megalite / plain: [\d.]+x$", out, re.M)
+
+
+def test_the_plain_loop_trains_the_same_model_as_megalites_step():
+    """Its first loss is megalite's: the same network, weights and batch, so the gap is the step's host work."""
+    args = bench.parse_args(TINY)
+    cfg = bench.build_config(args)
+    topology = bench.Topology.from_environment("cpu", cfg.parallel)
+    batch = bench.mock_batches(cfg, 1)[0]
+    with bench.build_trainer(cfg, topology) as trainer:
+        expected = bench.train_step(trainer, [batch]).figures[0]
+    losses, backward = [], torch.Tensor.backward
+    with bench.plain_step(cfg, topology, batch) as step, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "backward", lambda loss: (losses.append(loss.detach()), backward(loss)))
+        step()
+    torch.testing.assert_close(losses[0].double(), expected.reshape(()), rtol=1e-6, atol=0)

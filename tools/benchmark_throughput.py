@@ -18,11 +18,18 @@ Parameters stay fp32 on both sides: megalite's train.param_dtype=bf16 (bf16 para
 main weights in the optimizer) has no counterpart in Trainer, whose bf16 is autocast over fp32
 parameters; an HF model loaded in bf16 would train without fp32 main weights, another algorithm.
 
+`--plain` adds a third side: megalite's own model in a bare PyTorch loop (forward, backward,
+clipping, fused AdamW), so the gap between it and megalite's side is the host work megalite's
+step adds (gradient buffers, hooks, the schedule, the step's bookkeeping), which a GPU pays for
+on small and medium models.
+
 MFU is taken against a peak measured on the spot (a large matmul in the run's dtype on
 this device), not a datasheet figure, so it is meaningful on CPUs too.
 
 Example (the defaults are the goal config of docs/benchmarks.md):
     python tools/benchmark_throughput.py --precision bf16
+    python tools/benchmark_throughput.py --family gpt2 --layers 4 --hidden 128 --heads 4 --seq 64 --micro-batch 12 \\
+        --vocab 50304 --precision fp32 --plain   # nanoGPT's CPU recipe shape
     python tools/benchmark_throughput.py --device cuda --layers 24 --hidden 1024 --heads 16 --seq 1024
     python tools/benchmark_throughput.py --device cuda --family llama --layers 16 --hidden 2048 --heads 32 \\
         --kv-heads 8 --ffn 8192 --seq 8192 --micro-batch 2 --vocab 128256 --tie-embeddings --compile --hf-compile
@@ -43,10 +50,11 @@ import transformers
 from megalite.checkpoint.hf_config import hf_config
 from megalite.config import Config
 from megalite.data.batches import Batch
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.distributed_optimizer import adamw, decay_groups
 from megalite.parallel.topology import Topology, synchronize
 from megalite.planning.measure import measurement_config, mock_batches, model_fields
-from megalite.training.build import build_trainer
+from megalite.training.build import build_model, build_trainer
 from megalite.training.flops import training_flops_per_token
 from megalite.training.step import precision_context, train_step
 
@@ -84,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.compile the whole Hugging Face model, as Trainer's torch_compile does")
     p.add_argument("--hf-optimizer", choices=("fused", "default"), default="fused",
                    help="fused: Trainer's default adamw_torch_fused; default: torch AdamW's default implementation")
+    p.add_argument("--plain", action="store_true",
+                   help="also time megalite's model in a plain PyTorch loop (forward, backward, clipping, torch's "
+                        "fused AdamW, nothing else): the gap to megalite's side is what its step adds on the host")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile one more step of each side: its N ops with the most self time, and "
@@ -153,6 +164,34 @@ def megalite_step(cfg: Config, topology: Topology, batch: Batch) -> Iterator[Cal
     with build_trainer(cfg, topology) as trainer:
         trainer.model.train()
         yield lambda: train_step(trainer, [batch])
+
+
+@contextlib.contextmanager
+def plain_step(cfg: Config, topology: Topology, batch: Batch) -> Iterator[Callable[[], None]]:
+    """megalite's own model, built as build_trainer builds it, in the loop a plain PyTorch script runs: zero the
+    grads, forward, the mean loss over the batch's positions, backward, clip, torch's fused AdamW. No gradient
+    buffers, hooks, schedule or step bookkeeping: the baseline of what megalite's step costs beyond its model."""
+    p = cfg.parallel
+    ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm,
+                                        p.moe_dispatcher)
+    model = build_model(cfg, topology.device, ctx, topology.pp_rank).train()
+    if cfg.train.compile:
+        for layer in model.layers.values():
+            layer.compile()
+    o, device = cfg.optim, topology.device
+    optimizer = adamw(decay_groups(((n, p, p) for n, p in model.named_parameters()), o.weight_decay), o)
+    tokens, labels, mask = (t.to(device) for t in (batch.tokens, batch.labels, batch.loss_mask))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model.aux_losses.start_step(1.0, device)
+        with precision_context(cfg.train.precision, device):
+            loss = (model(tokens, labels) * mask).sum() / mask.numel()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        optimizer.step()
+
+    yield step
 
 
 def hf_step(cfg: Config, device: torch.device, batch: Batch, fused: bool, compiled: bool) -> Callable[[], None]:
@@ -232,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     builders = {"megalite": lambda: megalite_step(cfg, topology, batch),
                 "huggingface": lambda: contextlib.nullcontext(
                     hf_step(cfg, device, batch, args.hf_optimizer == "fused", args.hf_compile))}
+    if args.plain:
+        builders["plain"] = lambda: plain_step(cfg, topology, batch)
     tokens_per_s = {}
     for name, build in builders.items():
         with build() as step:
@@ -247,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         torch.cuda.empty_cache()  # the next model starts from a bare allocator, as in a process of its own
     print(f"megalite / huggingface: {tokens_per_s['megalite'] / tokens_per_s['huggingface']:.3f}x")
+    if args.plain:
+        print(f"megalite / plain: {tokens_per_s['megalite'] / tokens_per_s['plain']:.3f}x")
 
 
 if __name__ == "__main__":
