@@ -137,7 +137,8 @@ def train_step(trainer: Trainer, batches: list[Batch]) -> StepResult:
     optimizer.collect_grads()
     tokens = sum(b.loss_mask.sum(dtype=torch.float64) for b in batches).reshape(1)  # exact beyond 2^24 tokens
     totals = torch.cat((loss_sum.double(), tokens))
-    dist.all_reduce(totals, group=t.dp_cp_group)
+    if t.dp_cp > 1:  # a collective over one rank still hands off to the backend's thread, each step
+        dist.all_reduce(totals, group=t.dp_cp_group)
     correction = (positions / totals[1].clamp(min=1.0)).float()
     loss, tokens = totals[0] * correction, totals[1]
     # Only fp16's dynamic loss scale can overflow; other precisions skip the check and its host-syncing vote.
