@@ -6,6 +6,8 @@ into docs/benchmarks.md. The commands themselves are replaced by fakes here: onl
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,10 +24,73 @@ from tools.gpu_check_steps import Context
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_dry_run_prints_every_step_and_writes_nothing(tmp_path):
+# What the GPU machine lacks, of what megalite lists as dependencies (transformers needs none of them): the
+# commands run there must import without them.
+ABSENT = ("wandb", "datasets", "sentencepiece", "gguf", "accelerate", "google.protobuf")
+# `python -c BARE ROOT ABSENT SCRIPT ARGS...` runs `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) as
+# on the GPU machine: the ABSENT modules cannot be found, and megalite only from ROOT on sys.path, not installed
+# (an installed copy is ignored). Every finder is wrapped, so that `importlib.util.find_spec` probes (as
+# transformers makes) see the modules as missing too.
+BARE = """
+import os, runpy, sys
+root, absent = sys.argv[1], sys.argv[2].split(",")
+
+class Bare:
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if any(name == a or name.startswith(a + ".") for a in absent) or not hasattr(self.finder, "find_spec"):
+            return None
+        spec = self.finder.find_spec(name, path, target)
+        return None if name == "megalite" and spec and not (spec.origin or "").startswith(root) else spec
+
+    def __getattr__(self, attribute):
+        return getattr(self.finder, attribute)
+
+sys.meta_path[:] = [Bare(finder) for finder in sys.meta_path]
+sys.argv = sys.argv[3:]
+if sys.argv[0] == "-m":
+    sys.argv, sys.path[0] = sys.argv[1:], os.getcwd()
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _bare_copy(tmp_path: Path) -> Path:
+    """The files a checkout has that gpu_check and its commands read, copied away from this one."""
+    copy = tmp_path / "checkout"
+    for name in ("megalite", "tools", "tests", "examples"):
+        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pretrain_gpt.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, copy / name)
+    return copy
+
+
+def _run_bare(copy: Path, cwd: Path, *command: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", BARE, str(copy), ",".join(ABSENT), *command], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("module", ["wandb", "megalite"])
+def test_the_bare_python_lacks_what_the_gpu_machine_lacks(tmp_path, module):
+    """The check below means something: wandb is hidden, and an installed megalite is not found."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import {module}\n")
+    done = _run_bare(tmp_path / "checkout", tmp_path, str(script))
+    assert done.returncode == 1 and f"ModuleNotFoundError: No module named '{module}'" in done.stderr, done.stderr
+
+
+def test_dry_run_from_a_bare_copy_prints_every_step_and_writes_nothing(tmp_path):
+    """megalite not installed, wandb and datasets absent, run from another directory: the dry run passes."""
+    copy, elsewhere = _bare_copy(tmp_path), tmp_path / "elsewhere"
     out, report = tmp_path / "out", tmp_path / "report.md"
-    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out), "--report",
-                           str(report)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    elsewhere.mkdir()
+    done = _run_bare(copy, elsewhere, str(copy / "tools" / "gpu_check.py"), "--dry-run", "--out", str(out),
+                     "--report", str(report))
     assert done.returncode == 0, done.stderr
     assert [line for line in done.stdout.splitlines() if line.startswith("[")] == [f"[{s}]" for s in gpu_check.STEPS]
     for expected in ("$ python -m pytest -m cuda tests/test_cuda.py",
@@ -34,12 +99,24 @@ def test_dry_run_prints_every_step_and_writes_nothing(tmp_path):
                      "--config examples/llama_1b.yaml --model.family=llama",
                      "  valid; planner (h100): fits:",
                      "$ python tools/benchmark_throughput.py --device cuda --precision bf16 --family gpt2 --layers 24",
-                     "--family llama --layers 16 --hidden 2048 --heads 32 --seq 8192 --vocab 128256 --micro-batch 2 "
+                     "--family llama --layers 16 --hidden 2048 --heads 32 --seq 8192 --vocab 128256 --micro-batch 1 "
                      "--kv-heads 8 --ffn 8192 --rope-theta 500000.0 --tie-embeddings", "--compile --hf-compile",
                      "Llama-3.2-1B: the model of examples/llama_1b.yaml,",
-                     f"peak allocated in {out / 'train_llama.jsonl'} against the planner's"):
+                     "Llama-3.2-1B: micro batch 1, seq 8192; micro batch 2 x seq 8192: HF ~",
+                     f"peak allocated in {out / 'train_llama.jsonl'} against the planner's",
+                     f"within 420 s (--budget), and writes its report to {report}"):
         assert expected in done.stdout, expected
     assert not out.exists() and not report.exists()
+
+
+@pytest.mark.parametrize("command", [["pretrain_gpt.py", "--help"], ["tools/benchmark_throughput.py", "--help"],
+                                     ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                      "tests/test_cuda.py"]])
+def test_the_commands_it_runs_import_from_a_bare_copy(tmp_path, command):
+    """What gpu_check starts (from the checkout's root) imports there too, without PYTHONPATH."""
+    copy = _bare_copy(tmp_path)
+    done = _run_bare(copy, copy, *command)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_configs_it_would_run_validate(tmp_path):

@@ -164,7 +164,7 @@ def train_runs(out: Path, iters: int) -> list[Run]:
                 "--optim.warmup_iters=2", "--checkpoint.save=null", "--checkpoint.save_interval=null",
                 "--logging.wandb_project=null", "--logging.log_interval=1", "--logging.progress_bar=false",
                 f"--logging.metrics_file={metrics}"]
-        cfg = parse_config(argv)
+        cfg = parse_config(["--config", str(ROOT / config), *argv[2:]])  # the commands run in ROOT; this, anywhere
         validate(cfg, 1)
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
         runs.append(Run(family, [*torchrun, "pretrain_gpt.py", *argv], cfg, metrics))
@@ -256,7 +256,7 @@ def benchmark_runs(gpu: str = "h100") -> list[Run]:
     """tools/benchmark_throughput.py at each example's model in each mode, all eager runs first, at the largest
     micro batch and sequence up to the example's at which both sides fit `gpu` (tools/gpu_check_shape.py); raises
     ValueError if a model the benchmark builds from its arguments is not its example's."""
-    examples = {family: parse_config(["--config", config]) for family, (_, config) in SHAPES.items()}
+    examples = {family: parse_config(["--config", str(ROOT / config)]) for family, (_, config) in SHAPES.items()}
     shapes = {family: choose_shape(example, gpu, lambda mb, seq, ex=example: benchmark_command(ex, mb, seq, [])[1])
               for family, example in examples.items()}
     runs = []
