@@ -5,27 +5,98 @@ into docs/benchmarks.md. The commands themselves are replaced by fakes here: onl
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from megalite.config import Config
+from megalite.config_cli import parse_config
 from megalite.config_validation import validate
-from tools import gpu_check, gpu_check_steps
+from megalite.planning.plan import GPUS
+from tools import gpu_check, gpu_check_report, gpu_check_shape, gpu_check_steps
 from tools.gpu_check_report import CheckResult, Goal, format_report
 from tools.gpu_check_steps import Context
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_dry_run_prints_every_step_and_writes_nothing(tmp_path):
+# What the GPU machine lacks, of what megalite lists as dependencies (transformers needs none of them): the
+# commands run there must import without them.
+ABSENT = ("wandb", "datasets", "sentencepiece", "gguf", "accelerate", "google.protobuf")
+# `python -c BARE ROOT ABSENT SCRIPT ARGS...` runs `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) as
+# on the GPU machine: the ABSENT modules cannot be found, and megalite only from ROOT on sys.path, not installed
+# (an installed copy is ignored). Every finder is wrapped, so that `importlib.util.find_spec` probes (as
+# transformers makes) see the modules as missing too.
+BARE = """
+import os, runpy, sys
+root, absent = sys.argv[1], sys.argv[2].split(",")
+
+class Bare:
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if any(name == a or name.startswith(a + ".") for a in absent) or not hasattr(self.finder, "find_spec"):
+            return None
+        spec = self.finder.find_spec(name, path, target)
+        return None if name == "megalite" and spec and not (spec.origin or "").startswith(root) else spec
+
+    def __getattr__(self, attribute):
+        return getattr(self.finder, attribute)
+
+sys.meta_path[:] = [Bare(finder) for finder in sys.meta_path]
+sys.argv = sys.argv[3:]
+if sys.argv[0] == "-m":
+    sys.argv, sys.path[0] = sys.argv[1:], os.getcwd()
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _bare_copy(tmp_path: Path) -> Path:
+    """The files a checkout has that gpu_check and its commands read, copied away from this one."""
+    copy = tmp_path / "checkout"
+    for name in ("megalite", "tools", "tests", "examples"):
+        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pretrain_gpt.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, copy / name)
+    return copy
+
+
+def _run_bare(copy: Path, cwd: Path, *command: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", BARE, str(copy), ",".join(ABSENT), *command], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("module", ["wandb", "megalite"])
+def test_the_bare_python_lacks_what_the_gpu_machine_lacks(tmp_path, module):
+    """The check below means something: wandb is hidden, and an installed megalite is not found."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import {module}\n")
+    done = _run_bare(tmp_path / "checkout", tmp_path, str(script))
+    assert done.returncode == 1 and f"ModuleNotFoundError: No module named '{module}'" in done.stderr, done.stderr
+
+
+def test_dry_run_from_a_bare_copy_prints_every_step_and_writes_nothing(tmp_path):
+    """megalite not installed, wandb and datasets absent, run from another directory: the dry run passes."""
+    copy, elsewhere = _bare_copy(tmp_path), tmp_path / "elsewhere"
     out, report = tmp_path / "out", tmp_path / "report.md"
-    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out), "--report",
-                           str(report)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    elsewhere.mkdir()
+    done = _run_bare(copy, elsewhere, str(copy / "tools" / "gpu_check.py"), "--dry-run", "--out", str(out),
+                     "--report", str(report))
     assert done.returncode == 0, done.stderr
     assert [line for line in done.stdout.splitlines() if line.startswith("[")] == [f"[{s}]" for s in gpu_check.STEPS]
     for expected in ("$ python -m pytest -m cuda tests/test_cuda.py",
@@ -34,12 +105,24 @@ def test_dry_run_prints_every_step_and_writes_nothing(tmp_path):
                      "--config examples/llama_1b.yaml --model.family=llama",
                      "  valid; planner (h100): fits:",
                      "$ python tools/benchmark_throughput.py --device cuda --precision bf16 --family gpt2 --layers 24",
-                     "--family llama --layers 16 --hidden 2048 --heads 32 --seq 8192 --vocab 128256 --micro-batch 2 "
+                     "--family llama --layers 16 --hidden 2048 --heads 32 --seq 8192 --vocab 128256 --micro-batch 1 "
                      "--kv-heads 8 --ffn 8192 --rope-theta 500000.0 --tie-embeddings", "--compile --hf-compile",
                      "Llama-3.2-1B: the model of examples/llama_1b.yaml,",
-                     f"peak allocated in {out / 'train_llama.jsonl'} against the planner's"):
+                     "Llama-3.2-1B: micro batch 1, seq 8192; micro batch 2 x seq 8192: HF ~",
+                     f"peak allocated in {out / 'train_llama.jsonl'} against the planner's",
+                     f"within 420 s (--budget), and writes its report to {report}"):
         assert expected in done.stdout, expected
     assert not out.exists() and not report.exists()
+
+
+@pytest.mark.parametrize("command", [["pretrain_gpt.py", "--help"], ["tools/benchmark_throughput.py", "--help"],
+                                     ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                      "tests/test_cuda.py"]])
+def test_the_commands_it_runs_import_from_a_bare_copy(tmp_path, command):
+    """What gpu_check starts (from the checkout's root) imports there too, without PYTHONPATH."""
+    copy = _bare_copy(tmp_path)
+    done = _run_bare(copy, copy, *command)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_configs_it_would_run_validate(tmp_path):
@@ -223,3 +306,123 @@ def test_report_markdown_from_step_results():
 | model |
 |---|
 """
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hf_memory_estimate_counts_what_autograd_saves(family):
+    """The estimate's activations and saved logits against what a small HF model's forward saves under bf16
+    autocast (on a CPU), across its layers and logits."""
+    import transformers
+
+    from megalite.checkpoint.hf_config import hf_config
+    from megalite.planning.measure import saved_storages
+
+    cfg = Config()
+    m = cfg.model
+    m.family, m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = family, 3, 128, 4, 384
+    m.seq_length, m.vocab_size, m.num_query_groups = 64, 1000, 2 if family == "llama" else None
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(m), attn_implementation="sdpa").train()
+    tokens = torch.randint(0, m.vocab_size, (2, m.seq_length))
+    with saved_storages(model) as saved, torch.autocast("cpu", torch.bfloat16):
+        model(input_ids=tokens, labels=tokens)
+    estimate = gpu_check_shape.hf_training_bytes(m, 2, m.seq_length)
+    forward = estimate["activations"] + estimate["logits (saved)"] + estimate["weight copies"]
+    assert forward == pytest.approx(sum(saved.values()), rel=0.05)
+    params = sum(p.numel() for p in model.parameters())
+    assert estimate["parameters"] + estimate["gradients"] + estimate["Adam state"] == pytest.approx(16 * params,
+                                                                                                     rel=0.01)
+
+
+def _llama_example() -> Config:
+    return parse_config(["--config", str(ROOT / "examples" / "llama_1b.yaml")])
+
+
+def _megalite_config(mb: int, seq: int) -> Config:
+    return gpu_check_steps.benchmark_command(_llama_example(), mb, seq, [])[1]
+
+
+def test_the_benchmark_shape_is_the_largest_that_fits():
+    """Llama-3.2-1B's example shape (2 x 8192 tokens, 128k vocabulary) does not fit HF's side on an H100 but does
+    on an H200; on a 40 GB GPU the sequence is halved too."""
+    example = _llama_example()
+    h100 = gpu_check_shape.choose_shape(example, "h100", _megalite_config)
+    assert (h100.micro_batch, h100.seq) == (1, 8192)
+    assert h100.why.startswith("micro batch 2 x seq 8192: HF ~") and "fits in 79.6 GiB on h100" in h100.why
+    h200 = gpu_check_shape.choose_shape(example, "h200", _megalite_config)
+    assert (h200.micro_batch, h200.seq) == (2, 8192) and h200.why.count("micro batch") == 1
+    small = gpu_check_shape.choose_shape(example, "a100-40gb", _megalite_config)
+    assert (small.micro_batch, small.seq) == (1, 4096) and small.why.endswith("(fits in 39.6 GiB on a100-40gb)")
+    for gpu, (micro_batch, seq) in (("h100", (2, 8192)), ("a100-40gb", (1, 8192))):  # the shapes passed over
+        too_big = gpu_check_shape.hf_training_bytes(example.model, micro_batch, seq)
+        assert sum(too_big.values()) / 2**30 + 3.0 > GPUS[gpu][0] / 1024
+    with pytest.raises(ValueError, match="model.family=qwen3: no Hugging Face memory estimate"):
+        gpu_check_shape.hf_training_bytes(replace(example.model, family="qwen3"), 1, 8192)
+
+
+def test_steps_and_commands_that_would_not_fit_the_budget_are_skipped(tmp_path, capsys):
+    ctx = _context(tmp_path, None)
+    ctx.deadline = time.monotonic() + 100  # room for the eager benchmark runs, not the compiled ones
+    outputs = {"throughput_gpt2_eager": (0, _benchmark_output(50_000, 40_000)),
+               "throughput_llama_eager": (0, _benchmark_output(45_000, 30_000))}
+    ctx.run = lambda name, cmd, limit: outputs[name]
+    result = gpu_check_steps.step_throughput(ctx)
+    skipped = r"compiled: skipped: needs about 150 s, \d+ s of the time budget \(--budget\) left"
+    assert result.status == "PASS" and re.fullmatch(
+        rf"GPT-2 1.3B eager: 1.25x HF eager; Llama-3.2-1B eager: 1.50x HF eager; GPT-2 1.3B {skipped}; "
+        rf"Llama-3.2-1B {skipped}", result.summary)
+    assert "  Llama-3.2-1B compiled skipped: needs about 150 s" in capsys.readouterr().out
+    ctx.deadline = time.monotonic() - 1
+    skipped = gpu_check.run_step(ctx, "train")
+    assert (skipped.status, skipped.summary) == ("SKIP", "skipped: needs about 60 s, 0 s of the time budget "
+                                                         "(--budget) left")
+    assert gpu_check.run_step(ctx, "memory").status == "SKIP"  # it needs no time: it runs, and finds no metrics
+    assert gpu_check_steps.step_train(ctx).status == "SKIP"
+
+
+def test_the_report_is_written_after_each_step(tmp_path, monkeypatch):
+    """A run cut off during a step leaves the report of the steps before it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    report, seen = tmp_path / "out" / "report.md", {}
+
+    def run(self, name: str, cmd: list[str], limit: float) -> tuple[int, str]:
+        seen[name] = report.read_text() if report.exists() else None
+        return (0, "11 passed in 41.20s\n") if name == "tests" else (1, "killed")
+
+    monkeypatch.setattr(Context, "run", run)
+    assert gpu_check.main(["--out", str(tmp_path / "out"), "--only", "tests", "train"]) == 1
+    assert seen["tests"] is None and "| tests | PASS |" in seen["train_gpt2"] and "1 of 2 done" in seen["train_gpt2"]
+    assert "| train | FAIL |" in report.read_text() and "2 of 2 done" in report.read_text()
+
+
+def test_commit_is_unknown_without_git_or_its_repository(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check_report, "ROOT", tmp_path)
+    assert gpu_check_report.commit() == "unknown (no .git in the checkout)"
+    (tmp_path / ".git").mkdir()
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "git")
+
+    monkeypatch.setattr(gpu_check_report.subprocess, "run", no_git)
+    assert gpu_check_report.commit() == "unknown (git: No such file or directory)"
+
+
+def test_without_pytest_the_tests_step_is_skipped(tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else find_spec(name, *a))
+    result = gpu_check_steps.step_tests(_context(tmp_path, None))
+    assert (result.status, result.summary) == ("SKIP", "pytest is not installed here")
+
+
+def test_commands_import_megalite_from_this_checkout(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert gpu_check_steps.child_environment()["PYTHONPATH"] == f"{ROOT}{os.pathsep}/elsewhere"
+    monkeypatch.delenv("PYTHONPATH")
+    assert gpu_check_steps.child_environment()["PYTHONPATH"] == str(ROOT)
+
+
+def test_a_budget_that_is_not_positive_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--budget", "0"])
+    assert "--budget 0: give the seconds the run may take, e.g. --budget 420" in capsys.readouterr().err

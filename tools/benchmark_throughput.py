@@ -41,22 +41,25 @@ import argparse
 import contextlib
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import transformers
 
-from megalite.checkpoint.hf_config import hf_config
-from megalite.config import Config
-from megalite.data.batches import Batch
-from megalite.parallel.context import ParallelContext
-from megalite.parallel.distributed_optimizer import adamw, decay_groups
-from megalite.parallel.topology import Topology, synchronize
-from megalite.planning.measure import measurement_config, mock_batches, model_fields
-from megalite.training.build import build_model, build_trainer
-from megalite.training.flops import training_flops_per_token
-from megalite.training.step import precision_context, train_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script Python puts tools/ first, not the root
+from megalite.checkpoint.hf_config import hf_config  # noqa: E402
+from megalite.config import Config  # noqa: E402
+from megalite.data.batches import Batch  # noqa: E402
+from megalite.parallel.context import ParallelContext  # noqa: E402
+from megalite.parallel.distributed_optimizer import adamw, decay_groups  # noqa: E402
+from megalite.parallel.topology import Topology, synchronize  # noqa: E402
+from megalite.planning.measure import measurement_config, mock_batches, model_fields  # noqa: E402
+from megalite.training.build import build_model, build_trainer  # noqa: E402
+from megalite.training.flops import training_flops_per_token  # noqa: E402
+from megalite.training.step import precision_context, train_step  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

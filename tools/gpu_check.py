@@ -1,16 +1,24 @@
 """Is megalite right and fast on this GPU? One command on a one-GPU machine, under 10 minutes.
 
-    python tools/gpu_check.py                        # every step; writes docs/gpu_check_report.md
+    python tools/gpu_check.py --out DIR              # every step; logs, metrics and DIR/report.md in DIR
     python tools/gpu_check.py --only train memory    # some steps (memory reads the train step's metrics)
     python tools/gpu_check.py --dry-run              # anywhere: every command and config built and validated
+
+It runs from a plain checkout (megalite need not be installed; the commands it starts import it from this
+checkout too) with torch, transformers and triton: without wandb, datasets, git or a package registry. The
+whole run keeps within --budget seconds (default 420, for machines that stop a command at 10 minutes): a
+step or command that would not fit in what is left is skipped with a line saying so. The report is rewritten
+after each step, so a run cut off from outside still leaves every finished step's figures in it.
 
 Steps, in order, each PASS, FAIL or SKIP with its time:
   tests       `pytest -m cuda tests/test_cuda.py`: what CPU CI cannot run.
   train       pretrain_gpt.py under torchrun, one GPU, mock data, bf16 parameters: a few steps of the GPT-2 1.3B
               and Llama-3.2-1B examples; losses, tokens/s, MFU and peak memory from the metrics file.
-  throughput  tools/benchmark_throughput.py at the GPT-2 1.3B and Llama-3.2-1B examples' shapes against Hugging
+  throughput  tools/benchmark_throughput.py at the GPT-2 1.3B and Llama-3.2-1B examples' models against Hugging
               Face (SDPA, fused AdamW): eager against eager, then compiled against compiled (megalite's layers
-              as train.compile does, HF's whole model as Trainer's torch_compile does).
+              as train.compile does, HF's whole model as Trainer's torch_compile does); at the examples' micro
+              batch and sequence, or smaller where a memory estimate says HF's side would not fit the GPU
+              (tools/gpu_check_shape.py).
   memory      each training run's peak allocated memory against the planner's prediction.
 
 The markdown report (for docs/benchmarks.md) names the device and the torch/CUDA versions and sets the results
@@ -40,6 +48,7 @@ from tools.gpu_check_report import CheckResult, environment, write_report  # noq
 from tools.gpu_check_steps import (  # noqa: E402
     SHAPES,
     STEP_FUNCTIONS,
+    STEP_NEEDS,
     STEPS,
     Context,
     benchmark_runs,
@@ -47,6 +56,7 @@ from tools.gpu_check_steps import (  # noqa: E402
     flops_by_family,
     predicted_gib,
     pytest_command,
+    shape_lines,
     tail,
     train_runs,
 )
@@ -60,11 +70,11 @@ def dry_run_lines(ctx: Context, step: str) -> list[str]:
         return [line for run in train_runs(ctx.out, ctx.train_iters) for line in (
             f"$ {display(run.command)}", f"  valid; planner ({ctx.gpu}): {make_plan(run.cfg, 1, ctx.gpu).verdict()}")]
     if step == "throughput":
-        runs = benchmark_runs()
+        runs = benchmark_runs(ctx.gpu)
         flops = flops_by_family(runs)
         return [*(f"$ {display(run.command)}" for run in runs),
                 *(f"  {label}: the model of {config}, {flops[family] / 1e9:.2f} GFLOP/token"
-                  for family, (label, config) in SHAPES.items())]
+                  for family, (label, config) in SHAPES.items()), *(f"  {line}" for line in shape_lines(runs))]
     return [f"peak allocated in {display([str(run.metrics)])} against the planner's "
             f"{predicted_gib(make_plan(run.cfg, 1, ctx.gpu)):.2f} GiB (within {ctx.memory_tolerance:.0%})"
             for run in train_runs(ctx.out, ctx.train_iters)]
@@ -74,8 +84,9 @@ def run_step(ctx: Context, name: str) -> CheckResult:
     """One step, timed; an error inside it fails the step, and the other steps still run."""
     print(f"[{name}]", flush=True)
     start = time.monotonic()
-    if ctx.deadline - start < 30:
-        result = CheckResult(name, "SKIP", "the time budget (--budget) was spent")
+    skipped = ctx.skip(f"[{name}]", STEP_NEEDS[name])
+    if skipped:
+        result = CheckResult(name, "SKIP", skipped)
     else:
         try:
             result = STEP_FUNCTIONS[name](ctx)
@@ -90,19 +101,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="build, validate and print everything; run nothing")
     p.add_argument("--only", nargs="+", choices=STEPS, help="run these steps only (in the usual order)")
-    p.add_argument("--report", type=Path, default=ROOT / "docs" / "gpu_check_report.md", help="markdown written")
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check", help="metrics files and logs")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check", help="metrics files, logs, the report")
+    p.add_argument("--report", type=Path, default=None,
+                   help="the markdown report, rewritten after each step (default: OUT/report.md)")
     p.add_argument("--train-iters", type=int, default=10, help="steps of each training run")
-    p.add_argument("--budget", type=float, default=510.0,
-                   help="seconds the commands may take together (one that runs over has a minute more to stop)")
+    p.add_argument("--budget", type=float, default=420.0,
+                   help="seconds the whole run may take; what would not fit in what is left is skipped (a command "
+                        "that runs over has a minute more to stop)")
     p.add_argument("--memory-tolerance", type=float, default=0.10, help="allowed |measured / planned - 1|")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for MFU when flops.py lacks this GPU")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.budget <= 0:
+        p.error(f"--budget {args.budget:g}: give the seconds the run may take, e.g. --budget 420")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    report = (args.report or args.out / "report.md").resolve()
     steps = [s for s in STEPS if s in (args.only or STEPS)]
     if not args.dry_run and not torch.cuda.is_available():
         print("error: torch sees no CUDA device; run on a GPU machine, or see the plan with --dry-run", file=sys.stderr)
@@ -112,26 +129,28 @@ def main(argv: list[str] | None = None) -> int:
         model = device_model(torch.cuda.get_device_name(0))
         gpu = next((key for key, (_, row) in GPUS.items() if row == model), gpu)
         peak = peak_tflops(torch.device("cuda", 0), "bf16", args.peak_tflops)
-    out = args.out.resolve()
-    ctx = Context(out, time.monotonic() + args.budget, gpu, peak, args.train_iters, args.memory_tolerance)
+    out, start = args.out.resolve(), time.monotonic()
+    ctx = Context(out, start + args.budget, gpu, peak, args.train_iters, args.memory_tolerance)
     try:
         if args.dry_run:
             print("dry run: nothing runs on a GPU. A real run takes these steps, in order:")
             for step in steps:
                 print(f"\n[{step}]", *dry_run_lines(ctx, step), sep="\n  ")
-            print(f"\nand writes its report to {display([str(args.report.resolve())])}")
+            print(f"\nwithin {args.budget:.0f} s (--budget), and writes its report to {display([str(report)])}")
             return 0
         train_runs(out, args.train_iters)  # every config is valid before any GPU work starts
-        benchmark_runs()
+        benchmark_runs(gpu)
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    results = [run_step(ctx, step) for step in steps]
     env = environment(display([sys.executable, "tools/gpu_check.py", *argv]), peak)
-    write_report(args.report, env | {"total time": f"{time.monotonic() - start:.0f} s"}, results)
-    print(f"report written to {args.report}")
+    results = []
+    for step in steps:  # the report after each step: a run stopped from outside keeps what it finished
+        results.append(run_step(ctx, step))
+        write_report(report, env | {"total time": f"{time.monotonic() - start:.0f} s of {args.budget:.0f} s",
+                                    "steps": f"{len(results)} of {len(steps)} done"}, results)
+    print(f"report written to {report}")
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
 

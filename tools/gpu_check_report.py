@@ -50,8 +50,19 @@ def environment(command: str, peak: float | None) -> dict[str, str]:
         env["software"] = (f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
                            f"{torch.backends.cudnn.version()}, transformers {transformers.__version__}, "
                            f"Python {platform.python_version()}")
-    git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
-    return env | {"commit": git.stdout.strip() or "unknown"}
+    return env | {"commit": commit()}
+
+
+def commit() -> str:
+    """The checkout's commit, or why it is unknown: a copy of the tree without .git (which git would otherwise
+    describe from a repository around it), or a machine without git."""
+    if not (ROOT / ".git").exists():
+        return "unknown (no .git in the checkout)"
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+    except OSError as error:
+        return f"unknown (git: {error.strerror})"
+    return git.stdout.strip() or f"unknown (git describe: {git.stderr.strip() or f'exit status {git.returncode}'})"
 
 
 def cell(text: str) -> str:

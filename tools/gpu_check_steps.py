@@ -3,6 +3,7 @@ goals (the command line, the time budget and the report are gpu_check.py's)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megalite.config import Config
@@ -24,6 +25,7 @@ from megalite.training.flops import training_flops_per_token
 from tools.benchmark_throughput import build_config as benchmark_config
 from tools.benchmark_throughput import parse_args as benchmark_args
 from tools.gpu_check_report import CheckResult, Goal
+from tools.gpu_check_shape import Shape, choose_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("tests", "train", "throughput", "memory")
@@ -38,6 +40,10 @@ BENCHMARK_MODES = {"eager": [], "compiled": ["--compile", "--hf-compile"]}
 # untimed: the first step compiles (in compiled mode) and allocates Adam's state, the second runs as timed ones do
 BENCHMARK_STEPS = ["--steps", "8", "--warmup", "2"]
 LIMITS = {"tests": 150, "train": 150, "eager": 120, "compiled": 240}  # seconds one command may take
+# Seconds a command needs at least to produce its figures (start-up, model build, compiling, a few steps): with
+# less of the budget left it is skipped, not started to be cut off. A step needs what its cheapest command needs.
+NEEDS = {"tests": 45, "train": 60, "eager": 60, "compiled": 150}
+STEP_NEEDS = {"tests": NEEDS["tests"], "train": NEEDS["train"], "throughput": NEEDS["eager"], "memory": 0}
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Run:
     cfg: Config
     metrics: Path | None = None  # a training run's metrics file
     mode: str | None = None  # a benchmark run's (BENCHMARK_MODES)
+    shape: Shape | None = None  # a benchmark run's micro batch and sequence, and why
 
     @property
     def label(self) -> str:
@@ -64,14 +71,27 @@ class Context:
     train_iters: int
     memory_tolerance: float
 
+    def left(self) -> float:
+        """Seconds of the time budget (--budget) left."""
+        return self.deadline - time.monotonic()
+
+    def skip(self, what: str, need: float) -> str | None:
+        """Why `what`, which needs `need` seconds, is skipped (printed): the budget is short of it; None if it fits."""
+        left = self.left()
+        if left >= need:
+            return None
+        reason = f"skipped: needs about {need:.0f} s, {max(left, 0):.0f} s of the time budget (--budget) left"
+        print(f"  {what} {reason}", flush=True)
+        return reason
+
     def run(self, name: str, cmd: list[str], limit: float) -> tuple[int | None, str]:
         """Run `cmd` from the repository root, its output (stdout and stderr) kept in OUT/name.log; the exit
         status is None when it ran out of time. Then it gets SIGTERM first: torchrun's agent passes it on to
         its workers (which run in sessions of their own) and waits for them; SIGKILL a minute later."""
         print(f"  $ {display(cmd)}", flush=True)
-        timeout = max(1.0, min(limit, self.deadline - time.monotonic()))
-        with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace", start_new_session=True) as proc:
+        timeout = max(1.0, min(limit, self.left()))
+        with subprocess.Popen(cmd, cwd=ROOT, env=child_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, errors="replace", start_new_session=True) as proc:
             try:
                 output, rc = proc.communicate(timeout=timeout)[0], proc.returncode
             except subprocess.TimeoutExpired:
@@ -87,6 +107,13 @@ class Context:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             return proc.communicate()[0]
+
+
+def child_environment() -> dict[str, str]:
+    """This environment with the repository root first on PYTHONPATH: every command imports megalite from this
+    checkout, installed or not, whichever directory Python puts first on its path (torchrun's workers too)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *([path] if path else [])])}
 
 
 def display(cmd: list[str]) -> str:
@@ -112,6 +139,8 @@ def pytest_command() -> list[str]:
 
 def step_tests(ctx: Context) -> CheckResult:
     cmd = pytest_command()
+    if importlib.util.find_spec("pytest") is None:
+        return CheckResult("tests", "SKIP", "pytest is not installed here", [f"`{display(cmd)}` needs pytest"])
     rc, output = ctx.run("tests", cmd, LIMITS["tests"])
     lines = output.splitlines()
     summaries = [line.strip(" =") for line in lines if re.search(r"\b(passed|failed|skipped|error).* in [\d.]+s", line)]
@@ -135,7 +164,7 @@ def train_runs(out: Path, iters: int) -> list[Run]:
                 "--optim.warmup_iters=2", "--checkpoint.save=null", "--checkpoint.save_interval=null",
                 "--logging.wandb_project=null", "--logging.log_interval=1", "--logging.progress_bar=false",
                 f"--logging.metrics_file={metrics}"]
-        cfg = parse_config(argv)
+        cfg = parse_config(["--config", str(ROOT / config), *argv[2:]])  # the commands run in ROOT; this, anywhere
         validate(cfg, 1)
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
         runs.append(Run(family, [*torchrun, "pretrain_gpt.py", *argv], cfg, metrics))
@@ -165,11 +194,16 @@ def train_problem(rc: int | None, records: list[dict], iters: int) -> str | None
 
 
 def step_train(ctx: Context) -> CheckResult:
-    rows, goals, problems, logs, commands = [], [], [], [], []
+    rows, goals, problems, skips, logs, commands = [], [], [], [], [], []
     for run in train_runs(ctx.out, ctx.train_iters):
         run.metrics.unlink(missing_ok=True)  # the metrics writer appends
-        rc, output = ctx.run(f"train_{run.name}", run.command, LIMITS["train"])
         commands.append(f"    {display(run.command)}")
+        skipped = ctx.skip(run.label, NEEDS["train"])
+        if skipped:
+            skips.append(f"{run.label}: {skipped}")
+            goals.append(Goal(f"{run.label} MFU >= {MFU_GOALS[run.name]:.0%}", "n/a", None, "skipped (time budget)"))
+            continue
+        rc, output = ctx.run(f"train_{run.name}", run.command, LIMITS["train"])
         records = read_metrics(run.metrics)
         problem = train_problem(rc, records, ctx.train_iters)
         if problem:
@@ -188,17 +222,22 @@ def step_train(ctx: Context) -> CheckResult:
                f"{WARMUP_STEPS} steps, MFU against {ctx.peak or 'an unknown'} TFLOP/s (bf16).", "",
                "| model | steps | loss first -> last | tokens/s | MFU | peak allocated GiB |",
                "|---|---:|---|---:|---:|---:|", *rows, "", "Commands:", "", *commands, *logs]
-    summary = "; ".join(problems) or "; ".join(f"{g.name.split(' MFU')[0]} MFU {g.measured}" for g in goals)
-    return CheckResult("train", "FAIL" if problems else "PASS", summary, details, goals)
+    summary = "; ".join(problems + skips) or "; ".join(f"{g.name.split(' MFU')[0]} MFU {g.measured}" for g in goals)
+    return CheckResult("train", outcome(problems, rows), summary, details, goals)
 
 
-def benchmark_shape(example: Config) -> list[str]:
-    """tools/benchmark_throughput.py's arguments for an example's model, micro batch and sequence on CUDA in bf16;
-    the model options the example leaves at their defaults are left to the benchmark's defaults."""
+def outcome(problems: list[str], results: list[str]) -> str:
+    """A step's status: FAIL when a command failed, SKIP when none ran (the budget was spent), PASS otherwise."""
+    return "FAIL" if problems else "PASS" if results else "SKIP"
+
+
+def benchmark_shape(example: Config, micro_batch: int, seq: int) -> list[str]:
+    """tools/benchmark_throughput.py's arguments for an example's model at this micro batch and sequence on CUDA in
+    bf16; the model options the example leaves at their defaults are left to the benchmark's defaults."""
     m = example.model
     argv = ["--device", "cuda", "--precision", "bf16", "--family", m.family, "--layers", str(m.num_layers),
-            "--hidden", str(m.hidden_size), "--heads", str(m.num_attention_heads), "--seq", str(m.seq_length),
-            "--vocab", str(m.vocab_size), "--micro-batch", str(example.train.micro_batch_size)]
+            "--hidden", str(m.hidden_size), "--heads", str(m.num_attention_heads), "--seq", str(seq),
+            "--vocab", str(m.vocab_size), "--micro-batch", str(micro_batch)]
     optional = {"--kv-heads": m.num_query_groups, "--ffn": m.ffn_hidden_size,
                 "--rope-theta": m.rope_theta if m.family == "llama" else None}
     argv += [arg for flag, value in optional.items() if value is not None for arg in (flag, str(value))]
@@ -206,20 +245,38 @@ def benchmark_shape(example: Config) -> list[str]:
                                                         "--no-tie-embeddings"])
 
 
-def benchmark_runs() -> list[Run]:
-    """tools/benchmark_throughput.py at each example's shape in each mode, all eager runs first; raises
+def benchmark_command(example: Config, micro_batch: int, seq: int, options: list[str]) -> tuple[list[str], Config]:
+    """The benchmark's arguments at this shape and the megalite config it builds from them (validated as the
+    benchmark validates it)."""
+    argv = [*benchmark_shape(example, micro_batch, seq), *BENCHMARK_STEPS, *options]
+    return argv, benchmark_config(benchmark_args(argv))
+
+
+def benchmark_runs(gpu: str = "h100") -> list[Run]:
+    """tools/benchmark_throughput.py at each example's model in each mode, all eager runs first, at the largest
+    micro batch and sequence up to the example's at which both sides fit `gpu` (tools/gpu_check_shape.py); raises
     ValueError if a model the benchmark builds from its arguments is not its example's."""
-    examples = {family: parse_config(["--config", config]) for family, (_, config) in SHAPES.items()}
+    examples = {family: parse_config(["--config", str(ROOT / config)]) for family, (_, config) in SHAPES.items()}
+    shapes = {family: choose_shape(example, gpu, lambda mb, seq, ex=example: benchmark_command(ex, mb, seq, [])[1])
+              for family, example in examples.items()}
     runs = []
     for mode, options in BENCHMARK_MODES.items():
         for family, example in examples.items():
-            argv = [*benchmark_shape(example), *BENCHMARK_STEPS, *options]
-            cfg = benchmark_config(benchmark_args(argv))  # validated as the benchmark runs it
-            if cfg.model != example.model:
+            shape = shapes[family]
+            argv, cfg = benchmark_command(example, shape.micro_batch, shape.seq, options)
+            if cfg.model != replace(example.model, seq_length=shape.seq):
                 raise ValueError(f"tools/benchmark_throughput.py {' '.join(argv)} builds {cfg.model}, "
                                  f"not the model of {SHAPES[family][1]}")
-            runs.append(Run(family, [sys.executable, "tools/benchmark_throughput.py", *argv], cfg, mode=mode))
+            runs.append(Run(family, [sys.executable, "tools/benchmark_throughput.py", *argv], cfg, mode=mode,
+                            shape=shape))
     return runs
+
+
+def shape_lines(runs: list[Run]) -> list[str]:
+    """Each family's benchmark shape and the estimate it was chosen by."""
+    chosen = {run.name: run.shape for run in runs}
+    return [f"{SHAPES[family][0]}: micro batch {shape.micro_batch}, seq {shape.seq}; {shape.why}"
+            for family, shape in chosen.items()]
 
 
 def flops_by_family(runs: list[Run]) -> dict[str, float]:
@@ -255,15 +312,20 @@ def throughput_goals(measured: dict[tuple[str, str], dict[str, float]], flops: d
                 ratio = runs[mode]["megalite"] / runs[mode]["huggingface"]
                 goals.append(Goal(name, f"{ratio:.2f}x", ratio >= goal, source))
             else:
-                goals.append(Goal(name, "n/a", None, f"the {mode} throughput run failed"))
+                goals.append(Goal(name, "n/a", None, f"the {mode} throughput run did not finish"))
     return goals
 
 
 def step_throughput(ctx: Context) -> CheckResult:
-    runs = benchmark_runs()
+    runs = benchmark_runs(ctx.gpu)
     flops = flops_by_family(runs)
-    rows, problems, logs, measured = [], [], [], {}
+    print(*(f"  {line}" for line in shape_lines(runs)), sep="\n", flush=True)
+    rows, problems, skips, logs, measured = [], [], [], [], {}
     for run in runs:
+        skipped = ctx.skip(f"{run.label} {run.mode}", NEEDS[run.mode])
+        if skipped:
+            skips.append(f"{run.label} {run.mode}: {skipped}")
+            continue
         rc, output = ctx.run(f"throughput_{run.name}_{run.mode}", run.command, LIMITS[run.mode])
         tokens = parse_benchmark(output)
         if rc != 0 or tokens.keys() != {"megalite", "huggingface"}:
@@ -275,18 +337,18 @@ def step_throughput(ctx: Context) -> CheckResult:
         rows.append(f"| {run.label} | {run.mode} | {tokens['megalite']:,.0f} | {percent(mfu['megalite'])} | "
                     f"{tokens['huggingface']:,.0f} | {percent(mfu['huggingface'])} | "
                     f"{tokens['megalite'] / tokens['huggingface']:.2f}x |")
-    shapes = [f"- {label}: the model, micro batch and sequence of `{config}`, {flops[family] / 1e9:.2f} GFLOP/token"
-              for family, (label, config) in SHAPES.items()]
+    shapes = [f"- {label}: the model of `{config}`, {flops[family] / 1e9:.2f} GFLOP/token"
+              for family, (label, config) in SHAPES.items()] + [f"- {line}" for line in shape_lines(runs)]
     details = ["Both sides fp32 parameters under bf16 autocast, HF with SDPA attention and fused AdamW; eager: neither "
                "compiled, compiled: megalite's layers (train.compile) and HF's whole model (torch.compile). MFU "
                f"against {ctx.peak or 'an unknown'} TFLOP/s (bf16).", "", *shapes, "",
                "| model | mode | megalite tokens/s | MFU | HF tokens/s | MFU | megalite / HF |",
                "|---|---|---:|---:|---:|---:|---:|", *rows, "", "Commands:", "",
                *[f"    {display(run.command)}" for run in runs], *logs]
-    summary = "; ".join(problems) or "; ".join(
-        f"{SHAPES[family][0]} {mode}: {tokens['megalite'] / tokens['huggingface']:.2f}x HF {mode}"
-        for (family, mode), tokens in measured.items())
-    return CheckResult("throughput", "FAIL" if problems else "PASS", summary, details,
+    summary = "; ".join(problems) or "; ".join([
+        *(f"{SHAPES[family][0]} {mode}: {tokens['megalite'] / tokens['huggingface']:.2f}x HF {mode}"
+          for (family, mode), tokens in measured.items()), *skips])
+    return CheckResult("throughput", outcome(problems, rows), summary, details,
                        throughput_goals(measured, flops, ctx.peak))
 
 

@@ -13,7 +13,6 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-import sentencepiece
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -156,6 +155,8 @@ class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece .model (Llama/Mistral style); end of document = its eos id."""
 
     def __init__(self, model_file: str | None) -> None:
+        import sentencepiece  # only this tokenizer needs it, and GPU images without it still train with the others
+
         path = _existing(model_file, "tokenizer_model", "SentencePiece model")
         self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
         if self._sp.eos_id() < 0:
