@@ -94,9 +94,17 @@ def _indivisible_sequence(rank: int) -> str:
     return "no error"
 
 
+def _helpers_before_torch_2_13(rank: int) -> dict[str, torch.Tensor]:
+    """The helpers where torch.distributed has no *_single collectives (torch 2.11 on the GPU machines)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            patch.delattr(dist, name, raising=False)
+        return _single_tensor_helpers(rank)
+
+
 def _on_rank(rank: int, world_size: int) -> dict:
     return {"autograd": _autograd_functions(rank), "helpers": _single_tensor_helpers(rank),
-            "indivisible": _indivisible_sequence(rank)}
+            "helpers before 2.13": _helpers_before_torch_2_13(rank), "indivisible": _indivisible_sequence(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +122,13 @@ def test_forward_and_backward_equal_one_process(ranks, name):
         assert torch.allclose(grad, want_grad, atol=1e-6, rtol=0), f"backward, rank {rank}"
 
 
-def test_single_tensor_helpers_gather_along_dim0_and_sum_scatter(ranks):
+@pytest.mark.parametrize("torch_version", ["helpers", "helpers before 2.13"])
+def test_single_tensor_helpers_gather_along_dim0_and_sum_scatter(ranks, torch_version):
     for rank, result in enumerate(ranks):
         for async_op in (False, True):
-            assert torch.equal(result["helpers"][f"gather async={async_op}"], _t(10))
+            assert torch.equal(result[torch_version][f"gather async={async_op}"], _t(10))
             want = _shard(_t(10) + _t(11), rank, 0)
-            assert torch.allclose(result["helpers"][f"scatter async={async_op}"], want, atol=1e-6, rtol=0)
+            assert torch.allclose(result[torch_version][f"scatter async={async_op}"], want, atol=1e-6, rtol=0)
 
 
 def test_sequence_not_divisible_by_group_is_refused_by_name(ranks):
