@@ -71,34 +71,51 @@ def test_one_cuda_connection_for_tensor_or_context_parallelism(layout, user, val
     assert (line is None) if logged is None else line.startswith(logged), line
 
 
-class _FirstCudaCall(Exception):
+class _Stop(Exception):
     pass
 
 
-def test_the_connection_limit_is_set_before_cuda_starts(monkeypatch, capsys):
+def test_the_connection_limit_is_set_before_cuda_starts(monkeypatch):
     """CUDA reads CUDA_DEVICE_MAX_CONNECTIONS once, when it starts: the variable is in the environment at the
-    first CUDA call of pretrain's start-up (Topology.from_environment), and rank 0 says so; a run on the CPU
-    leaves it out."""
+    first CUDA call of pretrain's start-up (Topology.from_environment); a run on the CPU leaves it out."""
     seen = []
 
     def first_cuda_call(*args):
         seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
-        raise _FirstCudaCall
+        raise _Stop
 
     monkeypatch.setattr(torch.cuda, "is_available", first_cuda_call)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")  # so that the test's end restores its absence
-    for preference, rank in (("auto", "0"), ("cuda", "1")):
+    for preference in ("auto", "cuda"):
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-        monkeypatch.setenv("RANK", rank)
-        with pytest.raises(_FirstCudaCall):
+        with pytest.raises(_Stop):
             Topology.from_environment(preference, ParallelConfig(tp=2, sequence_parallel=True))
     assert seen == ["1", "1"]
-    assert capsys.readouterr().out.count("CUDA_DEVICE_MAX_CONNECTIONS=1 set") == 1  # rank 0's line only
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     monkeypatch.setattr(topology_module, "pick_device", first_cuda_call)
-    with pytest.raises(_FirstCudaCall):
+    with pytest.raises(_Stop):
         Topology.from_environment("cpu", ParallelConfig(tp=2))
-    assert seen[-1] is None and capsys.readouterr().out == ""
+    assert seen[-1] is None
+
+
+@pytest.mark.parametrize("rank, device, logged", [("0", "cuda", True), ("1", "cuda", False), ("0", "cpu", False)])
+def test_the_first_rank_of_a_gpu_run_says_what_it_set(monkeypatch, capsys, rank, device, logged):
+    """One line per job, on GPU runs only (a CPU run under device=auto has it set, harmlessly, and unsaid)."""
+    def stop(*args):
+        raise _Stop
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(topology_module, "pick_device", lambda *args: torch.device(device))
+    monkeypatch.setattr(topology_module, "init_process_group", stop)
+    with pytest.raises(_Stop):
+        Topology.from_environment("auto", ParallelConfig(cp=2))
+    said = capsys.readouterr().out
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert said == ("CUDA_DEVICE_MAX_CONNECTIONS=1 set for parallel.tp=1, parallel.cp=2: the GPU starts each tensor- "
+                    "or context-parallel collective before the computation queued after it, which it overlaps (as "
+                    "Megatron-LM requires)\n" if logged else ""), said
 
 
 def test_an_nccl_timeout_names_the_rank_and_the_group():

@@ -11,10 +11,10 @@ optim_grads_params) needs the opposite: its parameter gathers run ahead of the l
 own and overlap them only with more than one connection, so the variable is left alone there, as
 Megatron-LM does under FSDP.
 
-CUDA reads the variable once, when its context is created; Topology.from_environment applies the decision
-before its first CUDA call. A value the user set is never overridden; the log line says when it is kept
-against the layout's need, or set. (Blackwell GPUs no longer need one connection, Megatron-LM notes; the
-architecture is unknown before CUDA starts, so it is set there too.)
+CUDA reads the variable once, when it starts; Topology.from_environment applies the decision before its
+first CUDA call. A value the user set is never overridden; the log line (on a GPU run) says when it is
+kept against the layout's need, or set. (Blackwell GPUs no longer need one connection, Megatron-LM notes;
+the architecture is unknown before CUDA starts, so it is set there too.)
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def max_connections(parallel: ParallelConfig, environ: Mapping[str, str]) -> tup
     return None, None
 
 
-def prepare_cuda_environment(parallel: ParallelConfig, environ: MutableMapping[str, str] = os.environ) -> None:
-    """Apply `max_connections` to `environ` before CUDA starts; the first rank logs what it did."""
+def prepare_cuda_environment(parallel: ParallelConfig, environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Apply `max_connections` to `environ` before CUDA starts; returns its line on the first rank (the one
+    that logs it, once the device is known to be a GPU), None on the others."""
     value, line = max_connections(parallel, environ)
     if value is not None:
         environ[MAX_CONNECTIONS] = value
-    if line is not None and environ.get("RANK", "0") == "0":
-        print(line, flush=True)
+    return line if environ.get("RANK", "0") == "0" else None

@@ -326,9 +326,11 @@ class Topology:
                          experts: bool = False) -> Topology:
         """Join the job torchrun started (or form a one-process group) and build the topology on it."""
         parallel = parallel or ParallelConfig()
-        if device_preference != "cpu":
-            prepare_cuda_environment(parallel)  # read once, when CUDA starts: before pick_device's first CUDA call
+        # read once, when CUDA starts: before pick_device's first CUDA call
+        line = prepare_cuda_environment(parallel) if device_preference != "cpu" else None
         device = pick_device(device_preference, int(os.environ.get("LOCAL_RANK", 0)))
+        if line is not None and device.type == "cuda":
+            print(line, flush=True)
         init_process_group(device, parallel.timeout_minutes)
         return cls.from_config(dist.get_rank(), dist.get_world_size(), device, parallel, experts)
 
