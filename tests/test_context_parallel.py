@@ -1,6 +1,7 @@
 """Context-parallel attention equals full causal attention: every cp rank's output and its slices of
 dq, dk, dv match one device's F.scaled_dot_product_attention over the global sequence, for both comms,
-multi-head and grouped-query attention; and its communication obeys NCCL's rules (tests/nccl_rules.py)."""
+multi-head and grouped-query attention, with K/V expanded to every head for the block kernel or handed to
+it per group (as on CUDA); and its communication obeys NCCL's rules (tests/nccl_rules.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from nccl_rules import CommRecorder, replay
 
+from megalite.parallel import context_parallel
 from megalite.parallel.context_parallel import context_parallel_attention, local_positions
 
 HEADS, BATCH, DIM = 4, 2, 16
@@ -31,8 +33,11 @@ def _seq_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _cp_ranks(rank: int, world_size: int) -> list:
-    """Per case: this rank's output, dq, dk, dv (fp32) and its communication record."""
+def _cp_ranks(rank: int, world_size: int, grouped_kernel: bool = False) -> list:
+    """Per case: this rank's output, dq, dk, dv (fp32) and its communication record; `grouped_kernel`: the CPU
+    block kernel takes K/V per group, as CUDA's does (torch 2.13's CPU kernel can)."""
+    if grouped_kernel:
+        context_parallel.KERNELS_TAKING_GROUPS.add("cpu")  # a spawned process of its own: nothing to restore
     results = []
     for comm, groups, seq, dtype in CASES:
         positions = local_positions(seq, world_size, rank)
@@ -53,9 +58,8 @@ def _reference(groups: int, seq: int) -> list[torch.Tensor]:
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_attention_matches_one_device(cp):
-    per_rank = run_ranks(cp, _cp_ranks)
+def _assert_matches_one_device(per_rank: list) -> None:
+    cp = len(per_rank)
     for index, (comm, groups, seq, dtype) in enumerate(CASES):
         case = f"cp={cp} {comm} groups={groups} seq={seq} {dtype}"
         tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=5e-2)
@@ -69,6 +73,44 @@ def test_attention_matches_one_device(cp):
         report = replay([results[index][1] for results in per_rank])
         assert report.ok, f"{case}:\n{report.text()}"
         assert report.messages > 0 or comm == "allgather", case
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_matches_one_device(cp):
+    _assert_matches_one_device(run_ranks(cp, _cp_ranks))
+
+
+def test_attention_matches_one_device_with_kv_per_group_at_the_kernel():
+    """CUDA's path: the block kernel gets grouped K/V as they are, no copy per head."""
+    _assert_matches_one_device(run_ranks(2, _cp_ranks, True))
+
+
+def assert_kv_per_group_gives_the_same(monkeypatch, device: torch.device, dtype: torch.dtype, causal: bool,
+                                      seq: int = 8, dim: int = DIM) -> None:
+    """One block through `device`'s kernel with K/V handed over per group (no copy reaches the kernel) and
+    expanded to every head: the same output, log-sum-exp and gradients (bit for bit, except bf16 dK/dV,
+    which differ by rounding where the kernel sums a group's heads in fp32 and _fold in bf16)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, dout = (torch.randn(BATCH, HEADS, seq, dim, device=device, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(BATCH, 2, seq, dim, device=device, generator=gen).to(dtype) for _ in range(2))
+    results = []
+    for kernels in (set(), {device.type}):
+        monkeypatch.setattr(context_parallel, "KERNELS_TAKING_GROUPS", kernels)
+        assert (context_parallel._for_kernel(k, HEADS) is k) == bool(kernels)
+        out, lse, meta = context_parallel._flash_forward(q, k, v, causal)
+        results.append((out, lse, *context_parallel._flash_backward(dout, q, k, v, out, lse, causal, meta)))
+    for name, expanded, grouped in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert grouped.shape == expanded.shape, name
+        if dtype == torch.float32 or name in ("out", "lse", "dq"):
+            assert torch.equal(grouped, expanded), name
+        else:
+            torch.testing.assert_close(grouped, expanded, rtol=0, atol=5e-2, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_kernels_give_the_same_with_kv_per_group_or_per_head(monkeypatch, dtype, causal):
+    assert_kv_per_group_gives_the_same(monkeypatch, torch.device("cpu"), dtype, causal)
 
 
 def test_local_positions_pair_mirrored_chunks():

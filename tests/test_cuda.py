@@ -6,7 +6,7 @@ tracker on the CUDA generator (also replayed by activation recompute), SDPA taki
 or cuDNN) in bf16, torch's fused AdamW on the device, bf16 parameters stepped through fp32 main weights,
 the CUDA allocator's memory snapshot and peak, checkpoints of device tensors (also written in the
 background while training goes on), a NaN/Inf gradient norm skipping fused AdamW's update on the device,
-and context parallelism's CUDA flash block kernels.
+and context parallelism's CUDA flash block kernels (K/V handed to them per query group).
 
 The tests share one process group of one process (NCCL on cuda:0, as pretrain forms it). Context
 parallelism's communication needs one GPU per rank under NCCL, so only its kernels are checked here: the
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import tiny_config
+from test_context_parallel import assert_kv_per_group_gives_the_same
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, load_checkpoint, rng_state
@@ -327,6 +328,14 @@ def test_context_parallel_flash_blocks_match_sdpa_in_bf16(monkeypatch):
     for rank, p in enumerate(positions):
         for index, name in enumerate(("dk", "dv")):
             assert _relative_error(dkv[rank, index], expected[name].index_select(2, p)) < 2e-2, (rank, name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_context_parallel_hands_kv_per_group_to_the_flash_kernel(monkeypatch, causal):
+    """CUDA's flash kernel takes fewer K/V heads than query heads: context parallelism hands it each block's
+    K/V per group, no per-head copy, with the result of K/V expanded to every head (bf16, 64-wide heads)."""
+    assert context_parallel.KERNELS_TAKING_GROUPS == {"cuda"}
+    assert_kv_per_group_gives_the_same(monkeypatch, DEVICE, torch.bfloat16, causal, seq=256, dim=64)
 
 
 def test_grouped_gemm_runs_the_cuda_kernel_in_bf16_and_equals_the_loop():

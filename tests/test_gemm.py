@@ -3,6 +3,8 @@
 - Through `gemm.linear`, output and input gradient are F.linear's; with a gradient buffer's sink on the
   weight, dW is added straight into the fp32 main gradient (accumulating over micro batches) and nothing
   is handed to autograd; bf16 operands are accumulated in fp32, not rounded to bf16 first.
+- Under sequence parallelism the backward runs in Megatron-LM's order, each collective launched before a
+  matmul and awaited after it (2 gloo ranks).
 - An auxiliary loss attached on a middle pipeline stage reaches backward there: a pp=2 run with such a
   term equals the one-device run with it, and the term does change the gradients.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 
@@ -64,6 +67,58 @@ def test_bf16_operands_accumulate_in_fp32():
     assert torch.allclose(main, exact, rtol=1e-6, atol=1e-6)
     rounded = (grad.t() @ x.to(torch.bfloat16)).float()  # what a bf16 dW would have been
     assert not torch.equal(rounded, exact)
+
+
+class _Recorded:
+    """A collective's work that notes when it is waited on."""
+
+    def __init__(self, work, name: str, events: list[str]) -> None:
+        self.work, self.name, self.events = work, name, events
+
+    def wait(self) -> None:
+        self.events.append(f"wait {self.name}")
+        self.work.wait()
+
+
+def _noted(name: str, fn, events: list[str]):
+    def call(*args, **kwargs):
+        events.append(name)
+        return fn(*args, **kwargs)
+    return call
+
+
+def _sequence_parallel_backward(rank: int, world_size: int) -> tuple[list[str], bool]:
+    """A column-parallel matmul on a sequence-parallel input (4 local rows, 6 local outputs) and its backward,
+    every step of gemm's backward noted in order; and whether its gradients equal the one-device ones."""
+    events, gather, scatter = [], gemm.all_gather_single, gemm.start_reduce_scatter_rows
+
+    def start_scatter(*args, **kwargs):
+        out, work = scatter(*args, **kwargs)
+        return out, _Recorded(work, "reduce-scatter dX", events)
+
+    gemm.all_gather_single = _noted("all-gather x", lambda *a, **k: _Recorded(gather(*a, **k), "all-gather x", events),
+                                    events)
+    gemm.start_reduce_scatter_rows = _noted("reduce-scatter dX", start_scatter, events)
+    gemm.input_grad = _noted("dX matmul", gemm.input_grad, events)
+    gemm.weight_grad = _noted("dW matmul", gemm.weight_grad, events)
+    g = torch.Generator().manual_seed(0)
+    x, w, grad = torch.randn(8, 2, 8, generator=g), torch.randn(12, 8, generator=g), torch.randn(8, 2, 12, generator=g)
+    rows, cols = slice(4 * rank, 4 * rank + 4), slice(6 * rank, 6 * rank + 6)
+    local_x, local_w = x[rows].clone().requires_grad_(), w[cols].clone().requires_grad_()
+    gemm.linear(local_x, local_w, gather_group=dist.group.WORLD).backward(grad[..., cols])
+    equal = (torch.allclose(local_x.grad, (grad @ w)[rows], atol=1e-5)
+             and torch.allclose(local_w.grad, grad[..., cols].flatten(0, 1).t() @ x.flatten(0, 1), atol=1e-5))
+    return events, equal
+
+
+def test_sequence_parallel_backward_overlaps_both_collectives_as_megatron_does():
+    """Megatron-LM's order: the input's all-gather is launched before the input-gradient matmul and awaited
+    after it; the input gradient's reduce-scatter is launched before the weight-gradient matmul and awaited
+    after it, so each collective runs beside a matmul. The gradients are the one-device ones."""
+    order = ["all-gather x", "dX matmul", "wait all-gather x",
+             "reduce-scatter dX", "dW matmul", "wait reduce-scatter dX"]
+    for events, equal in run_ranks(2, _sequence_parallel_backward):
+        assert events == order and equal
 
 
 def test_an_attached_loss_gets_the_step_scale_as_gradient():

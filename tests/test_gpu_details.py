@@ -1,5 +1,6 @@
 """Details that only GPU clusters would show, checked on CPU: the device a rank picks, the NCCL
-error-handling mode that lets megalite report a timeout, the timeout message naming the rank and
+error-handling mode that lets megalite report a timeout, the one CUDA connection that tensor and context
+parallelism need (set before CUDA starts), the timeout message naming the rank and
 the group, and the MFU peak of the exact device model."""
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch.distributed as dist
 from distributed import cpu_topology, run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megalite.config import ParallelConfig
 from megalite.parallel import topology as topology_module
+from megalite.parallel.cuda_env import max_connections
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, pick_device, release_process_groups
 from megalite.training.flops import PEAK_TFLOPS, device_model
@@ -46,6 +49,73 @@ def test_nccl_process_group_leaves_timeouts_to_the_training_thread(monkeypatch):
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     topology_module.init_process_group(torch.device("cpu"))
     assert calls[-1] == "gloo"
+
+
+@pytest.mark.parametrize("layout, user, value, logged", [
+    ({}, None, None, None),  # no tensor or context parallelism: CUDA's default
+    ({"tp": 2}, None, "1", "CUDA_DEVICE_MAX_CONNECTIONS=1 set for parallel.tp=2, parallel.cp=1"),
+    ({"cp": 2}, None, "1", "CUDA_DEVICE_MAX_CONNECTIONS=1 set for parallel.tp=1, parallel.cp=2"),
+    ({"tp": 2, "distributed_optimizer": True}, None, "1", "CUDA_DEVICE_MAX_CONNECTIONS=1 set"),
+    ({"tp": 2}, "1", None, None),  # already what the layout needs
+    ({"tp": 2}, "8", None, "CUDA_DEVICE_MAX_CONNECTIONS=8 kept as set"),  # never overridden, but said
+    ({"tp": 2, "zero_stage": 3}, None, None, None),  # ZeRO-3's gathers need more than one connection
+    ({"cp": 2, "zero_stage": 3}, "1", None, "CUDA_DEVICE_MAX_CONNECTIONS=1 kept as set: parallel.zero_stage=3"),
+])
+def test_one_cuda_connection_for_tensor_or_context_parallelism(layout, user, value, logged):
+    """Megatron-LM's rule: with tp or cp > 1 the GPU must start kernels in the order they were queued (one
+    connection), so that the sequence-parallel collectives start before the matmuls they overlap; ZeRO-3
+    (Megatron-FSDP) wants several. A value the user set stays, with a line saying so when it differs."""
+    environ = {} if user is None else {"CUDA_DEVICE_MAX_CONNECTIONS": user}
+    got_value, line = max_connections(ParallelConfig(**layout), environ)
+    assert got_value == value
+    assert (line is None) if logged is None else line.startswith(logged), line
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_connection_limit_is_set_before_cuda_starts(monkeypatch):
+    """CUDA reads CUDA_DEVICE_MAX_CONNECTIONS once, when it starts: the variable is in the environment at the
+    first CUDA call of pretrain's start-up (Topology.from_environment); a run on the CPU leaves it out."""
+    seen = []
+
+    def first_cuda_call(*args):
+        seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        raise _Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", first_cuda_call)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")  # so that the test's end restores its absence
+    for preference in ("auto", "cuda"):
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+        with pytest.raises(_Stop):
+            Topology.from_environment(preference, ParallelConfig(tp=2, sequence_parallel=True))
+    assert seen == ["1", "1"]
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    monkeypatch.setattr(topology_module, "pick_device", first_cuda_call)
+    with pytest.raises(_Stop):
+        Topology.from_environment("cpu", ParallelConfig(tp=2))
+    assert seen[-1] is None
+
+
+@pytest.mark.parametrize("rank, device, logged", [("0", "cuda", True), ("1", "cuda", False), ("0", "cpu", False)])
+def test_the_first_rank_of_a_gpu_run_says_what_it_set(monkeypatch, capsys, rank, device, logged):
+    """One line per job, on GPU runs only (a CPU run under device=auto has it set, harmlessly, and unsaid)."""
+    def stop(*args):
+        raise _Stop
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(topology_module, "pick_device", lambda *args: torch.device(device))
+    monkeypatch.setattr(topology_module, "init_process_group", stop)
+    with pytest.raises(_Stop):
+        Topology.from_environment("auto", ParallelConfig(cp=2))
+    said = capsys.readouterr().out
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert said == ("CUDA_DEVICE_MAX_CONNECTIONS=1 set for parallel.tp=1, parallel.cp=2: the GPU starts each tensor- "
+                    "or context-parallel collective before the computation queued after it, which it overlaps (as "
+                    "Megatron-LM requires)\n" if logged else ""), said
 
 
 def test_an_nccl_timeout_names_the_rank_and_the_group():

@@ -26,7 +26,8 @@ attention needs the other ranks' keys and values. Two ways to bring them (`comm`
   collective does not overlap compute, but at small cp one collective is cheaper than cp-1
   latency-bound hops.
 
-K/V travel as their query groups (grouped-query attention), expanded to heads only at the kernel.
+K/V travel as their query groups (grouped-query attention) and reach CUDA's flash kernel so; only a
+kernel that needs every head's K/V (the CPU's, see KERNELS_TAKING_GROUPS) gets them expanded.
 The data pipeline slices tokens, labels, masks and position ids with `local_positions`.
 """
 
@@ -123,13 +124,23 @@ def _block(rank: int, source: int, c: int) -> tuple[slice, slice, bool]:
     return slice(c, None), slice(None), False
 
 
-def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+# Devices whose block kernel takes K/V per query group (fewer K/V heads than query heads): CUDA's flash kernel
+# (FlashAttention-2) reads each group's K/V for all of its heads and sums their dK/dV itself, as SDPA's
+# enable_gqa relies on. The CPU kernel gained groups only in recent torch releases (pytorch#157893; 2.13's has
+# them), so there K/V are expanded to every head: a copy of each block per step, dK/dV summed back by _fold.
+KERNELS_TAKING_GROUPS = {"cuda"}
+
+
+def _for_kernel(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V as the block kernel on kv's device takes them: per group, or expanded to every query head."""
     groups = kv.shape[1]
-    return kv if groups == heads else kv.repeat_interleave(heads // groups, dim=1)
+    if groups == heads or kv.device.type in KERNELS_TAKING_GROUPS:
+        return kv
+    return kv.repeat_interleave(heads // groups, dim=1)
 
 
 def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """Sum a per-head K/V gradient over the heads of each group."""
+    """Sum a per-head K/V gradient over the heads of each group (a no-op on one per group)."""
     return grad if grad.shape[1] == groups else grad.unflatten(1, (groups, -1)).sum(2)
 
 
@@ -137,7 +148,7 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """One block through the fused kernel: output, log-sum-exp [b, heads, rows] (fp32), and what the
     CUDA backward wants back. CUDA's flash kernel takes fp16/bf16 only."""
-    k, v, scale = _expand(k, q.shape[1]), _expand(v, q.shape[1]), q.shape[-1] ** -0.5
+    k, v, scale = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1]), q.shape[-1] ** -0.5
     if q.is_cuda:
         if q.dtype == torch.float32:
             raise ValueError("context-parallel attention runs CUDA's flash attention kernel, which takes bf16 or "
@@ -154,7 +165,7 @@ def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """One block's dq, dk, dv (dk, dv per KV group). Given the final merged out and lse, the kernel's
     softmax is the one over the whole sequence, so the block's gradients are exact."""
     groups, lse = k.shape[1], lse.contiguous()
-    k, v, scale = _expand(k, q.shape[1]), _expand(v, q.shape[1]), q.shape[-1] ** -0.5
+    k, v, scale = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1]), q.shape[-1] ** -0.5
     if q.is_cuda:
         cum_q, cum_k, max_q, max_k, seed, offset = meta
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(

@@ -11,8 +11,11 @@ weight gradient (their W operation) plug in here.
 
 Under sequence parallelism a column-parallel layer's input is all-gathered along the sequence; only the
 local shard is kept for backward and gathered again there, overlapped with the input gradient's matmul,
-as Megatron-LM does. Under torch.compile the weight gradient is returned to autograd (a Python sink
-called from backward would break the compiled graph); the buffer's hook then adds it.
+and the input gradient's reduce-scatter is launched before the weight gradient's matmul and awaited after
+it, so the two overlap: Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication. On CUDA the
+overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 (cuda_env.py), which makes the GPU start kernels and
+collectives in the order they were queued. Under torch.compile the weight gradient is returned to autograd
+(a Python sink called from backward would break the compiled graph); the buffer's hook then adds it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megalite.parallel.mappings import all_gather_single, gather_rows, in_compute_dtype, reduce_scatter_rows
+from megalite.parallel.mappings import all_gather_single, gather_rows, in_compute_dtype, start_reduce_scatter_rows
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -74,10 +77,13 @@ class _Linear(torch.autograd.Function):
         if gathering is not None:
             gathering.wait()
             x = whole
+        scattering = None
+        if ctx.group is not None and grad_input is not None:  # launched first, so it overlaps the dW matmul
+            grad_input, scattering = start_reduce_scatter_rows(grad_input, ctx.group)
         grad_weight = weight_grad(weight, grad, x, ctx.fuse) if ctx.needs_input_grad[1] else None
         grad_bias = None if bias is None else grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
-        if ctx.group is not None and grad_input is not None:
-            grad_input = reduce_scatter_rows(grad_input, ctx.group)
+        if scattering is not None:
+            scattering.wait()
         return grad_input, grad_weight, grad_bias, None, None
 
 

@@ -77,12 +77,18 @@ def local_rows(x: torch.Tensor, group: Group | None) -> torch.Tensor:
 def reduce_scatter_rows(x: torch.Tensor, group: Group, what: str = "tensor-parallel") -> torch.Tensor:
     """Sum over the group, each rank keeping its slice of the first (sequence) dimension; `what` names the
     group in the error for a sequence it does not divide."""
+    return start_reduce_scatter_rows(x, group, what, async_op=False)[0]
+
+
+def start_reduce_scatter_rows(x: torch.Tensor, group: Group, what: str = "tensor-parallel",
+                              async_op: bool = True) -> tuple[torch.Tensor, dist.Work | None]:
+    """`reduce_scatter_rows` launched: its output and the work to wait on before reading it (None when not
+    `async_op`). x must stay untouched until then."""
     size = dist.get_world_size(group)
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by {what} size {size}")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_single(out, x.contiguous(), group)
-    return out
+    return out, reduce_scatter_single(out, x.contiguous(), group, async_op=async_op)
 
 
 class _CopyToTP(torch.autograd.Function):

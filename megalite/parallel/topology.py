@@ -3,6 +3,7 @@
 The Topology is built once at start-up and handed to whatever needs a group; nothing
 here is a module-level global, so a test can build several in one process. This is the
 only module that touches CUDA device selection; everything else asks `topology.device`.
+What CUDA reads from the environment when it starts is set before that (cuda_env.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ParallelConfig
+from megalite.parallel.cuda_env import prepare_cuda_environment
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
@@ -324,7 +326,11 @@ class Topology:
                          experts: bool = False) -> Topology:
         """Join the job torchrun started (or form a one-process group) and build the topology on it."""
         parallel = parallel or ParallelConfig()
+        # read once, when CUDA starts: before pick_device's first CUDA call
+        line = prepare_cuda_environment(parallel) if device_preference != "cpu" else None
         device = pick_device(device_preference, int(os.environ.get("LOCAL_RANK", 0)))
+        if line is not None and device.type == "cuda":
+            print(line, flush=True)
         init_process_group(device, parallel.timeout_minutes)
         return cls.from_config(dist.get_rank(), dist.get_world_size(), device, parallel, experts)
 
