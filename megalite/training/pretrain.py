@@ -144,10 +144,6 @@ class Run:
         cfg = self.cfg
         self.unread.append((step, result))
         self.writer.advance()
-        if self.checkpointer:
-            done = self.checkpointer.poll()
-            if done:
-                self.writer.print(f"checkpoint {done} complete")
         if self.pipeline.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
             self._write_trace(step - start)
         began, steps = self.interval
@@ -156,9 +152,19 @@ class Run:
             synchronize(self.topology.device)
             figures = self._read_steps()
             self._log_step(step, figures, steps + 1, time.perf_counter() - began)
+            self._publish_finished_save()
             self.interval = (time.perf_counter(), 0)
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
             self._evaluate()
+
+    def _publish_finished_save(self) -> None:
+        """Publish an asynchronous save every rank has finished writing. Asking is a collective read on the
+        host, so it happens at log steps only, where the host waits for the device anyway; nothing is lost
+        in between: the next save and the end of the run wait for the pending one and publish it."""
+        if self.checkpointer:
+            done = self.checkpointer.poll()
+            if done:
+                self.writer.print(f"checkpoint {done} complete")
 
     def _read_steps(self) -> StepFigures | None:
         """Read the steps since the last read on the host (one wait for the device) and account for them:
