@@ -7,6 +7,8 @@ optimizer offload (optim.offload=cpu) with stages 1 to 3."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from torch import nn
 from megalite.config import ConfigError
 from megalite.config_validation import validate
 from megalite.parallel.grad_buffer import GradBuffer
+from megalite.parallel.main_weights import host_step_threads
 from megalite.planning.measure import kept_gradients, mock_batches, rank_memory
 from megalite.planning.memory import state_bytes
 from megalite.training.build import build_trainer
@@ -152,6 +155,43 @@ def _offloaded_state(rank: int, world_size: int) -> tuple[bool, bool]:
 def test_offloaded_main_weights_are_host_copies():
     """Even fp32 parameters get a host copy: the device keeps no fp32 optimizer state."""
     assert run_ranks(2, _offloaded_state) == [(True, True)] * 2
+
+
+def test_the_host_update_shares_the_cores_among_the_local_ranks(monkeypatch):
+    """torchrun leaves each rank one thread (OMP_NUM_THREADS=1); the offloaded update gets the cores this
+    process may run on divided by the node's ranks, at least one (os.cpu_count where affinity is unknown)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_step_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert host_step_threads() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert host_step_threads() == 16
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert host_step_threads() == 3
+
+
+def _update_threads(rank: int, world_size: int, offload: str) -> tuple[list[int], list[int], int]:
+    """Threads torch runs the gradient norm and AdamW's step with, in a step on a node of 6 cores shared by the
+    2 ranks (the spawn sets LOCAL_WORLD_SIZE as torchrun does), and the count after the step."""
+    os.sched_getaffinity = lambda pid: set(range(6))
+    cfg = tiny_config(parallel={"zero_stage": 1}, optim={"offload": offload})
+    with build_trainer(cfg, cpu_topology(rank, world_size)) as trainer:
+        optimizer, in_norm, in_step = trainer.optimizer, [], []
+        norm, step = optimizer.norm, optimizer.optimizer.step
+        optimizer.norm = lambda: in_norm.append(torch.get_num_threads()) or norm()
+        optimizer.optimizer.step = lambda: in_step.append(torch.get_num_threads()) or step()
+        train_step(trainer, mock_batches(cfg, 1, seed=rank))
+    return in_norm, in_step, torch.get_num_threads()
+
+
+@pytest.mark.parametrize("offload, threads", [("cpu", 3), ("none", 1)])
+def test_the_offloaded_update_runs_on_the_ranks_share_of_cores(offload, threads):
+    """Clipping and AdamW over the host main weights run on 6 cores / 2 ranks = 3 threads, and the rank's own
+    count (1) is back after the update; without offload the update keeps the rank's count."""
+    assert run_ranks(2, _update_threads, offload) == [([threads], [threads], 1)] * 2
 
 
 def _host_copies_per_bucket(rank: int, world_size: int) -> tuple[list[int], int, int]:
