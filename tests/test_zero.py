@@ -22,10 +22,11 @@ from megalite.config import ConfigError
 from megalite.config_validation import validate
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.main_weights import host_step_threads
+from megalite.planning.experts import expert_weight_copies
 from megalite.planning.measure import kept_gradients, mock_batches, rank_memory
 from megalite.planning.memory import state_bytes
 from megalite.training.build import build_trainer
-from megalite.training.step import train_step
+from megalite.training.step import local_batches, microbatch_forward, train_step
 
 STAGE2 = "--parallel.zero_stage=2"
 STAGE3 = "--parallel.zero_stage=3"
@@ -112,6 +113,43 @@ def test_stage3_gathers_at_most_the_running_and_the_prefetched_module(recompute)
     peaks = run_ranks(2, _gathered_peaks, recompute)[0]
     assert peaks["llama"] == (2, 9, {0})  # of 9 buckets: embedding, 6 layers, final norm, LM head
     assert peaks["gpt2"] == (3, 8, {0})  # the LM head reads the embedding's bucket
+
+
+def _weight_copies(rank: int, world_size: int, model: dict) -> tuple[int, int]:
+    """Stage 3, fp32 parameters under bf16 autocast, one micro batch: the bytes of the distinct storages autograd
+    keeps for backward that are bf16 copies of a parameter (compared with the gathered parameter when saved),
+    and the planner's figure for them (planning/experts.py, per MoE layer)."""
+    cfg = tiny_config("llama", parallel={"zero_stage": 3}, train={"precision": "bf16"}, model=model)
+    copies: dict[int, int] = {}
+    with build_trainer(cfg, cpu_topology(rank, world_size, cfg)) as trainer:
+        params = list(trainer.model.parameters())
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            whole = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
+            if t.dtype == torch.bfloat16 and any(p.untyped_storage().nbytes() and p.numel() == whole.numel()
+                                                 and torch.equal(p.detach().flatten().bfloat16(), whole)
+                                                 for p in params):
+                copies[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        batches = local_batches(trainer, mock_batches(cfg, 1, seed=rank))
+        forward = microbatch_forward(trainer, batches, lambda out, batch: (out * batch.loss_mask).sum())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward(0, 0, None)
+        loss.backward()
+        trainer.sharded_params.wait_all()
+    layers = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    return sum(copies.values()), layers * expert_weight_copies(cfg, compute=2, fp32_parameters=True)
+
+
+@pytest.mark.parametrize("model", [{}, {"num_experts": 4, "moe_ffn_hidden_size": 32}])
+def test_stage3_under_autocast_keeps_only_the_planned_weight_copies(model):
+    """fp32 parameters under bf16 autocast: freeing a gathered unit (resize_(0)) cannot free a bf16 copy of its
+    weights that autograd keeps. The linear layers keep none (parallel/gemm.py casts inside its autograd function
+    and keeps the freed parameter); the grouped experts keep their cast, 2 bytes per expert parameter per micro
+    batch in flight, exactly as the planner counts it."""
+    kept, planned = run_ranks(2, _weight_copies, model)[0]
+    assert kept == planned == (0 if not model else 2 * 4 * 3 * 64 * 32 * 2)
 
 
 @pytest.mark.parametrize("saved, resumed", [
