@@ -7,13 +7,14 @@ weighted sum (2 matmuls, 2 FLOPs per multiply-add, x3 for forward + backward) co
 over the full s x s square as Megatron-LM and the PaLM paper do. Recompute is not
 counted: this is model FLOPs utilisation (MFU), comparable across recompute settings.
 
-Hardware FLOPs add the forward that activation recompute runs again in backward, as Megatron-LM
-reports its TFLOP/s: full recompute one more forward of every transformer layer (not the LM head),
-selective the core attention (softmax(QK^T)V) and the experts' second projection. Their utilisation
-(HFU) says how busy the device was; MFU says how fast the model trains. For GPT (MLP 4h, vocabulary
-V) model FLOPs per step are the Megatron-LM paper's 72Bslh^2(1 + s/6h + V/12lh) and hardware FLOPs
-under full recompute its 96Bslh^2(1 + s/6h + V/16lh). The flash kernel's own recompute of the scores in
-backward is counted by neither (nor by Megatron-LM).
+Hardware FLOPs add the forward that activation recompute runs again in backward, as the Megatron-LM
+papers count the TFLOP/s they report: full recompute one more forward of every transformer layer (not
+the LM head), selective the core attention (softmax(QK^T)V) and here also the experts' second
+projection (model/recompute.py). Their utilisation (HFU) says how busy the device was; MFU says how
+fast the model trains, comparable across recompute settings. For GPT (MLP 4h, vocabulary V) model
+FLOPs per step of B sequences are 72Bslh^2(1 + s/6h + V/12lh), and hardware FLOPs under full
+recompute 96Bslh^2(1 + s/6h + V/16lh), the formula of Narayanan et al. 2021. The flash kernel's own
+recompute of the scores in backward is counted by neither (nor by Megatron-LM).
 
 A mixture-of-experts layer counts what one token runs through (its active weights): the router
 [experts, hidden], the moe_topk experts it is routed to, the shared expert and its gate; not the
