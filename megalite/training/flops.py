@@ -112,7 +112,7 @@ def recomputed_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
 
 
 def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
-    """Hardware FLOPs: the model FLOPs plus the recomputed forward (Megatron-LM's TFLOP/s count)."""
+    """Hardware FLOPs: the model FLOPs plus the recomputed forward (the Megatron-LM papers' TFLOP/s count)."""
     return training_flops_per_token(cfg) + recomputed_flops_per_token(cfg, recompute)
 
 
