@@ -1,12 +1,24 @@
-"""Model FLOPs per token (megalite/training/flops.py), worked out by hand: a mixture-of-experts layer counts the
-weights one token multiplies (router, its top-k experts, shared expert and gate), never the experts it skips."""
+"""Model and hardware FLOPs per token (megalite/training/flops.py), worked out by hand: a mixture-of-experts layer
+counts the weights one token multiplies (router, its top-k experts, shared expert and gate), never the experts it
+skips; hardware FLOPs add the forward that recompute reruns, checked against the Megatron-LM paper's formulas."""
 
 from __future__ import annotations
 
+import json
+from fractions import Fraction
+
 import pytest
+from conftest import tiny_config
 
 from megalite.config import ModelConfig
-from megalite.training.flops import matmul_parameters, training_flops_per_token
+from megalite.training.flops import (
+    hardware_flops_per_token,
+    matmul_parameters,
+    recomputed_flops_per_token,
+    throughput,
+    training_flops_per_token,
+)
+from megalite.training.pretrain import pretrain
 
 
 def tiny_moe() -> ModelConfig:
@@ -48,3 +60,67 @@ def test_mixtral_8x7b_flops_per_token():
     assert matmul_parameters(cfg) == active == 12_748_587_008
     assert training_flops_per_token(cfg) == pytest.approx(6 * active + 12 * 32 * 4096 * 4096)
     assert training_flops_per_token(cfg) == pytest.approx(8.2934e10, rel=1e-4)
+
+
+def gpt3_175b() -> ModelConfig:
+    """The Megatron-LM paper's GPT-3: l 96, h 12288 (96 heads), s 2048, V 51200, MLP 4h."""
+    return ModelConfig(family="gpt2", num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
+                       vocab_size=51200)
+
+
+@pytest.mark.parametrize("batch", [1, 1536])
+def test_gpt_flops_are_the_megatron_lm_papers_formulas(batch):
+    """Narayanan et al. 2021 (Efficient Large-Scale Language Model Training on GPU Clusters), per step of B
+    sequences: model FLOPs 72Bslh^2(1 + s/6h + V/12lh); with full recompute (the paper's count, one more
+    forward of the layers but not of the LM head) 96Bslh^2(1 + s/6h + V/16lh). Exactly, in integers."""
+    cfg = gpt3_175b()
+    b, s, l, h, v = batch, cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    model = 72 * b * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(v, 12 * l * h))
+    hardware = 96 * b * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(v, 16 * l * h))
+    assert b * s * training_flops_per_token(cfg) == model
+    assert b * s * hardware_flops_per_token(cfg, "full") == hardware
+    assert hardware_flops_per_token(cfg, "none") == training_flops_per_token(cfg)
+
+
+def test_selective_recompute_reruns_the_core_attention():
+    """Selective recompute reruns QK^T and the weighted sum: 4 s h FLOPs per token per layer for GPT."""
+    cfg = gpt3_175b()
+    assert recomputed_flops_per_token(cfg, "selective") == 4 * 96 * 2048 * 12288
+
+
+def test_recomputed_flops_of_a_tiny_moe_by_hand():
+    """Full: every layer's forward again (24576 + 18432 + 24640 layer weights, 2 FLOPs each, and the attention
+    square's forward, a third of its 49152); selective: the square plus the second projection of the two
+    experts a token runs through (48 x 64 each) in the one MoE layer."""
+    layers = 24576 + 18432 + (512 + 18432 + 6144 + 64)
+    assert recomputed_flops_per_token(tiny_moe(), "full") == 2 * layers + 49152 // 3 == 152_704
+    assert recomputed_flops_per_token(tiny_moe(), "selective") == 49152 // 3 + 2 * 2 * 48 * 64 == 28_672
+    with pytest.raises(ValueError, match="'partial' is not one of none, selective, full"):
+        recomputed_flops_per_token(tiny_moe(), "partial")
+
+
+def test_throughput_reports_model_and_hardware_flops_side_by_side():
+    cfg = tiny_moe()
+    figures = throughput(1e6, cfg, "full", peak=2.0)
+    assert figures["tflops_per_device"] == pytest.approx(573_312 / 1e6)
+    assert figures["hardware_tflops_per_device"] == pytest.approx((573_312 + 152_704) / 1e6)
+    assert figures["mfu"] == pytest.approx(figures["tflops_per_device"] / 2.0)
+    assert figures["hfu"] == pytest.approx(figures["hardware_tflops_per_device"] / 2.0)
+    assert throughput(1e6, cfg, "full", peak=None)["hfu"] is None
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_log_line_and_the_metrics_file_label_both(recompute, tmp_path, capsys):
+    """Each logged step records model and hardware TFLOP/s (their ratio that of the FLOPs per token) and MFU
+    and HFU (n/a on a CPU: no known peak); the console line shows the hardware figures only under recompute."""
+    metrics = tmp_path / "metrics.jsonl"
+    cfg = tiny_config(train={"train_iters": 2, "recompute": recompute}, logging={"metrics_file": str(metrics)})
+    pretrain(cfg)
+    ratio = hardware_flops_per_token(cfg.model, recompute) / training_flops_per_token(cfg.model)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for r in records:
+        assert r["hardware_tflops_per_device"] / r["tflops_per_device"] == pytest.approx(ratio)
+        assert r["mfu"] is None and r["hfu"] is None
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 2 |")][0]
+    assert "| model TFLOP/s/device " in line and "| MFU n/a" in line
+    assert ("| hardware TFLOP/s/device " in line and "| HFU n/a" in line) == (recompute == "full")

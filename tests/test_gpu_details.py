@@ -224,6 +224,45 @@ def test_ranks_agree_to_stop_only_at_log_steps():
     assert run_ranks(2, _stop_votes) == [3, 3]
 
 
+def _votes_per_step(rank: int, world_size: int, root: str) -> dict[int, int]:
+    """Host-reading collectives (Topology.max_over_ranks) per step of a run saving asynchronously at steps 2,
+    4 and 6 of 7, logging at steps 3, 6 and 7."""
+    import os
+
+    from conftest import tiny_config
+
+    from megalite.training import pretrain as pretrain_module
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    votes: dict[int, int] = {}
+    steps = [0]
+    step, vote = pretrain_module.train_step, Topology.max_over_ranks
+
+    def counted_step(*args):
+        steps[0] += 1
+        return step(*args)
+
+    def counted_vote(self, values):
+        votes[steps[0]] = votes.get(steps[0], 0) + 1
+        return vote(self, values)
+
+    pretrain_module.train_step, Topology.max_over_ranks = counted_step, counted_vote
+    pretrain_module.pretrain(tiny_config(train={"train_iters": 7}, logging={"log_interval": 3},
+                                         checkpoint={"save": root, "save_interval": 2, "async_save": True}))
+    return votes
+
+
+def test_a_pending_async_save_is_polled_only_at_log_steps(tmp_path):
+    """While an asynchronous save is being written, asking every rank whether it is done is a collective read
+    on the host: it happens at log steps (3, 6, 7) and where a save must wait for the previous one (4, 6, the
+    end), never at steps 1 and 5 (step 4's save is pending during step 5); every save still becomes `latest`."""
+    root = tmp_path / "ckpt"
+    votes = run_ranks(2, _votes_per_step, str(root))
+    assert votes[0] == votes[1] and set(votes[0]) <= {3, 4, 6, 7}
+    assert (root / "latest").read_text().strip() == "7"
+    assert sorted(p.name for p in root.glob("iter_*")) == [f"iter_000000{i}" for i in (2, 4, 6, 7)]
+
+
 def test_checkpoint_host_copies_reuse_their_buffers(tmp_path, monkeypatch):
     """Every save copies the pieces into the same host buffers (pinned on a GPU, non-blocking copies, one
     synchronisation), instead of a fresh blocking copy per piece per save; the files hold the values."""

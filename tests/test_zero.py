@@ -7,6 +7,8 @@ optimizer offload (optim.offload=cpu) with stages 1 to 3."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,10 +21,12 @@ from torch import nn
 from megalite.config import ConfigError
 from megalite.config_validation import validate
 from megalite.parallel.grad_buffer import GradBuffer
+from megalite.parallel.main_weights import host_step_threads
+from megalite.planning.experts import expert_weight_copies
 from megalite.planning.measure import kept_gradients, mock_batches, rank_memory
 from megalite.planning.memory import state_bytes
 from megalite.training.build import build_trainer
-from megalite.training.step import train_step
+from megalite.training.step import local_batches, microbatch_forward, train_step
 
 STAGE2 = "--parallel.zero_stage=2"
 STAGE3 = "--parallel.zero_stage=3"
@@ -111,6 +115,43 @@ def test_stage3_gathers_at_most_the_running_and_the_prefetched_module(recompute)
     assert peaks["gpt2"] == (3, 8, {0})  # the LM head reads the embedding's bucket
 
 
+def _weight_copies(rank: int, world_size: int, model: dict) -> tuple[int, int]:
+    """Stage 3, fp32 parameters under bf16 autocast, one micro batch: the bytes of the distinct storages autograd
+    keeps for backward that are bf16 copies of a parameter (compared with the gathered parameter when saved),
+    and the planner's figure for them (planning/experts.py, per MoE layer)."""
+    cfg = tiny_config("llama", parallel={"zero_stage": 3}, train={"precision": "bf16"}, model=model)
+    copies: dict[int, int] = {}
+    with build_trainer(cfg, cpu_topology(rank, world_size, cfg)) as trainer:
+        params = list(trainer.model.parameters())
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            whole = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
+            if t.dtype == torch.bfloat16 and any(p.untyped_storage().nbytes() and p.numel() == whole.numel()
+                                                 and torch.equal(p.detach().flatten().bfloat16(), whole)
+                                                 for p in params):
+                copies[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        batches = local_batches(trainer, mock_batches(cfg, 1, seed=rank))
+        forward = microbatch_forward(trainer, batches, lambda out, batch: (out * batch.loss_mask).sum())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward(0, 0, None)
+        loss.backward()
+        trainer.sharded_params.wait_all()
+    layers = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    return sum(copies.values()), layers * expert_weight_copies(cfg, compute=2, fp32_parameters=True)
+
+
+@pytest.mark.parametrize("model", [{}, {"num_experts": 4, "moe_ffn_hidden_size": 32}])
+def test_stage3_under_autocast_keeps_only_the_planned_weight_copies(model):
+    """fp32 parameters under bf16 autocast: freeing a gathered unit (resize_(0)) cannot free a bf16 copy of its
+    weights that autograd keeps. The linear layers keep none (parallel/gemm.py casts inside its autograd function
+    and keeps the freed parameter); the grouped experts keep their cast, 2 bytes per expert parameter per micro
+    batch in flight, exactly as the planner counts it."""
+    kept, planned = run_ranks(2, _weight_copies, model)[0]
+    assert kept == planned == (0 if not model else 2 * 4 * 3 * 64 * 32 * 2)
+
+
 @pytest.mark.parametrize("saved, resumed", [
     ([STAGE2], ["--parallel.tp=2"]),
     (["--parallel.zero_stage=1", "--optim.offload=cpu"], [STAGE2]),
@@ -152,6 +193,43 @@ def _offloaded_state(rank: int, world_size: int) -> tuple[bool, bool]:
 def test_offloaded_main_weights_are_host_copies():
     """Even fp32 parameters get a host copy: the device keeps no fp32 optimizer state."""
     assert run_ranks(2, _offloaded_state) == [(True, True)] * 2
+
+
+def test_the_host_update_shares_the_cores_among_the_local_ranks(monkeypatch):
+    """torchrun leaves each rank one thread (OMP_NUM_THREADS=1); the offloaded update gets the cores this
+    process may run on divided by the node's ranks, at least one (os.cpu_count where affinity is unknown)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_step_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert host_step_threads() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert host_step_threads() == 16
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert host_step_threads() == 3
+
+
+def _update_threads(rank: int, world_size: int, offload: str) -> tuple[list[int], list[int], int]:
+    """Threads torch runs the gradient norm and AdamW's step with, in a step on a node of 6 cores shared by the
+    2 ranks (the spawn sets LOCAL_WORLD_SIZE as torchrun does), and the count after the step."""
+    os.sched_getaffinity = lambda pid: set(range(6))
+    cfg = tiny_config(parallel={"zero_stage": 1}, optim={"offload": offload})
+    with build_trainer(cfg, cpu_topology(rank, world_size)) as trainer:
+        optimizer, in_norm, in_step = trainer.optimizer, [], []
+        norm, step = optimizer.norm, optimizer.optimizer.step
+        optimizer.norm = lambda: in_norm.append(torch.get_num_threads()) or norm()
+        optimizer.optimizer.step = lambda: in_step.append(torch.get_num_threads()) or step()
+        train_step(trainer, mock_batches(cfg, 1, seed=rank))
+    return in_norm, in_step, torch.get_num_threads()
+
+
+@pytest.mark.parametrize("offload, threads", [("cpu", 3), ("none", 1)])
+def test_the_offloaded_update_runs_on_the_ranks_share_of_cores(offload, threads):
+    """Clipping and AdamW over the host main weights run on 6 cores / 2 ranks = 3 threads, and the rank's own
+    count (1) is back after the update; without offload the update keeps the rank's count."""
+    assert run_ranks(2, _update_threads, offload) == [([threads], [threads], 1)] * 2
 
 
 def _host_copies_per_bucket(rank: int, world_size: int) -> tuple[list[int], int, int]:

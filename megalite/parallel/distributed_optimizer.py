@@ -22,6 +22,7 @@ resume silently restarted Adam's moments. One optimizer means one checkpoint for
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -75,6 +76,10 @@ class DistributedOptimizer:
     def host_grads(self) -> list[torch.Tensor]:
         """The host buffers offloaded gradients are copied into (none without offload)."""
         return self.main.host_grads()
+
+    def on_host(self) -> contextlib.AbstractContextManager:
+        """Around unscaling, clipping and the update: offloaded, they run on the host's share of cores."""
+        return self.main.on_host()
 
     def shards(self) -> list[MainParam]:
         """What this rank steps, for checkpoints: each parameter's owned range and its fp32 tensor."""

@@ -10,10 +10,18 @@
   slices start their copy to the host as soon as its reduction has landed, while later buckets' are still
   landing; after the update each bucket's weights go back just before that bucket's parameter
   all-gather. All copies are non-blocking, with one synchronisation before the update.
+
+The host update runs on this rank's share of the node's cores (`host_step_threads`), not on the one
+thread torchrun's OMP_NUM_THREADS=1 leaves each rank. The count is set around the update only
+(`on_host`), not once for the process: on a CPU device the model's own threads must stay as chosen,
+and a GPU rank's other host work (kernel launches, batches) gains nothing from more threads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +63,24 @@ class Owned:
     bucket: Bucket
 
 
+def host_step_threads() -> int:
+    """Threads for an offloaded optimizer update: the cores this process may run on (its affinity, else the
+    machine's), shared by the node's LOCAL_WORLD_SIZE ranks, at least one. Under torchrun (and `srun
+    torchrun`) every local rank inherits the launcher's affinity, so each gets an equal share."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _host(size: int, device: torch.device) -> torch.Tensor:
     return torch.empty(size, dtype=torch.float32, pin_memory=device.type == "cuda")
 
@@ -65,6 +91,7 @@ class MainWeights:
 
     def __init__(self, owned: list[list[Owned]], device: torch.device, offload: bool) -> None:
         self.device, self.offload = device, offload
+        self.host_threads = host_step_threads() if offload else None
         self.params: list[MainParam] = []
         self._host_grads: list[torch.Tensor] = []
         for ranges in owned:
@@ -91,6 +118,10 @@ class MainWeights:
     def host_grads(self) -> list[torch.Tensor]:
         """The host buffers offloaded gradients are copied into (none without offload)."""
         return self._host_grads
+
+    def on_host(self) -> contextlib.AbstractContextManager:
+        """Around the update's work on the main weights: offloaded, it runs on `host_threads` threads."""
+        return _threads(self.host_threads) if self.host_threads else contextlib.nullcontext()
 
     def grads_landed(self, bucket: Bucket) -> None:
         """The bucket's reduced gradients are final: offloaded, start their copies to the host now

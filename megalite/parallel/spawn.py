@@ -31,7 +31,7 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Callable, args: tuple, out: str) -> None:
     if threads:
         torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world_size))  # as torchrun
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         gathered = [None] * world_size

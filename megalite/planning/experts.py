@@ -37,6 +37,18 @@ def routed_rows(cfg: Config, tokens: int) -> int:
     return rows * cfg.parallel.ep if cfg.parallel.moe_dispatcher == "allgather" else rows
 
 
+def expert_weight_copies(cfg: Config, compute: int, fp32_parameters: bool) -> int:
+    """Bytes of the compute-dtype copies of this rank's experts' weights that the grouped GEMM keeps for backward,
+    per MoE layer and micro batch in flight, when fp32 parameters run under bf16/fp16 autocast: model/moe/experts.py
+    casts the weights where autograd sees the cast (parallel/gemm.py casts inside its autograd function and keeps
+    the parameter), so under ZeRO-3 freeing the gathered weights does not free these copies."""
+    m = cfg.model
+    if not fp32_parameters or compute == 4:
+        return 0
+    gated = m.features.gated_mlp
+    return m.num_experts // cfg.parallel.ep * (3 if gated else 2) * m.hidden_size * m.expert_ffn_size * compute
+
+
 def routed_bytes(cfg: Config, tokens: int, compute: int, fp32_parameters: bool) -> int:
     """Bytes the router, dispatch, experts and combine of one layer keep for `tokens` routed tokens (the shared
     expert aside); `compute`: bytes per element of the compute dtype."""
@@ -53,8 +65,7 @@ def routed_bytes(cfg: Config, tokens: int, compute: int, fp32_parameters: bool) 
     gated = m.features.gated_mlp
     intermediates = 4 if gated else 2
     expert_rows = rows * h * compute + intermediates * rows * width * compute
-    if fp32_parameters and compute != 4:  # the grouped GEMM keeps its cast of the local experts' weights
-        expert_rows += m.num_experts // p.ep * (3 if gated else 2) * h * width * compute
+    expert_rows += expert_weight_copies(cfg, compute, fp32_parameters)
     combine = 2 * rows * h * 4 + rows * 4  # rows as fp32, weighted, and their weights
     return router + sorting + expert_rows + combine
 

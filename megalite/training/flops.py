@@ -5,7 +5,16 @@ weights of every matmul (QKV, attention output, MLP, LM head over the real vocab
 not the embedding lookup nor norms) and the second term is the attention scores and
 weighted sum (2 matmuls, 2 FLOPs per multiply-add, x3 for forward + backward) counted
 over the full s x s square as Megatron-LM and the PaLM paper do. Recompute is not
-counted: this is model FLOPs utilisation, not hardware FLOPs.
+counted: this is model FLOPs utilisation (MFU), comparable across recompute settings.
+
+Hardware FLOPs add the forward that activation recompute runs again in backward, as the Megatron-LM
+papers count the TFLOP/s they report: full recompute one more forward of every transformer layer (not
+the LM head), selective the core attention (softmax(QK^T)V) and here also the experts' second
+projection (model/recompute.py). Their utilisation (HFU) says how busy the device was; MFU says how
+fast the model trains, comparable across recompute settings. For GPT (MLP 4h, vocabulary V) model
+FLOPs per step of B sequences are 72Bslh^2(1 + s/6h + V/12lh), and hardware FLOPs under full
+recompute 96Bslh^2(1 + s/6h + V/16lh), the formula of Narayanan et al. 2021. The flash kernel's own
+recompute of the scores in backward is counted by neither (nor by Megatron-LM).
 
 A mixture-of-experts layer counts what one token runs through (its active weights): the router
 [experts, hidden], the moe_topk experts it is routed to, the shared expert and its gate; not the
@@ -65,18 +74,56 @@ def _mlp_matmul_parameters(cfg: ModelConfig, index: int) -> int:
     return cfg.num_experts * h + experts + _mlp_weights(cfg, shared) + gate
 
 
-def matmul_parameters(cfg: ModelConfig) -> int:
-    """Weights one token multiplies (active weights: see the module's docstring), the LM head's included."""
+def _layer_matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights one token multiplies in the transformer layers (what full recompute runs again)."""
     h, d = cfg.hidden_size, cfg.head_dim
     qkv = h * (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
     proj = cfg.num_attention_heads * d * h
     mlp = sum(_mlp_matmul_parameters(cfg, i) for i in range(cfg.num_layers))
-    return cfg.num_layers * (qkv + proj) + mlp + h * cfg.vocab_size
+    return cfg.num_layers * (qkv + proj) + mlp
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights one token multiplies (active weights: see the module's docstring), the LM head's included."""
+    return _layer_matmul_parameters(cfg) + cfg.hidden_size * cfg.vocab_size
+
+
+def _core_attention_forward_flops(cfg: ModelConfig) -> int:
+    """QK^T and the weighted sum over the s x s square, per token, every layer: 2 matmuls x 2 FLOPs."""
+    return 4 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
 
 
 def training_flops_per_token(cfg: ModelConfig) -> float:
-    attention = 12 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
-    return 6 * matmul_parameters(cfg) + attention
+    """Model FLOPs: forward and backward (twice the forward) of every matmul, nothing recomputed."""
+    return 6 * matmul_parameters(cfg) + 3 * _core_attention_forward_flops(cfg)
+
+
+def recomputed_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
+    """The forward FLOPs that train.recompute runs again in backward (model/recompute.py says what reruns)."""
+    if recompute == "full":
+        return 2 * _layer_matmul_parameters(cfg) + _core_attention_forward_flops(cfg)
+    if recompute == "selective":
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        experts_fc2 = moe_layers * cfg.moe_topk * cfg.expert_ffn_size * cfg.hidden_size
+        return _core_attention_forward_flops(cfg) + 2 * experts_fc2
+    if recompute == "none":
+        return 0.0
+    raise ValueError(f"recompute mode {recompute!r} is not one of none, selective, full")
+
+
+def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
+    """Hardware FLOPs: the model FLOPs plus the recomputed forward (the Megatron-LM papers' TFLOP/s count)."""
+    return training_flops_per_token(cfg) + recomputed_flops_per_token(cfg, recompute)
+
+
+def throughput(tokens_per_sec_per_device: float, cfg: ModelConfig, recompute: str,
+               peak: float | None) -> dict[str, float | None]:
+    """TFLOP/s per device and its share of the `peak` (None when unknown), by model FLOPs (`tflops_per_device`,
+    `mfu`) and by hardware FLOPs (`hardware_tflops_per_device`, `hfu`): the names every report uses."""
+    model = tokens_per_sec_per_device * training_flops_per_token(cfg) / 1e12
+    hardware = tokens_per_sec_per_device * hardware_flops_per_token(cfg, recompute) / 1e12
+    return {"tflops_per_device": model, "mfu": model / peak if peak else None,
+            "hardware_tflops_per_device": hardware, "hfu": hardware / peak if peak else None}
 
 
 def device_model(name: str) -> str | None:

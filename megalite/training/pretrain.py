@@ -27,7 +27,7 @@ from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, release_process_groups, synchronize
 from megalite.training.build import build_trainer
 from megalite.training.evaluate import evaluate
-from megalite.training.flops import peak_tflops, training_flops_per_token
+from megalite.training.flops import peak_tflops, throughput
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
@@ -37,8 +37,10 @@ from megalite.training.trace import write_chrome_trace
 from megalite.training.wandb_logger import new_run_id
 
 _CONSOLE = {"loss": "loss", "lr": "lr", "grad_norm": "grad norm", "loss_scale": "loss scale",
-            "skipped_steps": "skipped", "tokens_per_sec": "tokens/s", "tflops_per_device": "TFLOP/s/device",
-            "mfu": "MFU", "peak_memory_gib": "peak mem GiB"}
+            "skipped_steps": "skipped", "tokens_per_sec": "tokens/s", "tflops_per_device": "model TFLOP/s/device",
+            "mfu": "MFU", "hardware_tflops_per_device": "hardware TFLOP/s/device", "hfu": "HFU",
+            "peak_memory_gib": "peak mem GiB"}
+_HARDWARE = ("hardware_tflops_per_device", "hfu")  # equal to the model figures, so not printed, without recompute
 
 
 @dataclass
@@ -78,7 +80,8 @@ class Run:
             dist.broadcast_object_list(chosen, src=0)
             self.state.wandb_run_id = chosen[0]
         self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)
-        self.flops_per_token = training_flops_per_token(cfg.model)
+        self.console = {key: label for key, label in _CONSOLE.items()
+                        if cfg.train.recompute != "none" or key not in _HARDWARE}
         self.routing = RoutingMetrics(cfg.model, topology) if cfg.model.num_experts else None
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
         self.saved_step, self.diverged_in_a_row = -1, 0
@@ -144,10 +147,6 @@ class Run:
         cfg = self.cfg
         self.unread.append((step, result))
         self.writer.advance()
-        if self.checkpointer:
-            done = self.checkpointer.poll()
-            if done:
-                self.writer.print(f"checkpoint {done} complete")
         if self.pipeline.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
             self._write_trace(step - start)
         began, steps = self.interval
@@ -156,9 +155,19 @@ class Run:
             synchronize(self.topology.device)
             figures = self._read_steps()
             self._log_step(step, figures, steps + 1, time.perf_counter() - began)
+            self._publish_finished_save()
             self.interval = (time.perf_counter(), 0)
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
             self._evaluate()
+
+    def _publish_finished_save(self) -> None:
+        """Publish an asynchronous save every rank has finished writing. Asking is a collective read on the
+        host, so it happens at log steps only, where the host waits for the device anyway; nothing is lost
+        in between: the next save and the end of the run wait for the pending one and publish it."""
+        if self.checkpointer:
+            done = self.checkpointer.poll()
+            if done:
+                self.writer.print(f"checkpoint {done} complete")
 
     def _read_steps(self) -> StepFigures | None:
         """Read the steps since the last read on the host (one wait for the device) and account for them:
@@ -263,19 +272,19 @@ class Run:
 
     def _log_step(self, step: int, result: StepFigures, steps: int, seconds: float) -> None:
         tokens_per_sec = steps * self.gbs * self.cfg.model.seq_length / seconds
-        tflops = tokens_per_sec * self.flops_per_token / self.topology.world_size / 1e12
         memory, what = peak_memory(self.topology.device)
         record = {
             "step": step, "loss": result.loss, "lr": self.optimizer.lr, "grad_norm": result.grad_norm,
             "loss_scale": self.trainer.scaler.scale, "skipped_steps": self.state.skipped_steps,
             "consumed_samples": self.state.consumed_samples,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.topology.world_size,
-            "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
+            **throughput(tokens_per_sec / self.topology.world_size, self.cfg.model, self.cfg.train.recompute,
+                         self.peak),
             "peak_memory_gib": memory, "peak_memory_kind": what,
         }
         if self.routing is not None:
             record |= self.routing.read(self.cfg.num_microbatches(self.topology.world_size))
-        self.writer.log(record, _CONSOLE)
+        self.writer.log(record, self.console)
 
     def _write_trace(self, steps: int) -> None:
         write_chrome_trace(self.cfg.logging.pipeline_trace, self.pipeline.trace, self.topology, steps)

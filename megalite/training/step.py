@@ -141,12 +141,13 @@ def train_step(trainer: Trainer, batches: list[Batch]) -> StepResult:
         dist.all_reduce(totals, group=t.dp_cp_group)
     correction = (positions / totals[1].clamp(min=1.0)).float()
     loss, tokens = totals[0] * correction, totals[1]
-    # Only fp16's dynamic loss scale can overflow; other precisions skip the check and its host-syncing vote.
-    overflow = scaler.dynamic and optimizer.any_overflow(scaler.unscale_and_check(optimizer.grads()))
-    scaler.update(overflow)
-    if overflow:
-        optimizer.finish_step()
-        return StepResult(torch.stack((loss, torch.full_like(loss, math.nan), tokens)), overflow=True)
-    grad_norm = optimizer.clip(trainer.cfg.optim.clip_grad, correction)
-    optimizer.step()  # no update where the (global, so every rank's) norm is NaN/Inf: decided on the device
+    with optimizer.on_host():  # offloaded: this rank's share of the host's cores (main_weights.py)
+        # Only fp16's dynamic loss scale can overflow; other precisions skip the check and its host-syncing vote.
+        overflow = scaler.dynamic and optimizer.any_overflow(scaler.unscale_and_check(optimizer.grads()))
+        scaler.update(overflow)
+        if overflow:
+            optimizer.finish_step()
+            return StepResult(torch.stack((loss, torch.full_like(loss, math.nan), tokens)), overflow=True)
+        grad_norm = optimizer.clip(trainer.cfg.optim.clip_grad, correction)
+        optimizer.step()  # no update where the (global, so every rank's) norm is NaN/Inf: decided on the device
     return StepResult(torch.stack((loss, grad_norm.double().to(loss.device), tokens)))
