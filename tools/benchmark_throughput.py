@@ -53,11 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script Pyth
 from megalite.checkpoint.hf_config import hf_config  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.data.batches import Batch  # noqa: E402
-from megalite.parallel.context import ParallelContext  # noqa: E402
 from megalite.parallel.distributed_optimizer import adamw, decay_groups  # noqa: E402
 from megalite.parallel.topology import Topology, synchronize  # noqa: E402
 from megalite.planning.measure import measurement_config, mock_batches, model_fields  # noqa: E402
-from megalite.training.build import build_model, build_trainer  # noqa: E402
+from megalite.training.build import build_rank_model, build_trainer  # noqa: E402
 from megalite.training.flops import training_flops_per_token  # noqa: E402
 from megalite.training.step import precision_context, train_step  # noqa: E402
 
@@ -174,13 +173,7 @@ def plain_step(cfg: Config, topology: Topology, batch: Batch) -> Iterator[Callab
     """megalite's own model, built as build_trainer builds it, in the loop a plain PyTorch script runs: zero the
     grads, forward, the mean loss over the batch's positions, backward, clip, torch's fused AdamW. No gradient
     buffers, hooks, schedule or step bookkeeping: the baseline of what megalite's step costs beyond its model."""
-    p = cfg.parallel
-    ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm,
-                                        p.moe_dispatcher)
-    model = build_model(cfg, topology.device, ctx, topology.pp_rank).train()
-    if cfg.train.compile:
-        for layer in model.layers.values():
-            layer.compile()
+    model = build_rank_model(cfg, topology).train()
     o, device = cfg.optim, topology.device
     optimizer = adamw(decay_groups(((n, p, p) for n, p in model.named_parameters()), o.weight_decay), o)
     tokens, labels, mask = (t.to(device) for t in (batch.tokens, batch.labels, batch.loss_mask))

@@ -67,18 +67,26 @@ def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank
     return model
 
 
-def build_trainer(cfg: Config, topology: Topology) -> Trainer:
-    """The one place that assembles training: pretrain, the tools and the tests all start here."""
+def build_rank_model(cfg: Config, topology: Topology) -> GPTModel:
+    """This rank's model in its parallel context, compiled layer by layer when train.compile asks: what
+    build_trainer trains, and what a benchmark's bare loop runs without the trainer around it."""
     p = cfg.parallel
-    if cfg.model.num_experts and "expert" not in topology.grids:
-        raise ValueError("the model has experts (model.num_experts) but the topology has no expert grid: build it "
-                         "with experts=True (Topology.from_config(..., experts=cfg.model.num_experts > 0))")
     ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm,
                                         p.moe_dispatcher)
     model = build_model(cfg, topology.device, ctx, topology.pp_rank)
     if cfg.train.compile:
         for layer in model.layers.values():
             layer.compile()
+    return model
+
+
+def build_trainer(cfg: Config, topology: Topology) -> Trainer:
+    """The one place that assembles training: pretrain, the tools and the tests all start here."""
+    p = cfg.parallel
+    if cfg.model.num_experts and "expert" not in topology.grids:
+        raise ValueError("the model has experts (model.num_experts) but the topology has no expert grid: build it "
+                         "with experts=True (Topology.from_config(..., experts=cfg.model.num_experts > 0))")
+    model = build_rank_model(cfg, topology)
     names = {name for name, _ in model.named_parameters()}
     tied = set(TIED_COPY) & names if cfg.model.tied and topology.pp > 1 else set()
     placements = model.placements_by_name()
@@ -90,4 +98,4 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
                                      p.overlap_param_gather, placements)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-    return Trainer(cfg, topology, model, ctx, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded)
+    return Trainer(cfg, topology, model, model.ctx, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded)
