@@ -275,8 +275,8 @@ def main(argv: list[str] | None = None) -> None:
             seconds = median_step_seconds(step, args.warmup, args.steps, device)
             if args.profile:
                 table, matmul, total = profile_step(step, args.profile)
-                print(f"{name} profile of one step:\n{table}\n{name} matmuls: {matmul:.3f} s of {total:.3f} s "
-                      f"self time ({matmul / total:.0%})", flush=True)
+                print(f"{name} profile of one step:\n{table}\n{name} matmuls: {matmul * 1e3:.2f} ms of "
+                      f"{total * 1e3:.2f} ms self time ({matmul / total:.0%})", flush=True)
         tokens_per_s[name] = tokens_per_step / seconds
         mfu = tokens_per_s[name] * flops_per_token / (peak * 1e12)
         print(f"{name:<12} {seconds * 1e3:8.1f} ms/step {tokens_per_s[name]:10.1f} tokens/s  MFU {mfu:6.1%}",
