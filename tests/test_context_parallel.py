@@ -1,7 +1,7 @@
 """Context-parallel attention equals full causal attention: every cp rank's output and its slices of
 dq, dk, dv match one device's F.scaled_dot_product_attention over the global sequence, for both comms,
 multi-head and grouped-query attention, with K/V expanded to every head for the block kernel or handed to
-it per group (as on CUDA); and its communication obeys NCCL's rules (tests/nccl_rules.py)."""
+it per group (as on CUDA); and its communication obeys NCCL's rules (megalite/parallel/nccl_rules.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from nccl_rules import CommRecorder, replay
 
 from megalite.parallel import context_parallel
 from megalite.parallel.context_parallel import context_parallel_attention, local_positions
+from megalite.parallel.nccl_rules import CommRecorder, replay
 
 HEADS, BATCH, DIM = 4, 2, 16
 # (comm, KV groups, sequence length, dtype)

@@ -1,5 +1,5 @@
 """NCCL's ordering rules, checked without a GPU: every point-to-point call and collective that gloo
-ranks really make is recorded and replayed as NCCL would run it (tests/nccl_rules.py).
+ranks really make is recorded and replayed as NCCL would run it (megalite/parallel/nccl_rules.py).
 
 The replay is first shown to catch each kind of NCCL-only failure on small hand-made programs;
 then it checks the pipeline executor for every schedule, pp, vp and micro batch count the
@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import cpu_topology, run_ranks
-from nccl_rules import Call, CommRecorder, Message, RankRecord, replay
 
 from megalite.config_cli import parse_config
+from megalite.dryrun.pipeline_plan import SHAPE, record_schedule
+from megalite.parallel.nccl_rules import Call, CommRecorder, Message, RankRecord, replay
 from megalite.parallel.p2p import PipelineComm
 from megalite.parallel.pipeline_layout import PipelineStage
-from megalite.parallel.schedules import run_schedule
 from megalite.training.pretrain import pretrain
 
 
@@ -102,22 +102,9 @@ def _schedule_cases(pp: int) -> list[tuple[str, int, int]]:
 def _executor_ranks(rank: int, world_size: int) -> list[tuple[tuple, RankRecord]]:
     """Run the executor with a toy model per case: each chunk scales its input by its own weight."""
     topology = cpu_topology(rank, world_size, pp=world_size)
-    comm = PipelineComm(topology, (3, 1, 4), torch.float32)
-    results = []
-    for name, vp, m in _schedule_cases(world_size):
-        me = PipelineStage(world_size, vp, rank)
-        weights = torch.linspace(1.0, 2.0, vp * world_size).view(vp, world_size)[:, rank].clone().requires_grad_()
-
-        def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None, weights=weights,
-                         me=me) -> torch.Tensor:
-            x = torch.full((3, 1, 4), 1.0 + microbatch) if hidden is None else hidden
-            out = x * weights[chunk] + chunk
-            return out.sum() if me.is_last_chunk(chunk) else out
-
-        with CommRecorder(rank) as recorder, torch.set_grad_enabled(name != "forward"):
-            run_schedule(name, m, forward_step, me, comm)
-        results.append(((name, vp, m), recorder.record))
-    return results
+    comm = PipelineComm(topology, SHAPE, torch.float32)
+    return [((name, vp, m), record_schedule(name, m, PipelineStage(world_size, vp, rank), comm))
+            for name, vp, m in _schedule_cases(world_size)]
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])

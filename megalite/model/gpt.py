@@ -80,6 +80,22 @@ class Embedding(nn.Module):
             return self.dropout(x)
 
 
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer of `module` uninitialised storage on `device`, as Module.to_empty does,
+    but as new tensors (a parameter shared by two modules stays shared): to_empty swaps each parameter in place,
+    which a fake-tensor mode refuses (the dry run builds real models on fake tensors: megalite/dryrun/)."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (meta tensor, kept alive: ids stay unique; new)
+    for child in module.modules():
+        for tensors, wrap in ((child._parameters, True), (child._buffers, False)):
+            for key, tensor in tensors.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    empty = torch.empty_like(tensor, device=device)
+                    made[id(tensor)] = tensor, nn.Parameter(empty, tensor.requires_grad) if wrap else empty
+                tensors[key] = made[id(tensor)][1]
+
+
 class GPTModel(nn.Module):
     """One rank's part of the GPT: its tensor-parallel shards (`ctx`) of the layers of its pipeline
     chunks (`stage`), plus the embedding and/or head when it holds the first/last chunk.
@@ -102,7 +118,7 @@ class GPTModel(nn.Module):
         self.aux_losses = AuxLosses()  # terms layers add in forward (model/aux_losses.py)
         with torch.device("meta"):
             self._build_modules(cfg, device)
-        self.to_empty(device=device)
+        materialize(self, device)
         if device.type != "meta":  # a meta build is for shapes and counts (planner, tests): nothing to draw
             init_parameters(self, seed, cfg, self.placements_by_name(), self.ctx.coord, self.tied_copies())
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -38,6 +38,12 @@ from megalite.parallel.mappings import (
 )
 
 
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert of the expert ids `flat`. Not torch.bincount: its output's size depends on the largest id,
+    which CUDA reads on the host (a sync per MoE layer) and a fake tensor cannot know (the dry run)."""
+    return flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 @dataclass
 class Sorted:
     """Rows of (token, choice) pairs sorted by expert: which token each row is and its combine weight."""
@@ -50,7 +56,7 @@ class Sorted:
     def of(cls, experts: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Sorted:
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
+        counts = expert_counts(flat, num_experts)
         return cls(order // experts.shape[-1], weights.reshape(-1)[order], counts)
 
     @classmethod
@@ -62,7 +68,7 @@ class Sorted:
         k, flat, w = experts.shape[-1], experts.reshape(-1), weights.reshape(-1)
         first = (-w.detach()).argsort(stable=True) if by_weight else torch.arange(len(flat), device=flat.device)
         order = first[flat[first].argsort(stable=True)]  # by expert, then by priority
-        counts = torch.bincount(flat, minlength=num_experts)
+        counts = expert_counts(flat, num_experts)
         slot = torch.arange(capacity, device=flat.device)
         kept = slot < counts[:, None]  # [experts, capacity]
         source = order[((counts.cumsum(0) - counts)[:, None] + slot).clamp(max=len(order) - 1)]
@@ -117,13 +123,19 @@ class AllToAll:
                 gathered = received.new_empty((etp * ep, local))
                 all_gather_single(gathered, received.contiguous(), self.etp.group)
                 blocks = gathered.view(etp, ep, local)
-            sizes = torch.cat([pairs.counts.view(ep, local).sum(1), received.sum(1), blocks.sum((1, 2))]).tolist()
-            sent, got, shared = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]  # the one host read
+            sent, got, shared = self.split_sizes(pairs, received, blocks)
         rows = gather_rows_v(all_to_all(rows, self.ep.group, got, sent), self.etp.group, shared)
         expert = torch.arange(local, device=rows.device).repeat(etp * ep)
         regroup = expert.repeat_interleave(blocks.reshape(-1), output_size=sum(shared)).argsort(stable=True)
         travel = (regroup, sent, got, shared)
         return rows.index_select(0, regroup), blocks.sum((0, 1)), (pairs, tokens.shape[0], travel)
+
+    def split_sizes(self, pairs: Sorted, received: torch.Tensor, blocks: torch.Tensor) -> tuple[list[int], ...]:
+        """Rows sent to each ep rank, received from each, held by each etp rank: the one host read (the dry run,
+        whose fake tensors hold no counts, puts balanced routing in its place: megalite/dryrun/routing.py)."""
+        ep = self.ep.size
+        sizes = torch.cat([pairs.counts.view(ep, self.local).sum(1), received.sum(1), blocks.sum((1, 2))]).tolist()
+        return sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
 
     def combine(self, rows: torch.Tensor, state: tuple) -> torch.Tensor:
         pairs, num_tokens, travel = state

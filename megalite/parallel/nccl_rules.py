@@ -20,6 +20,9 @@ order, each call it posts (communicator, peers, sizes, a digest of the bytes sen
 received) and each wait on it. `replay` runs all ranks' records as NCCL would and reports
 every call that could never finish (a hang), every message NCCL would deliver to another
 receive than gloo did (a silent swap), and every size or collective mismatch.
+
+It lives in megalite, not only in the tests, because the dry run (megalite/dryrun/) records the calls of
+ranks it simulates on fake tensors (no bytes to digest: sizes and order are checked, not contents).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch._subclasses.fake_tensor import is_fake
 
 P2P_FUNCTIONS = ("isend", "irecv", "send", "recv")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
@@ -71,6 +75,14 @@ class Call:
     dtype: str | None = None
     splits: tuple[list[int], list[int]] | None = None  # all_to_all_single: bytes sent to, received from each member
     where: str = ""  # the caller's file:line, for reports
+    desc: str = ""  # the group's description ("tensor-parallel", ...), for reports
+
+    @property
+    def sent_bytes(self) -> int:
+        """What this rank puts on the wire: its sends, a collective's input, an all-to-all's outgoing rows."""
+        if self.splits is not None:
+            return sum(self.splits[0])
+        return sum(m.nbytes for m in self.messages if m.send) if self.messages else self.nbytes or 0
 
     @property
     def single(self) -> bool:
@@ -93,7 +105,10 @@ class RankRecord:
         return [item for kind, item in self.events if kind == "post"]
 
 
-def _digest(tensor: torch.Tensor) -> str:
+def _digest(tensor: torch.Tensor) -> str | None:
+    """A hash of the tensor's bytes; None for a tensor without data (fake or meta: the dry run)."""
+    if tensor.is_meta or is_fake(tensor):
+        return None
     raw = tensor.detach().reshape(-1).view(torch.uint8).cpu().clone().numpy().tobytes()  # a copy: numpy pins storage
     return hashlib.blake2b(raw, digest_size=8).hexdigest()
 
@@ -199,7 +214,7 @@ class CommRecorder:
             group, ops = a.get("group"), []
         group = group if group is not None else c10d._get_default_group()
         call = Call(self.record.rank, len(self.record.calls), name, group.group_name,
-                    tuple(dist.get_process_group_ranks(group)), where=_caller())
+                    tuple(dist.get_process_group_ranks(group)), where=_caller(), desc=group.group_desc)
         received = []
         for send, peer, tensor in ops:
             message = Message(send, peer, tensor.numel() * tensor.element_size(), str(tensor.dtype))

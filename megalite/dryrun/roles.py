@@ -1,0 +1,40 @@
+"""Which ranks a dry run simulates: one of each role, since ranks in the same role hold and do the same.
+
+Ranks differ by pipeline stage: the first embeds (and holds the word embeddings), the last holds the head and
+the loss (and, with tied embeddings over pp > 1, the embeddings' copy), the ones between hold layers only, and
+a stage's place in the schedule sets how many micro batches it keeps in flight (the first the most). Within a
+stage, tensor-, context-, data- and expert-parallel ranks hold equal shares and run the same schedule (context
+parallelism splits every sequence into load-balanced chunks), so coordinate 0 of those axes stands for all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import Config
+from megalite.parallel.topology import RankGrid
+
+
+@dataclass(frozen=True)
+class Role:
+    rank: int
+    pp_rank: int
+    name: str
+
+
+def roles(cfg: Config, world_size: int) -> list[Role]:
+    """The first, a middle and the last pipeline stage's rank 0 of the other axes (one role when pp = 1)."""
+    p = cfg.parallel
+    grid = RankGrid.for_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp)
+    stages = sorted({0, p.pp // 2, p.pp - 1})
+    tied = cfg.model.tied and p.pp > 1
+
+    def name(stage: int) -> str:
+        if p.pp == 1:
+            return "the only stage"
+        where = "first" if stage == 0 else "last" if stage == p.pp - 1 else "middle"
+        parts = {"first": "embedding", "last": "head and loss", "middle": "layers only"}[where]
+        copy = " (tied embeddings)" if tied and where != "middle" else ""
+        return f"{where} stage: {parts}{copy}"
+
+    return [Role(grid.rank({"pp": stage}), stage, name(stage)) for stage in stages]
