@@ -76,13 +76,8 @@ class Call:
     splits: tuple[list[int], list[int]] | None = None  # all_to_all_single: bytes sent to, received from each member
     where: str = ""  # the caller's file:line, for reports
     desc: str = ""  # the group's description ("tensor-parallel", ...), for reports
+    payload: int = 0  # a collective's size as NCCL's tests count it (the whole tensor); a rank's sends
 
-    @property
-    def sent_bytes(self) -> int:
-        """What this rank puts on the wire: its sends, a collective's input, an all-to-all's outgoing rows."""
-        if self.splits is not None:
-            return sum(self.splits[0])
-        return sum(m.nbytes for m in self.messages if m.send) if self.messages else self.nbytes or 0
 
     @property
     def single(self) -> bool:
@@ -229,6 +224,7 @@ class CommRecorder:
             tensor = _collective_tensor(name, a)
             if tensor is not None:
                 call.nbytes, call.dtype = tensor.numel() * tensor.element_size(), str(tensor.dtype)
+        call.payload = _payload(call, a)
         self.record.events.append(("post", call))
         if name == "batch_isend_irecv":
             result = self._batch(original, a["p2p_op_list"])
@@ -254,6 +250,17 @@ def _all_to_all_splits(arguments: dict[str, Any], members: int) -> tuple[list[in
 
     return (per_member(arguments["input"], arguments.get("input_split_sizes")),
             per_member(arguments["output"], arguments.get("output_split_sizes")))
+
+
+def _payload(call: Call, arguments: dict[str, Any]) -> int:
+    """Sends: their bytes; an all-to-all: the rows it sends; a collective: its largest tensor (the whole
+    gathered or reduce-scattered buffer, NCCL's tests' size)."""
+    if call.messages:
+        return sum(m.nbytes for m in call.messages if m.send)
+    if call.splits is not None:
+        return sum(call.splits[0])
+    tensors = [v for v in arguments.values() if isinstance(v, torch.Tensor)]
+    return max((t.numel() * t.element_size() for t in tensors), default=0)
 
 
 def _collective_tensor(name: str, arguments: dict[str, Any]) -> torch.Tensor | None:
