@@ -41,7 +41,7 @@ class RankRun:
     coords: dict[str, int]
     memory: dict[str, int]  # device bytes by kind at the steady-state peak (live_bytes.KINDS)
     host: int  # offloaded bytes (optim.offload=cpu: main weights, optimizer state, gradient copies)
-    build_peak: int  # the most bytes alive while building (the init draws parameters at full shape)
+    init_draw: int  # the most bytes the build held above the state it built: parameters drawn at full shape
     calls: list[Call] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # groups, build, step
 
@@ -113,7 +113,7 @@ def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int) -
             start = time.perf_counter()
             trainer = build_trainer(cfg, topology)
             label_state(live, trainer)
-            build_peak = live.peak
+            init_draw = live.peak - live.live
             live.reset_peak()
             seconds["build"] = time.perf_counter() - start
             batches = fake_batches(cfg, microbatches)
@@ -127,4 +127,4 @@ def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int) -
             del trainer, batches
     coords = topology.grid.coords(role.rank)
     device = {kind: memory.get(kind, 0) for kind in memory if kind != "host"}
-    return RankRun(role, coords, device, host, build_peak, recorder.record.calls, seconds)
+    return RankRun(role, coords, device, host, init_draw, recorder.record.calls, seconds)

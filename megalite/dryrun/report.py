@@ -45,7 +45,8 @@ def _memory_lines(report: DryRun, run: RankRun) -> list[str]:
                  f"  ({difference(run, stage):+.1%}; planner with CUDA's kernels {cuda.total / GIB:.3f} G)")
     if run.host:
         lines.append(f"  host (offloaded)      {run.host / GIB:>10.3f} G")
-    lines.append(f"  building the model took up to {run.build_peak / GIB:.3f} G (parameters drawn at full shape)")
+    lines.append(f"  initialisation drew up to {run.init_draw / GIB:.3f} G at once beyond the state (each parameter at "
+                 "full shape, in host memory: model/init.py)")
     return lines
 
 

@@ -2,7 +2,9 @@
 
 Ranks differ by pipeline stage: the first embeds (and holds the word embeddings), the last holds the head and
 the loss (and, with tied embeddings over pp > 1, the embeddings' copy), the ones between hold layers only, and
-a stage's place in the schedule sets how many micro batches it keeps in flight (the first the most). Within a
+a stage's place in the schedule sets how many micro batches it keeps in flight (the first the most, though with
+fewer layers on the first chunk the second stage may hold more: the stage the planner expects to need the most
+memory is simulated too). Within a
 stage, tensor-, context-, data- and expert-parallel ranks hold equal shares and run the same schedule (context
 parallelism splits every sequence into load-balanced chunks), so coordinate 0 of those axes stands for all.
 """
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.parallel.topology import RankGrid
+from megalite.planning.memory import memory_per_stage
 
 
 @dataclass(frozen=True)
@@ -23,10 +26,12 @@ class Role:
 
 
 def roles(cfg: Config, world_size: int) -> list[Role]:
-    """The first, a middle and the last pipeline stage's rank 0 of the other axes (one role when pp = 1)."""
+    """Rank 0 of the other axes on the first, a middle and the last pipeline stage, and on the stage the planner
+    expects to need the most memory (one role when pp = 1)."""
     p = cfg.parallel
     grid = RankGrid.for_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp)
-    stages = sorted({0, p.pp // 2, p.pp - 1})
+    worst = max(memory_per_stage(cfg, world_size), key=lambda stage: stage.total).pp_rank
+    stages = sorted({0, p.pp // 2, p.pp - 1, worst})
     tied = cfg.model.tied and p.pp > 1
 
     def name(stage: int) -> str:
@@ -35,6 +40,7 @@ def roles(cfg: Config, world_size: int) -> list[Role]:
         where = "first" if stage == 0 else "last" if stage == p.pp - 1 else "middle"
         parts = {"first": "embedding", "last": "head and loss", "middle": "layers only"}[where]
         copy = " (tied embeddings)" if tied and where != "middle" else ""
-        return f"{where} stage: {parts}{copy}"
+        most = ", the planner's largest" if stage == worst else ""
+        return f"{where} stage {stage}: {parts}{copy}{most}"
 
     return [Role(grid.rank({"pp": stage}), stage, name(stage)) for stage in stages]

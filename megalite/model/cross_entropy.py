@@ -32,6 +32,18 @@ _CHUNK_BYTES = {"cpu": 4 * 2**20}
 _DEFAULT_CHUNK_BYTES = 2**30
 
 
+def _loss_and_grad(chunk: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The fp32 losses of a chunk of logits, whose values become their gradient (softmax - onehot) in place. A
+    function of its own so that its fp32 temporaries die at its return, not when the next chunk reassigns them
+    (that kept three chunks' worth alive at once: found by the dry run)."""
+    chunk[:, vocab:] = float("-inf")  # -inf in every float dtype: exp gives exactly 0, no overflow
+    target = labels.unsqueeze(1)
+    log_probs = torch.log_softmax(chunk, dim=1, dtype=torch.float32)
+    losses = log_probs.gather(1, target).squeeze(1).neg()
+    chunk.copy_(log_probs.exp_().scatter_add_(1, target, torch.full(target.shape, -1.0, device=chunk.device)))
+    return losses
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int,
@@ -41,13 +53,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         rows = max(1, _CHUNK_BYTES.get(x.device.type, _DEFAULT_CHUNK_BYTES) // (4 * weight.shape[0]))
         for start in range(0, x.shape[0], rows):
-            chunk = grad_logits[start : start + rows]
-            chunk[:, vocab:] = float("-inf")  # -inf in every float dtype: exp gives exactly 0, no overflow
-            target = labels[start : start + rows].unsqueeze(1)
-            log_probs = torch.log_softmax(chunk, dim=1, dtype=torch.float32)
-            losses[start : start + rows] = log_probs.gather(1, target).squeeze(1).neg()
-            probs = log_probs.exp_().scatter_add_(1, target, torch.full(target.shape, -1.0, device=x.device))
-            chunk.copy_(probs)
+            losses[start : start + rows] = _loss_and_grad(grad_logits[start : start + rows],
+                                                          labels[start : start + rows], vocab)
         ctx.save_for_backward(x, weight, grad_logits)
         ctx.fuse = fuse and not torch.compiler.is_compiling()
         return losses

@@ -1,0 +1,139 @@
+"""The dry run (megalite/dryrun/, tools/dry_run.py): real ranks of full-size layouts on fake tensors.
+
+First its measuring: live bytes follow storages (views, frees, resizes, saved tensors) exactly, and a simulated
+rank of a tiny layout holds what real gloo ranks of the same layout hold. Then every example in examples/ runs a
+step at the world size it is written for, fits its GPU, passes NCCL's rules along the whole pipeline, and
+matches the planner within 5% on every simulated rank.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks
+from test_examples import PLAN_LINE, PLANNED
+
+from megalite.config_cli import apply_mapping, parse_config
+from megalite.dryrun.fake_world import fake_tensors
+from megalite.dryrun.live_bytes import LiveBytes
+from megalite.dryrun.pipeline_plan import check_pipeline
+from megalite.dryrun.rank_step import simulate_rank
+from megalite.dryrun.report import TOLERANCE, difference, exit_status, fits, format_dry_run
+from megalite.dryrun.roles import Role, roles
+from megalite.dryrun.run import dry_run
+from megalite.planning.measure import MEASUREMENT, measurement_config, rank_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_live_bytes_follow_storages_until_they_die_or_shrink():
+    with fake_tensors(), LiveBytes().counting() as live:
+        a = torch.empty(1000)  # 4000 bytes
+        view = a[10:20]
+        with live.making("weights"):
+            b = torch.empty(500, dtype=torch.bfloat16)  # 1000 bytes
+        assert live.live == 5000 and live.totals["weights"] == 1000 and live.totals["transient"] == 4000
+        del a
+        assert live.live == 5000  # the view keeps the storage alive
+        view.untyped_storage().resize_(0)
+        assert live.live == 1000 and live.peak == 5000
+        view.untyped_storage().resize_(400)
+        assert live.live == 1400
+        del view, b
+        assert live.live == 0 and live.at_peak == {"transient": 4000, "weights": 1000}
+
+
+def test_what_autograd_saves_counts_as_activations():
+    with fake_tensors(), LiveBytes().counting() as live:
+        w = torch.empty(64, 64, requires_grad=True)
+        live.label([w], "weights")
+        x = torch.empty(8, 64)
+        hidden = torch.tanh(x @ w)  # tanh saves its output; the matmul saves x (w is a weight already)
+        assert live.totals["activations"] == 2 * 8 * 64 * 4 and live.totals["weights"] == 64 * 64 * 4
+        del hidden, x
+
+
+TINY = {"model": {"family": "llama", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                  "num_query_groups": 2, "seq_length": 32, "vocab_size": 256},
+        "parallel": {"tp": 2, "pp": 2, "sequence_parallel": True, "distributed_optimizer": True},
+        "train": {"micro_batch_size": 2, "global_batch_size": 8, "precision": "bf16", "param_dtype": "bf16"}}
+
+
+def test_a_simulated_rank_holds_the_model_state_real_ranks_hold():
+    """The same tiny layout on 8 gloo ranks (tp2 x pp2 x dp2) and simulated: parameters, gradient buffers, main
+    weights and Adam's state after a step are the same bytes on every stage."""
+    cfg = measurement_config(8, **TINY)
+    real = run_ranks(8, rank_memory, cfg)
+    for role in roles(cfg, 8):
+        run = simulate_rank(cfg, 8, role, cfg.num_microbatches(8))
+        held = real[role.rank]
+        assert (run.memory["weights"], run.memory["gradients"], run.memory["main_weights"],
+                run.memory["optimizer"]) == (held["params"], held["grads"], held["main"], held["state"]), role
+
+
+def test_the_whole_pipeline_of_a_405b_layout_passes_nccl_rules():
+    report = check_pipeline("1f1b", 16, 4, 32)  # examples/llama_405b.yaml: pp 16, vp 4, 32 micro batches
+    assert report.ok, report.text()
+    assert report.messages == 2 * 32 * (16 * 4 - 1)  # an activation and a gradient per micro batch per boundary
+
+
+def _example(path: Path) -> tuple[int, str]:
+    _, world, gpu, _ = PLAN_LINE.search(path.read_text()).groups()
+    return int(world), gpu
+
+
+@pytest.mark.parametrize("path", PLANNED, ids=lambda p: p.stem)
+def test_every_example_dry_runs_at_its_world_size(path):
+    """One step of each role's rank at the example's real world size (the shortest step with the same memory
+    peak), every call of the pipeline under NCCL's rules; fits its GPU and agrees with the planner."""
+    world, gpu = _example(path)
+    cfg = parse_config(["--config", str(path)])
+    apply_mapping(cfg, MEASUREMENT, "dry run")
+    report = dry_run(cfg, world, "peak")
+    text = format_dry_run(report, gpu)
+    assert report.ok, text
+    for run in report.ranks:
+        assert fits(run, gpu), text
+        assert abs(difference(run, report.plan(run))) <= TOLERANCE, text
+
+
+def test_the_tool_prints_each_rank_and_exits_with_the_verdict():
+    command = [sys.executable, str(ROOT / "tools" / "dry_run.py"), "--config", str(ROOT / "examples/gpt2_125m.yaml"),
+               "--world-size", "8", "--microbatches", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^  fits: [\d.]+ GiB", done.stdout, re.M) and "data-parallel" in done.stdout
+    small = subprocess.run([*command, "--gpu", "a10g", "--train.micro_batch_size=64"], capture_output=True,
+                           text=True, timeout=600)
+    assert small.returncode == 1 and "does not fit" in small.stdout
+    bad = subprocess.run([*command, "--parallel.tp=3"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "parallel.tp" in bad.stderr
+
+
+def test_a_capacity_without_padding_is_refused_with_the_fix():
+    cfg = measurement_config(4, model={**TINY["model"], "num_experts": 4, "moe_capacity_factor": 1.0},
+                             parallel={"ep": 2})
+    with pytest.raises(ValueError, match="moe_pad_to_capacity"):
+        dry_run(cfg, 4, 1)
+
+
+def test_a_rank_that_crashes_is_reported_and_fails_the_run(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a layer that cannot run")
+
+    monkeypatch.setattr("megalite.dryrun.run.simulate_rank", broken)
+    cfg = measurement_config(2, model=TINY["model"])
+    report = dry_run(cfg, 2, 1)
+    assert not report.ok and exit_status(report, "h100") == 1
+    assert "a layer that cannot run" in format_dry_run(report)
+
+
+def test_roles_are_the_first_middle_and_last_stage():
+    cfg = measurement_config(16, **{**TINY, "parallel": {"tp": 2, "pp": 4}, "train": {"global_batch_size": 8}})
+    assert roles(cfg, 16) == [Role(0, 0, "first stage 0: embedding, the planner's largest"),
+                              Role(8, 2, "middle stage 2: layers only"), Role(12, 3, "last stage 3: head and loss")]
