@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--microbatches", default="all",
                    help="micro batches per step to simulate: all (the config's), peak (the fewest with the same "
                         "memory peak) or a number")
+    p.add_argument("--explain", type=int, default=0, metavar="N",
+                   help="list the N largest tensors alive at each rank's peak and the line of megalite that made each")
     return p.parse_known_args(argv)
 
 
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_config(["--config", args.config, *overrides])
         apply_mapping(cfg, MEASUREMENT, "the dry run's settings")  # mock data, no checkpoints, CPU
         count = args.microbatches if args.microbatches in ("all", "peak") else int(args.microbatches)
-        report = dry_run(cfg, args.world_size, count)
+        report = dry_run(cfg, args.world_size, count, args.explain)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

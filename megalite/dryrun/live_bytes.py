@@ -14,12 +14,15 @@ weights beside the parameters; what matters here is megalite's kinds, the planne
   optimizer state) once they exist;
 - what autograd saves for backward becomes `activations` (saved-tensor hooks see every saved tensor).
 
-The peak keeps the total of each kind at the moment of the most bytes (a small dict copy per new peak).
+The peak keeps the total of each kind at the moment of the most bytes (a small dict copy per new peak). A tensor
+made before the peak and saved only after it (the loss's logits, saved as its forward ends) is moved to the
+activations in the peak's totals too: it was alive then, and is what the planner counts as an activation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -29,19 +32,35 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+
+def _maker() -> str:
+    """The innermost megalite line (outside this package) on the stack: the code that made a storage."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "/megalite/" in path and "/dryrun/" not in path:
+            return f"{path.rsplit('/megalite/', 1)[1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
 KINDS = ("weights", "gradients", "main_weights", "optimizer", "activations", "transient")
 
 
 class LiveBytes(TorchDispatchMode):
     """While active (inside the fake-tensor mode), counts the live bytes of every storage by kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, sites: int = 0) -> None:
+        """`sites`: also keep the `sites` largest storages alive at the peak with the code that made each (slower:
+        a stack walk per storage)."""
         super().__init__()
-        self.entries: dict[int, list] = {}  # id(storage) -> [weakref, nbytes, kind]
+        self.entries: dict[int, list] = {}  # id(storage) -> [weakref, nbytes, kind, site, serial]
+        self.made = self.made_at_peak = 0  # storages made so far, and by the peak
         self.totals: Counter[str] = Counter()
         self.live = self.peak = 0
         self.at_peak: dict[str, int] = {}
         self.kind = "transient"  # the kind new storages get
+        self.sites, self.largest_at_peak = sites, []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -54,7 +73,9 @@ class LiveBytes(TorchDispatchMode):
         key = id(storage)
         if key in self.entries:
             return
-        self.entries[key] = [weakref.ref(storage, lambda _, key=key: self._forget(key)), 0, self.kind]
+        site = _maker() if self.sites else ""
+        self.made += 1
+        self.entries[key] = [weakref.ref(storage, lambda _, key=key: self._forget(key)), 0, self.kind, site, self.made]
         self._resize(key, storage.nbytes())
 
     def _forget(self, key: int) -> None:
@@ -71,7 +92,13 @@ class LiveBytes(TorchDispatchMode):
         self.totals[kind] += delta
         self.live += delta
         if self.live > self.peak:
-            self.peak, self.at_peak = self.live, dict(self.totals)
+            self._new_peak()
+
+    def _new_peak(self) -> None:
+        self.peak, self.at_peak, self.made_at_peak = self.live, dict(self.totals), self.made
+        if self.sites:
+            alive = sorted(self.entries.values(), key=lambda entry: -entry[1])[:self.sites]
+            self.largest_at_peak = [(nbytes, kind, site) for _, nbytes, kind, site, _ in alive]
 
     def relabel(self, storage: torch.UntypedStorage, kind: str) -> None:
         """Count `storage` (tracked now if it was not) as `kind` from here on."""
@@ -79,6 +106,9 @@ class LiveBytes(TorchDispatchMode):
         entry = self.entries[id(storage)]
         self.totals[entry[2]] -= entry[1]
         self.totals[kind] += entry[1]
+        if entry[2] == "transient" and kind == "activations" and entry[4] <= self.made_at_peak:
+            self.at_peak["transient"] -= entry[1]  # alive at the peak, saved since (module docstring)
+            self.at_peak["activations"] = self.at_peak.get("activations", 0) + entry[1]
         entry[2] = kind
 
     def label(self, tensors: Iterable[torch.Tensor | None], kind: str) -> None:
@@ -92,7 +122,7 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
-        self.peak, self.at_peak = self.live, dict(self.totals)
+        self._new_peak()
 
     @contextlib.contextmanager
     def making(self, kind: str) -> Iterator[None]:

@@ -44,6 +44,7 @@ class RankRun:
     init_draw: int  # the most bytes the build held above the state it built: parameters drawn at full shape
     calls: list[Call] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # groups, build, step
+    largest: list[tuple[int, str, str]] = field(default_factory=list)  # (bytes, kind, made at) at the peak
 
     @property
     def total(self) -> int:
@@ -70,16 +71,19 @@ def label_state(live: LiveBytes, trainer: Trainer) -> None:
     live.label(trainer.optimizer.host_grads(), "host")
 
 
+Phase = tuple[dict[str, int], list]  # a phase's peak: bytes by kind, and its largest storages (LiveBytes sites)
+
+
 @contextlib.contextmanager
-def update_phase(trainer: Trainer, live: LiveBytes) -> Iterator[dict[str, dict[str, int]]]:
-    """Split the step's peak at the optimizer's update: {"backward": composition before it, "update": during and
+def update_phase(trainer: Trainer, live: LiveBytes) -> Iterator[dict[str, Phase]]:
+    """Split the step's peak at the optimizer's update: {"backward": the peak before it, "update": during and
     after it}; what the update makes counts as optimizer state (host, offloaded)."""
     optimizer = trainer.optimizer.optimizer
     original, phases = optimizer.step, {}
     kind = "host" if trainer.cfg.optim.offload == "cpu" else "optimizer"
 
     def step(*args, **kwargs):
-        phases["backward"] = dict(live.at_peak)
+        phases["backward"] = dict(live.at_peak), live.largest_at_peak
         live.reset_peak()
         with live.making(kind):
             return original(*args, **kwargs)
@@ -87,28 +91,28 @@ def update_phase(trainer: Trainer, live: LiveBytes) -> Iterator[dict[str, dict[s
     optimizer.step = step
     try:
         yield phases
-        phases["update"] = dict(live.at_peak)
+        phases["update"] = dict(live.at_peak), live.largest_at_peak
     finally:
         del optimizer.step
 
 
-def steady_peak(phases: dict[str, dict[str, int]], state: int) -> dict[str, int]:
-    """The composition of the larger peak once Adam's state (`state` bytes) exists from the step's start."""
-    before = dict(phases.get("backward", {}))
-    before["optimizer"] = before.get("optimizer", 0) + state
-    after = phases.get("update", {})
-    return max(before, after, key=lambda kinds: sum(v for k, v in kinds.items() if k != "host"))
+def steady_peak(phases: dict[str, Phase], state: int) -> Phase:
+    """The larger peak once Adam's state (`state` bytes, made in the first update) exists from the step's start."""
+    kinds, largest = phases.get("backward", ({}, []))
+    before = {**kinds, "optimizer": kinds.get("optimizer", 0) + state}, largest
+    return max(before, phases["update"], key=lambda phase: sum(v for k, v in phase[0].items() if k != "host"))
 
 
-def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int) -> RankRun:
-    """Build `role`'s rank of `cfg` at `world_size` ranks and run one step of `microbatches` micro batches."""
+def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int, sites: int = 0) -> RankRun:
+    """Build `role`'s rank of `cfg` at `world_size` ranks and run one step of `microbatches` micro batches;
+    `sites`: keep that many of the largest storages alive at the peak, with the code that made them."""
     seconds = {}
     with fake_rank(role.rank, world_size):
         start = time.perf_counter()
         topology = Topology.from_config(role.rank, world_size, torch.device("cpu"), cfg.parallel,
                                         cfg.model.num_experts > 0)
         seconds["groups"] = time.perf_counter() - start
-        live = LiveBytes()
+        live = LiveBytes(sites)
         with fake_tensors(), live.counting(), balanced_routing(), as_accelerator():
             start = time.perf_counter()
             trainer = build_trainer(cfg, topology)
@@ -122,9 +126,9 @@ def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int) -
                 train_step(trainer, batches)
             seconds["step"] = time.perf_counter() - start
             state = live.totals["optimizer"]
-            memory = steady_peak(phases, state)
+            memory, largest = steady_peak(phases, state)
             host = live.totals["host"]
             del trainer, batches
     coords = topology.grid.coords(role.rank)
     device = {kind: memory.get(kind, 0) for kind in memory if kind != "host"}
-    return RankRun(role, coords, device, host, init_draw, recorder.record.calls, seconds)
+    return RankRun(role, coords, device, host, init_draw, recorder.record.calls, seconds, largest)

@@ -45,6 +45,7 @@ def _memory_lines(report: DryRun, run: RankRun) -> list[str]:
                  f"  ({difference(run, stage):+.1%}; planner with CUDA's kernels {cuda.total / GIB:.3f} G)")
     if run.host:
         lines.append(f"  host (offloaded)      {run.host / GIB:>10.3f} G")
+    lines += [f"    {nbytes / GIB:8.3f} G {kind:<13} made at {site}" for nbytes, kind, site in run.largest]
     lines.append(f"  initialisation drew up to {run.init_draw / GIB:.3f} G at once beyond the state (each parameter at "
                  "full shape, in host memory: model/init.py)")
     return lines

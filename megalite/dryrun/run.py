@@ -84,10 +84,10 @@ def build_groups(cfg: Config, world_size: int, rank: int = 0) -> tuple[float, in
     return seconds, grown
 
 
-def dry_run(cfg: Config, world_size: int, microbatches: int | str = "all") -> DryRun:
+def dry_run(cfg: Config, world_size: int, microbatches: int | str = "all", sites: int = 0) -> DryRun:
     """Dry-run `cfg` at `world_size` ranks, simulating `microbatches` per step: a number, "all" (the config's)
-    or "peak" (`shortest_same_peak`). Raises ConfigError for an invalid config, ValueError for a layout the
-    dry run cannot simulate."""
+    or "peak" (`shortest_same_peak`); `sites`: name the code that made the largest tensors at each peak.
+    Raises ConfigError for an invalid config, ValueError for a layout the dry run cannot simulate."""
     start = time.perf_counter()
     validate(cfg, world_size)
     seconds = {"validation": time.perf_counter() - start}
@@ -100,7 +100,7 @@ def dry_run(cfg: Config, world_size: int, microbatches: int | str = "all") -> Dr
     report = DryRun(simulated, world_size, count, full, seconds, group_bytes, None)
     for role in chosen:
         try:
-            report.ranks.append(simulate_rank(simulated, world_size, role, count))
+            report.ranks.append(simulate_rank(simulated, world_size, role, count, sites))
         except Exception as error:  # a layout that crashes is the finding: report it with where it happened
             report.failures[role.name] = "".join(traceback.format_exception(error)[-6:])
     p = cfg.parallel

@@ -32,6 +32,11 @@ _CHUNK_BYTES = {"cpu": 4 * 2**20}
 _DEFAULT_CHUNK_BYTES = 2**30
 
 
+def chunk_rows(padded_vocab: int, device_type: str) -> int:
+    """Rows of logits turned into their gradient at a time (the planner counts their fp32 copies too)."""
+    return max(1, _CHUNK_BYTES.get(device_type, _DEFAULT_CHUNK_BYTES) // (4 * padded_vocab))
+
+
 def _loss_and_grad(chunk: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
     """The fp32 losses of a chunk of logits, whose values become their gradient (softmax - onehot) in place. A
     function of its own so that its fp32 temporaries die at its return, not when the next chunk reassigns them
@@ -51,7 +56,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         """x [n, h], weight [padded_vocab, h], labels [n] -> fp32 losses [n] over the first `vocab` rows."""
         grad_logits = gemm.forward(x, weight, None)
         losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        rows = max(1, _CHUNK_BYTES.get(x.device.type, _DEFAULT_CHUNK_BYTES) // (4 * weight.shape[0]))
+        rows = chunk_rows(weight.shape[0], x.device.type)
         for start in range(0, x.shape[0], rows):
             losses[start : start + rows] = _loss_and_grad(grad_logits[start : start + rows],
                                                           labels[start : start + rows], vocab)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.model.cross_entropy import chunk_rows
 from megalite.planning.context_parallel import allgather_layer_bytes
 from megalite.planning.experts import routed_bytes
 
@@ -126,3 +127,17 @@ def head_bytes(cfg: Config, device: str = "cuda") -> int:
         logits = tokens * (m.padded_vocab_size // tp * 4 + 8 + 1)  # probabilities, local label ids, ownership mask
     loss = tokens * 8  # per-token losses and the loss mask
     return _norm(cfg, rows, w) + head_input + logits + loss
+
+
+def head_transient_bytes(cfg: Config, device: str = "cuda") -> int:
+    """What the loss holds for a moment beyond the saved activations, on the last chunk. One device turns the
+    logits into their gradient a chunk of rows at a time (model/cross_entropy.py): each chunk cast to fp32 and its
+    log-softmax, two fp32 copies (one when the logits are fp32), at the accelerators' chunk size (planning is
+    for GPUs; a CPU's chunk is a few MiB). Vocab-parallel cross-entropy holds the head's logits in the compute
+    dtype beside their fp32 copy (saved), and in backward the gradient's cast back to the compute dtype."""
+    m, tp, w = cfg.model, cfg.parallel.tp, Widths.of(cfg, device)
+    tokens, _ = token_rows(cfg)
+    if tp == 1:
+        rows = min(tokens, chunk_rows(m.padded_vocab_size, "cuda"))
+        return (1 if w.compute == 4 else 2) * rows * m.padded_vocab_size * 4
+    return tokens * (m.padded_vocab_size // tp) * w.compute if w.compute != 4 else 0

@@ -30,7 +30,14 @@ from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.placement import DATA_AXES
 from megalite.parallel.schedules import schedule_ops
 from megalite.parallel.topology import RankGrid
-from megalite.planning.activations import _BYTES, Widths, embedding_bytes, head_bytes, layer_bytes
+from megalite.planning.activations import (
+    _BYTES,
+    Widths,
+    embedding_bytes,
+    head_bytes,
+    head_transient_bytes,
+    layer_bytes,
+)
 from megalite.planning.context_parallel import attention_transient_bytes
 from megalite.planning.parameters import Parameters, rank_parameters
 
@@ -108,21 +115,26 @@ def gathered_bytes(cfg: Config, params: Parameters, dp: int) -> tuple[float, flo
 
 
 def transient_bytes(cfg: Config, params: Parameters, shards: dict[str, int], activations: float,
-                    device: str = "cuda") -> float:
+                    device: str = "cuda", head: bool = False) -> float:
     """Memory above state + activations at the worst moment: in backward, the largest parameter's
     gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
     activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`),
-    plus context-parallel attention's buffers (planning/context_parallel.py); in the optimizer step
-    (activations and whole units freed), fp32 copies of bf16-reduced gradient slices for the fp32
-    main weights (each grid's over its own `shards`, the replicas)."""
-    backward = (params.largest * _BYTES[cfg.train.param_dtype] + sum(gathered_bytes(cfg, params, shards["dense"]))
+    plus context-parallel attention's buffers (planning/context_parallel.py), less on the stage with the `head`
+    what the head saved (its backward runs first and frees it, before any layer is recomputed); there, as the
+    loss's forward ends with every activation held, its temporaries (`head_transient_bytes`) and the units
+    gathered then; in the optimizer step (activations and whole units freed), fp32 copies of bf16-reduced
+    gradient slices for the fp32 main weights (each grid's over its own `shards`, the replicas)."""
+    gathered_weights, gathered_grads = gathered_bytes(cfg, params, shards["dense"])
+    loss = head_transient_bytes(cfg, device) + gathered_weights if head else 0
+    backward = (params.largest * _BYTES[cfg.train.param_dtype] + gathered_weights + gathered_grads
                 + attention_transient_bytes(cfg, Widths.of(cfg, device).compute))
     if cfg.train.recompute == "full":
         kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
         backward += max(layer_bytes(kept, device, index) for index in range(cfg.model.num_layers))
+        backward -= head_bytes(cfg, device) if head else 0
     sharded = cfg.parallel.zero >= 1
     step = sum(numel * 4 / (shards[grid] if sharded else 1) for grid, numel in params.by_grid.items())
-    return max(backward, step - activations if cfg.parallel.grad_reduce_dtype != "fp32" else 0)
+    return max(backward, loss, step - activations if cfg.parallel.grad_reduce_dtype != "fp32" else 0)
 
 
 def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
@@ -157,7 +169,7 @@ def stage_memory(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda
     grids = grid_state_bytes(cfg, params, shards)
     state = [sum(parts) for parts in zip(*grids.values())]  # weights, gradients, main weights, optimizer
     activations, in_flight = peak_activations(cfg, world_size, pp_rank, device)
-    transient = transient_bytes(cfg, params, shards, activations, device)
+    transient = transient_bytes(cfg, params, shards, activations, device, stage_layout(cfg, pp_rank).has_head)
     return StageMemory(pp_rank, params, *state, activations, in_flight, transient, sum(grids["expert"]))
 
 

@@ -97,11 +97,7 @@ class AllReduce:
             begin = mark(self.device)
             flight.work.wait()
             waits.append((begin, mark(self.device)))
-        self._put(bucket, flight.output)
         return waits
-
-    def _put(self, bucket: Bucket, reduced: torch.Tensor) -> None:
-        """All-reduce: the result is already in place."""
 
     def wait(self) -> None:
         """Wait for every reduction in flight and drop it (closing after an interrupted step)."""
@@ -146,15 +142,16 @@ class ReduceScatter(AllReduce):
             param.data = view
 
     def launch(self, bucket: Bucket) -> None:
+        """Reduce-scatter the bucket in place, as Megatron-LM does: this rank's slice of the bucket is the output
+        (NCCL's in-place form, the output at rank x its size in the input), so no buffer of its own is held
+        while the reduction is in flight (a separate output per bucket held grads/dp beside the activations of
+        the chunks still running backward: found by the dry run). The other slices are left undefined."""
         if self.replicas > 1:
             data = self.grads(bucket)
-            out = self._zeros((bucket.end - bucket.start) // self.replicas, data.dtype)
-            self.in_flight[bucket.index] = InFlight(reduce_scatter_single(out, data, self.group, async_op=True),
-                                                    data, out)
-
-    def _put(self, bucket: Bucket, reduced: torch.Tensor) -> None:
-        a, b = bucket.shard(self.rank, self.replicas)
-        self.grad_data[a:b].copy_(reduced)
+            a, b = bucket.shard(self.rank, self.replicas)
+            mine = self.grad_data[a:b]
+            self.in_flight[bucket.index] = InFlight(reduce_scatter_single(mine, data, self.group, async_op=True),
+                                                    data, mine)
 
     def gather_params(self, bucket: Bucket) -> dist.Work | None:
         if self.replicas == 1:
@@ -209,9 +206,6 @@ class ShardedGradients(ReduceScatter):
         self.in_flight[bucket.index] = InFlight(work, data, mine)
         while len(self.in_flight) > MAX_IN_FLIGHT:  # the oldest lands: its buffer is freed
             self.land(self.layout.buckets[next(iter(self.in_flight))])
-
-    def _put(self, bucket: Bucket, reduced: torch.Tensor) -> None:
-        """The reduction wrote its total in place."""
 
     def zero(self) -> None:
         self.shard_data.zero_()
