@@ -25,6 +25,7 @@ import torch
 
 from megalite.parallel import gemm
 from megalite.parallel.mappings import in_compute_dtype
+from megalite.parallel.weight_grads import split_backward, weight_grad
 
 # Rows per chunk: on CPUs a chunk's fp32 log-softmax must stay in cache (a few MiB);
 # accelerators stream whole tensors quickly and pay per kernel launch instead.
@@ -52,7 +53,7 @@ def _loss_and_grad(chunk: torch.Tensor, labels: torch.Tensor, vocab: int) -> tor
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int,
-                fuse: bool) -> torch.Tensor:
+                final: bool) -> torch.Tensor:
         """x [n, h], weight [padded_vocab, h], labels [n] -> fp32 losses [n] over the first `vocab` rows."""
         grad_logits = gemm.forward(x, weight, None)
         losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
@@ -61,26 +62,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
             losses[start : start + rows] = _loss_and_grad(grad_logits[start : start + rows],
                                                           labels[start : start + rows], vocab)
         ctx.save_for_backward(x, weight, grad_logits)
-        ctx.fuse = fuse and not torch.compiler.is_compiling()
+        ctx.final = final
         return losses
 
     @staticmethod
-    def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None]:
+    def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         x, weight, grad_logits = ctx.saved_tensors
-        scale = grad_losses.unsqueeze(1)
-        grad_x = (gemm.input_grad(grad_logits, weight) * scale).to(x.dtype)
-        grad_weight = gemm.weight_grad(weight, grad_logits, (x * scale).to(x.dtype), ctx.fuse)
-        return grad_x, grad_weight, None, None, None
+        grad_x = split_backward(_backward, [x, grad_losses.contiguous(), weight, grad_logits], final=ctx.final,
+                                needs_weight=ctx.needs_input_grad[1])
+        return grad_x, None, None, None, None
+
+
+def _backward(x: torch.Tensor, grad_losses: torch.Tensor, weight: torch.Tensor, grad_logits: torch.Tensor, *,
+              final: bool, needs_weight: bool) -> torch.Tensor:
+    """The input gradient, returned; the weight's (the logits gradient, scaled per token, times x) handed to
+    weight_grads: at once, or in W, which then keeps the logits gradient and the scaled x."""
+    scale = grad_losses.unsqueeze(1)
+    grad_x = (gemm.input_grad(grad_logits, weight) * scale).to(x.dtype)
+    if needs_weight:
+        scaled = (x * scale).to(x.dtype)
+        weight_grad(weight, lambda: gemm.weight_grad(weight, grad_logits, scaled, final), final)
+    return grad_x
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int,
-                         fuse: bool = True) -> torch.Tensor:
+                         final: bool = True) -> torch.Tensor:
     """Per-token fp32 `cross_entropy(x @ weight[:vocab].T, labels)`, computed with the whole padded
     `weight` and its padded columns masked; x [n, h], labels [n].
 
     Under autocast the matmuls run in the autocast dtype, as F.linear's would (the weight is cast inside,
     so the parameter itself reaches gemm.weight_grad). A non-finite per-token gradient scale (fp16 loss
     scaling overflowing in x * scale) shows up as non-finite gradients, which the loss scaler catches.
-    `fuse`: as in gemm.linear.
+    `final`: as in gemm.linear.
     """
-    return _LinearCrossEntropy.apply(in_compute_dtype(x), weight, labels, vocab, fuse)
+    return _LinearCrossEntropy.apply(in_compute_dtype(x), weight, labels, vocab, final)

@@ -45,12 +45,12 @@ class LMHead(nn.Module):
         tp = self.ctx.tp
         if tp.size == 1:
             if labels is None:
-                return gemm.linear(x, weight, fuse=own)[..., : self.vocab_size].transpose(0, 1)
+                return gemm.linear(x, weight, final=own)[..., : self.vocab_size].transpose(0, 1)
             losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.t().flatten(), self.vocab_size, own)
             return losses.view(labels.shape[1], labels.shape[0]).t()
         x = in_compute_dtype(x)  # the final norm's fp32 output would otherwise cross the TP group in fp32
         x = gather_from_sp(x, tp.group) if self.ctx.sequence_parallel else copy_to_tp(x, tp.group)
-        logits = gemm.linear(x, weight, fuse=own)
+        logits = gemm.linear(x, weight, final=own)
         if labels is None:
             return gather_from_tp(logits, tp.group)[..., : self.vocab_size].transpose(0, 1)
         start = tp.rank * logits.shape[-1]

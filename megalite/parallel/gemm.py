@@ -6,16 +6,18 @@ through three named functions: `forward`, `input_grad` and `weight_grad`.
 accumulation fusion. No dW temporary is made and handed to autograd to add, and under bf16 autocast the
 product of bf16 operands is accumulated in fp32, not rounded to bf16 first (on CUDA by cuBLAS with an
 fp32 output; a CPU has no mixed-dtype GEMM, so there the operands are widened). Without a buffer (a bare
-model, a test) dW is returned to autograd as usual. FP8 matmuls and the zero-bubble schedules' deferred
-weight gradient (their W operation) plug in here.
+model, a test) dW goes into `weight.grad`. The weight and bias gradients are handed to
+weight_grads.weight_grad, which computes them at once or, inside a zero-bubble schedule's B, in its W
+(weight_grads.py); FP8 matmuls plug in here too.
 
 Under sequence parallelism a column-parallel layer's input is all-gathered along the sequence; only the
 local shard is kept for backward and gathered again there, overlapped with the input gradient's matmul,
 and the input gradient's reduce-scatter is launched before the weight gradient's matmul and awaited after
-it, so the two overlap: Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication. On CUDA the
-overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 (cuda_env.py), which makes the GPU start kernels and
-collectives in the order they were queued. Under torch.compile the weight gradient is returned to autograd
-(a Python sink called from backward would break the compiled graph); the buffer's hook then adds it.
+it, so the two overlap: Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication (a deferred weight
+gradient keeps the gathered input until its W instead). On CUDA the overlap needs
+CUDA_DEVICE_MAX_CONNECTIONS=1 (cuda_env.py), which makes the GPU start kernels and collectives in the order
+they were queued. Under torch.compile the backward runs behind weight_grads.split_backward's opaque op, so
+the sink and the split work there too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.parallel.mappings import all_gather_single, gather_rows, in_compute_dtype, start_reduce_scatter_rows
+from megalite.parallel.weight_grads import split_backward
+from megalite.parallel.weight_grads import weight_grad as defer_weight_grad
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -46,53 +50,71 @@ def _accumulate(main: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None
         main.addmm_(grad.t().to(main.dtype), x.to(main.dtype))
 
 
-def weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, fuse: bool = True) -> torch.Tensor | None:
+def weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, final: bool = True) -> torch.Tensor | None:
     """dW = grad^T x for [..., out] grad and [..., in] x: added into the main gradient when the parameter has a
-    sink and `fuse` (returns None), else returned in the weight's dtype."""
+    sink (returns None; `final=False`: more of this backward's gradient of `weight` follows), else returned in
+    the weight's dtype. Reads the weight's shape and dtype, never its values."""
     grad, x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-    sink = getattr(weight, "accumulate_grad", None) if fuse else None
+    sink = getattr(weight, "accumulate_grad", None)
     if sink is None:
         return grad.t().matmul(x.to(grad.dtype)).to(weight.dtype)
-    sink(lambda main: _accumulate(main.view(weight.shape), grad, x))
+    add = lambda main: _accumulate(main.view(weight.shape), grad, x)  # noqa: E731
+    sink(add) if final else sink(add, final=False)
     return None
+
+
+def bias_grad(bias: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: dist.ProcessGroup | None, fuse: bool) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, bias)
-        ctx.group, ctx.fuse = group, fuse and not torch.compiler.is_compiling()
+                group: dist.ProcessGroup | None, final: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, *(() if bias is None else (bias,)))
+        ctx.group, ctx.final = group, final
         return forward(x if group is None else gather_rows(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight, bias = ctx.saved_tensors
-        gathering = None
-        if ctx.group is not None:
-            whole = torch.empty((dist.get_world_size(ctx.group) * x.shape[0], *x.shape[1:]), dtype=x.dtype,
-                                device=x.device)
-            gathering = all_gather_single(whole, x.contiguous(), ctx.group, async_op=True)
-        grad_input = input_grad(grad, weight) if ctx.needs_input_grad[0] else None  # overlaps the gather
-        if gathering is not None:
-            gathering.wait()
-            x = whole
-        scattering = None
-        if ctx.group is not None and grad_input is not None:  # launched first, so it overlaps the dW matmul
-            grad_input, scattering = start_reduce_scatter_rows(grad_input, ctx.group)
-        grad_weight = weight_grad(weight, grad, x, ctx.fuse) if ctx.needs_input_grad[1] else None
-        grad_bias = None if bias is None else grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
-        if scattering is not None:
-            scattering.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        needs = tuple(ctx.needs_input_grad[:3])
+        x, *params = ctx.saved_tensors
+        grad_input = split_backward(_linear_backward, [x, grad.contiguous(), *params], group=ctx.group,
+                                    final=ctx.final, needs=needs)
+        return (grad_input if needs[0] else None), None, None, None, None
+
+
+def _linear_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     group: dist.ProcessGroup | None, final: bool, needs: tuple[bool, bool, bool]) -> torch.Tensor:
+    """The input gradient, returned; the weight and bias gradients, handed to weight_grads (at once, or in W).
+    Under sequence parallelism x is this rank's rows: gathered again here, overlapped with the input gradient's
+    matmul, whose reduce-scatter overlaps the weight gradient's when that runs now."""
+    gathering = None
+    if group is not None:
+        whole = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        gathering = all_gather_single(whole, x.contiguous(), group, async_op=True)
+    grad_input = input_grad(grad, weight) if needs[0] else torch.empty_like(x)  # overlaps the gather
+    if gathering is not None:
+        gathering.wait()
+        x = whole
+    scattering = None
+    if group is not None and needs[0]:  # launched first, so it overlaps the dW matmul
+        grad_input, scattering = start_reduce_scatter_rows(grad_input, group)
+    if needs[1]:
+        defer_weight_grad(weight, lambda: weight_grad(weight, grad, x, final), final)
+    if bias is not None and needs[2]:
+        defer_weight_grad(bias, lambda: bias_grad(bias, grad))
+    if scattering is not None:
+        scattering.wait()
+    return grad_input
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gather_group: dist.ProcessGroup | None = None, fuse: bool = True) -> torch.Tensor:
+           gather_group: dist.ProcessGroup | None = None, final: bool = True) -> torch.Tensor:
     """x W^T + b in the compute dtype; `gather_group`: all-gather x along its first (sequence) dimension over
-    it first (a column-parallel layer under sequence parallelism). `fuse=False` for a weight that also gets
-    gradient elsewhere through autograd (the LM head reading the tied embedding on its stage): the gradient
-    buffer must hear of each parameter once per backward, after all of its gradient is in."""
+    it first (a column-parallel layer under sequence parallelism). `final=False` for a weight that gets more
+    gradient later in the same backward (the LM head reading the tied embedding in its chunk): the gradient
+    buffer must count each parameter once per backward, after all of its gradient is in."""
     if gather_group is not None and dist.get_world_size(gather_group) == 1:
         gather_group = None
-    return _Linear.apply(in_compute_dtype(x), weight, bias, gather_group, fuse)
+    return _Linear.apply(in_compute_dtype(x), weight, bias, gather_group, final)

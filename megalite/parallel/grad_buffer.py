@@ -65,12 +65,16 @@ class GradBuffer:
         if grad is not None:
             self._accumulate(param, lambda main: main.add_(grad))
 
-    def _accumulate(self, param: nn.Parameter, add: Callable[[torch.Tensor], None]) -> None:
+    def _accumulate(self, param: nn.Parameter, add: Callable[[torch.Tensor], None], final: bool = True) -> None:
         """add(main_grad) adds one backward's gradient of `param` into its main gradient (gemm.py adds dW
-        there directly); when the bucket's gradients of this backward are all in, it may be reduced."""
+        there directly); when the bucket's gradients of this backward are all in, it may be reduced.
+        `final=False`: more of this backward's gradient of `param` follows (the LM head's part of a tied
+        embedding, before the embedding's own)."""
         bucket = self.layout.bucket_of[id(param)]
         self.strategy.grads(bucket)
         add(param.main_grad)
+        if not final:
+            return
         pending = self.pending[bucket.index]
         pending.discard(id(param))
         if pending:
@@ -84,7 +88,8 @@ class GradBuffer:
             self.on_grads_in(bucket)
 
     def start_sync(self) -> None:
-        """The next backward is this chunk's last of the step: reduce buckets as they complete."""
+        """The chunk's next gradients are its last of the step (its last backward, or under a zero-bubble
+        schedule its last W): reduce buckets as they complete."""
         self.syncing = True
 
     def finish(self, landed: Callable[[Bucket], None] | None = None) -> list[tuple[Mark, Mark]]:

@@ -1,11 +1,14 @@
 """Pipeline schedules as data, a communication plan NCCL cannot deadlock on, and one executor.
 
-A schedule is the list of operations each pipeline rank performs, in order: forward or
-backward of (model chunk, micro batch). Schedules are functions registered by name with
+A schedule is the list of operations each pipeline rank performs, in order: forward, backward or
+weight-gradient of (model chunk, micro batch). Schedules are functions registered by name with
 `@schedule(name)`, so a new one is a new function, not another branch; `schedule_ops` looks
-them up. They write Megatron-LM's orders: forward-only (evaluation), GPipe, 1F1B (no
-pipelining at pp = 1: gradient accumulation), and interleaved 1F1B with virtual chunks (its
-warm-up count and micro batch ordering).
+them up. Here are Megatron-LM's orders: forward-only (evaluation), GPipe, 1F1B (no pipelining at
+pp = 1: gradient accumulation), and interleaved 1F1B with virtual chunks (its warm-up count and
+micro batch ordering); the zero-bubble schedules, whose backward is split into B and W, are in
+zero_bubble.py. Which rank holds which chunk is the stage's placement (pipeline_layout.py): a
+message goes to whoever holds the next (or previous) chunk, which under ZB-V may be the sender
+itself, a hand-off that never touches the network.
 
 `communication_plan` decides when each message travels. It plays all ranks' lists in lock
 step (a rank runs its next operation once its input was produced at an earlier step) and,
@@ -26,6 +29,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -33,18 +37,20 @@ from typing import NamedTuple
 import torch
 
 from megalite.parallel.p2p import Exchange, Message, PipelineComm
-from megalite.parallel.pipeline_layout import PipelineStage
+from megalite.parallel.pipeline_layout import PipelineStage, placement_of
 from megalite.parallel.timing import Mark, mark, seconds
+from megalite.parallel.weight_grads import WeightGradients, deferred
 
 
 class OpKind(str, Enum):
-    """What an operation computes. F: a chunk's forward; B: its backward (input and weight gradients
-    together). Zero-bubble schedules split B into B (input gradient, which the previous rank waits
-    for) and W (weight gradient, deferred into bubbles; it consumes and sends no message): W joins
-    here, with its branch in run_schedule, when the first such schedule lands."""
+    """What an operation computes. F: a chunk's forward; B: its backward, input and weight gradients
+    together, unless the schedule has W operations: then B computes the input gradients only (what the
+    previous rank waits for) and W, later, the weight gradients of that chunk and micro batch
+    (weight_grads.py); W consumes and sends no message."""
 
     F = "F"
     B = "B"
+    W = "W"
 
     def __str__(self) -> str:  # "F", not "OpKind.F", in traces and messages
         return self.value
@@ -58,17 +64,23 @@ class Op(NamedTuple):
     microbatch: int
 
 
-F, B = OpKind.F, OpKind.B
+F, B, W = OpKind.F, OpKind.B, OpKind.W
 ForwardStep = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
 Schedule = Callable[[int, int, int, int], list[Op]]  # (pp, vp, rank, microbatches) -> the rank's ops in order
+# (pp, vp, microbatches, T_F, T_B, T_W) -> idle share of the ideal step m (T_F + T_B + T_W); T: a rank's whole stage
+Bubble = Callable[[int, int, int, float, float, float], float]
 SCHEDULES: dict[str, Schedule] = {}
+BUBBLES: dict[str, Bubble] = {}
 
 
-def schedule(name: str) -> Callable[[Schedule], Schedule]:
-    """Register a schedule under `name`, the value of parallel.pipeline_schedule that selects it."""
+def schedule(name: str, bubble: Bubble | None = None) -> Callable[[Schedule], Schedule]:
+    """Register a schedule under `name`, the value of parallel.pipeline_schedule that selects it, with the
+    formula of its bubble (none for evaluation's forward-only schedule)."""
 
     def register(build: Schedule) -> Schedule:
         SCHEDULES[name] = build
+        if bubble is not None:
+            BUBBLES[name] = bubble
         return build
 
     return register
@@ -81,19 +93,32 @@ def schedule_ops(name: str, pp: int, vp: int, rank: int, microbatches: int) -> l
     return SCHEDULES[name](pp, vp, rank, microbatches)
 
 
+def bubble_fraction(name: str, pp: int, vp: int, microbatches: int, t_f: float = 1.0, t_b: float = 1.0,
+                    t_w: float = 1.0) -> float:
+    """Schedule `name`'s idle share of the ideal step, given a rank's forward, input-gradient and weight-gradient
+    times (only their ratios matter)."""
+    return BUBBLES[name](pp, vp, microbatches, t_f, t_b, t_w)
+
+
+def _one_f_one_b_bubble(pp: int, vp: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    """Megatron-LM's (pp - 1) / (vp * m): each of the first pp - 1 micro batches' forward and whole backward
+    (B and W together) idles some rank; interleaving cuts each chunk's share by vp."""
+    return (pp - 1) / (vp * m)
+
+
 @schedule("forward")
 def forward_only(pp: int, vp: int, rank: int, m: int) -> list[Op]:
     """Forwards only, for evaluation: each micro batch through this rank's chunks in turn."""
     return [Op(F, chunk, i) for i in range(m) for chunk in range(vp)]
 
 
-@schedule("gpipe")
+@schedule("gpipe", bubble=_one_f_one_b_bubble)
 def gpipe(pp: int, vp: int, rank: int, m: int) -> list[Op]:
     """Every forward, then every backward: simple, but all m micro batches' activations are held."""
     return [Op(F, 0, i) for i in range(m)] + [Op(B, 0, i) for i in range(m)]
 
 
-@schedule("1f1b")
+@schedule("1f1b", bubble=_one_f_one_b_bubble)
 def one_f_one_b(pp: int, vp: int, rank: int, m: int) -> list[Op]:
     """1F1B: after a warm-up of forwards, alternate one forward and one backward, so a rank holds at
     most pp - rank micro batches' activations; interleaved over the rank's chunks when vp > 1."""
@@ -119,21 +144,32 @@ def _interleaved(pp: int, vp: int, rank: int, m: int) -> list[Op]:
 
 
 def needs(stage: PipelineStage, op: Op) -> Message | None:
-    """The message `op` consumes: an activation from the previous rank, a gradient from the next."""
+    """The message `op` consumes: an activation from the previous chunk's holder, a gradient from the next's."""
     kind, chunk, mb = op
-    if kind == F:
-        return None if stage.is_first_chunk(chunk) else Message(F, chunk, mb, (stage.rank - 1) % stage.pp, stage.rank)
-    return None if stage.is_last_chunk(chunk) else Message(B, chunk, mb, (stage.rank + 1) % stage.pp, stage.rank)
+    g = stage.global_chunk(chunk)
+    if kind == F and g > 0:
+        return Message(F, chunk, mb, stage.holder(g - 1)[0], stage.rank)
+    if kind == B and g < stage.model_chunks - 1:
+        return Message(B, chunk, mb, stage.holder(g + 1)[0], stage.rank)
+    return None
 
 
 def sends(stage: PipelineStage, op: Op) -> Message | None:
     """The message `op` produces, named by the chunk that consumes it on the receiving rank."""
     kind, chunk, mb = op
-    if kind == F:
-        dst = (stage.rank + 1) % stage.pp
-        return None if stage.is_last_chunk(chunk) else Message(F, chunk + (dst == 0), mb, stage.rank, dst)
-    dst = (stage.rank - 1) % stage.pp
-    return None if stage.is_first_chunk(chunk) else Message(B, chunk - (stage.rank == 0), mb, stage.rank, dst)
+    g = stage.global_chunk(chunk)
+    if kind == F and g < stage.model_chunks - 1:
+        dst, consumer = stage.holder(g + 1)
+        return Message(F, consumer, mb, stage.rank, dst)
+    if kind == B and g > 0:
+        dst, consumer = stage.holder(g - 1)
+        return Message(B, consumer, mb, stage.rank, dst)
+    return None
+
+
+def is_local(message: Message) -> bool:
+    """A hand-off between two chunks of one rank (ZB-V's turn at the last rank): no communication."""
+    return message.src == message.dst
 
 
 Plan = list[list[list[Message]]]  # per operation index (and one past the last): the rounds to post before it
@@ -141,8 +177,9 @@ Plan = list[list[list[Message]]]  # per operation index (and one past the last):
 
 @functools.lru_cache(maxsize=64)
 def communication_plan(name: str, pp: int, vp: int, microbatches: int) -> dict[int, Plan]:
-    """For every pipeline rank, the exchanges (rounds of messages) to post before each of its operations."""
-    stages = [PipelineStage(pp, vp, r) for r in range(pp)]
+    """For every pipeline rank, the exchanges (rounds of messages) to post before each of its operations. A
+    hand-off to the same rank is in no round: it is there for the rank's next operations."""
+    stages = [PipelineStage(pp, vp, r, placement=placement_of(name)) for r in range(pp)]
     ops = [schedule_ops(name, pp, vp, r, microbatches) for r in range(pp)]
     position, arrived = [0] * pp, [set() for _ in range(pp)]
     plans: dict[int, Plan] = {r: [[] for _ in range(len(ops[r]) + 1)] for r in range(pp)}
@@ -157,7 +194,8 @@ def communication_plan(name: str, pp: int, vp: int, microbatches: int) -> dict[i
         if not ran:
             raise RuntimeError(f"schedule {name} (pp={pp}, vp={vp}, {microbatches} micro batches) cannot make progress")
         for r in range(pp):
-            mine = sorted((m for m in produced if r in (m.src, m.dst)), key=lambda m: (m.src, m.dst))
+            mine = [m for m in produced if r in (m.src, m.dst) and not is_local(m)]
+            mine.sort(key=lambda m: (m.src, m.dst))
             if mine:
                 plans[r][position[r]].append(mine)
         for message in produced:
@@ -192,24 +230,36 @@ class Trace:
 
 
 class _Mailbox:
-    """This rank's side of the plan: posts its rounds, hands out what arrived, frees sent activations."""
+    """This rank's side of the plan: posts its rounds, hands out what arrived (or what one of its own chunks
+    handed to another), frees sent activations. Without a plan (pp = 1) it only holds hand-offs."""
 
-    def __init__(self, comm: PipelineComm | None, plan: Plan) -> None:
+    def __init__(self, comm: PipelineComm | None, plan: Plan | None) -> None:
         self.comm, self.plan = comm, plan
         self.outbox: dict[Message, torch.Tensor] = {}
         self.arriving: dict[Message, Exchange] = {}
         self.sending: list[Exchange] = []
+        self.handed: dict[Message, torch.Tensor] = {}
 
     def post(self, index: int) -> None:
         """Post the rounds that fall before operation `index`; release activations whose send finished."""
-        for messages in self.plan[index]:
+        for messages in self.plan[index] if self.plan is not None else []:
             exchange = self.comm.exchange(messages, self.outbox)
             self.arriving |= dict.fromkeys(exchange.received, exchange)
             if exchange.sent:
                 self.sending.append(exchange)
         self.sending = [exchange for exchange in self.sending if not _released(exchange, wait=False)]
 
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        """Queue `tensor` for its round; a hand-off between this rank's chunks is kept, not sent (nor freed: the
+        next chunk's forward reads it), an activation detached so that the next chunk's graph starts there."""
+        if is_local(message):
+            self.handed[message] = tensor.detach() if message.kind == F else tensor
+        else:
+            self.outbox[message] = tensor
+
     def take(self, message: Message) -> torch.Tensor:
+        if is_local(message):
+            return self.handed.pop(message)
         exchange = self.arriving.pop(message)
         exchange.wait()
         return exchange.received.pop(message)
@@ -217,8 +267,8 @@ class _Mailbox:
     def finish(self) -> None:
         for exchange in self.sending:
             _released(exchange, wait=True)
-        if self.arriving or self.outbox:
-            raise RuntimeError(f"pipeline messages left over: {[*self.arriving, *self.outbox]}")
+        if self.arriving or self.outbox or self.handed:
+            raise RuntimeError(f"pipeline messages left over: {[*self.arriving, *self.outbox, *self.handed]}")
 
 
 def _released(exchange: Exchange, wait: bool) -> bool:
@@ -233,40 +283,73 @@ def _released(exchange: Exchange, wait: bool) -> bool:
     return True
 
 
-def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: PipelineStage, comm: PipelineComm | None,
-                 trace: Trace | None = None, before_last_backward: Callable[[int], None] | None = None) -> None:
-    """Run this rank's schedule; forward_step(chunk, microbatch, input) returns the chunk's output,
-    or on the last chunk the (scaled) loss to differentiate. before_last_backward(chunk) runs before
-    each chunk's last backward of the step: where data-parallel gradient reduction can start."""
-    ops = schedule_ops(name, me.pp, me.vp, me.rank, microbatches)
-    plan = communication_plan(name, me.pp, me.vp, microbatches)[me.rank] if comm is not None else None
-    mailbox = _Mailbox(comm, plan) if plan is not None else None
-    last_backward = {op.chunk: index for index, op in enumerate(ops) if op.kind == B}
-    stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    for index, op in enumerate(ops):
+@dataclass
+class _Chunks:
+    """What this rank's operations hand each other: forwards' (input, output) until their backward, and under a
+    split backward each B's weight-gradient work until its W."""
+
+    forward_step: ForwardStep
+    split: bool
+    after_backward: Callable[[], None] | None
+    stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+    weights: dict[tuple[int, int], WeightGradients] = field(default_factory=dict)
+
+    def run(self, op: Op, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Run `op` on what it received; returns what it sends (an activation or an input gradient)."""
         kind, chunk, mb = op
-        if mailbox is not None:
-            mailbox.post(index)
-        if before_last_backward is not None and last_backward.get(chunk) == index:
-            before_last_backward(chunk)
-        start = trace.mark() if trace is not None else None
-        need = needs(me, op)
-        received = mailbox.take(need) if need is not None else None
         if kind == F:
             hidden = None if received is None else received.requires_grad_()
-            result = forward_step(chunk, mb, hidden)
+            result = self.forward_step(chunk, mb, hidden)
             if torch.is_grad_enabled():
-                stored[(chunk, mb)] = (hidden, result)
-        else:
-            hidden, out = stored.pop((chunk, mb))
+                self.stored[(chunk, mb)] = (hidden, result)
+            return result
+        if kind == W:
+            self.weights.pop((chunk, mb)).run()
+            return None
+        hidden, out = self.stored.pop((chunk, mb))
+        with deferred(self.weights.setdefault((chunk, mb), WeightGradients())) if self.split else nullcontext():
             torch.autograd.backward(out, received)
-            result = None if hidden is None else hidden.grad
+        if self.after_backward is not None:
+            self.after_backward()
+        return None if hidden is None else hidden.grad
+
+    @property
+    def in_flight(self) -> int:
+        """Micro batches (of a chunk) whose forward ran and whose gradients are not all computed."""
+        return len(self.stored) + len(self.weights)
+
+
+def run_schedule(name: str, microbatches: int, forward_step: ForwardStep, me: PipelineStage, comm: PipelineComm | None,
+                 trace: Trace | None = None, before_last_grads: Callable[[int], None] | None = None,
+                 after_backward: Callable[[], None] | None = None) -> None:
+    """Run this rank's schedule; forward_step(chunk, microbatch, input) returns the chunk's output,
+    or on the last chunk the (scaled) loss to differentiate. before_last_grads(chunk) runs before the
+    operation that computes each chunk's last weight gradients of the step (its last backward, or its last
+    W): where data-parallel gradient reduction can start. after_backward() runs after every backward
+    (ZeRO-3 frees the parameters it gathered for it)."""
+    ops = schedule_ops(name, me.pp, me.vp, me.rank, microbatches)
+    split = any(op.kind == W for op in ops)
+    mailbox = _Mailbox(comm, communication_plan(name, me.pp, me.vp, microbatches)[me.rank] if comm else None)
+    last_grads = {op.chunk: index for index, op in enumerate(ops) if op.kind == (W if split else B)}
+    chunks = _Chunks(forward_step, split, after_backward)
+    for index, op in enumerate(ops):
+        mailbox.post(index)
+        if before_last_grads is not None and last_grads.get(op.chunk) == index:
+            before_last_grads(op.chunk)
+        start = trace.mark() if trace is not None else None
+        need = needs(me, op)
+        result = chunks.run(op, mailbox.take(need) if need is not None else None)
         message = sends(me, op)
         if message is not None:
-            mailbox.outbox[message] = result
+            mailbox.send(message, result)
         if trace is not None:
-            trace.events.append((kind, chunk, mb, start, trace.mark()))
-            trace.peak_in_flight = max(trace.peak_in_flight, len(stored))
-    if mailbox is not None:
-        mailbox.post(len(ops))
-        mailbox.finish()
+            trace.events.append((op.kind, op.chunk, op.microbatch, start, trace.mark()))
+            trace.peak_in_flight = max(trace.peak_in_flight, chunks.in_flight)
+    mailbox.post(len(ops))
+    mailbox.finish()
+    if chunks.in_flight:
+        raise RuntimeError(f"schedule {name} left forwards without backward or weight gradients: "
+                           f"{[*chunks.stored, *chunks.weights]}")
+
+
+from megalite.parallel import zero_bubble  # noqa: E402,F401  (registers zb-h1 and zb-v)
