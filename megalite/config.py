@@ -192,8 +192,10 @@ class ParallelConfig:
         "alltoall", "how tokens reach their experts' ranks: alltoall (each token to the ranks of its experts, "
                     "uneven splits) or allgather (every rank sees all tokens of the expert-parallel group; small ep)")
     vp: int = _f(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)")
-    pipeline_schedule: Literal["1f1b", "gpipe"] = _f(
-        "1f1b", "1f1b (interleaved when vp > 1) or gpipe (all forwards, then all backwards; vp = 1)")
+    pipeline_schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-v"] = _f(
+        "1f1b", "1f1b (interleaved when vp > 1), gpipe (all forwards, then all backwards; vp = 1), or a zero-bubble "
+                "schedule, each backward split into B (input gradients) and W (weight gradients, in the bubbles): "
+                "zb-h1 (1F1B's memory; interleaved when vp > 1) or zb-v (vp = 2, chunks placed in a V)")
     first_stage_layers: int | None = _f(
         None, "layers of the first pipeline chunk (it also holds the embedding); the rest are split evenly")
     last_stage_layers: int | None = _f(None, "layers of the last pipeline chunk (it also holds the head and loss)")

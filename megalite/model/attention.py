@@ -27,7 +27,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.kv_cache import LayerCache
-from megalite.model.norms import build_norm
+from megalite.model.norms import apply_norm, build_norm
 from megalite.model.rope import apply_rope
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention
@@ -69,7 +69,8 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
         if self.q_norm is not None:
-            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
+            split = self.ctx.split_backward
+            q, k = apply_norm(self.q_norm, q, split).to(q.dtype), apply_norm(self.k_norm, k, split).to(k.dtype)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))

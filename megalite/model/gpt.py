@@ -19,10 +19,10 @@ from megalite.model.init import init_parameters
 from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
 from megalite.model.moe.layer import MoELayer
-from megalite.model.norms import build_norm
+from megalite.model.norms import apply_norm, build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.layers import VocabParallelEmbedding
+from megalite.parallel.layers import VocabParallelEmbedding, embedding
 from megalite.parallel.mappings import local_rows
 from megalite.parallel.pipeline_layout import StageLayout
 from megalite.parallel.placement import Placement, parameter_placements
@@ -49,9 +49,10 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
+        split = self.ctx.split_backward
         with self.ctx.hidden_rng():
-            x = x + self.dropout(self.attention(self.input_norm(x), rope, cache))
-            return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
+            x = x + self.dropout(self.attention(apply_norm(self.input_norm, x, split), rope, cache))
+            return x + self.dropout(self.mlp(apply_norm(self.pre_mlp_norm, x, split)))
 
 
 class Embedding(nn.Module):
@@ -75,7 +76,7 @@ class Embedding(nn.Module):
                 ids = position_ids.t()
             if self.ctx.sequence_parallel:
                 ids = local_rows(ids, self.ctx.tp.group)
-            x = x + self.position_embeddings(ids)
+            x = x + embedding(ids, self.position_embeddings.weight)
         with self.ctx.hidden_rng():
             return self.dropout(x)
 
@@ -133,7 +134,7 @@ class GPTModel(nn.Module):
         self.final_norm = self.lm_head = None
         if stage.has_head:
             self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)
-            own_weight = not (cfg.tied and stage.has_embedding)
+            own_weight = not (cfg.tied and stage.shares_embedding)
             self.lm_head = LMHead(cfg.hidden_size, cfg.padded_vocab_size, cfg.vocab_size, ctx, own_weight)
 
     def placements_by_name(self) -> dict[str, Placement]:
@@ -141,9 +142,9 @@ class GPTModel(nn.Module):
         return parameter_placements(self, self.ctx.sequence_parallel, self.tied_copies())
 
     def tied_copies(self) -> dict[str, str]:
-        """{copy name: original name} of the tied copy this stage holds: the LM head of a last stage
-        without the embedding, when embeddings are tied; empty otherwise."""
-        holds_copy = self.cfg.tied and self.stage.has_head and not self.stage.has_embedding
+        """{copy name: original name} of the tied copy this stage holds: the LM head of a pipeline's last chunk,
+        when embeddings are tied; empty otherwise."""
+        holds_copy = self.cfg.tied and self.stage.has_head and not self.stage.shares_embedding
         return dict([TIED_COPY]) if holds_copy else {}
 
     def chunk_parameters(self) -> list[list[nn.Parameter]]:
@@ -202,4 +203,4 @@ class GPTModel(nn.Module):
         if not self.stage.is_last_chunk(chunk):
             return x
         tied = self.embedding.word_embeddings.weight if self.lm_head.weight is None else None
-        return self.lm_head(self.final_norm(x), labels, tied)
+        return self.lm_head(apply_norm(self.final_norm, x, self.ctx.split_backward), labels, tied)

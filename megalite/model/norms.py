@@ -4,6 +4,11 @@ unmeasured on GPUs here.
 
 Both compute the same function with the same parameters (`weight`, and `bias` for
 LayerNorm), so checkpoints do not depend on which implementation ran.
+
+`apply_norm` runs one: as the module, or, when the schedule splits the backward into B and W (zero
+bubble), as torch's functional norm through weight_grads.recomputed, which keeps only the input and
+recomputes the norm in backward, for the input gradient in B and the weight's (and bias's) in W: the
+same kernels as the module's backward, so the same gradients, bit for bit; apex is not used there.
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from megalite.parallel.weight_grads import recomputed
 
 
 def _apex_norm(name: str):
@@ -34,3 +42,22 @@ def build_norm(kind: str, hidden_size: int, eps: float, device: torch.device) ->
         return fused(hidden_size, eps=eps) if fused else nn.LayerNorm(hidden_size, eps=eps)
     fused = _apex_norm("FusedRMSNorm") if device.type == "cuda" else None
     return fused(hidden_size, eps=eps) if fused else nn.RMSNorm(hidden_size, eps=eps)
+
+
+def apply_norm(norm: nn.Module, x: torch.Tensor, split_backward: bool) -> torch.Tensor:
+    """norm(x); with `split_backward`, its weight gradients computed apart from the input's (in W)."""
+    if not split_backward:
+        return norm(x)
+    shape, eps = tuple(norm.normalized_shape), norm.eps
+    if getattr(norm, "bias", None) is not None:  # a LayerNorm
+        return recomputed(_layer_norm, x, norm.weight, norm.bias, shape=shape, eps=eps)
+    return recomputed(_rms_norm, x, norm.weight, shape=shape, eps=eps)
+
+
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, shape: tuple[int, ...],
+                eps: float) -> torch.Tensor:
+    return F.layer_norm(x, shape, weight, bias, eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, *, shape: tuple[int, ...], eps: float | None) -> torch.Tensor:
+    return F.rms_norm(x, shape, weight, eps)

@@ -3,10 +3,10 @@
 Gradients accumulate in one flat buffer per model chunk (grad_buffer.py) whose buckets reduce
 over the data-parallel group while backward goes on. Two kinds of gradient need more than
 that reduction before the optimizer may read them, and are finished here:
-- tied word embeddings split over pipeline stages: the first stage's embedding and the last
-  stage's tied copy are summed over the embedding group, before the data-parallel reduction
-  (the two stages' buffers differ in layout, so after a reduce-scatter a rank would own
-  different slices of the embedding on each stage);
+- tied word embeddings split over pipeline stages: the first chunk's embedding and the last
+  chunk's tied copy are summed over the embedding group (or on the rank itself, when ZB-V puts both
+  chunks on rank 0), before the data-parallel reduction (the two chunks' buffers differ in layout,
+  so after a reduce-scatter a rank would own different slices of the embedding in each);
 - a gradient whose placement says it is partial over some axes (under sequence parallelism, a
   tensor-parallel-replicated norm weight or bias saw only its rank's slice of the sequence) is
   summed over those axes' group (buffer layouts are identical there).
@@ -89,7 +89,8 @@ class DataParallelGrads:
         return sum(seconds(start, end) for start, end in self.waits)
 
     def start_sync(self, chunk: int) -> None:
-        """The next backward is chunk `chunk`'s last of the step: reduce its buckets (of every grid) as they fill."""
+        """The next operation computes chunk `chunk`'s last gradients of the step (its last backward, or its last
+        W): reduce its buckets (of every grid) as they fill."""
         for buffer in self.chunk_buffers[chunk]:
             buffer.start_sync()
 
@@ -99,7 +100,11 @@ class DataParallelGrads:
         over. `landed` hears of each bucket as soon as its gradients are final (those holding partial
         parameters only after that sum)."""
         t = self.topology
-        if self.tied and t.embedding_group is not None:
+        if len(self.tied) == 2:  # the embedding and its copy on this rank
+            total = self.tied[0].main_grad + self.tied[1].main_grad
+            for param in self.tied:
+                param.main_grad.copy_(total)
+        elif self.tied and t.embedding_group is not None:
             all_reduce_flat([p.main_grad for p in self.tied], t.embedding_group)
         partial = {id(p) for params in self.partial.values() for p in params}
         later: list[Bucket] = []

@@ -4,7 +4,9 @@ A ColumnParallelLinear splits its output features across the TP group, a RowPara
 its input features, a VocabParallelEmbedding the vocabulary rows. Each layer declares its split
 parameters' placements (parallel/placement.py), so initialisation, gradient reduction, the norm and
 checkpoints can move between full tensors and per-rank shards without knowing the model. Every
-matmul runs through gemm.py.
+matmul runs through gemm.py, every lookup through `embedding`, and each hands its weight gradient to
+weight_grads.py (in W under a zero-bubble schedule); so does the bias a row-parallel layer adds after its
+reduction, when the schedule splits the backward (`ParallelContext.split_backward`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.mappings import copy_to_tp, in_compute_dtype, reduce_from_tp, reduce_scatter_to_sp
 from megalite.parallel.placement import Placement
+from megalite.parallel.weight_grads import recomputed, weight_grad
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -30,6 +33,32 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              group: dist.ProcessGroup | None) -> torch.Tensor:
     """A column-parallel layer's matmul on a sequence-parallel input (gathered along the sequence)."""
     return gemm.linear(x, weight, bias, gather_group=group)
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return y + bias
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding(ids, weight), whose one gradient, the weight's, goes to weight_grads (in W under a zero-bubble
+    schedule): the same embedding_dense_backward autograd runs, bit for bit."""
+    return _Embedding.apply(ids, weight)
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
+        ids, weight = ctx.saved_tensors
+        if ctx.needs_input_grad[1]:
+            rows = weight.shape[0]
+            weight_grad(weight, lambda: torch.ops.aten.embedding_dense_backward(grad, ids, rows, -1, False).to(
+                weight.dtype))
+        return None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -68,7 +97,9 @@ class RowParallelLinear(nn.Module):
             return gemm.linear(x, self.weight, self.bias)
         y = gemm.linear(x, self.weight)
         y = reduce_scatter_to_sp(y, tp.group) if self.ctx.sequence_parallel else reduce_from_tp(y, tp.group)
-        return y if self.bias is None else y + self.bias
+        if self.bias is None:
+            return y
+        return recomputed(add_bias, y, self.bias) if self.ctx.split_backward else add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -87,8 +118,8 @@ class VocabParallelEmbedding(nn.Module):
         """tokens [seq, batch] -> [seq (/tp under SP), batch, dim]."""
         tp = self.ctx.tp
         if tp.size == 1:
-            return F.embedding(tokens, self.weight)
+            return embedding(tokens, self.weight)
         local = tokens - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_to_sp(out, tp.group) if self.ctx.sequence_parallel else reduce_from_tp(out, tp.group)

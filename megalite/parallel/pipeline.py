@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from megalite.config import TORCH_DTYPES, Config
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.pipeline_layout import PipelineStage
+from megalite.parallel.pipeline_layout import PipelineStage, placement_of
 from megalite.parallel.schedules import Trace
 from megalite.parallel.topology import Topology
 
@@ -29,7 +29,8 @@ class Pipeline:
 
     @classmethod
     def build(cls, cfg: Config, topology: Topology) -> Pipeline:
-        stage = PipelineStage(topology.pp, cfg.parallel.vp, topology.pp_rank)
+        stage = PipelineStage(topology.pp, cfg.parallel.vp, topology.pp_rank,
+                              placement=placement_of(cfg.parallel.pipeline_schedule))
         if topology.pp == 1:
             return cls(cfg.parallel.pipeline_schedule, stage)
         m = cfg.model

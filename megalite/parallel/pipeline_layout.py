@@ -77,6 +77,12 @@ class PipelineStage:
     def has_head(self) -> bool:
         return self.holder(self.model_chunks - 1)[0] == self.rank
 
+    @property
+    def shares_embedding(self) -> bool:
+        """The LM head and the embedding are in one chunk (no pipeline): a tied head reads the embedding's
+        weight itself. Otherwise the head's stage holds a copy (under ZB-V, rank 0 holds both chunks)."""
+        return self.model_chunks == 1
+
     def is_first_chunk(self, chunk: int) -> bool:
         """The model's first chunk: it embeds the tokens and receives no activation."""
         return self.global_chunk(chunk) == 0

@@ -71,19 +71,28 @@ Schedule = Callable[[int, int, int, int], list[Op]]  # (pp, vp, rank, microbatch
 Bubble = Callable[[int, int, int, float, float, float], float]
 SCHEDULES: dict[str, Schedule] = {}
 BUBBLES: dict[str, Bubble] = {}
+SPLIT: set[str] = set()  # schedules with W operations
 
 
-def schedule(name: str, bubble: Bubble | None = None) -> Callable[[Schedule], Schedule]:
+def schedule(name: str, bubble: Bubble | None = None, split: bool = False) -> Callable[[Schedule], Schedule]:
     """Register a schedule under `name`, the value of parallel.pipeline_schedule that selects it, with the
-    formula of its bubble (none for evaluation's forward-only schedule)."""
+    formula of its bubble (none for evaluation's forward-only schedule); `split`: its backwards are split
+    into B and W operations."""
 
     def register(build: Schedule) -> Schedule:
         SCHEDULES[name] = build
         if bubble is not None:
             BUBBLES[name] = bubble
+        if split:
+            SPLIT.add(name)
         return build
 
     return register
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` computes weight gradients in W operations of their own."""
+    return name in SPLIT
 
 
 def schedule_ops(name: str, pp: int, vp: int, rank: int, microbatches: int) -> list[Op]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megalite.config import ParallelConfig
 from megalite.parallel.cuda_env import prepare_cuda_environment
+from megalite.parallel.pipeline_layout import PipelineStage, placement_of
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
@@ -220,6 +221,7 @@ class Topology:
     etp: int = 1
     experts: bool = False  # the model has expert layers (their groups are made even at ep = etp = 1)
     timeout_minutes: float | None = None  # collective timeout of the groups (None: torch's default)
+    head_stage: int | None = None  # the pipeline stage holding the LM head (None: the last)
     grids: dict[str, RankGrid] = field(init=False, repr=False)
     groups: dict[tuple[str, tuple[str, ...]], dist.ProcessGroup] = field(init=False, repr=False)
     embedding_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
@@ -302,8 +304,10 @@ class Topology:
 
     @property
     def is_logging_rank(self) -> bool:
-        """The last rank: it sits on the last pipeline stage, where the loss is known."""
-        return self.rank == self.world_size - 1
+        """The last rank of the pipeline stage holding the LM head, where the loss is known: the last rank,
+        unless ZB-V's V placement puts the head on the first stage (`head_stage`)."""
+        head = self.pp - 1 if self.head_stage is None else self.head_stage
+        return self.rank == max(ranks[head] for ranks in self.grid.groups(("pp",)))
 
     def max_over_ranks(self, values: list[float]) -> list[float]:
         """Element-wise maximum over every rank, in one collective: how ranks agree on flags (any rank's
@@ -318,8 +322,10 @@ class Topology:
     def from_config(cls, rank: int, world_size: int, device: torch.device, parallel: ParallelConfig,
                     experts: bool = False) -> Topology:
         """The topology `parallel` asks for, on a process group that already exists."""
+        head = PipelineStage(parallel.pp, parallel.vp, 0, placement=placement_of(parallel.pipeline_schedule))
         return cls(rank, world_size, device, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep,
-                   etp=parallel.etp, experts=experts, timeout_minutes=parallel.timeout_minutes)
+                   etp=parallel.etp, experts=experts, timeout_minutes=parallel.timeout_minutes,
+                   head_stage=head.holder(head.model_chunks - 1)[0])
 
     @classmethod
     def from_environment(cls, device_preference: str = "auto", parallel: ParallelConfig | None = None,

@@ -45,8 +45,10 @@ class WeightGradients:
     def __init__(self) -> None:
         self.work: list[tuple[torch.Tensor, Callable[[], torch.Tensor | None], bool]] = []
 
+    @torch.no_grad()
     def run(self) -> None:
-        """Compute every queued gradient, in the order B queued it, into the parameters' gradients."""
+        """Compute every queued gradient, in the order B queued it, into the parameters' gradients (as a
+        backward would: recording nothing for autograd)."""
         work, self.work = self.work, []
         for param, compute, final in work:
             _deposit(param, compute(), final)

@@ -39,7 +39,7 @@ def zero_bubble_bubble(pp: int, vp: int, m: int, t_f: float, t_b: float, t_w: fl
     return (pp - 1) * max(t_f + t_b - t_w, t_f) / (vp * m * (t_f + t_b + t_w))
 
 
-@schedule("zb-h1", bubble=zero_bubble_bubble)
+@schedule("zb-h1", bubble=zero_bubble_bubble, split=True)
 def zb_h1(pp: int, vp: int, rank: int, m: int) -> list[Op]:
     """1F1B's order with split backwards, W deferred by rank 0's warm-up minus this rank's."""
     delay = _warmup(one_f_one_b(pp, vp, 0, m)) - _warmup(ops := one_f_one_b(pp, vp, rank, m))
@@ -63,7 +63,7 @@ def _split(ops: list[Op], delay: int) -> list[Op]:
     return result + waiting
 
 
-@schedule("zb-v", bubble=zero_bubble_bubble)
+@schedule("zb-v", bubble=zero_bubble_bubble, split=True)
 def zb_v(pp: int, vp: int, rank: int, m: int) -> list[Op]:
     """ZB-V's phases on rank `rank` (chunk 0: model chunk rank, chunk 1: model chunk 2pp-1-rank)."""
     if vp != 2:

@@ -118,7 +118,7 @@ def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
     for a, b in stage.chunks:
         for index in range(a, b):
             total = total + layer_parameters(m, tp, index, ep)
-    tied_head = m.tied and stage.has_embedding and stage.has_head
+    tied_head = m.tied and stage.shares_embedding
     if stage.has_head:
         total = total + head_parameters(m, tp, with_output_layer=not tied_head)
     return replace(total, tied_head=tied_head)

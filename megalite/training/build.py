@@ -15,6 +15,7 @@ from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.distributed_optimizer import DistributedOptimizer
 from megalite.parallel.pipeline import Pipeline
 from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.schedules import splits_backward
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero import GatherUnits, ShardedParameters, unit_index
 from megalite.training.loss_scaler import LossScaler
@@ -72,7 +73,7 @@ def build_rank_model(cfg: Config, topology: Topology) -> GPTModel:
     build_trainer trains, and what a benchmark's bare loop runs without the trainer around it."""
     p = cfg.parallel
     ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm,
-                                        p.moe_dispatcher)
+                                        p.moe_dispatcher, splits_backward(p.pipeline_schedule))
     model = build_model(cfg, topology.device, ctx, topology.pp_rank)
     if cfg.train.compile:
         for layer in model.layers.values():

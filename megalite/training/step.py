@@ -129,8 +129,9 @@ def train_step(trainer: Trainer, batches: list[Batch]) -> StepResult:
     trainer.model.aux_losses.start_step(scaler.scale / (len(batches) * t.dp_cp), t.device)  # as the loss's
     pipeline = trainer.pipeline
     forward_step = microbatch_forward(trainer, batches, scaled_loss)
+    sharded = trainer.sharded_params
     run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace,
-                 grads.start_sync)
+                 grads.start_sync, sharded.backward_done if sharded is not None else None)
     if trainer.cfg.model.moe_expert_bias:
         update_expert_biases(trainer.model, t)
     grads.reduce(optimizer.grads_landed)

@@ -19,19 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from megalite.config import ModelConfig
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.placement import Placement, ShardSpec
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: the grouped GEMM's backward rejects an
-    expanded one (the gradient of a `sum()`)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
+from megalite.parallel.weight_grads import split_backward, weight_grad
 
 
 def grouped_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -55,13 +43,53 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     """Rows offsets[e-1]:offsets[e] of x [tokens, in] times weight[e] [out, in]^T, for every expert e, in x's
     dtype (the weights are cast as autocast would cast a linear layer's). `offsets` [experts] int32 are the
     cumulative token counts, on the device: no host read when the grouped kernel takes the operands; otherwise
-    a loop over the experts reads them once."""
-    weight = weight.to(x.dtype)
-    if not grouped_kernel_takes(x, weight):
-        sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
-        return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(x.split(sizes))])
-    matmul = torch._grouped_mm if x.dtype == torch.bfloat16 else _eager_grouped_mm
-    return _ContiguousGrad.apply(matmul(x, weight.transpose(-2, -1), offs=offsets))
+    a loop over the experts reads them once. The weight gradient is handed to parallel/weight_grads.py (in W
+    under a zero-bubble schedule); both gradients are the grouped kernel's own backward, bit for bit."""
+    return _GroupedLinear.apply(x, weight, offsets)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    matmul = torch._grouped_mm if a.dtype == torch.bfloat16 else _eager_grouped_mm
+    return matmul(a, b, offs=offsets)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        cast = weight.to(x.dtype)
+        ctx.grouped = grouped_kernel_takes(x, cast)
+        ctx.save_for_backward(x, weight, offsets)
+        if not ctx.grouped:
+            return torch.cat([F.linear(part, cast[e]) for e, part in enumerate(x.split(_sizes(offsets)))])
+        return _grouped_mm(x, cast.transpose(-2, -1), offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        x, weight, offsets = ctx.saved_tensors
+        grad_x = split_backward(_grouped_backward, [x, grad.contiguous(), weight, offsets], grouped=ctx.grouped,
+                                needs=tuple(ctx.needs_input_grad[:2]))
+        return (grad_x if ctx.needs_input_grad[0] else None), None, None
+
+
+def _sizes(offsets: torch.Tensor) -> list[int]:
+    return torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+
+
+def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
+                      grouped: bool, needs: tuple[bool, bool]) -> torch.Tensor:
+    """dX, returned; dW (its rows grad_e^T x_e), handed to weight_grads."""
+    cast = weight.to(x.dtype)
+    if grouped:
+        grad_x = _grouped_mm(grad, cast, offsets) if needs[0] else torch.empty_like(x)
+        compute = lambda: _grouped_mm(grad.t(), x, offsets).to(weight.dtype)  # noqa: E731
+    else:
+        sizes = _sizes(offsets)
+        parts = list(zip(grad.split(sizes), x.split(sizes)))
+        grad_x = torch.cat([g.matmul(cast[e]) for e, (g, _) in enumerate(parts)]) if needs[0] else torch.empty_like(x)
+        compute = lambda: torch.stack([g.t().matmul(part) for g, part in parts]).to(weight.dtype)  # noqa: E731
+    if needs[1]:
+        weight_grad(weight, compute)
+    return grad_x
 
 
 class ExpertLinear(nn.Module):

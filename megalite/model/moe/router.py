@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
+from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
 
 # The balancing terms a router attaches (model/aux_losses.py), by the name they are logged under.
@@ -134,7 +134,7 @@ class Router(nn.Module):
         """x [seq (local), batch, hidden] -> the routing of its tokens, flattened seq-major."""
         seq, batch, _ = x.shape
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.weight.float())
+            logits = gemm.linear(x.reshape(-1, x.shape[-1]).float(), self.weight)
         routing = route(logits, self.cfg, self.expert_bias)
         if not self.training:
             return routing

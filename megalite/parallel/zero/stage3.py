@@ -19,6 +19,10 @@ a second sharding the optimizer, checkpoints and the TP layers know nothing of. 
 shrinking the bucket storage to zero bytes, as FSDP1 did: parameters stay views of it, so autograd's
 saved references and shapes stay valid.
 
+Under a zero-bubble schedule a unit's backward is its B, and its weight gradients come later, in W, which
+reads no parameter: the unit is freed when its B ends (`backward_done`), and its buckets are
+reduce-scattered when W has put all their gradients in.
+
 Activation recompute runs a unit's forward again inside its backward, when the unit is gathered
 and marked as in backward: that forward neither counts as a user, prefetches nor frees (torch's
 checkpoint stops a recompute early, once it has what backward needs, so its forward hook may
@@ -208,6 +212,16 @@ class GatherUnits:
             for state in before.buckets:
                 self._gather(state)
         self._wait(unit.buckets)
+
+    def backward_done(self) -> None:
+        """A backward ended. Under a zero-bubble schedule it was a B: its weight gradients come in W, which reads
+        no parameter (parallel/weight_grads.py), so every unit still marked in backward is freed now rather
+        than held until then (and the next forward is not taken for a recompute). After a fused backward every
+        bucket's gradients are in, so nothing is left to free."""
+        for state in list(self.gathered.values()):
+            if state.in_backward:
+                state.in_backward = False
+                self._release(state)
 
     def _grads_in(self, bucket: Bucket) -> None:
         state = self.states[id(bucket)]
