@@ -2,9 +2,9 @@
 ranks really make is recorded and replayed as NCCL would run it (megalite/parallel/nccl_rules.py).
 
 The replay is first shown to catch each kind of NCCL-only failure on small hand-made programs;
-then it checks the pipeline executor for every schedule, pp, vp and micro batch count the
-validator allows, and whole training and evaluation steps with tp, SP, dp and the distributed
-optimizer.
+then it checks the pipeline executor for every schedule (the zero-bubble ones too), pp, vp and micro
+batch counts the validator allows, and whole training and evaluation steps with tp, SP, dp and the
+distributed optimizer.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from megalite.config_cli import parse_config
 from megalite.dryrun.pipeline_plan import SHAPE, record_schedule
 from megalite.parallel.nccl_rules import Call, CommRecorder, Message, RankRecord, replay
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.pipeline_layout import PipelineStage
+from megalite.parallel.pipeline_layout import PipelineStage, placement_of
 from megalite.training.pretrain import pretrain
 
 
@@ -96,6 +96,8 @@ def _schedule_cases(pp: int) -> list[tuple[str, int, int]]:
     cases += [("1f1b", vp, m) for vp in (2, 3) for m in (pp, 2 * pp, 3 * pp)]
     cases += [("gpipe", 1, m) for m in (1, pp, 2 * pp + 1)]
     cases += [("forward", vp, m) for vp in (1, 3) for m in (1, pp, 2 * pp + 1) if vp == 1 or m % pp == 0]
+    cases += [("zb-h1", 1, m) for m in sorted({1, pp - 1, pp, 2 * pp + 1} - {0})]
+    cases += [("zb-h1", 2, m) for m in (pp, 2 * pp)] + [("zb-v", 2, m) for m in (1, 2 * pp - 1, 2 * pp + 1)]
     return cases
 
 
@@ -103,7 +105,8 @@ def _executor_ranks(rank: int, world_size: int) -> list[tuple[tuple, RankRecord]
     """Run the executor with a toy model per case: each chunk scales its input by its own weight."""
     topology = cpu_topology(rank, world_size, pp=world_size)
     comm = PipelineComm(topology, SHAPE, torch.float32)
-    return [((name, vp, m), record_schedule(name, m, PipelineStage(world_size, vp, rank), comm))
+    return [((name, vp, m), record_schedule(name, m, PipelineStage(world_size, vp, rank, placement=placement_of(name)),
+                                            comm))
             for name, vp, m in _schedule_cases(world_size)]
 
 

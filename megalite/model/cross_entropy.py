@@ -61,14 +61,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, x.shape[0], rows):
             losses[start : start + rows] = _loss_and_grad(grad_logits[start : start + rows],
                                                           labels[start : start + rows], vocab)
-        ctx.save_for_backward(x, weight, grad_logits)
-        ctx.final = final
+        ctx.save_for_backward(x, grad_logits)
+        ctx.weight, ctx.final = weight, final
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        x, weight, grad_logits = ctx.saved_tensors
-        grad_x = split_backward(_backward, [x, grad_losses.contiguous(), weight, grad_logits], final=ctx.final,
+        x, grad_logits = ctx.saved_tensors
+        grad_x = split_backward(_backward, [x, grad_losses.contiguous(), ctx.weight, grad_logits], final=ctx.final,
                                 needs_weight=ctx.needs_input_grad[1])
         return grad_x, None, None, None, None
 

@@ -71,15 +71,16 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: dist.ProcessGroup | None, final: bool) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, *(() if bias is None else (bias,)))
+        ctx.save_for_backward(x)
+        ctx.params = (weight,) if bias is None else (weight, bias)  # on ctx: a checkpoint's recompute would save copies
         ctx.group, ctx.final = group, final
         return forward(x if group is None else gather_rows(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         needs = tuple(ctx.needs_input_grad[:3])
-        x, *params = ctx.saved_tensors
-        grad_input = split_backward(_linear_backward, [x, grad.contiguous(), *params], group=ctx.group,
+        (x,) = ctx.saved_tensors
+        grad_input = split_backward(_linear_backward, [x, grad.contiguous(), *ctx.params], group=ctx.group,
                                     final=ctx.final, needs=needs)
         return (grad_input if needs[0] else None), None, None, None, None
 

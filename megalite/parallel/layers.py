@@ -48,12 +48,13 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class _Embedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ids, weight)
+        ctx.save_for_backward(ids)
+        ctx.weight = weight  # on ctx: a checkpoint's recompute would save a copy, not the parameter
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
-        ids, weight = ctx.saved_tensors
+        (ids,), weight = ctx.saved_tensors, ctx.weight
         if ctx.needs_input_grad[1]:
             rows = weight.shape[0]
             weight_grad(weight, lambda: torch.ops.aten.embedding_dense_backward(grad, ids, rows, -1, False).to(

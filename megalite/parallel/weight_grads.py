@@ -98,14 +98,15 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, fn: Callable[..., torch.Tensor], static: dict[str, Any],
                 *params: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, *params)
+        ctx.save_for_backward(x)
+        ctx.params = params  # on ctx, not saved: a checkpoint's recompute would save copies, not the parameters
         ctx.fn, ctx.static = fn, static
         ctx.autocast = autocast_state(x.device.type)
         return fn(x, *params, **static)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, *params = ctx.saved_tensors
+        (x,), params = ctx.saved_tensors, ctx.params
         grad_x = split_backward(_recomputed_backward, [x, grad.contiguous(), *params], fn=ctx.fn,
                                 static=tuple(ctx.static.items()), autocast=ctx.autocast,
                                 needs=tuple(ctx.needs_input_grad[3:]))

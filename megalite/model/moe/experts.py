@@ -58,15 +58,16 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         cast = weight.to(x.dtype)
         ctx.grouped = grouped_kernel_takes(x, cast)
-        ctx.save_for_backward(x, weight, offsets)
+        ctx.save_for_backward(x, offsets)
+        ctx.weight = weight  # on ctx: a checkpoint's recompute would save a copy, not the parameter
         if not ctx.grouped:
             return torch.cat([F.linear(part, cast[e]) for e, part in enumerate(x.split(_sizes(offsets)))])
         return _grouped_mm(x, cast.transpose(-2, -1), offsets)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        x, weight, offsets = ctx.saved_tensors
-        grad_x = split_backward(_grouped_backward, [x, grad.contiguous(), weight, offsets], grouped=ctx.grouped,
+        x, offsets = ctx.saved_tensors
+        grad_x = split_backward(_grouped_backward, [x, grad.contiguous(), ctx.weight, offsets], grouped=ctx.grouped,
                                 needs=tuple(ctx.needs_input_grad[:2]))
         return (grad_x if ctx.needs_input_grad[0] else None), None, None
 
