@@ -1,12 +1,25 @@
-"""The tiny torchrun runs that data-parallel and ZeRO tests compare with one device: four layers,
-eight micro batches of one sample per step, clipping active (0.5, below every step's norm), small
-buckets so every layer spans several."""
+"""What parity tests compare with one device: the tiny torchrun runs of the data-parallel and ZeRO tests
+(four layers, eight micro batches of one sample per step, clipping active (0.5, below every step's norm),
+small buckets so every layer spans several), and `train_and_gather`, a few steps in a spawned rank that
+also gathers the gradients every optimizer stepped with."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from distributed import tiny_run
+
+from megalite.config import Config
+from megalite.data.batches import BatchMaker
+from megalite.data.loader import micro_batches
+from megalite.data.mock import MockDataset
+from megalite.parallel.placement import DATA_AXES, unshard
+from megalite.parallel.topology import Topology
+from megalite.training.build import build_trainer
+from megalite.training.lr_schedule import learning_rate
+from megalite.training.step import train_step
 
 LLAMA = ["--model.family=llama", "--model.num_query_groups=4"]
 TINY = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
@@ -20,3 +33,45 @@ def clipped_run(tmp_path: Path, nproc: int, *extra: str, name: str = "") -> list
     records = tiny_run(tmp_path, nproc, *extra, base=TINY, name=name)
     assert all(r["grad_norm"] > 0.5 for r in records), "clipping must be active in these tests"
     return [r["loss"] for r in records]
+
+
+def train_and_gather(cfg: Config, topology: Topology, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`steps` optimizer steps of `cfg` on mock data; returns this rank's step losses (the loss is known on the
+    LM head's stage) and the gradients every optimizer stepped with at the last step, whole, by one-device name:
+    each rank's owned slices (all of them, or its share under ZeRO) summed over the ranks holding the same
+    parameters (the placement's data axes) and divided by how many hold each element, then the shards (tp, ep,
+    etp) put together."""
+    data, gbs = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), cfg.batch_size(
+        topology.world_size)
+    losses = []
+    with build_trainer(cfg, topology) as parts:
+        for step in range(steps):
+            batches = list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, cfg.train.micro_batch_size,
+                                         topology.dp, topology.dp_rank, 0, topology.device))
+            parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, steps))
+            losses.append(train_step(parts, batches).loss)
+        return losses, _whole_gradients(parts, topology)
+
+
+def _whole_gradients(parts, topology: Topology) -> dict[str, torch.Tensor]:
+    named, placements = dict(parts.model.named_parameters()), parts.model.placements_by_name()
+    sums = {name: torch.zeros(p.numel()) for name, p in named.items()}
+    counts = {name: torch.zeros(p.numel()) for name, p in named.items()}
+    for shard in parts.optimizer.shards():
+        sums[shard.name][shard.start:shard.end] += shard.grad.float().reshape(-1)
+        counts[shard.name][shard.start:shard.end] += 1
+    copies, grads = parts.model.tied_copies(), {}
+    for name, param in named.items():
+        placement = placements[name]
+        data = DATA_AXES[placement.grid]
+        if topology.size(*data, grid=placement.grid) > 1:
+            for tensor in (sums[name], counts[name]):
+                dist.all_reduce(tensor, group=topology.group(*data, grid=placement.grid))
+        grad = (sums[name] / counts[name]).view(param.shape)
+        for axis, spec in reversed(placement.shards):
+            if topology.size(axis, grid=placement.grid) > 1:
+                pieces = [torch.empty_like(grad) for _ in range(topology.size(axis, grid=placement.grid))]
+                dist.all_gather(pieces, grad.contiguous(), group=topology.group(axis, grid=placement.grid))
+                grad = unshard(pieces, spec)
+        grads[copies.get(name, name)] = grad
+    return grads

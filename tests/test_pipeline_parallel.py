@@ -10,20 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import tiny_config
 from distributed import cpu_topology, pretrain_torchrun, run_ranks, tiny_run
+from parity import train_and_gather
 
-from megalite.data.batches import BatchMaker
-from megalite.data.loader import micro_batches
-from megalite.data.mock import MockDataset
 from megalite.parallel.pipeline_layout import PipelineStage
-from megalite.parallel.placement import unshard
 from megalite.parallel.schedules import communication_plan, needs, schedule_ops
 from megalite.parallel.topology import Topology, release_process_groups
-from megalite.training.build import build_trainer
-from megalite.training.lr_schedule import learning_rate
-from megalite.training.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ([(pp, vp, m) for pp in (2, 4, 8) for vp in (1, 2, 3) for m in (pp, 2 * pp, 3 * pp)]
@@ -87,24 +80,7 @@ def _config(family: str, pp: int, vp: int, tp: int, sp: bool, first: int | None 
 
 def _train(cfg, topology: Topology) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Three steps; returns this rank's step losses and its full gradients by one-device name."""
-    data, gbs = MockDataset(250, 32, cfg.train.seed), 8
-    losses = []
-    with build_trainer(cfg, topology) as parts:
-        for step in range(3):
-            batches = list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, 1, topology.dp,
-                                         topology.dp_rank, 0, topology.device))
-            parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, 3))
-            losses.append(train_step(parts, batches).loss)
-    shards = {n: dict(p.shards)["tp"] for n, p in parts.model.placements_by_name().items() if p.shards}
-    copies, grads = parts.model.tied_copies(), {}
-    for name, param in parts.model.named_parameters():
-        grad = param.main_grad
-        if name in shards and topology.tp > 1:
-            pieces = [torch.empty_like(grad) for _ in range(topology.tp)]
-            dist.all_gather(pieces, grad, group=topology.tp_group)
-            grad = unshard(pieces, shards[name])
-        grads[copies.get(name, name)] = grad
-    return losses, grads
+    return train_and_gather(cfg, topology, steps=3)
 
 
 CASES = {2: [(f, 2, vp, 1, False) for f in ("gpt2", "llama") for vp in (1, 2)] + [("gpt2", 2, 1, 1, False, 3, 5)],

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_config
+from distributed import cpu_topology, run_ranks
+from parity import train_and_gather
 
 from megalite.config import Config
 from megalite.dryrun.pipeline_plan import check_pipeline
@@ -27,6 +30,7 @@ from megalite.model.gpt import GPTModel
 from megalite.model.recompute import apply_recompute
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.schedules import B, F, W, bubble_fraction, communication_plan, schedule_ops
+from megalite.parallel.topology import Topology, release_process_groups
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.planning.bubble import simulated_bubble
 
@@ -150,3 +154,68 @@ def test_b_then_w_equals_the_fused_backward_bit_for_bit(family, recompute):
             assert torch.equal(grad, plain[name]), name
         else:
             torch.testing.assert_close(grad, plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _layout(family: str, pp: int, vp: int, schedule: str, tp: int = 1, **parallel) -> Config:
+    """The tiny model of tests/test_pipeline_parallel.py (8 layers, 8 micro batches of one sample per step)."""
+    experts = family == "llama MoE"
+    model = {"num_layers": 8, "num_attention_heads": 8, "vocab_size": 250,
+             "num_query_groups": 4 if family != "gpt2" else None}
+    if experts:
+        model |= {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01}
+    train = {"micro_batch_size": 1, "global_batch_size": 8, "train_iters": 3,
+             "recompute": parallel.pop("recompute", "none")}
+    return tiny_config(family.split()[0], model=model, train=train,
+                       parallel={"pp": pp, "vp": vp, "tp": tp, "sequence_parallel": tp > 1,
+                                 "pipeline_schedule": schedule, **parallel})
+
+
+PARITY = [  # on 4 ranks: pp 2 and 4 with tp 2 + SP, dp 2 + the distributed optimizer, ZeRO-3, expert parallelism
+    ("llama", 2, 2, "zb-v", {"tp": 2}),
+    ("gpt2", 2, 2, "zb-h1", {"tp": 2}),  # tied embeddings, the row-parallel bias after the reduction
+    ("gpt2", 2, 2, "zb-v", {"distributed_optimizer": True}),  # the tied copy next to the embedding on rank 0
+    ("llama", 2, 1, "zb-h1", {"zero_stage": 3, "recompute": "full", "bucket_size": 20_000}),
+    ("llama MoE", 2, 2, "zb-v", {"ep": 2, "recompute": "selective"}),
+    ("llama", 4, 2, "zb-v", {"recompute": "selective"}),
+    ("gpt2", 4, 1, "zb-h1", {}),
+]
+
+
+def _parity_ranks(rank: int, world_size: int) -> list:
+    results = []
+    for family, pp, vp, schedule, parallel in PARITY:
+        cfg = _layout(family, pp, vp, schedule, **parallel)
+        losses, grads = train_and_gather(cfg, cpu_topology(rank, world_size, cfg))
+        results.append((losses if Topology.from_config(
+            rank, world_size, torch.device("cpu"), cfg.parallel, cfg.model.num_experts > 0).is_logging_rank
+            else None, grads))
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_device() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    refs = {}
+    for family in ("gpt2", "llama", "llama MoE"):
+        cfg = _layout(family, 1, 1, "1f1b")
+        topology = Topology.from_environment("cpu", cfg.parallel, cfg.model.num_experts > 0)
+        try:
+            refs[family] = train_and_gather(cfg, topology)
+        finally:
+            release_process_groups()
+    return refs
+
+
+def test_zero_bubble_layouts_match_one_device(one_device):
+    """Losses and every gradient the optimizers stepped with, fp32, over three steps."""
+    per_rank = run_ranks(4, _parity_ranks)
+    for index, (family, pp, vp, schedule, parallel) in enumerate(PARITY):
+        layout = f"{family} {schedule} pp={pp} vp={vp} {parallel}"
+        ref_losses, ref_grads = one_device[family]
+        losses = next(r[index][0] for r in per_rank if r[index][0] is not None)
+        assert losses == pytest.approx(ref_losses, rel=1e-5), layout
+        merged = {}
+        for rank_results in per_rank:
+            merged |= rank_results[index][1]
+        assert merged.keys() == ref_grads.keys(), layout
+        for name, grad in merged.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")

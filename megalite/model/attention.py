@@ -27,7 +27,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.kv_cache import LayerCache
-from megalite.model.norms import apply_norm, build_norm
+from megalite.model.norms import build_norm
 from megalite.model.rope import apply_rope
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention
@@ -50,8 +50,8 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
         self.q_norm = self.k_norm = None
         if cfg.features.qk_norm:
-            self.q_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
-            self.k_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
+            self.q_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device, ctx.split_backward)
+            self.k_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device, ctx.split_backward)
             partial = Placement(partial=("tp",) if tp > 1 else ())  # every rank's heads add to the one weight
             self.placements = {"q_norm.weight": partial, "k_norm.weight": partial}
         self.dropout = cfg.attention_dropout
@@ -69,8 +69,7 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
         if self.q_norm is not None:
-            split = self.ctx.split_backward
-            q, k = apply_norm(self.q_norm, q, split).to(q.dtype), apply_norm(self.k_norm, k, split).to(k.dtype)
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))

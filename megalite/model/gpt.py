@@ -19,7 +19,7 @@ from megalite.model.init import init_parameters
 from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
 from megalite.model.moe.layer import MoELayer
-from megalite.model.norms import apply_norm, build_norm
+from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.layers import VocabParallelEmbedding, embedding
@@ -40,19 +40,18 @@ class TransformerLayer(nn.Module):
         super().__init__()
         norm = cfg.features.norm
         self.ctx, self.aux_losses = ctx, aux_losses or AuxLosses()  # the model's: terms the layer adds in forward
-        self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
+        self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device, ctx.split_backward)
         self.attention = SelfAttention(cfg, ctx, device)
-        self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
+        self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device, ctx.split_backward)
         self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if cfg.is_moe_layer(index) else MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
-        split = self.ctx.split_backward
         with self.ctx.hidden_rng():
-            x = x + self.dropout(self.attention(apply_norm(self.input_norm, x, split), rope, cache))
-            return x + self.dropout(self.mlp(apply_norm(self.pre_mlp_norm, x, split)))
+            x = x + self.dropout(self.attention(self.input_norm(x), rope, cache))
+            return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
 class Embedding(nn.Module):
@@ -133,7 +132,8 @@ class GPTModel(nn.Module):
                                      for i in indices})
         self.final_norm = self.lm_head = None
         if stage.has_head:
-            self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)
+            self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device,
+                                         ctx.split_backward)
             own_weight = not (cfg.tied and stage.shares_embedding)
             self.lm_head = LMHead(cfg.hidden_size, cfg.padded_vocab_size, cfg.vocab_size, ctx, own_weight)
 
@@ -203,4 +203,4 @@ class GPTModel(nn.Module):
         if not self.stage.is_last_chunk(chunk):
             return x
         tied = self.embedding.word_embeddings.weight if self.lm_head.weight is None else None
-        return self.lm_head(apply_norm(self.final_norm, x, self.ctx.split_backward), labels, tied)
+        return self.lm_head(self.final_norm(x), labels, tied)

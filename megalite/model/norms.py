@@ -5,10 +5,11 @@ unmeasured on GPUs here.
 Both compute the same function with the same parameters (`weight`, and `bias` for
 LayerNorm), so checkpoints do not depend on which implementation ran.
 
-`apply_norm` runs one: as the module, or, when the schedule splits the backward into B and W (zero
-bubble), as torch's functional norm through weight_grads.recomputed, which keeps only the input and
-recomputes the norm in backward, for the input gradient in B and the weight's (and bias's) in W: the
-same kernels as the module's backward, so the same gradients, bit for bit; apex is not used there.
+When the schedule splits the backward into B and W (zero bubble), `build_norm(..., split_backward=True)`
+gives torch's norm modules whose forward runs through weight_grads.recomputed: it keeps only the input and
+recomputes the norm in backward, for the input gradient in B and the weight's (and bias's) in W, with the
+kernels of the module's own backward (apex is not used there). They stay modules with the same parameter
+names, so checkpoints and module hooks (ZeRO-3's gathers) see nothing new.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ def _apex_norm(name: str):
         return None
 
 
-def build_norm(kind: str, hidden_size: int, eps: float, device: torch.device) -> nn.Module:
-    """A `kind` ("layernorm" or "rmsnorm", model.norm) norm over the last dimension."""
+def build_norm(kind: str, hidden_size: int, eps: float, device: torch.device,
+               split_backward: bool = False) -> nn.Module:
+    """A `kind` ("layernorm" or "rmsnorm", model.norm) norm over the last dimension; `split_backward`: its
+    weight gradients computed apart from its input's (in W)."""
+    if split_backward:
+        return SplitLayerNorm(hidden_size, eps=eps) if kind == "layernorm" else SplitRMSNorm(hidden_size, eps=eps)
     if kind == "layernorm":
         fused = _apex_norm("FusedLayerNorm") if device.type == "cuda" else None
         return fused(hidden_size, eps=eps) if fused else nn.LayerNorm(hidden_size, eps=eps)
@@ -44,14 +49,14 @@ def build_norm(kind: str, hidden_size: int, eps: float, device: torch.device) ->
     return fused(hidden_size, eps=eps) if fused else nn.RMSNorm(hidden_size, eps=eps)
 
 
-def apply_norm(norm: nn.Module, x: torch.Tensor, split_backward: bool) -> torch.Tensor:
-    """norm(x); with `split_backward`, its weight gradients computed apart from the input's (in W)."""
-    if not split_backward:
-        return norm(x)
-    shape, eps = tuple(norm.normalized_shape), norm.eps
-    if getattr(norm, "bias", None) is not None:  # a LayerNorm
-        return recomputed(_layer_norm, x, norm.weight, norm.bias, shape=shape, eps=eps)
-    return recomputed(_rms_norm, x, norm.weight, shape=shape, eps=eps)
+class SplitLayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(_layer_norm, x, self.weight, self.bias, shape=tuple(self.normalized_shape), eps=self.eps)
+
+
+class SplitRMSNorm(nn.RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(_rms_norm, x, self.weight, shape=tuple(self.normalized_shape), eps=self.eps)
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, shape: tuple[int, ...],
