@@ -19,10 +19,18 @@ from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import local_positions
+from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.parallel.zero import unit_index
 from megalite.planning.context_parallel import comm_bytes
-from megalite.planning.measure import rank_memory, saved_storages
-from megalite.planning.memory import chunk_activation_bytes, gathered_bytes, peak_activations, stage_memory, state_bytes
+from megalite.planning.measure import held_for_w, rank_memory, saved_storages
+from megalite.planning.memory import (
+    chunk_activation_bytes,
+    chunk_held_bytes,
+    gathered_bytes,
+    peak_activations,
+    stage_memory,
+    state_bytes,
+)
 from megalite.planning.parameters import rank_parameters, stage_layout
 from megalite.planning.plan import format_plan, make_plan
 from megalite.training.build import build_model, build_trainer
@@ -189,6 +197,29 @@ def test_activations_match_saved_tensors(family, precision, param_dtype, recompu
     assert measured == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.1)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_zero_bubble_activations_and_weight_gradient_inputs(family, precision, param_dtype, recompute):
+    """Under a zero-bubble schedule norms keep only their input (model/norms.py), and a B leaves its W the inputs
+    of every weight gradient (planning/held.py): both as the planner counts them, recompute or not (W's inputs
+    are the layer's, recomputed in B, so full recompute saves nothing between B and W)."""
+    cfg = _model_config(family, train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute},
+                        parallel={"pipeline_schedule": "zb-h1"})
+    cfg.model.seq_length, cfg.model.num_query_groups = 64, 2 if family == "llama" else None
+    model = build_model(cfg, torch.device("cpu"), ParallelContext(split_backward=True), 0).train()
+    assert saved_bytes(model, cfg) == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.01)
+    shape, generator = (cfg.train.micro_batch_size, cfg.model.seq_length), torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=generator)
+    with precision_context(cfg.train.precision, torch.device("cpu")):
+        loss = model(tokens, tokens).sum()
+    queue = WeightGradients()
+    with deferred(queue):
+        loss.backward()
+    held = sum(held_for_w(queue, model.parameters()).values())
+    assert held == pytest.approx(chunk_held_bytes(cfg, 0, "cpu")[0], rel=0.02)
+
+
 def test_activations_of_a_middle_pipeline_chunk():
     """The last stage's chunk of pp=2 starts from a received hidden state (no embedding)."""
     cfg = _model_config("llama", parallel={"pp": 2}, train={"precision": "bf16", "param_dtype": "bf16"})
@@ -293,6 +324,20 @@ def test_context_parallel_line_in_the_plan():
     cfg.parallel.cp_comm = "allgather"
     assert comm_bytes(cfg) == (3 * kv * 2, 3 * kv * 2)
     assert "cp 4, all-gather" in format_plan(make_plan(cfg, 4))
+
+
+@pytest.mark.parametrize("schedule,pp,vp,microbatches", [("zb-h1", 4, 1, 8), ("zb-h1", 4, 2, 8), ("zb-v", 4, 2, 8),
+                                                          ("zb-v", 2, 2, 3)])
+def test_zero_bubble_schedules_hold_what_1f1b_s_first_rank_does(schedule, pp, vp, microbatches):
+    """Every rank holds as many micro batches between forward and weight gradient as 1F1B's (interleaved 1F1B's)
+    first rank holds between forward and backward; ZB-V's chunks are half a stage: 2 pp of them."""
+    cfg = _model_config("gpt2", parallel={"pp": pp, "vp": vp, "pipeline_schedule": schedule},
+                        train={"global_batch_size": 2 * microbatches})
+    cfg.model.num_layers = pp * vp
+    first = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_schedule="1f1b"))
+    bound = min(2 * pp, 2 * microbatches) if schedule == "zb-v" else peak_activations(first, pp, 0, "cpu")[1]
+    in_flight = [peak_activations(cfg, pp, rank, "cpu")[1] for rank in range(pp)]
+    assert max(in_flight) == bound and (schedule == "zb-v" or min(in_flight) == bound), in_flight
 
 
 @pytest.mark.parametrize("pp,vp,microbatches", [(2, 1, 8), (4, 1, 8), (4, 1, 2), (2, 2, 4), (4, 2, 8)])

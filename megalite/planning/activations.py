@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.model.cross_entropy import chunk_rows
+from megalite.parallel.schedules import splits_backward
 from megalite.planning.context_parallel import allgather_layer_bytes
 from megalite.planning.experts import routed_bytes
 
@@ -49,8 +50,11 @@ class Widths:
 
 
 def _norm(cfg: Config, rows: int, w: Widths) -> int:
-    """LayerNorm keeps input, mean, rstd; torch's RMSNorm computes in fp32 and keeps x, x*rstd, rstd."""
+    """LayerNorm keeps input, mean, rstd; torch's RMSNorm computes in fp32 and keeps x, x*rstd, rstd. Under a
+    schedule that splits the backward (zero bubble) either keeps only its input (model/norms.py SplitLayerNorm)."""
     h = cfg.model.hidden_size
+    if splits_backward(cfg.parallel.pipeline_schedule):
+        return rows * h * w.residual
     if cfg.model.features.norm == "layernorm":
         return rows * (h * w.layernorm_input + 2 * w.layernorm_stats)
     return rows * (2 * h * 4 + 4)
@@ -98,7 +102,7 @@ def moe_block_bytes(cfg: Config, rows: int, w: Widths) -> int:
     as fp32; the shared expert's fc1 and gate keep it in the compute dtype: the same tensor when no cast is
     needed (the router's when that is fp32), else a copy each."""
     m = cfg.model
-    size = routed_bytes(cfg, rows, w.compute, w.residual == 4)
+    size = routed_bytes(cfg, rows, w.compute)
     if not m.moe_shared_expert_size:
         return size
     gated = m.moe_shared_expert_gate

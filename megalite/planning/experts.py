@@ -10,15 +10,16 @@ reduce-scatter brings each token's sum home.
 
 What autograd keeps per micro batch (model/moe/router.py, dispatch.py, experts.py; checked against the
 saved tensors in tests/test_plan.py), for T routed tokens and R rows:
-- router (fp32): its input as fp32 [T, hidden] (a copy unless the parameters are fp32), its weight as fp32
-  (a copy for non-fp32 parameters), the scores [T, experts], the chosen ids [T, k] (int64), the chosen
-  scores and their sums when renormalised, the logits and their logsumexp with the z-loss on;
+- router (fp32): its input as fp32 [T, hidden] (a copy unless the parameters are fp32; its matmul runs through
+  parallel/gemm.py, which casts the weight inside and keeps the parameter), the scores [T, experts], the
+  chosen ids [T, k] (int64), the chosen scores and their sums when renormalised, the logits and their
+  logsumexp with the z-loss on;
 - sorting: the expert order and each row's token (int64 per row of the rank's own tokens), and with
   ep > 1 the regrouping of the received rows and its inverse (all-to-all) or the mask of this rank's rows
   (all-gather);
 - the experts: the rows in [R, hidden], fc1's output, the SwiGLU / GELU intermediates (4 or 2 tensors
-  [R, expert width], as a dense MLP's), in the compute dtype; and, when fp32 parameters run under bf16/fp16
-  autocast, the grouped GEMM's copies of the local experts' weights in the compute dtype;
+  [R, expert width], as a dense MLP's), in the compute dtype (the grouped GEMM casts fp32 weights inside its
+  autograd function and keeps the parameter, as gemm.py does, so no compute-dtype copy of them);
 - the combine, in fp32: each returning row as fp32, its weighted copy (index_add keeps its source), the
   rows' combine weights.
 The shared expert is a dense MLP: planning/activations.py counts it.
@@ -37,26 +38,13 @@ def routed_rows(cfg: Config, tokens: int) -> int:
     return rows * cfg.parallel.ep if cfg.parallel.moe_dispatcher == "allgather" else rows
 
 
-def expert_weight_copies(cfg: Config, compute: int, fp32_parameters: bool) -> int:
-    """Bytes of the compute-dtype copies of this rank's experts' weights that the grouped GEMM keeps for backward,
-    per MoE layer and micro batch in flight, when fp32 parameters run under bf16/fp16 autocast: model/moe/experts.py
-    casts the weights where autograd sees the cast (parallel/gemm.py casts inside its autograd function and keeps
-    the parameter), so under ZeRO-3 freeing the gathered weights does not free these copies."""
-    m = cfg.model
-    if not fp32_parameters or compute == 4:
-        return 0
-    gated = m.features.gated_mlp
-    return m.num_experts // cfg.parallel.ep * (3 if gated else 2) * m.hidden_size * m.expert_ffn_size * compute
-
-
-def routed_bytes(cfg: Config, tokens: int, compute: int, fp32_parameters: bool) -> int:
+def routed_bytes(cfg: Config, tokens: int, compute: int) -> int:
     """Bytes the router, dispatch, experts and combine of one layer keep for `tokens` routed tokens (the shared
     expert aside); `compute`: bytes per element of the compute dtype."""
     m, p = cfg.model, cfg.parallel
     h, k, experts, width = m.hidden_size, m.moe_topk, m.num_experts, m.expert_ffn_size
     rows = routed_rows(cfg, tokens)
     router = tokens * h * 4 + tokens * experts * 4 + tokens * k * 8  # fp32 input, scores, chosen ids
-    router += 0 if fp32_parameters else experts * h * 4  # its weight cast to fp32
     router += tokens * (k + 1) * 4 if m.moe_norm_topk_prob else 0  # chosen scores and their sums
     router += tokens * (experts + 1) * 4 if m.moe_z_loss_coeff else 0  # logits and their logsumexp
     sorting = 2 * rows * 8  # the expert order and each row's token
@@ -65,7 +53,6 @@ def routed_bytes(cfg: Config, tokens: int, compute: int, fp32_parameters: bool) 
     gated = m.features.gated_mlp
     intermediates = 4 if gated else 2
     expert_rows = rows * h * compute + intermediates * rows * width * compute
-    expert_rows += expert_weight_copies(cfg, compute, fp32_parameters)
     combine = 2 * rows * h * 4 + rows * 4  # rows as fp32, weighted, and their weights
     return router + sorting + expert_rows + combine
 

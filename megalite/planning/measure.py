@@ -24,6 +24,7 @@ from megalite.data.batches import Batch, BatchMaker
 from megalite.data.mock import MockDataset
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.topology import Topology
+from megalite.parallel.weight_grads import WeightGradients
 from megalite.parallel.zero import AllReduce
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
@@ -97,6 +98,25 @@ def saved_bytes(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> int
         loss = step()
     loss.backward()
     return sum(seen.values())
+
+
+def held_for_w(queue: WeightGradients, params: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each distinct storage a B's queued weight gradients hold for their W (parallel/weight_grads.py),
+    parameters' own storages left out: the tensors their closures captured, in lists and tuples too."""
+
+    def tensors(value: object) -> Iterator[torch.Tensor]:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from tensors(item)
+        elif callable(value):
+            for cell in getattr(value, "__closure__", None) or ():
+                yield from tensors(cell.cell_contents)
+
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    found = storages(t for _, compute, _ in queue.work for t in tensors(compute))
+    return {ptr: size for ptr, size in found.items() if ptr not in skip}
 
 
 def storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:

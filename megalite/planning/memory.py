@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from megalite.config import Config
 from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.placement import DATA_AXES
-from megalite.parallel.schedules import schedule_ops
+from megalite.parallel.schedules import schedule_ops, splits_backward
 from megalite.parallel.topology import RankGrid
 from megalite.planning.activations import (
     _BYTES,
@@ -39,6 +39,7 @@ from megalite.planning.activations import (
     layer_bytes,
 )
 from megalite.planning.context_parallel import attention_transient_bytes
+from megalite.planning.held import embedding_held_bytes, head_held_bytes, layer_held_bytes
 from megalite.planning.parameters import Parameters, rank_parameters
 
 
@@ -52,8 +53,8 @@ class StageMemory:
     gradients: float
     main_weights: float
     optimizer: float
-    activations: float  # at the schedule's peak
-    in_flight: int  # (chunk, micro batch) forwards whose activations are held at that peak
+    activations: float  # at the schedule's peak (held weight-gradient inputs included)
+    in_flight: int  # (chunk, micro batch) forwards whose activations or weight-gradient inputs are held then
     transient: float  # short-lived: see `transient_bytes`
     expert_state: float = 0.0  # the experts' share of weights + gradients + main weights + optimizer state
 
@@ -149,16 +150,37 @@ def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> l
     return sizes
 
 
+def chunk_held_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
+    """One micro batch's weight-gradient inputs, held from its B to its W, for each model chunk of pipeline stage
+    `pp_rank` (planning/held.py); none unless the schedule splits the backward."""
+    stage = stage_layout(cfg, pp_rank)
+    if not splits_backward(cfg.parallel.pipeline_schedule):
+        return [0] * stage.vp
+    sizes = []
+    for index, (a, b) in enumerate(stage.chunks):
+        size = sum(layer_held_bytes(cfg, device, layer) for layer in range(a, b))
+        size += embedding_held_bytes(cfg) if stage.is_first_chunk(index) else 0
+        size += head_held_bytes(cfg, device) if stage.is_last_chunk(index) else 0
+        sizes.append(size)
+    return sizes
+
+
 def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> tuple[int, int]:
-    """(peak bytes, micro batches in flight then) over this stage's schedule: a forward stores its
-    chunk's activations until the matching backward frees them (parallel/schedules.py)."""
+    """(peak bytes, micro batches in flight then) over this stage's schedule: a forward stores its chunk's
+    activations until the matching backward frees them (parallel/schedules.py); under a zero-bubble schedule
+    that backward (B) leaves the chunk's weight-gradient inputs until its W."""
     p = cfg.parallel
-    sizes = chunk_activation_bytes(cfg, pp_rank, device)
+    sizes, held_inputs = chunk_activation_bytes(cfg, pp_rank, device), chunk_held_bytes(cfg, pp_rank, device)
     ops = schedule_ops(p.pipeline_schedule, p.pp, p.vp, pp_rank, cfg.num_microbatches(world_size))
+    split = splits_backward(p.pipeline_schedule)
     held, count, peak = 0, 0, (0, 0)
     for kind, chunk, _ in ops:
-        sign = 1 if kind == "F" else -1
-        held, count = held + sign * sizes[chunk], count + sign
+        if kind == "F":
+            held, count = held + sizes[chunk], count + 1
+        elif kind == "B":
+            held, count = held - sizes[chunk] + held_inputs[chunk], count - (not split)
+        else:
+            held, count = held - held_inputs[chunk], count - 1
         peak = max(peak, (held, count))
     return peak
 
