@@ -32,7 +32,7 @@ from megalite.planning.memory import (
     state_bytes,
 )
 from megalite.planning.parameters import rank_parameters, stage_layout
-from megalite.planning.plan import format_plan, make_plan
+from megalite.planning.plan import format_plan, make_plan, schedule_plans
 from megalite.training.build import build_model, build_trainer
 from megalite.training.step import precision_context
 from tools import plan as plan_tool
@@ -363,3 +363,18 @@ def test_planner_verdict_and_exit_status(capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("does not fit: ")
     assert plan_tool.main(["--config", "examples/llama_70b.yaml", "--world-size", "12"]) == 2
     assert "world size 12 is not divisible" in capsys.readouterr().err
+
+
+def test_the_plan_weighs_every_schedule_the_layout_allows():
+    """With pp > 1 the plan has a line per schedule: its bubble (F = B = W) and activations, and its verdict."""
+    cfg = _model_config("gpt2", parallel={"pp": 4}, train={"global_batch_size": 16})
+    cfg.model.num_layers = 8
+    plans = {p.cfg.parallel.pipeline_schedule: p for p in schedule_plans(make_plan(cfg, 4))}
+    assert sorted(plans) == ["1f1b", "gpipe", "zb-h1", "zb-v"] and plans["zb-v"].cfg.parallel.vp == 2
+    assert plans["1f1b"].bubble == pytest.approx(3 / 8) and plans["zb-h1"].bubble == pytest.approx(1 / 8)
+    assert plans["zb-v"].bubble == pytest.approx(1 / 16)
+    assert plans["gpipe"].worst.in_flight == 8 and plans["1f1b"].worst.in_flight == 4
+    text = format_plan(make_plan(cfg, 4))
+    for name in plans:
+        assert any(line.strip().startswith(name) and ("fits: " in line or "does not fit" in line)
+                   for line in text.splitlines()), name

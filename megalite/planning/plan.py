@@ -1,13 +1,22 @@
 """A whole plan for one config and world size: parameters, memory per GPU with a verdict, pipeline
 bubble, FLOPs and the step time an assumed MFU gives. `tools/plan.py` prints it. With mixture-of-experts
 layers it also gives the parameters one token uses (what the FLOPs count), the experts' share of each
-GPU's model state and what the token dispatch sends (planning/experts.py)."""
+GPU's model state and what the token dispatch sends (planning/experts.py). With pipeline parallelism it
+weighs every schedule the layout allows (ZB-V at vp 2) by its bubble and memory, each with its verdict.
+
+The bubble is the schedule's formula (parallel/schedules.py, zero_bubble.py) with a stage's forward, input-
+gradient and weight-gradient times equal, as the zero-bubble paper assumes for transformer layers (the
+weight and input gradients are one matmul each per forward matmul); tools/benchmark_pipeline.py measures
+them and compares."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from megalite.config import Config
+from megalite.config import Config, ConfigError
+from megalite.config_validation import validate
+from megalite.parallel.schedules import BUBBLES, bubble_fraction
 from megalite.planning.activations import token_rows
 from megalite.planning.context_parallel import describe as describe_cp
 from megalite.planning.experts import describe as describe_moe
@@ -79,9 +88,10 @@ class Plan:
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of the pipeline, Megatron-LM's (pp - 1) / (vp * m)."""
+        """Idle fraction of the pipeline under its schedule, F = B = W (Megatron-LM's (pp - 1) / (vp * m) for
+        1F1B)."""
         p = self.cfg.parallel
-        return (p.pp - 1) / (p.vp * self.microbatches)
+        return bubble_fraction(p.pipeline_schedule, p.pp, p.vp, self.microbatches)
 
     @property
     def tokens_per_step(self) -> int:
@@ -104,6 +114,35 @@ class Plan:
         if self.fits:
             return f"fits: {self.needed_gib:.1f} GiB of {self.available_gib:.1f} GiB per {self.gpu}"
         return f"does not fit: {self.needed_gib:.1f} GiB needed, {self.available_gib:.1f} GiB available per {self.gpu}"
+
+
+def schedule_plans(plan: Plan) -> list[Plan]:
+    """The plan under every training schedule its layout allows (ZB-V with vp = 2), for pp > 1."""
+    p = plan.cfg.parallel
+    if p.pp == 1:
+        return []
+    plans = []
+    for name in sorted(BUBBLES):
+        parallel = dataclasses.replace(p, pipeline_schedule=name, vp=2 if name == "zb-v" else p.vp)
+        cfg = dataclasses.replace(plan.cfg, parallel=parallel)
+        try:
+            validate(cfg, plan.world_size)
+        except ConfigError:
+            continue
+        plans.append(make_plan(cfg, plan.world_size, plan.gpu, plan.assumed_mfu))
+    return plans
+
+
+def _schedule_lines(plan: Plan) -> list[str]:
+    """One line per schedule: bubble, the largest stage's activations (held weight-gradient inputs included)
+    and total, and whether it fits."""
+    lines = []
+    for other in schedule_plans(plan):
+        p, w = other.cfg.parallel, other.worst
+        lines.append(f"  {p.pipeline_schedule + (f' (vp {p.vp})' if p.vp != plan.cfg.parallel.vp else ''):<13} "
+                     f"bubble {other.bubble:6.1%}, activations {_gib(w.activations)} (stage {w.pp_rank}, "
+                     f"{w.in_flight} in flight), {other.verdict()}")
+    return ["pipeline schedules (bubble at F = B = W; verdict):", *lines] if lines else []
 
 
 def make_plan(cfg: Config, world_size: int, gpu: str = "h100", assumed_mfu: float = 0.4) -> Plan:
@@ -175,7 +214,9 @@ def format_plan(plan: Plan) -> str:
         f"  transient        {_gib(w.transient)}{_gathered(plan)}",
         f"  reserved         {RESERVED_GIB:.2f} GiB (CUDA context, NCCL, fragmentation)",
         f"  total            {plan.needed_gib:.2f} GiB",
-        f"pipeline bubble: {plan.bubble:.1%} ((pp-1)/(vp*m) = {p.pp - 1}/({p.vp}*{plan.microbatches}))",
+        f"pipeline bubble: {plan.bubble:.1%} ({p.pipeline_schedule}, pp {p.pp}, vp {p.vp}, {plan.microbatches} "
+        "micro batches, F = B = W)",
+        *_schedule_lines(plan),
         f"FLOPs per step: {plan.flops_per_step:.3e} ({plan.tokens_per_step} tokens)",
     ]
     if plan.step_seconds is None:
