@@ -137,3 +137,13 @@ def test_roles_are_the_first_middle_and_last_stage():
     cfg = measurement_config(16, **{**TINY, "parallel": {"tp": 2, "pp": 4}, "train": {"global_batch_size": 8}})
     assert roles(cfg, 16) == [Role(0, 0, "first stage 0: embedding, the planner's largest"),
                               Role(8, 2, "middle stage 2: layers only"), Role(12, 3, "last stage 3: head and loss")]
+
+
+def test_a_zero_bubble_layout_dry_runs():
+    """ZB-V puts the embedding and the head on the first stage; every rank's step runs, and the whole pipeline,
+    W operations included, passes NCCL's rules."""
+    cfg = measurement_config(8, **{**TINY, "parallel": {**TINY["parallel"], "vp": 2, "pipeline_schedule": "zb-v"}})
+    report = dry_run(cfg, 8, 3)
+    assert report.ok, format_dry_run(report, "h100")
+    first, last = (role.name for role in roles(cfg, 8))
+    assert first.startswith("first stage 0: embedding and head and loss") and last.startswith("last stage 1: layers")

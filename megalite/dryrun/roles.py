@@ -1,7 +1,8 @@
 """Which ranks a dry run simulates: one of each role, since ranks in the same role hold and do the same.
 
 Ranks differ by pipeline stage: the first embeds (and holds the word embeddings), the last holds the head and
-the loss (and, with tied embeddings over pp > 1, the embeddings' copy), the ones between hold layers only, and
+the loss (and, with tied embeddings over pp > 1, the embeddings' copy; under ZB-V's V placement the first stage
+holds both, pipeline_layout.py), the ones between hold layers only, and
 a stage's place in the schedule sets how many micro batches it keeps in flight (the first the most, though with
 fewer layers on the first chunk the second stage may hold more: the stage the planner expects to need the most
 memory is simulated too). Within a
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.topology import RankGrid
 from megalite.planning.memory import memory_per_stage
 
@@ -37,9 +39,11 @@ def roles(cfg: Config, world_size: int) -> list[Role]:
     def name(stage: int) -> str:
         if p.pp == 1:
             return "the only stage"
+        layout = stage_layout(cfg, stage)
         where = "first" if stage == 0 else "last" if stage == p.pp - 1 else "middle"
-        parts = {"first": "embedding", "last": "head and loss", "middle": "layers only"}[where]
-        copy = " (tied embeddings)" if tied and where != "middle" else ""
+        parts = " and ".join(part for part, held in (("embedding", layout.has_embedding),
+                                                      ("head and loss", layout.has_head)) if held) or "layers only"
+        copy = " (tied embeddings)" if tied and parts != "layers only" else ""
         most = ", the planner's largest" if stage == worst else ""
         return f"{where} stage {stage}: {parts}{copy}{most}"
 
