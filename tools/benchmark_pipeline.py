@@ -1,57 +1,67 @@
-"""Pipeline bubble of megalite's schedules, measured against Megatron-LM's theory.
+"""Pipeline schedules measured: the bubble against each schedule's formula, activation memory against the planner.
 
-Every pipeline rank runs the real executor (`run_schedule`) with real gloo point-to-point
-messages, but each model chunk's compute is a fixed sleep: forward t_f / vp, backward
-t_b / vp, so a rank's work per micro batch is t_f + t_b at any vp. Sleeping stages need no
-CPU, so pp ranks on a 2-core machine time like pp devices: beyond the compute, a step holds
-the schedule's idle time (its bubble) and the per-operation cost of the messages.
-
-The bubble is relative to the step without pipeline idle, bubble = (step - ideal) / ideal,
-which theory puts at (pp - 1) / (vp * m) for 1F1B and interleaved 1F1B, and (pp - 1) / m for
-GPipe. It is given against two ideals: the nominal m * (t_f + t_b), and the same rank's
-operations timed back to back without a pipeline, which also pay for sleeps that end late
-and for autograd, so that only the pipeline's own costs remain. The table also gives each
-rank's peak of stored activations (`Trace.peak_in_flight`) next to the bound that Megatron-LM's
-warm-up counts give. On a busy machine, --realtime makes a sleeping rank wake on time.
+1. Stage times: one middle pipeline stage of the benchmark model (--layers layers over --pp ranks) runs its
+   forward, its B (input gradients) and its W (weight gradients) on one CPU thread, built as a zero-bubble
+   schedule builds it (planning/measure_pipeline.py stage_times): T_F, T_B, T_W, medians.
+2. Bubble: every pipeline rank runs the real executor (`run_schedule`) with real gloo messages, but each chunk's
+   compute is a sleep: forward t_f / vp, B t_b / vp, W t_w / vp, in the measured ratios with t_f = --t-f ms (a
+   schedule without W sleeps B and W together in its backward). Sleeping ranks need no CPU, so pp ranks on 2
+   cores time like pp devices. Bubble = (step - ideal) / ideal, with ideal m (t_f + t_b + t_w), next to the
+   schedule's formula with the same times (parallel/schedules.py bubble_fraction) and to its op lists played out
+   with free messages (planning/bubble.py); also against the same rank's operations run back to back without a
+   pipeline, which pay the same late wake-ups and autograd, so that only the pipeline's costs remain.
+3. Memory: the benchmark model itself trains one step per schedule on pp gloo ranks; each rank's activation
+   memory at the schedule's peak (what autograd saves, plus what B leaves for W: planning/measure_pipeline.py)
+   next to the planner's (planning/memory.py peak_activations).
 
     python tools/benchmark_pipeline.py --realtime
-    python tools/benchmark_pipeline.py --pp 4 --vp 1 2 4 --microbatches 8 16 32 --t-f 10 --t-b 20
+    python tools/benchmark_pipeline.py --pp 4 --microbatches 8 16 --schedules 1f1b:1 1f1b:2 zb-h1:1 zb-v:2
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
+import platform
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.pipeline_layout import PipelineStage
-from megalite.parallel.schedules import Trace, run_schedule
+from megalite.parallel.pipeline_layout import PipelineStage, placement_of
+from megalite.parallel.schedules import Trace, bubble_fraction, run_schedule, splits_backward
+from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
+from megalite.parallel.weight_grads import weight_grad
+from megalite.planning.bubble import simulated_bubble
+from megalite.planning.measure import measurement_config, mock_batches
+from megalite.planning.measure_pipeline import activation_peak, stage_times
+from megalite.planning.memory import peak_activations
+from megalite.training.build import build_trainer
+from megalite.training.step import train_step
 
-SHAPE = (8, 1, 16)  # [seq, micro batch, hidden] of the messages: small, so transfers cost little
+SHAPE = (8, 1, 16)  # [seq, micro batch, hidden] of the sleeping stages' messages: small, so transfers cost little
 
 
 class Sleep(torch.autograd.Function):
-    """Identity whose forward sleeps `forward_s` and whose backward sleeps `backward_s`: a stage
-    with a known cost that leaves the cores free for the other ranks."""
+    """Identity whose forward sleeps `forward_s`, whose backward sleeps `backward_s` and hands a weight gradient
+    that sleeps `weight_s` to weight_grads (at once, or in W under a zero-bubble schedule): a stage with known
+    costs that leaves the cores free for the other ranks."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-        time.sleep(forward_s)
-        ctx.backward_s = backward_s
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, times: tuple[float, float, float]) -> torch.Tensor:
+        time.sleep(times[0])
+        ctx.times, ctx.anchor = times, anchor
         return x.clone()  # a new tensor: the executor frees a sent activation's storage
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.backward_s)
+        time.sleep(ctx.times[1])
+        weight_grad(ctx.anchor, lambda: time.sleep(ctx.times[2]))
         return grad, None, None
 
 
@@ -62,156 +72,144 @@ class Case:
     vp: int
     m: int
 
-    def theory(self) -> float:
-        """Megatron-LM's bubble relative to the ideal time: (pp - 1) / (vp * m)."""
-        return (self.pp - 1) / (self.vp * self.m)
-
-    def expected_peak(self, rank: int) -> int:
-        """Stored activations the schedule should hold at most on `rank`: Megatron-LM's warm-up
-        forwards + 1 (all of them for GPipe, and for interleaving when m == pp), written out here
-        so that the executed schedule is checked against it rather than against itself."""
-        total = self.m * self.vp
-        if self.schedule == "gpipe" or (self.vp > 1 and self.m == self.pp):
-            return total
-        if self.vp == 1:
-            return min(self.pp - rank, total)
-        return min((self.pp - rank - 1) * 2 + (self.vp - 1) * self.pp + 1, total)
+    @property
+    def name(self) -> str:
+        return f"{'interleaved ' if self.vp > 1 and self.schedule == '1f1b' else ''}{self.schedule}"
 
 
-def build_cases(args: argparse.Namespace, pp: int) -> list[Case]:
-    """1F1B for every vp (interleaving needs m % pp == 0), and GPipe (one chunk per rank)."""
-    cases = [Case("1f1b", pp, vp, m) for vp in args.vp for m in args.microbatches if vp == 1 or m % pp == 0]
-    return cases + ([] if args.no_gpipe else [Case("gpipe", pp, 1, m) for m in args.microbatches])
+def chunk_times(case: Case, times: tuple[float, float, float]) -> tuple[float, float, float]:
+    """Seconds one chunk sleeps: a rank's forward, B and W times over its vp chunks; B and W together when the
+    schedule does not split them."""
+    t_f, t_b, t_w = (t / 1e3 / case.vp for t in times)
+    return (t_f, t_b, t_w) if splits_backward(case.schedule) else (t_f, t_b + t_w, 0.0)
 
 
-def chunk_step(x: torch.Tensor, case: Case, args: argparse.Namespace) -> torch.Tensor:
-    """One model chunk: t_f / vp forward and t_b / vp backward."""
-    return Sleep.apply(x, args.t_f / 1e3 / case.vp, args.t_b / 1e3 / case.vp)
-
-
-def no_pipeline_step(case: Case, args: argparse.Namespace) -> float:
-    """Seconds for this rank's operations run back to back without a pipeline: the ideal step
-    with the per-operation overheads (late wake-ups from sleep, autograd) that the pipeline pays too."""
-    start = time.perf_counter()
+def no_pipeline_step(case: Case, times: tuple[float, float, float]) -> float:
+    """Seconds for this rank's operations run back to back without a pipeline."""
+    start, anchor = time.perf_counter(), torch.zeros(())
     for _ in range(case.m * case.vp):
-        chunk_step(torch.zeros(SHAPE, requires_grad=True), case, args).sum().backward()
+        Sleep.apply(torch.zeros(SHAPE, requires_grad=True), anchor, chunk_times(case, times)).sum().backward()
     return time.perf_counter() - start
 
 
-def late_recv_latency(rank: int, rounds: int = 10) -> float:
-    """Median seconds (on rank 1) from posting a receive to its completion, the message sent 5 ms
-    before: gloo holds a send until its receive is posted, and the executor posts a receive when
-    the operation that needs it starts, so each message costs a round trip of this length."""
-    buffer, times = torch.zeros(SHAPE), []
-    for _ in range(rounds):
-        dist.barrier()
-        if rank == 0:
-            dist.isend(buffer, 1).wait()
-        elif rank == 1:
-            time.sleep(0.005)
-            start = time.perf_counter()
-            dist.irecv(buffer, 0).wait()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) if times else 0.0
-
-
-def time_case(case: Case, comm: PipelineComm, rank: int, args: argparse.Namespace) -> dict:
-    """This rank's step times and times without a pipeline (seconds, one per timed step, each
-    after a barrier), its peak of stored activations and the late-receive latency."""
-    stage = PipelineStage(case.pp, case.vp, rank)
+def time_case(rank: int, world_size: int, case: Case, times: tuple[float, float, float], iters: int,
+              realtime: bool) -> dict:
+    """This rank's step times and times without a pipeline (one per timed step, each after a barrier) and its
+    peak of micro batches in flight."""
+    if realtime:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    stage = PipelineStage(case.pp, case.vp, rank, placement=placement_of(case.schedule))
+    comm = PipelineComm(Topology(rank, world_size, torch.device("cpu"), pp=case.pp), SHAPE, torch.float32)
+    anchors = [torch.zeros(()) for _ in range(case.vp)]
 
     def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
-        x = torch.zeros(SHAPE, requires_grad=True) if hidden is None else hidden  # so the first chunk's backward runs
-        out = chunk_step(x, case, args)
+        x = torch.zeros(SHAPE, requires_grad=True) if hidden is None else hidden
+        out = Sleep.apply(x, anchors[chunk], chunk_times(case, times))
         return out.sum() if stage.is_last_chunk(chunk) else out
 
-    latency, steps, no_pipeline, trace = late_recv_latency(rank), [], [], Trace()
-    for i in range(args.warmup + args.iters):
+    steps, no_pipeline, trace = [], [], Trace()
+    for i in range(iters + 1):
         dist.barrier()
         start = time.perf_counter()
         run_schedule(case.schedule, case.m, forward_step, stage, comm, trace)
         step = time.perf_counter() - start
         dist.barrier()
-        if i >= args.warmup:
+        if i:
             steps.append(step)
-            no_pipeline.append(no_pipeline_step(case, args))
-    return {"steps": steps, "no_pipeline": no_pipeline, "latency": latency, "peak": trace.peak_in_flight}
+            no_pipeline.append(no_pipeline_step(case, times))
+    return {"steps": steps, "no_pipeline": no_pipeline, "peak": trace.peak_in_flight}
 
 
-def _worker(rank: int, pp: int, port: int, cases: list[Case], args: argparse.Namespace, results) -> None:
-    torch.set_num_threads(1)
-    if args.realtime:  # after the imports, and before gloo starts its threads, which inherit it
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-        except PermissionError as err:
-            raise PermissionError("--realtime needs root or CAP_SYS_NICE; run without it") from err
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=pp)
-    try:
-        comm = PipelineComm(Topology(rank, pp, torch.device("cpu"), pp=pp), SHAPE, torch.float32)
-        for case in cases:
-            gathered = [None] * pp
-            dist.all_gather_object(gathered, time_case(case, comm, rank, args))
-            if rank == 0:
-                results.put((case, gathered))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_cases(pp: int, cases: list[Case], args: argparse.Namespace) -> list[tuple[Case, list]]:
-    """Spawn pp gloo ranks once and run every case on them; returns each case's per-rank results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(pp, port, cases, args, results), nprocs=pp, join=True)
-    return [results.get() for _ in cases]
-
-
-def row(case: Case, ranks: list[dict], args: argparse.Namespace) -> str:
-    """One table row. A step, pipelined or not, lasts until its slowest rank finishes; medians are
-    over steps."""
+def bubble_row(case: Case, ranks: list[dict], times: tuple[float, float, float]) -> str:
+    """A step lasts until its slowest rank finishes; medians over steps."""
     step, no_pipeline = (statistics.median(map(max, zip(*(r[key] for r in ranks)))) for key in ("steps", "no_pipeline"))
-    ideal = case.m * (args.t_f + args.t_b) / 1e3
-    theory = case.theory()
+    ideal = case.m * sum(times) / 1e3
+    formula = bubble_fraction(case.schedule, case.pp, case.vp, case.m, *times)
+    lists = simulated_bubble(case.schedule, case.pp, case.vp, case.m, *times)
     bubble, bubble_np = (step - ideal) / ideal, (step - no_pipeline) / no_pipeline
     peaks = ",".join(str(r["peak"]) for r in ranks)
-    expected = ",".join(str(case.expected_peak(rank)) for rank in range(case.pp))
-    return (f"| {case.schedule} | {case.pp} | {case.vp} | {case.m} | {1e3 * step:.0f} | {1e3 * ideal:.0f} "
-            f"| {1e3 * no_pipeline:.0f} | {theory:.3f} | {bubble:.3f} ({bubble / theory:.2f}x) "
-            f"| {bubble_np:.3f} ({bubble_np / theory:.2f}x) "
-            f"| {1e3 * ranks[1]['latency']:.2f} | {peaks} ({expected}) |")
+    return (f"| {case.name} | {case.vp} | {case.m} | {1e3 * step:.0f} | {1e3 * ideal:.0f} | {1e3 * no_pipeline:.0f} "
+            f"| {formula:.3f} | {lists:.3f} | {bubble:.3f} ({bubble / formula:.2f}x) "
+            f"| {bubble_np:.3f} ({bubble_np / formula:.2f}x) | {peaks} |")
+
+
+def model_config(args: argparse.Namespace, case: Case):
+    """The benchmark model under `case`'s schedule: a llama of --layers layers, one step of m micro batches."""
+    model = {"family": "llama", "num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": 4,
+             "num_query_groups": 2, "seq_length": args.seq, "vocab_size": args.vocab}
+    return measurement_config(case.pp, model=model, parallel={"pp": case.pp, "vp": case.vp,
+                                                              "pipeline_schedule": case.schedule},
+                              train={"micro_batch_size": args.micro_batch_size,
+                                     "global_batch_size": case.m * args.micro_batch_size})
+
+
+def memory_case(rank: int, world_size: int, args: argparse.Namespace, case: Case) -> tuple[int, int]:
+    """(measured, planned) activation bytes at the schedule's peak on this rank, one real training step."""
+    cfg = model_config(args, case)
+    topology = Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel)
+    with build_trainer(cfg, topology) as trainer:
+        batches = mock_batches(cfg, case.m)
+        measured = activation_peak(trainer, lambda: train_step(trainer, batches))
+    return measured, peak_activations(cfg, world_size, topology.pp_rank, "cpu")[0]
+
+
+def memory_row(case: Case, ranks: list[tuple[int, int]]) -> str:
+    cells = " | ".join(f"{got / 2**20:.2f} ({planned / 2**20:.2f}, {got / planned - 1:+.1%})" for got, planned in ranks)
+    return f"| {case.name} | {case.vp} | {case.m} | {cells} |"
+
+
+def cpu_line() -> str:
+    """`lscpu`'s model name and whether the CPU has avx512_bf16 (bf16 matmuls in hardware)."""
+    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "?")
+    return f"{model}, {os.cpu_count()} cores, avx512_bf16: {'yes' if 'avx512_bf16' in text else 'no'}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline ranks (one process each)")
-    p.add_argument("--vp", type=int, nargs="+", default=[1, 2], help="virtual chunks per rank (1F1B only)")
-    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--t-f", type=float, default=20.0, help="forward ms per micro batch per rank (all its chunks)")
-    p.add_argument("--t-b", type=float, default=40.0, help="backward ms per micro batch per rank (all its chunks)")
-    p.add_argument("--iters", type=int, default=5, help="timed steps per case")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
-    p.add_argument("--no-gpipe", action="store_true", help="skip the GPipe rows")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (one process each)")
+    p.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--schedules", nargs="+", default=["1f1b:1", "1f1b:2", "zb-h1:1", "zb-h1:2", "zb-v:2"],
+                   help="SCHEDULE:VP pairs")
+    p.add_argument("--t-f", type=float, default=20.0, help="a stage's sleeping forward, ms (B and W in the ratios "
+                                                           "measured)")
+    p.add_argument("--layers", type=int, default=16, help="benchmark model layers (a stage holds layers / pp)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5, help="timed steps per case (after one untimed)")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     p.add_argument("--realtime", action="store_true", help="ranks at SCHED_FIFO priority 1 (root or CAP_SYS_NICE), so "
                    "that other processes do not delay their wake-ups; they sleep, so they take little CPU")
-    args = p.parse_args(argv)
-    if min(args.pp) < 2:
-        p.error(f"--pp {min(args.pp)}: a pipeline needs at least 2 ranks")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print(f"t_f {args.t_f:g} ms, t_b {args.t_b:g} ms per micro batch per rank; messages {list(SHAPE)} fp32 over gloo; "
-          f"torch {torch.__version__}; median of {args.iters} steps after {args.warmup} warmup"
-          f"{'; ranks at SCHED_FIFO 1' if args.realtime else ''}")
-    print("| schedule | pp | vp | m | step ms | ideal ms | no-pipeline ms | bubble theory | bubble vs ideal (x theory) "
-          "| bubble vs no-pipeline (x theory) | late recv ms | peak stored per rank (expected) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for pp in args.pp:
-        for case, ranks in run_cases(pp, build_cases(args, pp), args):
-            print(row(case, ranks, args), flush=True)
+    cases = [Case(name, args.pp, int(vp), m) for m in args.microbatches
+             for name, vp in (pair.split(":") for pair in args.schedules)]
+    torch.set_num_threads(1)
+    t_f, t_b, t_w = stage_times(model_config(args, Case("zb-h1", args.pp, 1, args.pp)), 1)
+    times = (args.t_f, args.t_f * t_b / t_f, args.t_f * t_w / t_f)
+    print(f"CPU: {cpu_line()}; Python {platform.python_version()}, torch {torch.__version__}")
+    print(f"stage times (stage 1 of {args.pp}: {args.layers // args.pp} layers, hidden {args.hidden}, seq {args.seq}, "
+          f"micro batch {args.micro_batch_size}, fp32, 1 thread): T_F {1e3 * t_f:.2f} ms, T_B {1e3 * t_b:.2f} ms, "
+          f"T_W {1e3 * t_w:.2f} ms; T_B/T_F {t_b / t_f:.2f}, T_W/T_F {t_w / t_f:.2f}")
+    print(f"sleeping stages: t_f {times[0]:.1f}, t_b {times[1]:.1f}, t_w {times[2]:.1f} ms per micro batch per rank; "
+          f"median of {args.iters} steps{'; ranks at SCHED_FIFO 1' if args.realtime else ''}")
+    print("| schedule | vp | m | step ms | ideal ms | no-pipeline ms | formula | op lists | bubble vs ideal "
+          "(x formula) | bubble vs no-pipeline (x formula) | in flight per rank |\n" + "|---" * 11 + "|")
+    for case in cases:
+        print(bubble_row(case, run_on_ranks(case.pp, time_case, case, times, args.iters, args.realtime), times),
+              flush=True)
+    if args.no_memory:
+        return
+    print("\nactivation memory at the schedule's peak per rank, MiB measured (planner, difference)")
+    print(f"| schedule | vp | m | {' | '.join(f'rank {r}' for r in range(args.pp))} |\n|---|---|---|"
+          + "---|" * args.pp)
+    for case in cases:
+        print(memory_row(case, run_on_ranks(case.pp, memory_case, args, case)), flush=True)
 
 
 if __name__ == "__main__":
