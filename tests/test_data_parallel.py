@@ -168,7 +168,7 @@ def _late_gathers(rank: int, world_size: int, runs: list[list[str]]) -> list[tup
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_no_parameter_is_read_before_its_gather_lands(family):
     """Overlapped parameter gathers, made to land only when waited on: every weight read (including
-    the LM head and gpt2's position table, which no module forward reads) must wait for its bucket,
+    the LM head and gpt2's position table) must wait for its bucket,
     in training and in evaluation, or NaN reaches the loss. Small buckets: one parameter each. ZeRO-3's
     gathers too: before each forward, each backward and each recompute (full recompute)."""
     base = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4",

@@ -68,6 +68,12 @@ def test_bf16_operands_accumulate_in_fp32():
     rounded = (grad.t() @ x.to(torch.bfloat16)).float()  # what a bf16 dW would have been
     assert not torch.equal(rounded, exact)
 
+    main.zero_()  # a tied LM head's non-final gradient waits in w.grad: in fp32 too, until the final one
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gemm.linear(x, w, final=False)
+    y.backward(grad)
+    assert calls == [1] and w.grad.dtype == torch.float32 and torch.allclose(w.grad, exact, rtol=1e-6, atol=1e-6)
+
 
 class _Recorded:
     """A collective's work that notes when it is waited on."""

@@ -2,8 +2,9 @@
 
 Why: the Chrome trace is best explored in Perfetto, but a README needs a still picture, and a
 picture from a real run shows the warm-up, the steady 1F1B phase and the bubbles as they were,
-not as a textbook draws them. One row per rank; forwards in blue, backwards in orange, a darker
-shade per model chunk, each box labelled with its micro batch.
+not as a textbook draws them. One row per rank; forwards in blue, backwards in orange (under a zero-bubble
+schedule: input gradients, B), weight gradients (W) in green, a darker shade per model chunk, each box
+labelled with its micro batch.
 
     python tools/plot_pipeline_trace.py trace.json docs/images/interleaved_schedule.png [--step N] [--title TEXT]
 
@@ -55,15 +56,14 @@ def draw(events: dict[int, list[dict]], names: dict[int, str], title: str, outpu
 
     origin = min(e["ts"] for evs in events.values() for e in evs)
     chunks = 1 + max(e["args"]["chunk"] for evs in events.values() for e in evs)
-    blues, oranges = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
-    shade = lambda cmap, chunk: cmap(0.45 + 0.4 * chunk / max(chunks - 1, 1))  # noqa: E731
+    colours = {"F": plt.get_cmap("Blues"), "B": plt.get_cmap("Oranges"), "W": plt.get_cmap("Greens")}
+    shade = lambda kind, chunk: colours[kind](0.45 + 0.4 * chunk / max(chunks - 1, 1))  # noqa: E731
     ranks = sorted(events)
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.7 * len(ranks)))
     for row, rank in enumerate(ranks):
         for e in events[rank]:
             start, width = (e["ts"] - origin) / 1e3, e["dur"] / 1e3
-            forward = e["name"].startswith("F")
-            ax.barh(row, width, left=start, height=0.8, color=shade(blues if forward else oranges, e["args"]["chunk"]),
+            ax.barh(row, width, left=start, height=0.8, color=shade(e["name"][0], e["args"]["chunk"]),
                     edgecolor="black", linewidth=0.5)
             ax.text(start + width / 2, row, str(e["args"]["microbatch"]), ha="center", va="center", fontsize=8)
     ax.set_yticks(range(len(ranks)), [names.get(r, f"rank {r}").split(";")[0] + ")" for r in ranks])
@@ -71,9 +71,10 @@ def draw(events: dict[int, list[dict]], names: dict[int, str], title: str, outpu
     ax.set_xlabel("milliseconds since the step's first operation; numbers: micro batch; "
                   "a box includes waiting for its input")
     ax.set_title(title)
-    legend = [Patch(color=shade(blues, c), label=f"forward, chunk {c}") for c in range(chunks)]
-    legend += [Patch(color=shade(oranges, c), label=f"backward, chunk {c}") for c in range(chunks)]
-    fig.legend(handles=legend, loc="lower center", ncol=2 * chunks, fontsize=8, frameon=False)
+    kinds = [kind for kind in "FBW" if any(e["name"][0] == kind for evs in events.values() for e in evs)]
+    label = {"F": "forward", "B": "backward" if "W" not in kinds else "B (input grad)", "W": "W (weight grad)"}
+    legend = [Patch(color=shade(kind, c), label=f"{label[kind]}, chunk {c}") for kind in kinds for c in range(chunks)]
+    fig.legend(handles=legend, loc="lower center", ncol=len(kinds) * chunks, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=120)

@@ -22,7 +22,7 @@ from megalite.model.moe.layer import MoELayer
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.layers import VocabParallelEmbedding, embedding
+from megalite.parallel.layers import Lookup, VocabParallelEmbedding
 from megalite.parallel.mappings import local_rows
 from megalite.parallel.pipeline_layout import StageLayout
 from megalite.parallel.placement import Placement, parameter_placements
@@ -59,7 +59,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, ctx)
         learned = cfg.features.position_embedding == "learned"
-        self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size) if learned else None
+        self.position_embeddings = Lookup(cfg.positions, cfg.hidden_size) if learned else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.ctx = ctx
 
@@ -75,7 +75,7 @@ class Embedding(nn.Module):
                 ids = position_ids.t()
             if self.ctx.sequence_parallel:
                 ids = local_rows(ids, self.ctx.tp.group)
-            x = x + embedding(ids, self.position_embeddings.weight)
+            x = x + self.position_embeddings(ids)
         with self.ctx.hidden_rng():
             return self.dropout(x)
 

@@ -52,14 +52,19 @@ def _accumulate(main: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None
 
 def weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, final: bool = True) -> torch.Tensor | None:
     """dW = grad^T x for [..., out] grad and [..., in] x: added into the main gradient when the parameter has a
-    sink (returns None; `final=False`: more of this backward's gradient of `weight` follows), else returned in
-    the weight's dtype. Reads the weight's shape and dtype, never its values."""
+    sink and this is its `final` gradient of the backward (returns None), else returned in the weight's dtype.
+    A non-final one that the sink adds in later (the tied LM head's, waiting in `weight.grad`) is accumulated
+    in the weight's dtype as the sink would, not rounded to the compute dtype first. Reads the weight's shape
+    and dtype, never its values."""
     grad, x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
     sink = getattr(weight, "accumulate_grad", None)
     if sink is None:
         return grad.t().matmul(x.to(grad.dtype)).to(weight.dtype)
-    add = lambda main: _accumulate(main.view(weight.shape), grad, x)  # noqa: E731
-    sink(add) if final else sink(add, final=False)
+    if not final:
+        waiting = torch.zeros(weight.shape, dtype=weight.dtype, device=grad.device)
+        _accumulate(waiting, grad, x)
+        return waiting
+    sink(lambda main: _accumulate(main.view(weight.shape), grad, x))
     return None
 
 

@@ -65,16 +65,16 @@ class GradBuffer:
         if grad is not None:
             self._accumulate(param, lambda main: main.add_(grad))
 
-    def _accumulate(self, param: nn.Parameter, add: Callable[[torch.Tensor], None], final: bool = True) -> None:
+    def _accumulate(self, param: nn.Parameter, add: Callable[[torch.Tensor], None]) -> None:
         """add(main_grad) adds one backward's gradient of `param` into its main gradient (gemm.py adds dW
-        there directly); when the bucket's gradients of this backward are all in, it may be reduced.
-        `final=False`: more of this backward's gradient of `param` follows (the LM head's part of a tied
-        embedding, before the embedding's own)."""
+        there directly), with what waits in `param.grad` (the LM head's part of a tied embedding, parallel/
+        weight_grads.py); when the bucket's gradients of this backward are all in, it may be reduced."""
         bucket = self.layout.bucket_of[id(param)]
         self.strategy.grads(bucket)
         add(param.main_grad)
-        if not final:
-            return
+        if param.grad is not None:
+            waiting, param.grad = param.grad, None
+            param.main_grad.add_(waiting)
         pending = self.pending[bucket.index]
         pending.discard(id(param))
         if pending:

@@ -62,6 +62,14 @@ class _Embedding(torch.autograd.Function):
         return None, None
 
 
+class Lookup(nn.Embedding):
+    """A whole (unsplit) embedding table looked up through `embedding` (learned positions): a module, so that
+    what waits for its parameter before a forward (the distributed optimizer's gathers) sees the read."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding(ids, self.weight)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A's rows (output features) split across ranks; output stays split."""
 

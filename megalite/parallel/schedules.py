@@ -215,7 +215,8 @@ def communication_plan(name: str, pp: int, vp: int, microbatches: int) -> dict[i
 @dataclass
 class Trace:
     """Per-rank record of every operation (its start and end as marks on the device's timeline,
-    timing.py), and the peak number of stored activations."""
+    timing.py), and the peak number of micro batches in flight (forward run, gradients not all computed:
+    stored activations, and under a zero-bubble schedule weight-gradient inputs held for W)."""
 
     device: torch.device = torch.device("cpu")
     events: list[tuple[str, int, int, Mark, Mark]] = field(default_factory=list)

@@ -68,7 +68,8 @@ def deferred(queue: WeightGradients) -> Iterator[WeightGradients]:
 def weight_grad(param: torch.Tensor, compute: Callable[[], torch.Tensor | None], final: bool = True) -> None:
     """Give `param` the gradient compute() returns (None: it added the gradient into the main gradient
     itself), now or, inside a B, in its W. `final=False`: another gradient of `param` follows in the same
-    backward (the LM head reading the tied embedding), so the buffer must not count it complete yet."""
+    backward (the LM head reading the tied embedding), so the buffer must not count it complete yet: it waits
+    in `param.grad`."""
     if _queue is not None:
         _queue.work.append((param, compute, final))
     else:
@@ -76,12 +77,14 @@ def weight_grad(param: torch.Tensor, compute: Callable[[], torch.Tensor | None],
 
 
 def _deposit(param: torch.Tensor, grad: torch.Tensor | None, final: bool) -> None:
+    """Into the main gradient through the buffer's sink; a gradient that is not the final one of the backward
+    (or without a buffer, every one) into `param.grad`, as autograd would leave it (the sink adds that in with
+    the final one)."""
     if grad is None:
         return
-    sink = getattr(param, "accumulate_grad", None)
+    sink = getattr(param, "accumulate_grad", None) if final else None
     if sink is not None:
-        add = lambda main: main.add_(grad.view(main.shape))  # noqa: E731
-        sink(add) if final else sink(add, final=False)
+        sink(lambda main: main.add_(grad.view(main.shape)))
     else:
         param.grad = grad if param.grad is None else param.grad + grad
 
