@@ -102,6 +102,7 @@ def test_zero3_gathered_units_in_the_plan():
     plus one unit's gradients; nothing at dp 1, where nothing is sharded."""
     cfg = _model_config("gpt2", parallel={"zero_stage": 3}, train={"precision": "bf16", "param_dtype": "bf16"})
     cfg.model.vocab_size = 1000  # the embedding, the largest unit, and not one of the two largest others
+    cfg.model.seq_length = 8  # few tokens: the loss's temporaries stay below backward's, which this is about
     params = rank_parameters(cfg, 0)
     embedding, layer = params.units[0], params.units[1]
     assert params.tied_head and embedding > layer
