@@ -50,11 +50,11 @@ def build_on_meta(path: Path) -> GPTModel:
 
 
 # Published sizes: GPT-2 small 124,439,808 (Hugging Face's count, vocabulary 50257 unpadded), Llama-3.2-1B
-# 1.24B, Llama-3.1-8B 8.03B and Mixtral-8x7B 46.7B (model cards; Hugging Face's count 46,702,792,704);
-# the rest are the planner's own count. Qwen3-30B-A3B's shape differs from the published one (head_dim, see
-# its example).
+# 1.24B, Llama-3.1-8B 8.03B, Mixtral-8x7B 46.7B and Qwen3-30B-A3B 30.5B (model cards; Hugging Face's counts
+# 46,702,792,704 and 30,532,122,624); the rest are the planner's own count.
 PUBLISHED = {"gpt2_125m": 124_439_808, "llama_1b": 1_235_814_400, "llama_8b": 8_030_261_248,
-             "llama_8b_zero3": 8_030_261_248, "llama_8b_128k": 8_030_261_248, "mixtral_8x7b": 46_702_792_704}
+             "llama_8b_zero3": 8_030_261_248, "llama_8b_128k": 8_030_261_248, "mixtral_8x7b": 46_702_792_704,
+             "qwen3_30b_a3b": 30_532_122_624}
 # Parameters one token uses: Mixtral's 12.9B "active" (its two experts of eight, embeddings included).
 ACTIVE = {"mixtral_8x7b": 12_879_925_248}
 

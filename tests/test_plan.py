@@ -62,6 +62,9 @@ def test_parameter_counts_equal_the_built_model(tp, pp, vp, family, tied):
     ("gpt2", {"norm": "rmsnorm"}),
     ("qwen3", {}),
     ("llama", {"qk_norm": True}),
+    ("qwen2", {}),
+    ("qwen3", {"head_dim": 32}),
+    ("llama", {"qkv_bias": True, "head_dim": 24}),
 ])
 def test_parameter_counts_follow_feature_overrides(family, features):
     cfg = _model_config(family, parallel={"tp": 2, "pp": 2}, model=features)
@@ -180,12 +183,14 @@ def one_device_model(cfg: Config, pp_rank: int = 0) -> GPTModel:
 PRECISIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]  # (train.precision, train.param_dtype)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
 @pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_activations_match_saved_tensors(family, precision, param_dtype, recompute):
+    """qwen3: its per-head q/k norms, on heads 32 wide (not hidden / heads = 16)."""
     cfg = _model_config(family, train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute})
-    cfg.model.seq_length, cfg.model.num_query_groups = 64, 2 if family == "llama" else None
+    cfg.model.seq_length, cfg.model.num_query_groups = 64, 2 if family != "gpt2" else None
+    cfg.model.head_dim = 32 if family == "qwen3" else None
     measured = saved_bytes(one_device_model(cfg), cfg)
     assert measured == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.1)
 
@@ -286,7 +291,7 @@ def test_context_parallel_line_in_the_plan():
     cfg.model.seq_length = 64
     assert "context parallel" not in format_plan(make_plan(_valid(cfg, cp=1, world=2), 2))
     cfg = _valid(cfg, cp=4, world=4)
-    kv = 2 * cfg.train.micro_batch_size * cfg.model.kv_heads * (64 // 4) * cfg.model.head_dim  # local K and V
+    kv = 2 * cfg.train.micro_batch_size * cfg.model.kv_heads * (64 // 4) * cfg.model.head_size  # local K and V
     assert comm_bytes(cfg) == (3 * kv * 2, 3 * kv * 2 + 4 * kv * 4)
     text = format_plan(make_plan(cfg, 4))
     assert "tp 1 x cp 4 x pp 1 (vp 1) x dp 1" in text

@@ -172,8 +172,7 @@ class GPTModel(nn.Module):
         if self.cfg.features.position_embedding != "rope":
             return None
         if tokens.device not in self._rope_cache:
-            self._rope_cache[tokens.device] = rope_tables(self.cfg.positions, self.cfg.head_dim, self.cfg.rope_theta,
-                                                          tokens.device)
+            self._rope_cache[tokens.device] = rope_tables(self.cfg, tokens.device)
         return rope_for(self._rope_cache[tokens.device], tokens.shape[1], position_ids)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
