@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_config
+from corpus import write_corpus
 
 from megalite.config import Config, ConfigError
 from megalite.config_cli import parse_config
@@ -24,6 +26,7 @@ from megalite.data.gpt_dataset import split_documents
 from megalite.data.indexed_dataset import IndexedDatasetWriter
 from megalite.data.loader import micro_batches
 from megalite.data.megatron_blending import megatron_blend_sizes, megatron_blending_indices, normalise
+from megalite.training.pretrain import pretrain
 
 SEQ, SEED, VOCAB = 16, 1234, 1 << 30
 CORPORA = {"a": 400, "b": 150, "c": 260}  # documents each
@@ -212,3 +215,17 @@ def test_blend_rule_config():
         validate(cfg, 1)
     cfg.data.blend_rule = "megalite"
     validate(cfg, 1)
+
+
+def test_pretrain_resumes_on_a_megatron_blend(tmp_path):
+    """The training loop on blend_rule=megatron: stopped after 2 steps and resumed from its consumed samples,
+    it ends with the uninterrupted run's losses."""
+    a, b = write_corpus(tmp_path / "a", 300, 1), write_corpus(tmp_path / "b", 200, 2)
+    data = {"mock": False, "paths": ["0.7", a, "0.3", b], "split": "90,10,0", "tokenizer_type": "NullTokenizer",
+            "num_workers": 0, "blend_rule": "megatron"}
+    straight = pretrain(tiny_config(data=data, train={"train_iters": 4})).losses
+    ckpt = {"save": str(tmp_path / "ckpt"), "load": str(tmp_path / "ckpt")}
+    first = pretrain(tiny_config(data=data, train={"train_iters": 4, "exit_interval": 2}, checkpoint=ckpt)).losses
+    second = pretrain(tiny_config(data=data, train={"train_iters": 4}, checkpoint=ckpt)).losses
+    assert sorted(first) == [1, 2] and sorted(second) == [3, 4]
+    assert {**first, **second} == straight
