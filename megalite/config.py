@@ -324,6 +324,10 @@ class DataConfig:
     split: str = _f("969,30,1", "train,valid,test weights over the documents of data.paths")
     train_paths: list[str] | None = _f(None, "training blend, instead of splitting data.paths")
     valid_paths: list[str] | None = _f(None, "validation blend, instead of splitting data.paths")
+    blend_rule: Literal["megalite", "megatron"] = _f(
+        "megalite", "how a blend is sized and ordered: megalite (every share provably within (1 + (D - 2) * w) / 2 "
+                    "samples of its weight; datasets sized never to run dry) or megatron (Megatron-Core's sizes and "
+                    "order exactly, to continue a Megatron-LM run on the batches it would have trained on)")
     cache_dir: str | None = _f(
         None, "where index files (.npy) are cached (default: a cache/ folder next to the first prefix)")
     tokenizer_type: (Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from megalite.config import Config, ConfigError, LoggingConfig, ModelConfig, chunk_layer_counts
 from megalite.data.blending import parse_blend
 from megalite.data.indexed_dataset import data_file_path, index_file_path
+from megalite.data.megatron_blending import MAX_DATASETS
 
 
 def validate(cfg: Config, world_size: int, data_files: bool = False) -> None:
@@ -279,6 +280,13 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
                       "e.g. --data.tokenizer_type=GPT2BPETokenizer")
     if d.num_workers < 0:
         errors.append(f"data.num_workers={d.num_workers} must be >= 0")
+    if d.blend_rule == "megatron":
+        for name in ("paths", "train_paths", "valid_paths"):
+            datasets = len(getattr(d, name) or []) // 2  # 'weight prefix' pairs
+            if datasets > MAX_DATASETS:
+                errors.append(f"data.{name} blends {datasets} datasets, but data.blend_rule=megatron follows "
+                              f"Megatron-Core, which blends at most {MAX_DATASETS} (an int16 dataset index): "
+                              "use data.blend_rule=megalite or fewer datasets")
     return errors
 
 
