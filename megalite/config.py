@@ -36,6 +36,10 @@ def _f(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
 
+# The MLP nonlinearities: GELU's tanh approximation (GPT-2), exact (erf) GELU (Megatron-LM's default), SiLU.
+Activation = Literal["gelu_tanh", "gelu", "silu"]
+
+
 @dataclass(frozen=True)
 class Features:
     """The architecture choices the model is built from. Model code reads these, never the family,
@@ -47,11 +51,13 @@ class Features:
     position_embedding: Literal["learned", "rope"]
     tie_embeddings: bool
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    activation: Activation = "silu"  # the MLP's nonlinearity; with gated_mlp applied to the gate (SwiGLU: silu)
 
 
 # Each family's features: the defaults of the ModelConfig fields of the same names.
 FAMILY_FEATURES: dict[str, Features] = {
-    "gpt2": Features(bias=True, gated_mlp=False, norm="layernorm", position_embedding="learned", tie_embeddings=True),
+    "gpt2": Features(bias=True, gated_mlp=False, norm="layernorm", position_embedding="learned", tie_embeddings=True,
+                     activation="gelu_tanh"),
     "llama": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False),
     "qwen3": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False,
                       qk_norm=True),
@@ -61,7 +67,7 @@ FAMILY_FEATURES: dict[str, Features] = {
 @dataclass
 class ModelConfig:
     family: Literal["gpt2", "llama", "qwen3"] = _f(
-        "gpt2", "gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings; "
+        "gpt2", "gpt2: learned positions, LayerNorm, GELU (tanh), biases, tied embeddings; "
                 "llama: RoPE, RMSNorm, SwiGLU, no biases; qwen3: llama's with qk_norm "
                 "(the defaults of the feature fields below); with num_experts > 0 llama is Mixtral, qwen3 Qwen3-MoE")
     num_layers: int = _f(2, "number of transformer layers")
@@ -80,7 +86,11 @@ class ModelConfig:
     bias: bool | None = _f(
         None, "biases in the linear layers; LayerNorm keeps its own (default: gpt2 true, llama false)")
     gated_mlp: bool | None = _f(
-        None, "SwiGLU MLP (gate and up projections) instead of GELU (default: gpt2 false, llama true)")
+        None, "gated MLP: activation(gate) * up, two input projections (SwiGLU with silu; default: gpt2 false, "
+              "llama true)")
+    activation: Activation | None = _f(
+        None, "the MLP's (and experts') nonlinearity: gelu_tanh (GELU's tanh approximation), gelu (exact, erf), "
+              "silu (default: gpt2 gelu_tanh, llama and qwen silu)")
     norm: Literal["layernorm", "rmsnorm"] | None = _f(
         None, "normalisation layers (default: gpt2 layernorm, llama rmsnorm)")
     position_embedding: Literal["learned", "rope"] | None = _f(

@@ -187,6 +187,15 @@ def test_model_features_come_from_the_family_unless_set():
         parse_config(["--model.norm=LayerNorm"])
 
 
+def test_activation_comes_from_the_family_unless_set():
+    """model.activation: the field Megatron-LM checkpoints set to gelu (its GPT's exact GELU)."""
+    assert parse_config(["--model.family=gpt2"]).model.features.activation == "gelu_tanh"
+    assert parse_config(["--model.family=llama"]).model.features.activation == "silu"
+    assert parse_config(["--model.family=gpt2", "--model.activation=gelu"]).model.features.activation == "gelu"
+    with pytest.raises(ConfigError, match="model.activation: 'relu' is not one of gelu_tanh, gelu, silu"):
+        parse_config(["--model.activation=relu"])
+
+
 def test_odd_head_dim_is_refused_for_rope_only():
     odd = {"hidden_size": 60, "num_attention_heads": 4, "num_query_groups": None}  # head dim 15
     with pytest.raises(ConfigError, match=r"model.position_embedding=rope\) needs an even head dim"):

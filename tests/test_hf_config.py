@@ -29,7 +29,9 @@ def network(m: ModelConfig) -> tuple:
 
 
 @pytest.mark.parametrize("family, experts, architecture", [
-    ("gpt2", {}, "GPT2LMHeadModel"), ("llama", {}, "LlamaForCausalLM"), ("llama", MOE, "MixtralForCausalLM"),
+    ("gpt2", {}, "GPT2LMHeadModel"), ("gpt2", {"activation": "gelu"}, "GPT2LMHeadModel"),
+    ("llama", {"activation": "gelu_tanh"}, "LlamaForCausalLM"), ("llama", {}, "LlamaForCausalLM"),
+    ("llama", MOE, "MixtralForCausalLM"),
     ("qwen3", {}, "Qwen3ForCausalLM"), ("qwen3", MOE, "Qwen3MoeForCausalLM"),
     ("qwen3", {**MOE, "moe_layer_freq": 2, "moe_norm_topk_prob": False}, "Qwen3MoeForCausalLM"),
 ])

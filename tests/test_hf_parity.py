@@ -17,11 +17,13 @@ from megalite.model.gpt import GPTModel
 MOE = {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32, "num_query_groups": 2, "num_layers": 3}
 FAMILIES = {  # name -> (family, model fields, HF class)
     "gpt2": ("gpt2", {}, transformers.GPT2LMHeadModel),
+    "gpt2-exact-gelu": ("gpt2", {"activation": "gelu"}, transformers.GPT2LMHeadModel),  # Megatron-LM's GPT MLP
     "llama": ("llama", {"num_query_groups": 2, "rope_theta": 5000.0, "vocab_size": 250},
               transformers.LlamaForCausalLM),
     "llama-tied-mha": ("llama", {"num_query_groups": None, "tie_embeddings": True}, transformers.LlamaForCausalLM),
     "qwen3": ("qwen3", {"num_query_groups": 2, "tie_embeddings": True}, transformers.Qwen3ForCausalLM),
     "mixtral": ("llama", {**MOE, "rope_theta": 1e6}, transformers.MixtralForCausalLM),
+    "mixtral-gelu-tanh": ("llama", {**MOE, "activation": "gelu_tanh"}, transformers.MixtralForCausalLM),
     "qwen3-moe": ("qwen3", {**MOE, "moe_first_dense_layers": 1, "moe_norm_topk_prob": False},
                   transformers.Qwen3MoeForCausalLM),
 }

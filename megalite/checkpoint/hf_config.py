@@ -3,8 +3,8 @@
 The family and whether the model has routed experts pick the transformers class: gpt2 is GPT2LMHeadModel,
 llama is LlamaForCausalLM (MixtralForCausalLM with experts), qwen3 is Qwen3ForCausalLM (Qwen3MoeForCausalLM
 with experts). A config only maps when both sides compute the same network: an HF config describing
-something megalite does not compute (another activation, Llama's biases, RoPE scaling, sliding windows,
-router jitter, MLA, attention sinks, ...) is refused with the reason, and so is a megalite model whose
+something megalite does not compute (an activation other than GELU and SiLU, Llama's biases, RoPE scaling,
+sliding windows, router jitter, MLA, attention sinks, ...) is refused with the reason, and so is a megalite model whose
 features or expert routing its HF class cannot express (a Llama with biases, a sigmoid router, a shared
 expert, a Mixtral with dense layers). Nothing is ever converted into a different network.
 
@@ -45,6 +45,14 @@ def hf_architecture(cfg: ModelConfig) -> str:
     return ARCHITECTURES[key]
 
 
+# megalite's model.activation -> its names in HF's activation_function (GPT-2) / hidden_act (the others); the first
+# is what megalite writes. HF's gelu_new computes the tanh approximation in separate ops: equal to round-off.
+HF_ACTIVATIONS = {"gelu_tanh": ("gelu_new", "gelu_pytorch_tanh"), "gelu": ("gelu",), "silu": ("silu", "swish")}
+
+# Features every HF class expresses both ways; the others must be the family's.
+_FREE_FEATURES = ("tie_embeddings", "activation")
+
+
 def _refuse(field: str, value: object, architecture: str, computes: object, family: str) -> ValueError:
     return ValueError(f"model.{field}={str(value).lower()}, but {architecture} (model.family={family}) computes "
                       f"{field}={str(computes).lower()}; this model has no Hugging Face equivalent and cannot be "
@@ -53,11 +61,11 @@ def _refuse(field: str, value: object, architecture: str, computes: object, fami
 
 def check_hf_features(cfg: ModelConfig) -> None:
     """Raise ValueError, naming the field, when `cfg` computes something its HF class cannot: the HF model
-    would silently compute another network. Every class ties embeddings or not."""
+    would silently compute another network. Every class ties embeddings or not, and takes any activation."""
     architecture = hf_architecture(cfg)
     family = dataclasses.asdict(FAMILY_FEATURES[cfg.family])
     for name, value in dataclasses.asdict(cfg.features).items():
-        if name != "tie_embeddings" and value != family[name]:
+        if name not in _FREE_FEATURES and value != family[name]:
             raise _refuse(name, value, architecture, family[name], cfg.family)
     if cfg.num_experts:
         _check_hf_experts(cfg, architecture)
@@ -99,10 +107,11 @@ def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: i
     architecture = hf_architecture(cfg)
     check_hf_features(cfg)
     tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    activation = HF_ACTIVATIONS[cfg.features.activation][0]
     if cfg.family == "gpt2":
         return transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.positions, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
-            n_head=cfg.num_attention_heads, n_inner=cfg.ffn_size, activation_function="gelu_new",
+            n_head=cfg.num_attention_heads, n_inner=cfg.ffn_size, activation_function=activation,
             layer_norm_epsilon=cfg.norm_epsilon, resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
             attn_pdrop=cfg.attention_dropout, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied, **tokens,
         )
@@ -111,7 +120,7 @@ def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: i
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
         max_position_embeddings=cfg.positions, rms_norm_eps=cfg.norm_epsilon,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attention_dropout=cfg.attention_dropout,
-        initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied, hidden_act="silu", **tokens,
+        initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied, hidden_act=activation, **tokens,
     )
     experts = {"num_experts_per_tok": cfg.moe_topk}
     if architecture == "LlamaForCausalLM":
@@ -131,12 +140,12 @@ def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: i
 
 # HF config field -> the values megalite computes (the first is what it writes); anything else changes the network.
 _FIXED = {
-    "gpt2": {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
-             "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,)},
-    "llama": {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)},
-    "mixtral": {"hidden_act": ("silu",), "router_jitter_noise": (0.0,)},
-    "qwen3": {"hidden_act": ("silu",), "attention_bias": (False,)},
-    "qwen3_moe": {"hidden_act": ("silu",), "attention_bias": (False,)},
+    "gpt2": {"scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+             "add_cross_attention": (False,)},
+    "llama": {"attention_bias": (False,), "mlp_bias": (False,)},
+    "mixtral": {"router_jitter_noise": (0.0,)},
+    "qwen3": {"attention_bias": (False,)},
+    "qwen3_moe": {"attention_bias": (False,)},
 }
 
 
@@ -146,6 +155,18 @@ def _check_fixed(hf, source: str) -> None:
         if value not in allowed:
             raise ValueError(f"{source}: {name}={value!r}, but megalite's {hf.model_type} computes "
                              f"{name}={allowed[0]!r}; this model cannot be converted")
+
+
+def _activation(hf, source: str) -> str:
+    """megalite's model.activation for HF's activation_function (GPT-2) or hidden_act (the others)."""
+    name = "activation_function" if hf.model_type == "gpt2" else "hidden_act"
+    value = getattr(hf, name)
+    for activation, names in HF_ACTIVATIONS.items():
+        if value in names:
+            return activation
+    known = [repr(n) for names in HF_ACTIVATIONS.values() for n in names]
+    raise ValueError(f"{source}: {name}={value!r}, but megalite's {hf.model_type} computes {name}={known[0]}, "
+                     f"{', '.join(known[1:-1])} or {known[-1]}; this model cannot be converted")
 
 
 def _check_full_attention(hf, source: str) -> None:
@@ -178,7 +199,7 @@ def model_config_from_hf(hf, source: str) -> ModelConfig:
             ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, seq_length=hf.n_positions,
             max_position_embeddings=hf.n_positions, vocab_size=hf.vocab_size, tie_embeddings=hf.tie_word_embeddings,
             norm_epsilon=hf.layer_norm_epsilon, init_std=hf.initializer_range, hidden_dropout=hf.resid_pdrop,
-            attention_dropout=hf.attn_pdrop,
+            attention_dropout=hf.attn_pdrop, activation=_activation(hf, source),
         )
     _check_full_attention(hf, source)
     return _rope_model(hf, source, **_experts(hf, source))
@@ -225,5 +246,6 @@ def _rope_model(hf, source: str, **experts) -> ModelConfig:
         seq_length=hf.max_position_embeddings, max_position_embeddings=hf.max_position_embeddings,
         vocab_size=hf.vocab_size, tie_embeddings=hf.tie_word_embeddings,
         rope_theta=float(rope.get("rope_theta", 10000.0)), norm_epsilon=hf.rms_norm_eps,
-        init_std=hf.initializer_range, attention_dropout=hf.attention_dropout, **experts,
+        init_std=hf.initializer_range, attention_dropout=hf.attention_dropout, activation=_activation(hf, source),
+        **experts,
     )
