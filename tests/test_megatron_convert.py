@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import cpu_topology, run_ranks
+from distributed import cpu_topology, metrics, pretrain_torchrun, run_ranks
 
 from megalite.checkpoint.local import load_checkpoint
+from megalite.checkpoint.megatron.buffer_layout import flat_ranges
 from megalite.checkpoint.megatron.safe_pickle import load_dcp_metadata, load_megatron_pickle
 from megalite.config_cli import config_from_yaml_text
 from megalite.data.batches import Batch
@@ -202,3 +203,46 @@ def test_the_distributed_optimizers_flat_buckets_are_named(megatron, tmp_path, c
     assert f"optimizer entry {bucket!r} is not one megalite understands" in err
     assert "--dist-ckpt-optim-fully-reshardable" in err
     convert("--from-megatron", "--no-optimizer", "--load", str(work), "--save", str(tmp_path / "weights"))
+
+
+def test_pretrain_continues_the_megatron_run(converted, tmp_path):
+    """pretrain_gpt.py resumes the converted checkpoint as the README says, at a layout of its own (pp 2 on two
+    processes): from Megatron's iteration (3) and consumed samples (6) on."""
+    root = converted["llama_torch_dist"]
+    metrics_file = tmp_path / "metrics.jsonl"
+    pretrain_torchrun(2, ["--config", str(root / "iter_0000003/config.yaml"), f"--checkpoint.load={root}",
+                          f"--checkpoint.save={tmp_path / 'run'}", "--parallel.tp=1", "--parallel.pp=2",
+                          "--parallel.distributed_optimizer=false", "--data.mock=true", "--data.num_workers=0",
+                          "--train.train_iters=5", "--logging.log_interval=1", "--logging.progress_bar=false",
+                          f"--logging.metrics_file={metrics_file}"])
+    assert [r["step"] for r in metrics(metrics_file)] == [4, 5]
+    state = json.loads((tmp_path / "run/iter_0000005/state.json").read_text())
+    assert state["consumed_samples"] == 6 + 2 * 2
+
+
+def test_a_common_pt_file_holds_the_common_state_before_mid_2026(megatron, converted, tmp_path):
+    """Megatron before mid-2026 saved the torch_dist common state as common.pt beside the distcp files."""
+    work = tmp_path / "older"
+    shutil.copytree(megatron["gpt_torch_dist"], work)
+    found = work / "iter_0000003"
+    metadata = load_dcp_metadata(found / ".metadata")
+    entry = next(index for index in metadata.storage_data if index.fqn.startswith("common_state/"))
+    info = metadata.storage_data.pop(entry)
+    with open(found / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        (found / "common.pt").write_bytes(f.read(info.length))
+    del metadata.state_dict_metadata[entry.fqn]
+    (found / ".metadata").write_bytes(pickle.dumps(metadata))
+    convert("--from-megatron", "--load", str(work), "--save", str(tmp_path / "out"))
+    assert (tmp_path / "out/iter_0000003/index.json").read_text() == (
+        converted["gpt_torch_dist"] / "iter_0000003/index.json").read_text()
+
+
+def test_the_flat_layout_follows_megatrons_buffer():
+    """A tied GPT's first stage under pipeline parallelism: parameters laid out in reverse order from 0, each
+    start rounded up to 64 elements (b at 0, a at 128), the embedding's copy in a bucket of its own that starts
+    where the previous bucket's unpadded elements end (192: the padded start a next parameter would get)."""
+    where, total = flat_ranges([("emb", 100, True), ("a", 10, False), ("b", 70, False)], None)
+    assert where == {"b": range(0, 70), "a": range(128, 138), "emb": range(192, 292)} and total == 292
+    where, total = flat_ranges([("a", 10, False), ("b", 70, False), ("c", 5, False)], 70)  # b fills bucket 0
+    assert where == {"c": range(0, 5), "b": range(64, 134), "a": range(134, 144)} and total == 144
