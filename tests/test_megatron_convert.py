@@ -1,16 +1,19 @@
 """tools/convert_checkpoint.py --from-megatron against checkpoints Megatron-LM's own training code wrote.
 
 The fixtures (tests/fixtures/megatron/*.tar.xz, written by make_fixtures.py with megatron-core 0.19.2) are
-a GPT (learned positions, LayerNorm, biases, exact GELU, tied embeddings, padded vocabulary) and a Llama-style
-model (RoPE, RMSNorm, SwiGLU, GQA, no biases), each trained 3 steps at tensor parallel 2 x pipeline parallel 2
-and saved in the legacy format (GPT with Megatron's Adam, Llama with its distributed optimizer) and in
-torch_dist (GPT with per-parameter Adam state, Llama with the distributed optimizer's fully reshardable state).
-Beside each, Megatron's forward gave the logits of fixed tokens, and one more Megatron training step on a fixed
-batch gave its loss and the logits after it: megalite must compute the same at other layouts.
+a GPT (learned positions, LayerNorm, biases, tied embeddings, padded vocabulary; GELU through Megatron's
+default bias-GELU fusion, its tanh form, in the legacy fixture, exact GELU without the fusion in the
+torch_dist one) and a Llama-style model (RoPE, RMSNorm, SwiGLU, GQA, no biases), each trained 3 steps at
+tensor parallel 2 x pipeline parallel 2 and saved in the legacy format (GPT with Megatron's Adam, Llama with
+its distributed optimizer) and in torch_dist (GPT with per-parameter Adam state, Llama with the distributed
+optimizer's fully reshardable state). Beside each, Megatron's forward gave the logits of fixed tokens, and one
+more Megatron training step on a fixed batch gave its loss and the logits after it: megalite must compute the
+same at other layouts.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import pickle
@@ -23,6 +26,7 @@ import torch
 from distributed import cpu_topology, metrics, pretrain_torchrun, run_ranks
 
 from megalite.checkpoint.local import load_checkpoint
+from megalite.checkpoint.megatron.args import activation
 from megalite.checkpoint.megatron.buffer_layout import flat_ranges
 from megalite.checkpoint.megatron.safe_pickle import load_dcp_metadata, load_megatron_pickle
 from megalite.config_cli import config_from_yaml_text
@@ -87,8 +91,9 @@ def test_config_and_state_come_from_megatrons_args(name, megatron, converted):
     assert (state["step"], state["consumed_samples"]) == (3, 6)
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (4, 16, 4, 8)
-    if name.startswith("gpt"):
-        assert (m.vocab_size, m.padded_vocab_size, m.tied, m.activation) == (60, 64, True, "gelu")
+    if name.startswith("gpt"):  # gpt_torch kept Megatron's default bias-GELU fusion (tanh), gpt_torch_dist not
+        gelu = "gelu_tanh" if name == "gpt_torch" else "gelu"
+        assert (m.vocab_size, m.padded_vocab_size, m.tied, m.activation) == (60, 64, True, gelu)
         assert m.features.bias and m.features.norm == "layernorm" and m.features.position_embedding == "learned"
     else:
         assert (m.vocab_size, m.kv_heads, m.ffn_size, m.tied, m.activation) == (64, 2, 24, False, "silu")
@@ -246,3 +251,14 @@ def test_the_flat_layout_follows_megatrons_buffer():
     assert where == {"b": range(0, 70), "a": range(128, 138), "emb": range(192, 292)} and total == 292
     where, total = flat_ranges([("a", 10, False), ("b", 70, False), ("c", 5, False)], 70)  # b fills bucket 0
     assert where == {"c": range(0, 5), "b": range(64, 134), "a": range(134, 144)} and total == 144
+
+
+def test_megatrons_gelu_is_the_tanh_form_where_fused():
+    """Megatron-Core's GPT MLP: the bias-GELU fusion (its default with biases) and Transformer Engine's
+    activation compute GELU's tanh form, the plain path exact GELU; SwiGLU is SiLU."""
+    fused = argparse.Namespace(swiglu=False, add_bias_linear=True, bias_gelu_fusion=True)
+    assert activation(fused) == "gelu_tanh"
+    assert activation(argparse.Namespace(**vars(fused) | {"bias_gelu_fusion": False})) == "gelu"
+    assert activation(argparse.Namespace(**vars(fused) | {"bias_gelu_fusion": False,
+                                                           "use_te_activation_func": True})) == "gelu_tanh"
+    assert activation(argparse.Namespace(**vars(fused) | {"swiglu": True})) == "silu"

@@ -53,14 +53,14 @@ def check_args(args: argparse.Namespace, where: str) -> None:
 
 
 def activation(args: argparse.Namespace) -> str:
-    """The MLP nonlinearity Megatron computed: SwiGLU's SiLU; GELU's tanh approximation with --openai-gelu or
-    with the bias-GELU fusion (on by default where linear layers have biases: fused_bias_gelu is the tanh
-    form); exact (erf) GELU otherwise."""
+    """The MLP nonlinearity Megatron-Core computed: SwiGLU's SiLU; GELU's tanh approximation with the bias-GELU
+    fusion (on by default where linear layers have biases: fused_bias_gelu is the tanh form) or Transformer
+    Engine's activation (`--use-te-activation-func`, tanh too); exact (erf) GELU otherwise. (`--openai-gelu`
+    is parsed but unused by Megatron-Core's models.)"""
     if args.swiglu:
         return "silu"
-    if _arg(args, "openai_gelu", False) or (_arg(args, "bias_gelu_fusion", False) and args.add_bias_linear):
-        return "gelu_tanh"
-    return "gelu"
+    fused = _arg(args, "bias_gelu_fusion", False) and args.add_bias_linear
+    return "gelu_tanh" if fused or _arg(args, "use_te_activation_func", False) else "gelu"
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:

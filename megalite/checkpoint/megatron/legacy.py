@@ -105,16 +105,12 @@ def _distributed_optimizer(file: Path, model: dict[str, torch.Tensor], args: arg
 def _rank_state(path: Path, saved: dict, args: argparse.Namespace, pp_rank: int, with_optimizer: bool):
     """(weights, optimizer state, Adam step) of one rank file, layers numbered within its stage."""
     model = _model(saved, path)
-    if not with_optimizer:
-        optimizer, step = {}, None
-    elif (path.parent / "distrib_optim.pt").is_file():
+    if with_optimizer and (path.parent / "distrib_optim.pt").is_file():
         groups = saved["optimizer"]["optimizer"]["param_groups"]
-        optimizer, step = _distributed_optimizer(path.parent / "distrib_optim.pt", model, args, pp_rank, groups)
-    elif "optimizer" in saved:
-        optimizer, step = _plain_optimizer(saved, model, path)
-    else:
-        optimizer, step = {}, None
-    return model, optimizer, step
+        return model, *_distributed_optimizer(path.parent / "distrib_optim.pt", model, args, pp_rank, groups)
+    if with_optimizer and "optimizer" in saved:
+        return model, *_plain_optimizer(saved, model, path)
+    return model, {}, None
 
 
 def read_legacy(found: Path, check: Callable[[argparse.Namespace], None], with_optimizer: bool) -> MegatronState:
@@ -134,6 +130,10 @@ def read_legacy(found: Path, check: Callable[[argparse.Namespace], None], with_o
         paths = [_rank_file(found, t, p, pp) for t in range(tp)]
         ranks = [_rank_state(path, load(path), args, p, with_optimizer) for path in paths]
         where = str(paths[0])
+        for path, rank in zip(paths, ranks):
+            if rank[0].keys() != ranks[0][0].keys():
+                raise ValueError(f"{path} holds tensors {sorted(rank[0].keys() ^ ranks[0][0].keys())} that {where} "
+                                 "does not, or the reverse: the ranks of one stage must hold the same tensors")
         for name in ranks[0][0]:
             weights[renumber(name, offset)] = merge_tensor_parallel(name, [r[0][name] for r in ranks], swiglu, where)
         for name in ranks[0][1]:

@@ -90,7 +90,6 @@ METADATA_CLASSES = {
     ("torch.distributed.checkpoint.planner", "TensorWriteData"): planner.TensorWriteData,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("collections", "OrderedDict"): dict,
 }
 
 
