@@ -1,5 +1,4 @@
-"""Convert checkpoints between megalite and Hugging Face transformers (GPT-2, Llama, Mixtral, Qwen3, Qwen3-MoE), and
-from Megatron-LM.
+"""Convert checkpoints: megalite <-> Hugging Face (GPT-2, Llama, Mixtral, Qwen3, Qwen3-MoE), Megatron-LM -> megalite.
 
 --to-hf reads a megalite checkpoint saved at any parallel layout (its root, which means its
 latest iteration, or one iter_* directory) and writes a Hugging Face model directory: config.json,
