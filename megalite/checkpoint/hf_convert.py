@@ -19,16 +19,8 @@ from megalite.checkpoint.hf_config import hf_config
 from megalite.checkpoint.hf_config_read import model_config_from_hf
 from megalite.checkpoint.hf_mapping import from_hf, to_hf
 from megalite.checkpoint.hf_tokenizer import has_tokenizer, hf_tokenizer, keep_tokenizer, save_tokenizer
-from megalite.checkpoint.model_io import read_model_tensors, write_model_checkpoint
+from megalite.checkpoint.model_io import fresh_target, read_model_tensors, write_model_checkpoint
 from megalite.config import Config, DataConfig
-
-
-def _fresh_target(path: str | Path) -> Path:
-    """The output directory, which must not hold anything yet: a conversion never overwrites."""
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"--save {path} already exists and is not empty; remove it or choose another directory")
-    return path
 
 
 def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2GB") -> Path:
@@ -41,7 +33,7 @@ def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2G
     """
     from transformers import AutoModelForCausalLM
 
-    save = _fresh_target(save)
+    save = fresh_target(save)
     cfg, tensors = read_model_tensors(load)
     tokenizer = hf_tokenizer(cfg.data, cfg.model.vocab_size, f"{load} (config.yaml)")
     ids = {} if tokenizer is None else {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
@@ -85,7 +77,7 @@ def load_hf(source: str | Path):
 def hf_to_megalite(load: str | Path, save: str | Path, make_vocab_size_divisible_by: int = 128) -> Path:
     """Write a weights-only megalite checkpoint of an HF model directory or .gguf file (see
     hf_model_to_megalite); returns the iteration directory."""
-    _fresh_target(save)  # before the (slow) load
+    fresh_target(save)  # before the (slow) load
     model, tokenizer = load_hf(load)
     directory = None if Path(load).suffix == ".gguf" else Path(load)
     return hf_model_to_megalite(model, tokenizer, save, f"{load} (config.json)", make_vocab_size_divisible_by,
@@ -98,7 +90,7 @@ def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_v
     tokenizer (if any) under save/tokenizer (the files of HF directory `tokenizer_dir` unchanged, when given);
     returns the iteration directory, whose config.yaml holds the derived model config and names the tokenizer.
     `source` names the model in errors."""
-    save = _fresh_target(save)
+    save = fresh_target(save)
     cfg = Config(model=model_config_from_hf(model.config, source))
     cfg.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     hf_state = model.state_dict()
