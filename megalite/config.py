@@ -346,8 +346,9 @@ class DataConfig:
 class CheckpointConfig:
     save: str | None = _f(None, "directory to save checkpoints into (iter_XXXXXXX/ and a latest file)")
     load: str | None = _f(
-        None, "resume from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory "
-              "(default: checkpoint.save, so a restarted job resumes)")
+        None, "start from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory "
+              "(a converted model, another run); once checkpoint.save holds a checkpoint, a relaunch resumes there "
+              "instead (default: checkpoint.save, so a restarted job resumes)")
     save_interval: int | None = _f(None, "save every this many steps (and at the end of training)")
     async_save: bool = _f(
         False, "write checkpoint files in a background thread; training stalls only to copy state to host memory")
