@@ -15,6 +15,7 @@ from __future__ import annotations
 import tokenizers
 import torch
 import transformers
+from released_configs import RELEASED, released_config
 
 from megalite.model.gpt import GPTModel
 from megalite.model.moe.router import Router
@@ -51,6 +52,25 @@ FAMILIES = {  # name -> (HF config, the class megalite exports it as)
                                                 activation_function="gelu", bos_token_id=249, eos_token_id=249),
                         "GPT2LMHeadModel"),
 }
+
+# A released model (tests/released_configs.py) in miniature: its config.json with this shape and everything else as
+# released (RoPE theta and Llama 3.1's scaling, Qwen3's 128-wide heads and q/k norms, untied embeddings, the norm's
+# epsilon); chat_tokenizer's vocabulary and end-of-text id; weights drawn with std 0.1 (not 0.02), so that the
+# logits and the attention depend on them. Llama 3.1's original context (8192) becomes 32 positions, so that its
+# scaling changes how a short sample is seen.
+TINY_RELEASED = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 96, "vocab_size": 250, "initializer_range": 0.1, "bos_token_id": None,
+                 "eos_token_id": 248}
+
+
+def tiny_released(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """The random fp32 miniature (TINY_RELEASED) of released model `name`, in eval mode."""
+    rope_scaling = RELEASED[name][0].get("rope_scaling")
+    changes = {"rope_scaling": {**rope_scaling, "original_max_position_embeddings": 32}} if rope_scaling else {}
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(released_config(name, **TINY_RELEASED, **changes)).eval()
+    spread_routers_and_norms(model, seed)
+    return model
 
 
 @torch.no_grad()

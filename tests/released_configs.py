@@ -4,6 +4,8 @@ parameter count as transformers counts it (the model cards' figure)."""
 
 from __future__ import annotations
 
+import transformers
+
 RELEASED = {  # name -> (config.json, parameters)
     "Qwen3-0.6B": ({
         "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -13,6 +15,14 @@ RELEASED = {  # name -> (config.json, parameters)
         "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
         "use_sliding_window": False, "vocab_size": 151936
     }, 596_049_920),
+    "Qwen3-8B": ({
+        "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36,
+        "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+        "use_sliding_window": False, "vocab_size": 151936
+    }, 8_190_735_360),
     "Qwen2.5-0.5B": ({
         "model_type": "qwen2", "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
         "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
@@ -29,6 +39,15 @@ RELEASED = {  # name -> (config.json, parameters)
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256
     }, 1_235_814_400),
+    "Llama-3.1-8B": ({
+        "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+        "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256
+    }, 8_030_261_248),
     "Mistral-7B-v0.3": ({
         "model_type": "mistral", "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128,
         "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
@@ -55,3 +74,9 @@ RELEASED = {  # name -> (config.json, parameters)
         "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936
     }, 30_532_122_624),
 }
+
+
+def released_config(name: str, **changes) -> transformers.PretrainedConfig:
+    """transformers' config of released model `name`, as it reads the config.json, with `changes` to its fields."""
+    fields = {**RELEASED[name][0], **changes}
+    return transformers.CONFIG_MAPPING[fields.pop("model_type")].from_dict(fields)

@@ -9,7 +9,7 @@ import torch
 import transformers
 from conftest import tiny_config
 from hf_models import TINY
-from released_configs import RELEASED
+from released_configs import RELEASED, released_config
 
 from megalite.checkpoint.hf_config import hf_config
 from megalite.checkpoint.hf_config_read import model_config_from_hf
@@ -93,11 +93,11 @@ def test_mistral_is_llama():
 @pytest.mark.parametrize("name", RELEASED)
 def test_released_configs_convert_both_ways_at_their_published_size(name):
     """Released config.json files: Qwen3's heads 128 wide whatever the width, Llama-3.2's RoPE scaling (rope_scaling
-    in the file), Qwen2.5's q/k/v biases, Mistral, Qwen1.5-MoE's gated shared expert. megalite builds each at the
-    model card's parameter count (its planner counting the same), and writes an HF config building as many."""
-    fields, published = RELEASED[name]
-    fields = dict(fields)
-    cfg = model_config_from_hf(transformers.CONFIG_MAPPING[fields.pop("model_type")].from_dict(fields), name)
+    in the file), Qwen2.5's q/k/v biases, Mistral, Qwen1.5-MoE's gated shared expert, and Llama-3.1-8B and Qwen3-8B,
+    which the continued-pretraining examples start from. megalite builds each at the model card's parameter count
+    (its planner counting the same), and writes an HF config building as many."""
+    published = RELEASED[name][1]
+    cfg = model_config_from_hf(released_config(name), name)
     built = sum(p.numel() for p in GPTModel(cfg, torch.device("meta"), seed=0).parameters())
     assert built == model_parameters(cfg)
     assert built - vocabulary_padding(cfg) == published

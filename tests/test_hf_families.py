@@ -8,29 +8,19 @@ tokenizer with a chat template goes both ways as its files, unchanged."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from distributed import run_ranks
+from distributed import pretrain_each, run_ranks
 from hf_models import FAMILIES, chat_tokenizer, random_hf
 from test_hf_convert import _same_logits, convert, hf_tensors
 
 from megalite.checkpoint.hf_tokenizer import TOKENIZER_DIR, TOKENIZER_FILES
-from megalite.config_cli import parse_config
 from megalite.inference.generate import Sampling, generate, load_model
-from megalite.training.pretrain import pretrain
 
 WITH_CHAT_TOKENIZER = "qwen2"
-
-
-def _train_each(rank: int, world_size: int, runs: list[list[str]]) -> None:
-    """pretrain_gpt.py's run for each argument list in turn, in this spawned group (which pretrain joins)."""
-    os.environ["WORLD_SIZE"] = str(world_size)  # what pretrain validates the layout against, as under torchrun
-    for args in runs:
-        pretrain(parse_config(args))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +39,7 @@ def families(tmp_path_factory) -> Path:
                      "--parallel.sequence_parallel=true", "--model.seq_length=32", "--train.micro_batch_size=2",
                      "--train.global_batch_size=4", "--train.train_iters=3", "--optim.lr=1e-2", "--data.mock=true",
                      "--data.num_workers=0", "--logging.progress_bar=false"])
-    run_ranks(4, _train_each, runs)
+    run_ranks(4, pretrain_each, runs)
     return root
 
 
