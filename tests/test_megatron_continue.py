@@ -105,6 +105,9 @@ def test_what_carries_and_what_to_check(megatron, tmp_path):
     (tmp_path / "blend.txt").write_text("0.5 /m/x 0.5 /m/y\n")
     from_file = _carry(args, data_path=None, data_args_path=str(tmp_path / "blend.txt"))
     assert from_file.data.paths == ["0.5", "/m/x", "0.5", "/m/y"]
+    (tmp_path / "splits.json").write_text('{"train": "0.5 /m/x 0.5 /m/y", "valid": ["/m/y"], "test": null}')
+    per_split = _carry(args, data_path=None, per_split_data_args_path=str(tmp_path / "splits.json"))
+    assert (per_split.data.train_paths, per_split.data.valid_paths) == (["0.5", "/m/x", "0.5", "/m/y"], ["/m/y"])
     unweighted = _carry(args, data_path=["/m/x", "/m/y"], dataloader_type="cyclic", train_samples=201)
     assert unweighted.data.paths is None and unweighted.flags == ["--data.tokenizer_type=NullTokenizer",
                                                                   "--model.vocab_size=63"]

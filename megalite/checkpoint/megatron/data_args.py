@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megalite.checkpoint.megatron.state import arg
 from megalite.config import DataConfig
 from megalite.data.blending import parse_blend
 from megalite.data.megatron_blending import SURPLUS
@@ -63,14 +64,11 @@ class DataCarry:
 
     def lines(self, consumed: int) -> list[str]:
         """What the converter prints: what was carried, then what to check."""
-        out = [f"data carried from Megatron-LM's args (data.blend_rule=megatron: Megatron-Core's blend, so the run "
-               f"trains on Megatron's samples {consumed}, {consumed + 1}, ... next):"]
+        out = [f"data carried from Megatron-LM's args (data.blend_rule=megatron: Megatron-Core's blend, so on the same "
+               f"corpora the run trains on Megatron's samples {consumed}, {consumed + 1}, ... next):"]
         out += [f"  {line}" for line in self.carried]
         return out + (["check before continuing:"] + [f"  - {line}" for line in self.check] if self.check else [])
 
-
-def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default)
 
 
 def _from_file(carry: DataCarry, path: str, what: str) -> Any:
@@ -98,14 +96,14 @@ def _take_blend(carry: DataCarry, name: str, items: list[str] | None, source: st
 
 
 def _blends(args: argparse.Namespace, carry: DataCarry) -> None:
-    if _arg(args, "mock_data", False):
+    if arg(args, "mock_data", False):
         carry.take("mock", True, "args.mock_data")
         return
-    single = _arg(args, "data_path")
-    if _arg(args, "data_args_path"):
+    single = arg(args, "data_path")
+    if arg(args, "data_args_path"):
         single = _from_file(carry, args.data_args_path, "data_args_path")
-    per_split = {"train": _arg(args, "train_data_path"), "valid": _arg(args, "valid_data_path")}
-    if _arg(args, "per_split_data_args_path"):
+    per_split = {"train": arg(args, "train_data_path"), "valid": arg(args, "valid_data_path")}
+    if arg(args, "per_split_data_args_path"):
         loaded = _from_file(carry, args.per_split_data_args_path, "per_split_data_args_path") or {}
         per_split = {s: loaded[s].split() if isinstance(loaded.get(s), str) else loaded.get(s) for s in per_split}
     if _take_blend(carry, "paths", single, "args.data_path"):
@@ -116,7 +114,7 @@ def _blends(args: argparse.Namespace, carry: DataCarry) -> None:
     if blends:
         carry.check.append(f"{', '.join(blends)} name Megatron's prefixes: each must be the same .bin/.idx here, "
                            "else override it with the same weights in the same order")
-    elif not (_arg(args, "data_args_path") or _arg(args, "per_split_data_args_path") or single
+    elif not (arg(args, "data_args_path") or arg(args, "per_split_data_args_path") or single
               or any(per_split.values())):
         carry.flags.append("--data.paths=...")
         carry.check.append("args name no blend: give --data.paths (weights and prefixes as Megatron's --data-path)")
@@ -141,7 +139,7 @@ def _null_tokenizer(args: argparse.Namespace, carry: DataCarry) -> None:
 
 
 def _tokenizer(args: argparse.Namespace, carry: DataCarry) -> None:
-    kind = _arg(args, "tokenizer_type")
+    kind = arg(args, "tokenizer_type")
     if kind == "NullTokenizer":
         _null_tokenizer(args, carry)
         return
@@ -150,13 +148,13 @@ def _tokenizer(args: argparse.Namespace, carry: DataCarry) -> None:
                            f"{', '.join(sorted(set(TOKENIZERS.values())))}): give --data.tokenizer_type")
         return
     carry.take("tokenizer_type", TOKENIZERS[kind], "args.tokenizer_type")
-    files = [name for name in TOKENIZER_FILES if _arg(args, name)]
+    files = [name for name in TOKENIZER_FILES if arg(args, name)]
     for name in files:
         carry.take(name, getattr(args, name), f"args.{name}")
     if files:
         carry.check.append(f"data.{', data.'.join(files)} are Megatron's paths: megalite reads local files only "
                            "(a Hugging Face tokenizer as its directory or tokenizer.json, never a hub name)")
-    if _arg(args, "special_tokens") or _arg(args, "vocab_extra_ids"):
+    if arg(args, "special_tokens") or arg(args, "vocab_extra_ids"):
         carry.check.append("args.special_tokens / vocab_extra_ids added tokens to Megatron's tokenizer; megalite's "
                            "has the files' own: model.vocab_size must come out as Megatron's")
 
@@ -166,9 +164,9 @@ def data_from_args(args: argparse.Namespace, train_samples: int) -> DataCarry:
     sizes its training blend for (train.train_iters x global batch size)."""
     carry = DataCarry(DataConfig(blend_rule="megatron"))
     for name in ("reset_position_ids", "eod_mask_loss"):
-        if _arg(args, name, False):
+        if arg(args, name, False):
             carry.take(name, True, f"args.{name}")
-    if _arg(args, "data_cache_path"):
+    if arg(args, "data_cache_path"):
         carry.take("cache_dir", args.data_cache_path, "args.data_cache_path")
         carry.check.append("data.cache_dir is Megatron's: megalite writes its own index files beside Megatron's "
                            "there, so it must be writable here")
@@ -177,11 +175,11 @@ def data_from_args(args: argparse.Namespace, train_samples: int) -> DataCarry:
     carry.carried.append(f"train.seed={args.seed} (args.seed: the blend's shuffles)")
     carry.carried.append(f"train.train_iters x train.global_batch_size = {train_samples} samples of model.seq_length="
                          f"{args.seq_length} tokens (the blend's size, from which each dataset is sized: keep them)")
-    megatron_samples = _arg(args, "train_samples")
+    megatron_samples = arg(args, "train_samples")
     if megatron_samples and megatron_samples != train_samples:
         carry.check.append(f"Megatron sized its blend for args.train_samples={megatron_samples}, megalite for "
                            f"{train_samples} (whole steps): the datasets' sizes, and so the order, differ")
     for name, (off, why) in NOT_REPRODUCED.items():
-        if _arg(args, name, off) not in (off, None):
-            carry.check.append(f"args.{name}={_arg(args, name)!r} not reproduced: {why}")
+        if arg(args, name, off) not in (off, None):
+            carry.check.append(f"args.{name}={arg(args, name)!r} not reproduced: {why}")
     return carry
