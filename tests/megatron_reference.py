@@ -1,6 +1,7 @@
 """Megatron-Core's own datasets: the reference data.blend_rule=megatron reproduces (tests/test_megatron_blend.py).
 
-Run in its own process (megatron-core is a test-only dependency; importing it stays out of the test process):
+Run in its own process (megatron-core is a test-only dependency; importing it stays out of the test process, so
+this module imports it only inside the functions that run there): `run_reference(spec, out_dir)` from a test, or
 
     python tests/megatron_reference.py SPEC.json OUT_DIR
 
@@ -17,20 +18,22 @@ split part, written to OUT_DIR/split_bounds.json.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-from megatron.core.datasets.blended_dataset import BlendedDataset
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.blended_megatron_dataset_config import (
-    convert_split_vector_to_split_matrix,
-    parse_and_normalize_split,
-)
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.utils import get_blend_from_list
 
 SPLITS = ("train", "valid", "test")
+
+
+def run_reference(spec: dict, out_dir: Path) -> None:
+    """Megatron-Core's datasets for `spec` (the module docstring's SPEC.json) written to out_dir, built by this
+    script in a process of its own."""
+    (out_dir / "spec.json").write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, __file__, str(out_dir / "spec.json"), str(out_dir)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 class Tokenizer:
@@ -42,6 +45,10 @@ class Tokenizer:
 
 def build(scenario: dict) -> list:
     """Megatron-LM's pretrain_gpt.py path: blend lists parsed by get_blend_from_list, then the builder."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
     if "blend" in scenario:
         blend = {"blend": get_blend_from_list(scenario["blend"]), "split": scenario["split"]}
     else:
@@ -57,6 +64,8 @@ def build(scenario: dict) -> list:
 
 def record(dataset, first: int, count: int) -> dict[str, np.ndarray]:
     """The arrays of one split: the blend's indices, each mid-level dataset's, and samples [first, first + count)."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
     parts = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
     out = {"length": np.array(len(dataset))}
     if isinstance(dataset, BlendedDataset):
@@ -77,6 +86,11 @@ def record(dataset, first: int, count: int) -> dict[str, np.ndarray]:
 
 def split_bounds(num_documents: int, split: str) -> list[list[int] | None]:
     """Megatron-Core's [begin, end) document range of each split part (None where the part has no weight)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     return [None if m is None else [int(round(m[0] * float(num_documents))), int(round(m[1] * float(num_documents)))]
             for m in matrix]

@@ -6,8 +6,6 @@ document ranges, and the samples a run resumed at consumed_samples=N trains on."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from corpus import write_corpus
+from megatron_reference import run_reference
 
 from megalite.config import Config, ConfigError
 from megalite.config_cli import parse_config
@@ -74,11 +73,7 @@ def megatron(corpora, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("megatron")
     scenarios = [{**s, "seq_length": SEQ, "seed": SEED, **({"blend": _paths(s["blend"], corpora)} if "blend" in s else
                   {"blend_per_split": [_paths(b, corpora) for b in s["blend_per_split"]]})} for s in SCENARIOS]
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"scenarios": scenarios, "split_bounds": SPLIT_CASES}))
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_reference.py")), str(spec), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_reference({"scenarios": scenarios, "split_bounds": SPLIT_CASES}, out)
     return out
 
 

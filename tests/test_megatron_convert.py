@@ -3,17 +3,20 @@
 The fixtures (tests/fixtures/megatron/*.tar.xz, written by make_fixtures.py with megatron-core 0.19.2) are
 a GPT (learned positions, LayerNorm, biases, tied embeddings, padded vocabulary; GELU through Megatron's
 default bias-GELU fusion, its tanh form, in the legacy fixture, exact GELU without the fusion in the
-torch_dist one) and a Llama-style model (RoPE, RMSNorm, SwiGLU, GQA, no biases), each trained 3 steps at
-tensor parallel 2 x pipeline parallel 2 and saved in the legacy format (GPT with Megatron's Adam, Llama with
-its distributed optimizer) and in torch_dist (GPT with per-parameter Adam state, Llama with the distributed
-optimizer's fully reshardable state). Beside each, Megatron's forward gave the logits of fixed tokens, and one
-more Megatron training step on a fixed batch gave its loss and the logits after it: megalite must compute the
-same at other layouts.
+torch_dist one), a Llama-style model (RoPE, RMSNorm, SwiGLU, GQA, no biases) and a Qwen-style one (Llama's with
+kv_channels 8 = head_dim, not hidden / heads, q/k/v-only biases, per-head RMSNorm q/k norms, and Llama 3.1's
+RoPE scaling), each trained 3 steps at tensor parallel 2 x pipeline parallel 2 and saved in the legacy format
+(GPT with Megatron's Adam, Llama and Qwen with its distributed optimizer) and in torch_dist (GPT and Qwen with
+per-parameter Adam state, Llama with the distributed optimizer's fully reshardable state). Beside each,
+Megatron's forward gave the logits of fixed tokens, and one more Megatron training step on a fixed batch gave
+its loss and the logits after it: megalite must compute the same at other layouts. The Qwen fixtures' args
+name a blend on Megatron's cluster, which the converted config carries over.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import pickle
@@ -26,19 +29,28 @@ import torch
 from distributed import cpu_topology, metrics, pretrain_torchrun, run_ranks
 
 from megalite.checkpoint.local import load_checkpoint
-from megalite.checkpoint.megatron.args import activation
+from megalite.checkpoint.megatron.args import activation, check_args
 from megalite.checkpoint.megatron.buffer_layout import flat_ranges
 from megalite.checkpoint.megatron.safe_pickle import load_dcp_metadata, load_megatron_pickle
+from megalite.config import DataConfig
 from megalite.config_cli import config_from_yaml_text
 from megalite.data.batches import Batch
 from megalite.inference.generate import load_model
+from megalite.model.gpt import GPTModel
 from megalite.training.build import build_trainer
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/megatron"
-NAMES = ["gpt_torch", "gpt_torch_dist", "llama_torch", "llama_torch_dist"]
+NAMES = ["gpt_torch", "gpt_torch_dist", "llama_torch", "llama_torch_dist", "qwen_torch", "qwen_torch_dist"]
+CLUSTER = "/lustre/megatron/data"  # where the Qwen fixtures' args say their corpora lie
+# The data section each fixture's args give (the others keep DataConfig's defaults); the Llama and GPT fixtures'
+# args name no data, and every fixture's NullTokenizer is Megatron-Core's (ids below vocab_size), not carried.
+DATA = {"qwen_torch": {"paths": ["0.7", f"{CLUSTER}/a_text_document", "0.3", f"{CLUSTER}/b_text_document"],
+                       "split": "98,2,0", "cache_dir": f"{CLUSTER}/cache"},
+        "qwen_torch_dist": {"train_paths": ["0.6", f"{CLUSTER}/a_text_document", "0.4", f"{CLUSTER}/b_text_document"],
+                            "valid_paths": [f"{CLUSTER}/b_text_document"]}}
 
 
 def convert(*argv: str) -> None:
@@ -83,6 +95,31 @@ def test_one_device_logits_equal_megatrons(name, megatron, converted):
     torch.testing.assert_close(logits[..., : want["logits"].shape[-1]], want["logits"], atol=2e-6, rtol=0)
 
 
+def test_megatrons_rope_scaling_is_computed(megatron, converted):
+    """The Qwen fixture's logits need Llama 3.1's RoPE scaling (Megatron's factor 8 with its fixed constants):
+    without it they are 50 times the tolerance away from Megatron's."""
+    want = expected(megatron, "qwen_torch")
+    model, cfg, _ = load_model(converted["qwen_torch"], torch.device("cpu"))
+    unscaled = GPTModel(dataclasses.replace(cfg.model, rope_scaling="none"), torch.device("cpu"), seed=0)
+    unscaled.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        apart = (unscaled(want["tokens"])[..., :64] - want["logits"]).abs().max()
+    assert apart > 1e-4
+
+
+def test_q_k_layernorm_is_refused_where_megatrons_is_a_layernorm(megatron):
+    """Megatron's q/k norms take the model's normalization; megalite's are RMSNorm, so a LayerNorm model's are
+    refused, as is what megalite does not compute, each with its reason."""
+    rank_file = megatron["gpt_torch"] / "iter_0000003/mp_rank_00_000/model_optim_rng.pt"
+    args = load_megatron_pickle(rank_file, str(rank_file))["args"]
+    with pytest.raises(ValueError, match="args.qk_layernorm=True with args.normalization='LayerNorm'"):
+        check_args(argparse.Namespace(**vars(args) | {"qk_layernorm": True}), "ckpt")
+    with pytest.raises(ValueError, match=r"args.qk_l2_norm=True \(megalite's q/k norm is RMSNorm, not an L2 norm\), "
+                                         r"args.rotary_seq_len_interpolation_factor=4 \(megalite does not interpolate"):
+        check_args(argparse.Namespace(**vars(args) | {"qk_l2_norm": True, "rotary_seq_len_interpolation_factor": 4}),
+                   "ckpt")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_config_and_state_come_from_megatrons_args(name, megatron, converted):
     iteration = converted[name] / "iter_0000003"
@@ -98,8 +135,20 @@ def test_config_and_state_come_from_megatrons_args(name, megatron, converted):
     else:
         assert (m.vocab_size, m.kv_heads, m.ffn_size, m.tied, m.activation) == (64, 2, 24, False, "silu")
         assert m.features.gated_mlp and m.features.norm == "rmsnorm" and m.features.position_embedding == "rope"
+    f = m.features
+    qwen = (m.head_dim, f.qk_norm, f.qkv_bias, f.bias, m.rope_scaling, m.rope_scaling_factor, m.rope_theta)
+    if name.startswith("qwen"):  # --kv-channels 8, --qk-layernorm, --add-qkv-bias, --use-rope-scaling
+        assert qwen == (8, True, True, False, "llama3", 8.0, 500000.0)
+        assert (m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_positions) == (1.0, 4.0, 8192)
+    else:
+        assert (m.head_dim, f.qk_norm, m.rope_scaling) == (None, False, "none")
     assert (cfg.optim.lr, cfg.optim.adam_beta2, cfg.optim.weight_decay, cfg.optim.decay_style) == (
         1e-3, 0.95, 0.1, "constant")
+    fields = ("paths", "split", "train_paths", "valid_paths", "cache_dir", "tokenizer_type", "blend_rule")
+    defaults = DataConfig()
+    assert {k: getattr(cfg.data, k) for k in fields} == {k: getattr(defaults, k) for k in fields} | {
+        "blend_rule": "megatron"} | DATA.get(name, {})
+    assert (cfg.train.seed, cfg.train.train_iters, cfg.train.global_batch_size) == (1234, 100, 2)
 
 
 def _next_step(rank: int, world_size: int, checkpoint: Path, parallel: dict, batch: dict,
@@ -131,7 +180,7 @@ def _next_step(rank: int, world_size: int, checkpoint: Path, parallel: dict, bat
 
 
 LAYOUTS = [("gpt_torch", {"tp": 2}), ("gpt_torch_dist", {"distributed_optimizer": True}),
-           ("llama_torch", {"distributed_optimizer": True}), ("llama_torch_dist", {"tp": 2})]
+           ("llama_torch", {"distributed_optimizer": True}), ("llama_torch_dist", {"tp": 2}), ("qwen_torch", {"tp": 2})]
 
 
 @pytest.mark.parametrize(("name", "parallel"), LAYOUTS)

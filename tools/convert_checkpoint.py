@@ -10,7 +10,8 @@ refused because one side does not compute it, is megalite/checkpoint/hf_config.p
 --from-megatron reads a Megatron-LM checkpoint (legacy `torch` or `torch_dist` format, any tensor/pipeline
 parallel size; its root or one iteration directory) without Megatron installed and writes a megalite checkpoint
 that continues the run: weights, Adam's state and step, the iteration and consumed samples, and the config from
-Megatron's args (megalite/checkpoint/megatron/).
+Megatron's args, its data settings included, so that the run trains on Megatron's next samples; it prints
+what it carried and what to check (Megatron's paths) (megalite/checkpoint/megatron/).
 
 Examples:
     python tools/convert_checkpoint.py --to-hf --load runs/quickstart/checkpoints --save runs/quickstart/hf
@@ -22,9 +23,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from megalite.checkpoint.hf_convert import hf_to_megalite, megalite_to_hf
 from megalite.checkpoint.megatron.convert import megatron_to_megalite
+
+
+def _continue_with(iteration: Path, root: str, flags: list[str]) -> None:
+    print(f"continue pretraining with pretrain_gpt.py --config {iteration / 'config.yaml'} --checkpoint.load={root}",
+          *flags)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,11 +56,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.to_hf:
             out = megalite_to_hf(args.load, args.save, args.max_shard_size)
             print(f"wrote Hugging Face model {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+        elif args.from_megatron:
+            converted = megatron_to_megalite(args.load, args.save, not args.no_optimizer)
+            print(f"wrote megalite checkpoint {converted.path}", *converted.report, sep="\n")
+            _continue_with(converted.path, args.save, converted.flags)
         else:
-            out = (megatron_to_megalite(args.load, args.save, not args.no_optimizer) if args.from_megatron
-                   else hf_to_megalite(args.load, args.save, args.make_vocab_size_divisible_by))
-            print(f"wrote megalite checkpoint {out}; continue pretraining with "
-                  f"pretrain_gpt.py --config {out / 'config.yaml'} --checkpoint.load={args.save} --data.paths=...")
+            out = hf_to_megalite(args.load, args.save, args.make_vocab_size_divisible_by)
+            print(f"wrote megalite checkpoint {out}")
+            _continue_with(out, args.save, ["--data.paths=..."])
     except (FileNotFoundError, FileExistsError, ValueError) as error:  # the user's to fix: the message, not a traceback
         parser.exit(1, f"{parser.prog}: error: {error}\n")
 

@@ -3,17 +3,21 @@
 The weights (the optimizer's fp32 main weights where the checkpoint has them), Adam's moments and step, the
 iteration and `args.consumed_train_samples` carry over, so `pretrain_gpt.py --checkpoint.load` continues at
 the same step, learning rate and data position with the same optimizer state, at any megalite layout. The
-model config comes from Megatron's args (args.py). Every tensor must find its place in megalite's model and
+model config comes from Megatron's args (args.py), its data section too (data_args.py: the same blend, split,
+seed and size under data.blend_rule=megatron, so the run trains on Megatron's next samples), with a report of
+what was carried and what the user must check. Every tensor must find its place in megalite's model and
 every megalite parameter its tensor, at the shape megalite builds: anything else stops, naming the key.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megalite.checkpoint.megatron.args import config_from_args
+from megalite.checkpoint.megatron.data_args import DataCarry
 from megalite.checkpoint.megatron.formats import read_megatron
 from megalite.checkpoint.megatron.names import megalite_name
 from megalite.checkpoint.megatron.state import MAIN, MOMENTS, MegatronState
@@ -69,14 +73,24 @@ def _adam_state(state: MegatronState, source: dict[str, str]) -> dict[str, Tenso
     return out
 
 
-def megatron_to_megalite(load: str | Path, save: str | Path, with_optimizer: bool = True) -> Path:
-    """Write the megalite checkpoint of a Megatron-LM checkpoint (its root or one iteration directory);
-    returns the iteration directory."""
+@dataclass
+class Converted:
+    """The iteration directory written; what the data section carried and what to check (lines to print); what
+    the launch command must add."""
+
+    path: Path
+    report: list[str]
+    flags: list[str]
+
+
+def megatron_to_megalite(load: str | Path, save: str | Path, with_optimizer: bool = True) -> Converted:
+    """Write the megalite checkpoint of a Megatron-LM checkpoint (its root or one iteration directory)."""
     save = fresh_target(save)
-    configs: list[Config] = []
+    configs: list[tuple[Config, DataCarry]] = []
     state = read_megatron(load, lambda args: configs.append(config_from_args(args, str(load))), with_optimizer)
-    cfg = configs[0]
+    cfg, carry = configs[0]
     tensors, source = _weights(state, cfg)
     optimizer = _adam_state(state, source)
     consumed = int(getattr(state.args, "consumed_train_samples", 0) or 0)
-    return write_model_checkpoint(save, cfg, tensors, state.iteration, consumed, optimizer)
+    path = write_model_checkpoint(save, cfg, tensors, state.iteration, consumed, optimizer)
+    return Converted(path, carry.lines(consumed), carry.flags)

@@ -27,6 +27,8 @@ LAYER_NAMES = {
     "self_attention.linear_qkv.bias": "attention.linear_qkv.bias",
     "self_attention.linear_proj.weight": "attention.linear_proj.weight",
     "self_attention.linear_proj.bias": "attention.linear_proj.bias",
+    "self_attention.q_layernorm.weight": "attention.q_norm.weight",
+    "self_attention.k_layernorm.weight": "attention.k_norm.weight",
     "pre_mlp_layernorm.weight": "pre_mlp_norm.weight",
     "pre_mlp_layernorm.bias": "pre_mlp_norm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_norm.weight",
@@ -44,7 +46,8 @@ OTHER_NAMES = {
     "output_layer.weight": "lm_head.weight",
 }
 # Which dimension tensor parallelism splits (legacy shards): rows of column-parallel layers and of the
-# vocabulary, columns of row-parallel layers; everything else (norms, row-parallel biases, positions) is copied.
+# vocabulary, columns of row-parallel layers; everything else (norms, q/k norms over one head's channels,
+# row-parallel biases, positions) is copied.
 COLUMN_PARALLEL = {"self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
                    "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight"}
 ROW_PARALLEL = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}
@@ -63,7 +66,7 @@ def known(name: str, where: str) -> str:
 
 def unknown(name: str, where: str) -> ValueError:
     return ValueError(f"{where}: tensor {name!r} has no place in megalite's model (a Megatron-LM feature megalite "
-                      "does not compute, e.g. experts, MLA, qk-layernorm or multi-token prediction); "
+                      "does not compute, e.g. experts, MLA or multi-token prediction); "
                       "this checkpoint cannot be converted")
 
 

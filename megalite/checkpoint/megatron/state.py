@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,3 +25,8 @@ class MegatronState:
     weights: dict[str, torch.Tensor]
     optimizer: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     adam_step: int | None = None
+
+
+def arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    """Megatron's `args.<name>`, or `default` where the Megatron version that saved them had no such argument."""
+    return getattr(args, name, default)
