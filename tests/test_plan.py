@@ -34,6 +34,8 @@ LAYOUTS = [  # (tp, pp, vp, family, tied)
     (4, 2, 1, "llama", True), (1, 4, 1, "gpt2", False),
 ]
 
+CPU = torch.device("cpu")
+
 
 def _model_config(family: str, **sections: dict) -> Config:
     """tiny_config, four layers (room for pp x vp = 4 chunks), heads and KV groups divisible by tp = 4."""
@@ -157,9 +159,9 @@ def test_model_state_matches_measured_tensors(layout):
 
 
 def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> int:
+                positions: torch.Tensor | None = None, device: torch.device = CPU) -> int:
     """Bytes of the distinct storages autograd saves (parameters' own storages left out) while one
-    micro batch runs forward through `chunk`, with the loss as training/step.py computes it; under
+    micro batch runs forward through `chunk` on `device`, with the loss as training/step.py computes it; under
     context parallelism on the sequence `positions` this rank holds."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),
@@ -167,8 +169,9 @@ def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: tor
     position_ids = None
     if positions is not None:
         tokens, position_ids = tokens[:, positions], positions.expand(tokens.shape[0], -1)
-    mask = torch.ones(tokens.shape)
-    with saved_storages(model) as seen, precision_context(cfg.train.precision, torch.device("cpu")):
+    tokens, mask = tokens.to(device), torch.ones(tokens.shape, device=device)
+    position_ids = None if position_ids is None else position_ids.to(device)
+    with saved_storages(model) as seen, precision_context(cfg.train.precision, device):
         out = model(tokens, tokens, position_ids=position_ids, hidden=hidden, chunk=chunk)
         if out.shape == tokens.shape:
             (out * mask).sum()

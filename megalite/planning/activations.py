@@ -38,6 +38,8 @@ class Widths:
     residual: int  # the residual stream between layers (the parameters' dtype)
     layernorm_input: int  # LayerNorm's saved input: CUDA autocast runs layer_norm in fp32 (a copy)
     layernorm_stats: int  # LayerNorm's mean and rstd
+    rmsnorm_input: int  # RMSNorm's saved input per element: CUDA's fused kernel keeps the input as it came (the
+    # residual stream's dtype) and an fp32 rstd per row; torch's composite form (CPU) keeps an fp32 x and x * rstd
 
     @classmethod
     def of(cls, cfg: Config, device: str) -> Widths:
@@ -45,15 +47,16 @@ class Widths:
         compute, residual = _BYTES[t.precision], _BYTES[t.param_dtype]
         autocast = t.precision != "fp32"
         on_cuda = device == "cuda"
-        return cls(compute, residual, 4 if on_cuda and autocast else residual, 4 if on_cuda else residual)
+        return cls(compute, residual, 4 if on_cuda and autocast else residual, 4 if on_cuda else residual,
+                   residual if on_cuda else 2 * 4)
 
 
 def _norm(cfg: Config, rows: int, w: Widths) -> int:
-    """LayerNorm keeps input, mean, rstd; torch's RMSNorm computes in fp32 and keeps x, x*rstd, rstd."""
+    """LayerNorm keeps input, mean, rstd; RMSNorm its input (Widths.rmsnorm_input) and rstd."""
     h = cfg.model.hidden_size
     if cfg.model.features.norm == "layernorm":
         return rows * (h * w.layernorm_input + 2 * w.layernorm_stats)
-    return rows * (2 * h * 4 + 4)
+    return rows * (h * w.rmsnorm_input + 4)
 
 
 def token_rows(cfg: Config) -> tuple[int, int]:
