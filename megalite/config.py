@@ -36,6 +36,10 @@ def _f(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
 
+# The MLP nonlinearities: GELU's tanh approximation (GPT-2), exact (erf) GELU (Megatron-LM's default), SiLU.
+Activation = Literal["gelu_tanh", "gelu", "silu"]
+
+
 @dataclass(frozen=True)
 class Features:
     """The architecture choices the model is built from. Model code reads these, never the family,
@@ -47,12 +51,17 @@ class Features:
     position_embedding: Literal["learned", "rope"]
     tie_embeddings: bool
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    qkv_bias: bool = False  # biases on the query/key/value projection even without `bias` (Qwen2)
+    activation: Activation = "silu"  # the MLP's nonlinearity; with gated_mlp applied to the gate (SwiGLU: silu)
 
 
 # Each family's features: the defaults of the ModelConfig fields of the same names.
 FAMILY_FEATURES: dict[str, Features] = {
-    "gpt2": Features(bias=True, gated_mlp=False, norm="layernorm", position_embedding="learned", tie_embeddings=True),
+    "gpt2": Features(bias=True, gated_mlp=False, norm="layernorm", position_embedding="learned", tie_embeddings=True,
+                     activation="gelu_tanh"),
     "llama": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False),
+    "qwen2": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False,
+                      qkv_bias=True),
     "qwen3": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False,
                       qk_norm=True),
 }
@@ -60,15 +69,19 @@ FAMILY_FEATURES: dict[str, Features] = {
 
 @dataclass
 class ModelConfig:
-    family: Literal["gpt2", "llama", "qwen3"] = _f(
-        "gpt2", "gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings; "
-                "llama: RoPE, RMSNorm, SwiGLU, no biases; qwen3: llama's with qk_norm "
-                "(the defaults of the feature fields below); with num_experts > 0 llama is Mixtral, qwen3 Qwen3-MoE")
+    family: Literal["gpt2", "llama", "qwen2", "qwen3"] = _f(
+        "gpt2", "gpt2: learned positions, LayerNorm, GELU (tanh), biases, tied embeddings; "
+                "llama: RoPE, RMSNorm, SwiGLU, no biases; qwen2: llama's with q/k/v biases; qwen3: llama's with "
+                "qk_norm (the defaults of the feature fields below); with num_experts > 0 llama is Mixtral, qwen2 "
+                "Qwen2-MoE, qwen3 Qwen3-MoE")
     num_layers: int = _f(2, "number of transformer layers")
     hidden_size: int = _f(128, "model width")
     num_attention_heads: int = _f(4, "query heads")
     num_query_groups: int | None = _f(
         None, "key/value heads for grouped-query attention (default: num_attention_heads)")
+    head_dim: int | None = _f(
+        None, "width of each query/key/value head (default: hidden_size / num_attention_heads; Qwen3 sets 128 "
+              "whatever its width)")
     ffn_hidden_size: int | None = _f(
         None, "MLP width (default: 4*hidden, or 8/3*hidden rounded up to 64 with a gated MLP)")
     seq_length: int = _f(128, "tokens per sample")
@@ -80,7 +93,11 @@ class ModelConfig:
     bias: bool | None = _f(
         None, "biases in the linear layers; LayerNorm keeps its own (default: gpt2 true, llama false)")
     gated_mlp: bool | None = _f(
-        None, "SwiGLU MLP (gate and up projections) instead of GELU (default: gpt2 false, llama true)")
+        None, "gated MLP: activation(gate) * up, two input projections (SwiGLU with silu; default: gpt2 false, "
+              "llama true)")
+    activation: Activation | None = _f(
+        None, "the MLP's (and experts') nonlinearity: gelu_tanh (GELU's tanh approximation), gelu (exact, erf), "
+              "silu (default: gpt2 gelu_tanh, llama and qwen silu)")
     norm: Literal["layernorm", "rmsnorm"] | None = _f(
         None, "normalisation layers (default: gpt2 layernorm, llama rmsnorm)")
     position_embedding: Literal["learned", "rope"] | None = _f(
@@ -88,8 +105,19 @@ class ModelConfig:
     tie_embeddings: bool | None = _f(
         None, "share input embedding and LM head (default: true for gpt2, false for llama)")
     qk_norm: bool | None = _f(
-        None, "RMSNorm over each query and key head before RoPE (default: qwen3 true, gpt2 and llama false)")
+        None, "RMSNorm over each query and key head before RoPE (default: qwen3 true, the others false)")
+    qkv_bias: bool | None = _f(
+        None, "biases on the query/key/value projection only, as Qwen2 (model.bias puts them in every linear "
+              "layer; default: qwen2 true, the others false)")
     rope_theta: float = _f(10000.0, "RoPE base frequency (position_embedding=rope)")
+    rope_scaling: Literal["none", "llama3"] = _f(
+        "none", "RoPE frequency scaling: none, or llama3 (Llama-3.1/3.2: wavelengths longer than "
+                "rope_original_max_positions / rope_low_freq_factor slowed by rope_scaling_factor, those shorter "
+                "than rope_original_max_positions / rope_high_freq_factor kept, a smooth blend between)")
+    rope_scaling_factor: float = _f(8.0, "llama3 RoPE scaling: factor (Llama-3.1: 8, Llama-3.2: 32)")
+    rope_low_freq_factor: float = _f(1.0, "llama3 RoPE scaling: low_freq_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3 RoPE scaling: high_freq_factor")
+    rope_original_max_positions: int = _f(8192, "llama3 RoPE scaling: the context the model was first trained at")
     norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm / RMSNorm")
     init_std: float = _f(0.02, "std of the normal init; output projections use init_std/sqrt(2*num_layers)")
     hidden_dropout: float = _f(0.0, "dropout after attention and MLP (and on embeddings)")
@@ -133,8 +161,9 @@ class ModelConfig:
         return self.num_query_groups or self.num_attention_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def head_size(self) -> int:
+        """Each attention head's width: model.head_dim, or hidden_size / num_attention_heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def features(self) -> Features:
@@ -297,6 +326,10 @@ class DataConfig:
     split: str = _f("969,30,1", "train,valid,test weights over the documents of data.paths")
     train_paths: list[str] | None = _f(None, "training blend, instead of splitting data.paths")
     valid_paths: list[str] | None = _f(None, "validation blend, instead of splitting data.paths")
+    blend_rule: Literal["megalite", "megatron"] = _f(
+        "megalite", "how a blend is sized and ordered: megalite (every share provably within (1 + (D - 2) * w) / 2 "
+                    "samples of its weight; datasets sized never to run dry) or megatron (Megatron-Core's sizes and "
+                    "order exactly, to continue a Megatron-LM run on the batches it would have trained on)")
     cache_dir: str | None = _f(
         None, "where index files (.npy) are cached (default: a cache/ folder next to the first prefix)")
     tokenizer_type: (Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]
@@ -315,8 +348,9 @@ class DataConfig:
 class CheckpointConfig:
     save: str | None = _f(None, "directory to save checkpoints into (iter_XXXXXXX/ and a latest file)")
     load: str | None = _f(
-        None, "resume from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory "
-              "(default: checkpoint.save, so a restarted job resumes)")
+        None, "start from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory "
+              "(a converted model, another run); once checkpoint.save holds a checkpoint, a relaunch resumes there "
+              "instead (default: checkpoint.save, so a restarted job resumes)")
     save_interval: int | None = _f(None, "save every this many steps (and at the end of training)")
     async_save: bool = _f(
         False, "write checkpoint files in a background thread; training stalls only to copy state to host memory")

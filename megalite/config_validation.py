@@ -12,9 +12,10 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from megalite.config import Config, ConfigError, LoggingConfig, chunk_layer_counts
+from megalite.config import Config, ConfigError, LoggingConfig, ModelConfig, chunk_layer_counts
 from megalite.data.blending import parse_blend
 from megalite.data.indexed_dataset import data_file_path, index_file_path
+from megalite.data.megatron_blending import MAX_DATASETS
 
 
 def validate(cfg: Config, world_size: int, data_files: bool = False) -> None:
@@ -33,15 +34,7 @@ def _check_model(cfg: Config, world_size: int) -> list[str]:
             errors.append(f"model.{name}={getattr(m, name)} must be >= 1")
     if errors:
         return errors
-    if m.hidden_size % m.num_attention_heads:
-        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by "
-                      f"model.num_attention_heads={m.num_attention_heads}; pick heads that divide the width")
-    if m.num_attention_heads % m.kv_heads:
-        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                      f"model.num_query_groups={m.kv_heads}; use a divisor of the head count")
-    if m.features.position_embedding == "rope" and m.head_dim % 2:
-        errors.append(f"RoPE (model.position_embedding=rope) needs an even head dim, got hidden_size/heads="
-                      f"{m.head_dim}; change the width or the head count")
+    errors += _check_attention(m) + _check_rope_scaling(m)
     if m.positions < m.seq_length:
         errors.append(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}; "
                       "raise it or leave it unset")
@@ -51,6 +44,43 @@ def _check_model(cfg: Config, world_size: int) -> list[str]:
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:
             errors.append(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    return errors
+
+
+def _check_attention(m: ModelConfig) -> list[str]:
+    errors = []
+    if m.head_dim is not None and m.head_dim < 1:
+        errors.append(f"model.head_dim={m.head_dim} must be >= 1, or unset (hidden_size / num_attention_heads)")
+    elif m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by "
+                      f"model.num_attention_heads={m.num_attention_heads}; pick heads that divide the width, or "
+                      "set model.head_dim")
+    if m.num_attention_heads % m.kv_heads:
+        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                      f"model.num_query_groups={m.kv_heads}; use a divisor of the head count")
+    if m.features.position_embedding == "rope" and m.head_size % 2:
+        width = "model.head_dim" if m.head_dim else "hidden_size/heads"
+        errors.append(f"RoPE (model.position_embedding=rope) needs an even head dim, got {width}={m.head_size}; "
+                      "change the width, the head count or model.head_dim")
+    return errors
+
+
+def _check_rope_scaling(m: ModelConfig) -> list[str]:
+    """Llama 3's scaling divides by rope_scaling_factor and by high - low frequency factors (model/rope.py)."""
+    if m.rope_scaling == "none":
+        return []
+    if m.features.position_embedding != "rope":
+        return [f"model.rope_scaling={m.rope_scaling} scales RoPE, but model.position_embedding="
+                f"{m.features.position_embedding}; set model.position_embedding=rope or model.rope_scaling=none"]
+    errors = []
+    if m.rope_scaling_factor < 1:
+        errors.append(f"model.rope_scaling_factor={m.rope_scaling_factor} must be >= 1 (8 for Llama-3.1, 32 for 3.2)")
+    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        errors.append(f"need 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
+                      f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor} (Llama 3: 1 and 4)")
+    if m.rope_original_max_positions < 1:
+        errors.append(f"model.rope_original_max_positions={m.rope_original_max_positions} must be >= 1: the context "
+                      "the model was first trained at (Llama 3: 8192)")
     return errors
 
 
@@ -257,6 +287,13 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
                       "e.g. --data.tokenizer_type=GPT2BPETokenizer")
     if d.num_workers < 0:
         errors.append(f"data.num_workers={d.num_workers} must be >= 0")
+    if d.blend_rule == "megatron":
+        for name in ("paths", "train_paths", "valid_paths"):
+            datasets = len(getattr(d, name) or []) // 2  # 'weight prefix' pairs
+            if datasets > MAX_DATASETS:
+                errors.append(f"data.{name} blends {datasets} datasets, but data.blend_rule=megatron follows "
+                              f"Megatron-Core, which blends at most {MAX_DATASETS} (an int16 dataset index): "
+                              "use data.blend_rule=megalite or fewer datasets")
     return errors
 
 

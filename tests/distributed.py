@@ -1,5 +1,6 @@
 """Helpers for multi-process tests: gloo ranks in fresh processes (megalite.parallel.spawn), and
-pretrain_gpt.py under torchrun with its metrics file (`tiny_run` for a test file's tiny model)."""
+pretrain_gpt.py under torchrun with its metrics file (`tiny_run` for a test file's tiny model), or its runs
+in spawned ranks (`pretrain_each`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megalite.config import Config
+from megalite.config_cli import parse_config
 from megalite.parallel.spawn import run_on_ranks as run_ranks  # noqa: F401  (re-exported for the tests)
 from megalite.parallel.topology import Topology
 
@@ -33,6 +35,16 @@ def pretrain_torchrun(nproc: int, args: list[str], timeout: int = 600) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
                           timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def pretrain_each(rank: int, world_size: int, runs: list[list[str]]) -> None:
+    """pretrain_gpt.py's run for each argument list in turn, in a group spawned by run_ranks (which pretrain joins):
+    several short runs for the price of one start of the processes."""
+    from megalite.training.pretrain import pretrain  # the training stack takes seconds to import: only where it runs
+
+    os.environ["WORLD_SIZE"] = str(world_size)  # what pretrain validates the layout against, as under torchrun
+    for args in runs:
+        pretrain(parse_config(args))
 
 
 def metrics(path: Path) -> list[dict]:

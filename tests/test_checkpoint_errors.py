@@ -89,6 +89,14 @@ def test_restart_resumes_from_save_directory_by_default(tmp_path):
     assert pretrain(tiny_config(train={"train_iters": 4}, checkpoint=cfg)).losses == {k: straight[k] for k in (3, 4)}
 
 
+def test_a_relaunch_resumes_its_own_saves_not_the_checkpoint_it_started_from(saved, tmp_path):
+    """checkpoint.load is where a run starts (a converted model, another run's checkpoint); once checkpoint.save
+    holds a checkpoint of its own, relaunching the same command continues from there and loses no steps."""
+    cfg = {"load": str(saved), "save": str(tmp_path / "mine"), "save_interval": 1}
+    assert sorted(pretrain(tiny_config(train={"train_iters": 6, "exit_interval": 5}, checkpoint=cfg)).losses) == [5]
+    assert sorted(pretrain(tiny_config(train={"train_iters": 6}, checkpoint=cfg)).losses) == [6]
+
+
 def test_diverging_steps_are_skipped_then_stop_with_a_checkpoint(tmp_path):
     """An absurd LR makes the weights blow up: every later step has a NaN/Inf gradient norm, is
     skipped (weights untouched), and after train.max_skipped_steps in a row the run stops, saving."""

@@ -86,6 +86,17 @@ def test_missing_and_malformed_files(tmp_path):
         ({"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true", "model.seq_length": 36}, 4,
          "seq_length=36 is not divisible by 8 = 2 \\* parallel.cp \\* parallel.tp \\(sequence parallelism\\)"),
         ({"parallel.cp": 2, "model.attention_dropout": 0.1}, 2, "context-parallel attention has no dropout"),
+        ({"model.head_dim": 0}, 1, "model.head_dim=0 must be >= 1, or unset"),
+        ({"model.family": "llama", "model.head_dim": 15}, 1,
+         r"needs an even head dim, got model.head_dim=15; change the width, the head count or model.head_dim"),
+        ({"model.rope_scaling": "llama3"}, 1,
+         "model.rope_scaling=llama3 scales RoPE, but model.position_embedding=learned; set"),
+        ({"model.family": "llama", "model.rope_scaling": "llama3", "model.rope_scaling_factor": 0.5}, 1,
+         "model.rope_scaling_factor=0.5 must be >= 1"),
+        ({"model.family": "llama", "model.rope_scaling": "llama3", "model.rope_low_freq_factor": 4}, 1,
+         "need 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got 4.0 and 4.0"),
+        ({"model.family": "llama", "model.rope_scaling": "llama3", "model.rope_original_max_positions": 0}, 1,
+         "model.rope_original_max_positions=0 must be >= 1"),
     ],
 )
 def test_validation_says_what_and_how(overrides, world, message):
@@ -187,11 +198,31 @@ def test_model_features_come_from_the_family_unless_set():
         parse_config(["--model.norm=LayerNorm"])
 
 
+def test_activation_comes_from_the_family_unless_set():
+    """model.activation: the field Megatron-LM checkpoints set to gelu (its GPT's exact GELU)."""
+    assert parse_config(["--model.family=gpt2"]).model.features.activation == "gelu_tanh"
+    assert parse_config(["--model.family=llama"]).model.features.activation == "silu"
+    assert parse_config(["--model.family=gpt2", "--model.activation=gelu"]).model.features.activation == "gelu"
+    with pytest.raises(ConfigError, match="model.activation: 'relu' is not one of gelu_tanh, gelu, silu"):
+        parse_config(["--model.activation=relu"])
+
+
 def test_odd_head_dim_is_refused_for_rope_only():
     odd = {"hidden_size": 60, "num_attention_heads": 4, "num_query_groups": None}  # head dim 15
     with pytest.raises(ConfigError, match=r"model.position_embedding=rope\) needs an even head dim"):
         validate(tiny_config("gpt2", model={**odd, "position_embedding": "rope"}), 1)
     validate(tiny_config("llama", model={**odd, "position_embedding": "learned"}), 1)
+
+
+def test_head_dim_sets_the_head_width_whatever_the_model_width():
+    """Qwen3-0.6B's shape in small: 4 heads 32 wide on a 64-wide model (q 128 wide); any width then works."""
+    cfg = tiny_config("qwen3", model={"head_dim": 32, "num_query_groups": 2})
+    validate(cfg, 1)
+    shapes = _parameter_shapes("qwen3", head_dim=32, num_query_groups=2)
+    assert shapes["layers.0.attention.linear_qkv.weight"] == ((4 + 2 * 2) * 32, 64)
+    assert shapes["layers.0.attention.linear_proj.weight"] == (64, 4 * 32)
+    assert shapes["layers.0.attention.q_norm.weight"] == (32,)
+    validate(tiny_config("llama", model={"hidden_size": 66, "head_dim": 16}), 1)  # 66 is no multiple of 4 heads
 
 
 def _parameter_shapes(family: str, **features) -> dict[str, tuple[int, ...]]:
@@ -205,6 +236,7 @@ NORM_BIASES = {f"layers.{i}.{norm}.bias" for i in range(2) for norm in ("input_n
 NORM_BIASES |= {"final_norm.bias"}
 POSITIONS = {"embedding.position_embeddings.weight"}
 QK_NORMS = {f"layers.{i}.attention.{p}_norm.weight" for i in range(2) for p in "qk"}
+QKV_BIASES = {f"layers.{i}.attention.linear_qkv.bias" for i in range(2)}
 
 
 @pytest.mark.parametrize("family, feature, value, added, removed", [
@@ -218,6 +250,8 @@ QK_NORMS = {f"layers.{i}.attention.{p}_norm.weight" for i in range(2) for p in "
     ("gpt2", "tie_embeddings", False, {"lm_head.weight"}, set()),
     ("llama", "qk_norm", True, QK_NORMS, set()),
     ("qwen3", "qk_norm", False, set(), QK_NORMS),
+    ("llama", "qkv_bias", True, QKV_BIASES, set()),
+    ("qwen2", "qkv_bias", False, set(), QKV_BIASES),
 ])
 def test_a_feature_override_adds_or_removes_exactly_its_parameters(family, feature, value, added, removed):
     base, changed = _parameter_shapes(family), _parameter_shapes(family, **{feature: value})

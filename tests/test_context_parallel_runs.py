@@ -12,7 +12,9 @@ from corpus import VOCAB, write_corpus
 from distributed import tiny_run
 from parity import LLAMA, TINY
 
-FAMILIES = {"gpt2": [], "llama": LLAMA}
+# qwen2: q/k/v biases, and heads 16 wide where hidden / heads = 8 (model.head_dim), split over cp and tp.
+FAMILIES = {"gpt2": [], "llama": LLAMA, "qwen2": ["--model.family=qwen2", "--model.num_query_groups=4",
+                                                  "--model.head_dim=16"]}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,7 @@ def _run(tmp_path, nproc: int, corpus: list[str], *extra: str, name: str = "") -
     ("llama", 2, ["--parallel.cp=2", "--parallel.cp_comm=allgather", "--train.recompute=selective"]),
     ("gpt2", 4, ["--parallel.cp=4", "--parallel.cp_comm=allgather"]),
     ("llama", 4, ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    ("qwen2", 4, ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"]),
     ("gpt2", 4, ["--parallel.cp=2", "--parallel.pp=2"]),
     ("gpt2", 4, ["--parallel.cp=2", "--parallel.distributed_optimizer=true", "--train.recompute=full"]),
     ("llama", 4, ["--parallel.cp=2", "--parallel.zero_stage=3"]),
@@ -50,9 +53,10 @@ def _run(tmp_path, nproc: int, corpus: list[str], *extra: str, name: str = "") -
     ("gpt2", 8, ["--parallel.cp=4", "--parallel.distributed_optimizer=true"]),
 ])
 def test_context_parallel_matches_one_device(tmp_path, corpus, one_device, family, nproc, layout):
-    """cp alone (ring and all-gather, the latter gathering again in a selective recompute), with tp2 + SP,
-    with pp2, with dp2 and the distributed optimizer (gradients reduced over dp x cp) under full recompute,
-    and with ZeRO-3; cp 4 with each of tp2 + SP, pp2 and dp2 (8 ranks)."""
+    """cp alone (ring and all-gather, the latter gathering again in a selective recompute), with tp2 + SP (also
+    for qwen2's q/k/v biases and heads wider than hidden / heads), with pp2, with dp2 and the distributed
+    optimizer (gradients reduced over dp x cp) under full recompute, and with ZeRO-3; cp 4 with each of tp2 + SP,
+    pp2 and dp2 (8 ranks)."""
     split = _run(tmp_path, nproc, corpus, *FAMILIES[family], *layout)
     assert split == pytest.approx(one_device[family], rel=1e-5)
 

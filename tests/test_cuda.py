@@ -1,16 +1,16 @@
-"""What only a GPU shows: run on a CUDA machine with `pytest -m cuda tests/test_cuda.py` (tools/gpu_check.py
-runs it first). Every test is skipped where torch sees no CUDA device, so CPU CI collects and skips them.
+"""What only a GPU shows: run on a CUDA machine with `pytest -m cuda tests/test_cuda.py` (tools/gpu_check.py runs it
+first). Every test is skipped where torch sees no CUDA device, so CPU CI collects and skips them.
 
-CPU CI covers every code path that does not branch on the device; these cover those that do: the RNG
-tracker on the CUDA generator (also replayed by activation recompute), SDPA taking a fused kernel (flash
-or cuDNN) in bf16, torch's fused AdamW on the device, bf16 parameters stepped through fp32 main weights,
-the CUDA allocator's memory snapshot and peak, checkpoints of device tensors (also written in the
-background while training goes on), a NaN/Inf gradient norm skipping fused AdamW's update on the device,
-and context parallelism's CUDA flash block kernels (K/V handed to them per query group).
+CPU CI covers every code path that does not branch on the device; these cover those that do: the RNG tracker on the
+CUDA generator (also replayed by activation recompute), SDPA taking a fused kernel (flash or cuDNN) in bf16, torch's
+fused AdamW on the device, bf16 parameters stepped through fp32 main weights, the activations autograd saves there
+against the planner, the CUDA allocator's memory snapshot and peak, checkpoints of device tensors (also written in
+the background while training goes on), a NaN/Inf gradient norm skipping fused AdamW's update on the device, and
+context parallelism's CUDA flash block kernels (K/V handed to them per query group).
 
-The tests share one process group of one process (NCCL on cuda:0, as pretrain forms it). Context
-parallelism's communication needs one GPU per rank under NCCL, so only its kernels are checked here: the
-all-gather variant's blocks and log-sum-exp merge, with the cp ranks played one after another.
+The tests share one process group of one process (NCCL on cuda:0, as pretrain forms it). Context parallelism's
+communication needs one GPU per rank under NCCL, so only its kernels are checked here: the all-gather variant's
+blocks and log-sum-exp merge, with the cp ranks played one after another.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import tiny_config
 from test_context_parallel import assert_kv_per_group_gives_the_same
+from test_plan import saved_bytes
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, load_checkpoint, rng_state
@@ -39,6 +40,7 @@ from megalite.parallel.distributed_optimizer import adamw, decay_groups
 from megalite.parallel.random import TENSOR_PARALLEL, RNGTracker, checkpoint_with_rng
 from megalite.parallel.topology import Topology, init_process_group, pick_device, release_process_groups
 from megalite.planning.measure import mock_batches
+from megalite.planning.memory import chunk_activation_bytes
 from megalite.training.build import Trainer, build_model, build_trainer
 from megalite.training.pretrain import pretrain
 from megalite.training.step import precision_context, train_step
@@ -208,6 +210,18 @@ def test_a_non_finite_gradient_norm_skips_the_update_on_the_device(topology):
         assert figures.diverged and figures.skipped
         _assert_holds(trainer, expected)
         assert not train_step(trainer, [batch]).read().skipped
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("param_dtype", ["bf16", "fp32"])
+def test_saved_activations_match_the_planner_on_cuda(family, param_dtype):
+    """The planner's CUDA figures against what autograd saves on the GPU under bf16 autocast: CUDA's fused
+    RMSNorm keeps its input and rstd (the CPU's composite form an fp32 x and x * rstd), LayerNorm an fp32 copy
+    of its input, flash attention its logsumexp. A norm 256 wide, so a wrong norm term misses by over 20%."""
+    cfg = _config(family, param_dtype=param_dtype)
+    cfg.model.hidden_size, cfg.model.seq_length = 256, 128
+    model = build_model(cfg, DEVICE, ParallelContext(), 0).train()
+    assert saved_bytes(model, cfg, device=DEVICE) == pytest.approx(chunk_activation_bytes(cfg, 0, "cuda")[0], rel=0.05)
 
 
 # ---------------------------------------------------------------------------------------- a whole run

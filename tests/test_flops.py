@@ -40,6 +40,19 @@ def test_active_flops_of_a_tiny_moe_by_hand():
     assert training_flops_per_token(tiny_moe()) == 6 * 87_360 + scores == 573_312
 
 
+def test_heads_wider_than_hidden_over_heads_by_hand():
+    """Qwen3-0.6B: hidden 1024, 16 query heads and 8 KV groups 128 wide (q 2048 wide, not 1024), 28 layers, MLP
+    3072, vocab 151936, seq 4096: QKV 1024 x (16 + 2 x 8) x 128 = 4,194,304 and projection 16 x 128 x 1024 =
+    2,097,152 per layer; the attention square 12 x 28 x 4096 x 16 x 128."""
+    cfg = ModelConfig(family="qwen3", num_layers=28, hidden_size=1024, num_attention_heads=16, num_query_groups=8,
+                      head_dim=128, ffn_hidden_size=3072, seq_length=4096, vocab_size=151936)
+    active = 28 * (4_194_304 + 2_097_152 + 3 * 1024 * 3072) + 1024 * 151936
+    # the model card's 596,049,920 parameters less the norms (2 x 1024 + q/k 2 x 128 a layer, final 1024); the
+    # tied embedding counts once, as the LM head's matmul
+    assert matmul_parameters(cfg) == active == 596_049_920 - 28 * (2 * 1024 + 2 * 128) - 1024
+    assert training_flops_per_token(cfg) == 6 * active + 12 * 28 * 4096 * 16 * 128
+
+
 def test_experts_a_token_skips_cost_nothing():
     """More experts at the same top-k add only router weights; a larger top-k adds whole experts."""
     cfg = tiny_moe()

@@ -9,29 +9,46 @@ import torch
 import transformers
 from conftest import tiny_config
 from hf_models import TINY
+from released_configs import RELEASED, released_config
 
-from megalite.checkpoint.hf_config import hf_config, model_config_from_hf
+from megalite.checkpoint.hf_config import hf_config
+from megalite.checkpoint.hf_config_read import model_config_from_hf
 from megalite.checkpoint.hf_mapping import to_hf
 from megalite.config import ModelConfig
 from megalite.model.gpt import GPTModel
+from megalite.planning.parameters import model_parameters, vocabulary_padding
 
 MOE = {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32}
 
 
 def network(m: ModelConfig) -> tuple:
-    """What determines the function a model computes, routed experts included."""
+    """What determines the function a model computes, routed experts (and a shared one) included."""
     experts = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
-    moe = (m.num_experts, m.moe_topk, m.expert_ffn_size, m.moe_norm_topk_prob, experts) if experts else ()
+    moe = (m.num_experts, m.moe_topk, m.expert_ffn_size, m.moe_norm_topk_prob, experts, m.moe_shared_expert_size,
+           m.moe_shared_expert_gate) if experts else ()
     dense_ffn = m.ffn_size if len(experts) < m.num_layers else None
-    theta = m.rope_theta if m.features.position_embedding == "rope" else None
-    return (m.family, m.features, m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, dense_ffn,
-            m.positions, m.vocab_size, theta, m.norm_epsilon, moe)
+    rope = (m.rope_theta, m.rope_scaling) if m.features.position_embedding == "rope" else None
+    if rope and m.rope_scaling == "llama3":
+        rope += (m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_positions)
+    return (m.family, m.features, m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_size,
+            dense_ffn, m.positions, m.vocab_size, rope, m.norm_epsilon, moe)
+
+
+SHARED = {**MOE, "moe_shared_expert_size": 48, "moe_shared_expert_gate": True}
+LLAMA3 = {"rope_scaling": "llama3", "rope_scaling_factor": 32.0, "rope_low_freq_factor": 2.0,
+          "rope_high_freq_factor": 8.0, "rope_original_max_positions": 16}
 
 
 @pytest.mark.parametrize("family, experts, architecture", [
-    ("gpt2", {}, "GPT2LMHeadModel"), ("llama", {}, "LlamaForCausalLM"), ("llama", MOE, "MixtralForCausalLM"),
+    ("gpt2", {}, "GPT2LMHeadModel"), ("gpt2", {"activation": "gelu"}, "GPT2LMHeadModel"),
+    ("llama", {"activation": "gelu_tanh"}, "LlamaForCausalLM"), ("llama", {}, "LlamaForCausalLM"),
+    ("llama", MOE, "MixtralForCausalLM"),
     ("qwen3", {}, "Qwen3ForCausalLM"), ("qwen3", MOE, "Qwen3MoeForCausalLM"),
     ("qwen3", {**MOE, "moe_layer_freq": 2, "moe_norm_topk_prob": False}, "Qwen3MoeForCausalLM"),
+    ("qwen2", {}, "Qwen2ForCausalLM"), ("qwen2", SHARED, "Qwen2MoeForCausalLM"),
+    ("qwen2", {**SHARED, "moe_first_dense_layers": 1, "moe_norm_topk_prob": False}, "Qwen2MoeForCausalLM"),
+    ("qwen3", {"head_dim": 32}, "Qwen3ForCausalLM"), ("qwen3", {**MOE, "head_dim": 8}, "Qwen3MoeForCausalLM"),
+    ("llama", {"head_dim": 24, **LLAMA3}, "LlamaForCausalLM"), ("qwen2", LLAMA3, "Qwen2ForCausalLM"),
 ])
 def test_a_config_survives_megalite_to_hf_and_back(family, experts, architecture):
     cfg = tiny_config(family, model={"num_layers": 4, "rope_theta": 5e5, "norm_epsilon": 1e-6, **experts}).model
@@ -64,6 +81,34 @@ def _hf(config_class, **fields):
     return config_class(**{**TINY, **fields})
 
 
+def test_mistral_is_llama():
+    """Mistral is the Llama architecture (with a sliding window, here none): it comes in as megalite's llama, which
+    goes out as Llama, computing the same network."""
+    cfg = model_config_from_hf(_hf(transformers.MistralConfig, sliding_window=None, head_dim=32), "t")
+    assert cfg.family == "llama" and cfg.head_size == 32 and cfg.kv_heads == 2
+    assert type(hf_config(cfg)).__name__ == "LlamaConfig"
+    assert network(model_config_from_hf(hf_config(cfg), "t")) == network(cfg)
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_released_configs_convert_both_ways_at_their_published_size(name):
+    """Released config.json files: Qwen3's heads 128 wide whatever the width, Llama-3.2's RoPE scaling (rope_scaling
+    in the file), Qwen2.5's q/k/v biases, Mistral, Qwen1.5-MoE's gated shared expert, and Llama-3.1-8B and Qwen3-8B,
+    which the continued-pretraining examples start from. megalite builds each at the model card's parameter count
+    (its planner counting the same), and writes an HF config building as many."""
+    published = RELEASED[name][1]
+    cfg = model_config_from_hf(released_config(name), name)
+    built = sum(p.numel() for p in GPTModel(cfg, torch.device("meta"), seed=0).parameters())
+    assert built == model_parameters(cfg)
+    assert built - vocabulary_padding(cfg) == published
+    with torch.device("meta"):
+        back = transformers.AutoModelForCausalLM.from_config(hf_config(cfg))
+    assert sum(p.numel() for p in back.parameters()) == published
+    assert network(model_config_from_hf(back.config, name)) == network(cfg)
+    if name == "Llama-3.2-1B":
+        assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_positions) == ("llama3", 32.0, 8192)
+
+
 @pytest.mark.parametrize("config, message", [
     (_hf(transformers.MixtralConfig, sliding_window=16),
      r"layers \[0, 1, 2\] attend through a sliding window \(sliding_window=16"),
@@ -74,11 +119,21 @@ def _hf(config_class, **fields):
     (_hf(transformers.Qwen3Config, attention_bias=True), "attention_bias=True, but megalite's qwen3 computes"),
     (_hf(transformers.Qwen3MoeConfig, num_hidden_layers=4, mlp_only_layers=[1], num_experts=4),
      r"experts in layers \[0, 2, 3\] \(decoder_sparse_step=1, mlp_only_layers=\[1\]\); megalite puts experts"),
-    (_hf(transformers.Qwen3MoeConfig, head_dim=32),  # Qwen3's released models: head_dim 128 x heads != hidden
-     r"head_dim=32 x num_attention_heads=4 != hidden_size=64"),
+    (_hf(transformers.MistralConfig, sliding_window=32),  # Mistral-7B-v0.1: 4096 of 32768 positions
+     r"layers \[0, 1, 2\] attend through a sliding window \(sliding_window=32, layer_types=None, "
+     r"max_position_embeddings=64\); megalite computes full causal attention only"),
+    (_hf(transformers.Qwen2Config, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+     r"layers \[2\] attend through a sliding window"),
+    (_hf(transformers.Qwen2MoeConfig, qkv_bias=False), "qkv_bias=False, but megalite's qwen2_moe computes qkv_bias"),
+    (_hf(transformers.LlamaConfig, attention_bias=True), "attention_bias=True, but megalite's llama computes"),
+    (_hf(transformers.LlamaConfig, hidden_act="relu"), "hidden_act='relu', but megalite's llama computes hidden_act="),
+    (_hf(transformers.LlamaConfig, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+     r"rope_parameters.rope_type='yarn'; megalite implements plain RoPE \(default\) and Llama 3's"),
+    (_hf(transformers.LlamaConfig, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                    "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor=0.5; megalite rotates the whole head"),
     (transformers.AutoConfig.for_model("deepseek_v3"), r"model_type='deepseek_v3' computes multi-head latent"),
     (transformers.AutoConfig.for_model("gpt_oss"), "model_type='gpt_oss' computes attention sinks"),
-    (transformers.AutoConfig.for_model("qwen2_moe"), "model_type='qwen2_moe' computes biases on q/k/v only"),
     (transformers.AutoConfig.for_model("olmoe"), "model_type='olmoe' computes a q/k norm over all heads"),
 ], ids=lambda x: x.model_type if hasattr(x, "model_type") else None)
 def test_an_hf_network_megalite_does_not_compute_is_refused(config, message):
@@ -94,6 +149,12 @@ def test_an_hf_network_megalite_does_not_compute_is_refused(config, message):
     ("llama", {**MOE, "moe_first_dense_layers": 1},
      r"layers \[0\] have dense MLPs .* but MixtralForCausalLM \(model.family=llama\) has experts in every layer"),
     ("qwen3", {**MOE, "moe_shared_expert_size": 32}, "model.moe_shared_expert_size=32, but Qwen3MoeForCausalLM"),
+    ("qwen2", MOE, "model.moe_shared_expert_size=0, but Qwen2MoeForCausalLM .* has a gated shared expert"),
+    ("qwen2", {**SHARED, "moe_shared_expert_gate": False}, "model.moe_shared_expert_gate=false, but Qwen2MoeFor"),
+    ("qwen2", {"qkv_bias": False}, r"model.qkv_bias=false, but Qwen2ForCausalLM \(model.family=qwen2\) computes "
+                                   "qkv_bias=true"),
+    ("llama", {"qkv_bias": True}, "model.qkv_bias=true, but LlamaForCausalLM"),
+    ("gpt2", {"head_dim": 32}, "model.head_dim=32 x num_attention_heads=4 != hidden_size=64, but GPT2LMHeadModel"),
     ("qwen3", {**MOE, "moe_scaling_factor": 2.5}, "model.moe_scaling_factor=2.5, but Qwen3MoeForCausalLM"),
     ("qwen3", {**MOE, "moe_expert_bias": True}, "model.moe_expert_bias=true, but Qwen3MoeForCausalLM"),
     ("qwen3", {**MOE, "moe_router_groups": 2, "moe_router_group_topk": 1},

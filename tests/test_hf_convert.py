@@ -186,13 +186,12 @@ def test_hf_moe_and_qk_norm_models_convert_in_train_and_convert_out(name, tmp_pa
 
 
 def test_an_hf_moe_model_megalite_does_not_compute_is_refused_with_the_reason(tmp_path, capsys):
-    config = transformers.Qwen2MoeConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, num_experts=2,
-                                         num_experts_per_tok=1, moe_intermediate_size=16,
-                                         shared_expert_intermediate_size=16)
-    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path / "qwen2_moe")
+    config = transformers.OlmoeConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, num_experts=2,
+                                      num_experts_per_tok=1)
+    transformers.OlmoeForCausalLM(config).save_pretrained(tmp_path / "olmoe")
     with pytest.raises(SystemExit):
-        convert("--from-hf", "--load", str(tmp_path / "qwen2_moe"), "--save", str(tmp_path / "out"))
-    assert ("model_type='qwen2_moe' computes biases on q/k/v only (model.bias puts them in every linear layer), "
+        convert("--from-hf", "--load", str(tmp_path / "olmoe"), "--save", str(tmp_path / "out"))
+    assert ("model_type='olmoe' computes a q/k norm over all heads together, not per head, "
             "which megalite does not; this model cannot be converted") in capsys.readouterr().err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -1,6 +1,7 @@
-"""megalite's GPT equals Hugging Face's GPT2LMHeadModel / LlamaForCausalLM / Qwen3ForCausalLM and, with routed
-experts, MixtralForCausalLM / Qwen3MoeForCausalLM on the same weights (routers spread so that no top-k choice is
-near a tie, tests/hf_models.py)."""
+"""megalite's GPT equals Hugging Face's GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
+and, with routed experts, MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM on the same weights
+(routers spread so that no top-k choice is near a tie, biases away from zero: tests/hf_models.py), with heads
+wider than hidden / heads and with Llama 3's RoPE scaling."""
 
 from __future__ import annotations
 
@@ -15,19 +16,34 @@ from megalite.checkpoint.hf_mapping import from_hf, to_hf
 from megalite.model.gpt import GPTModel
 
 MOE = {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32, "num_query_groups": 2, "num_layers": 3}
+# Llama 3's scaling with head_dim 16 and theta 5e5: wavelengths 6.3 (kept: under 64 / 4), 33 (blended) and from
+# 168 on (slowed: over 64 / 1) positions, so all three regimes are compared.
+LLAMA3 = {"rope_scaling": "llama3", "rope_theta": 5e5, "rope_scaling_factor": 8.0, "rope_original_max_positions": 64,
+          "max_position_embeddings": 128}
 FAMILIES = {  # name -> (family, model fields, HF class)
     "gpt2": ("gpt2", {}, transformers.GPT2LMHeadModel),
+    "gpt2-exact-gelu": ("gpt2", {"activation": "gelu"}, transformers.GPT2LMHeadModel),  # Megatron-LM's GPT MLP
     "llama": ("llama", {"num_query_groups": 2, "rope_theta": 5000.0, "vocab_size": 250},
               transformers.LlamaForCausalLM),
     "llama-tied-mha": ("llama", {"num_query_groups": None, "tie_embeddings": True}, transformers.LlamaForCausalLM),
     "qwen3": ("qwen3", {"num_query_groups": 2, "tie_embeddings": True}, transformers.Qwen3ForCausalLM),
+    "qwen3-wide-heads": ("qwen3", {"num_query_groups": 2, "head_dim": 32}, transformers.Qwen3ForCausalLM),
+    "qwen2": ("qwen2", {"num_query_groups": 2}, transformers.Qwen2ForCausalLM),
+    "llama3-rope-scaling": ("llama", LLAMA3, transformers.LlamaForCausalLM),
     "mixtral": ("llama", {**MOE, "rope_theta": 1e6}, transformers.MixtralForCausalLM),
+    "mixtral-gelu-tanh": ("llama", {**MOE, "activation": "gelu_tanh"}, transformers.MixtralForCausalLM),
     "qwen3-moe": ("qwen3", {**MOE, "moe_first_dense_layers": 1, "moe_norm_topk_prob": False},
                   transformers.Qwen3MoeForCausalLM),
+    "qwen2-moe": ("qwen2", {**MOE, "moe_first_dense_layers": 1, "moe_shared_expert_size": 48,
+                            "moe_shared_expert_gate": True, "head_dim": 8}, transformers.Qwen2MoeForCausalLM),
 }
 
 
 def _pair(name: str):
+    """megalite's and HF's model of FAMILIES[name], each drawn from a fixed seed, as are the tokens each test draws
+    next: every run compares the same weights on the same tokens. (Drawn from torch's per-process seed instead,
+    one run in about a hundred put some token's k-th and (k+1)-th expert within 1e-4 of a tie.)"""
+    torch.manual_seed(0)
     family, overrides, hf_class = FAMILIES[name]
     cfg = tiny_config(family, model=overrides)
     model = GPTModel(cfg.model, torch.device("cpu"), seed=cfg.train.seed).eval()
@@ -92,6 +108,7 @@ def test_loss_ignores_vocab_padding():
     ("llama", "qk_norm", True, "model.qk_norm=true, but LlamaForCausalLM \\(model.family=llama\\) computes "
                                "qk_norm=false"),
     ("qwen3", "qk_norm", False, "model.qk_norm=false, but Qwen3ForCausalLM"),
+    ("qwen2", "qkv_bias", False, "model.qkv_bias=false, but Qwen2ForCausalLM"),
 ])
 def test_a_model_whose_features_differ_from_its_family_is_not_converted(family, feature, value, message):
     cfg = tiny_config(family, model={feature: value})
@@ -101,7 +118,7 @@ def test_a_model_whose_features_differ_from_its_family_is_not_converted(family, 
             convert()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "qwen3-moe", "llama3-rope-scaling", "qwen2-moe"])
 def test_position_ids_match_hf(name):
     cfg, model, hf = _pair(name)
     hf.load_state_dict(to_hf(model.state_dict(), cfg.model), strict=False)

@@ -154,22 +154,39 @@ def test_bf16_rows_not_a_multiple_of_16_bytes_fall_back_to_the_loop():
     torch.testing.assert_close(grouped_linear(x, w, counts.cumsum(0).to(torch.int32)), expected)
 
 
+# Each model.activation written out from its formula: what the MLP and the experts must compute.
+ACTIVATIONS = {"silu": lambda x: x * torch.sigmoid(x), "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+               "gelu_tanh": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))}
+
+
+def _mlp_by_hand(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    h, activation = F.linear(x, fc1), ACTIVATIONS[cfg.features.activation]
+    if cfg.features.gated_mlp:
+        gate, up = h.chunk(2, dim=-1)
+        return F.linear(activation(gate) * up, fc2)
+    return F.linear(activation(h), fc2)
+
+
 def _loop_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     """The layer computed token by token, expert by expert: what the sorting and grouping must equal."""
+    cfg = layer.router.cfg
     tokens = x.reshape(-1, x.shape[-1])
-    routing = route(F.linear(tokens, layer.router.weight), layer.router.cfg)
+    routing = route(F.linear(tokens, layer.router.weight), cfg)
     fc1, fc2 = layer.experts.linear_fc1.weight, layer.experts.linear_fc2.weight
     out = torch.zeros_like(tokens)
     for t in range(tokens.shape[0]):
         for e, w in zip(routing.experts[t].tolist(), routing.weights[t]):
-            gate, up = F.linear(tokens[t], fc1[e]).chunk(2)
-            out[t] += w * F.linear(F.silu(gate) * up, fc2[e])
-    shared = layer.shared_expert(x).reshape(tokens.shape)
+            out[t] += w * _mlp_by_hand(tokens[t], fc1[e], fc2[e], cfg)
+    shared = _mlp_by_hand(tokens, layer.shared_expert.linear_fc1.weight, layer.shared_expert.linear_fc2.weight, cfg)
     return (out + shared * torch.sigmoid(tokens @ layer.shared_expert_gate.t())).view_as(x)
 
 
-def test_the_layer_equals_the_loop_over_tokens_and_experts():
-    cfg = moe_config(moe_shared_expert_size=24, moe_shared_expert_gate=True, moe_aux_loss_coeff=0.01)
+@pytest.mark.parametrize("gated, activation", [(True, "silu"), (False, "gelu"), (True, "gelu_tanh"),
+                                               (False, "silu")])
+def test_the_layer_equals_the_loop_over_tokens_and_experts(gated, activation):
+    """The experts and the shared expert (a dense MLP) apply model.activation, to the gate when gated."""
+    cfg = moe_config(moe_shared_expert_size=24, moe_shared_expert_gate=True, moe_aux_loss_coeff=0.01,
+                     gated_mlp=gated, activation=activation)
     model = GPTModel(cfg, torch.device("cpu"), seed=3)
     layer = model.layers["0"].mlp
     x = torch.randn(8, 3, cfg.hidden_size)

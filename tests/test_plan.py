@@ -42,6 +42,8 @@ LAYOUTS = [  # (tp, pp, vp, family, tied)
     (4, 2, 1, "llama", True), (1, 4, 1, "gpt2", False),
 ]
 
+CPU = torch.device("cpu")
+
 
 def _model_config(family: str, **sections: dict) -> Config:
     """tiny_config, four layers (room for pp x vp = 4 chunks), heads and KV groups divisible by tp = 4."""
@@ -70,6 +72,9 @@ def test_parameter_counts_equal_the_built_model(tp, pp, vp, family, tied):
     ("gpt2", {"norm": "rmsnorm"}),
     ("qwen3", {}),
     ("llama", {"qk_norm": True}),
+    ("qwen2", {}),
+    ("qwen3", {"head_dim": 32}),
+    ("llama", {"qkv_bias": True, "head_dim": 24}),
 ])
 def test_parameter_counts_follow_feature_overrides(family, features):
     cfg = _model_config(family, parallel={"tp": 2, "pp": 2}, model=features)
@@ -110,6 +115,7 @@ def test_zero3_gathered_units_in_the_plan():
     plus one unit's gradients; nothing at dp 1, where nothing is sharded."""
     cfg = _model_config("gpt2", parallel={"zero_stage": 3}, train={"precision": "bf16", "param_dtype": "bf16"})
     cfg.model.vocab_size = 1000  # the embedding, the largest unit, and not one of the two largest others
+    cfg.model.seq_length = 8  # few tokens: the loss's temporaries stay below backward's, which this is about
     params = rank_parameters(cfg, 0)
     embedding, layer = params.units[0], params.units[1]
     assert params.tied_head and embedding > layer
@@ -161,9 +167,9 @@ def test_model_state_matches_measured_tensors(layout):
 
 
 def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> int:
+                positions: torch.Tensor | None = None, device: torch.device = CPU) -> int:
     """Bytes of the distinct storages autograd saves (parameters' own storages left out) while one
-    micro batch runs forward through `chunk`, with the loss as training/step.py computes it; under
+    micro batch runs forward through `chunk` on `device`, with the loss as training/step.py computes it; under
     context parallelism on the sequence `positions` this rank holds."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),
@@ -171,8 +177,9 @@ def saved_bytes(model: torch.nn.Module, cfg: Config, chunk: int = 0, hidden: tor
     position_ids = None
     if positions is not None:
         tokens, position_ids = tokens[:, positions], positions.expand(tokens.shape[0], -1)
-    mask = torch.ones(tokens.shape)
-    with saved_storages(model) as seen, precision_context(cfg.train.precision, torch.device("cpu")):
+    tokens, mask = tokens.to(device), torch.ones(tokens.shape, device=device)
+    position_ids = None if position_ids is None else position_ids.to(device)
+    with saved_storages(model) as seen, precision_context(cfg.train.precision, device):
         out = model(tokens, tokens, position_ids=position_ids, hidden=hidden, chunk=chunk)
         if out.shape == tokens.shape:
             (out * mask).sum()
@@ -187,12 +194,14 @@ def one_device_model(cfg: Config, pp_rank: int = 0) -> GPTModel:
 PRECISIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]  # (train.precision, train.param_dtype)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
 @pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_activations_match_saved_tensors(family, precision, param_dtype, recompute):
+    """qwen3: its per-head q/k norms, on heads 32 wide (not hidden / heads = 16)."""
     cfg = _model_config(family, train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute})
-    cfg.model.seq_length, cfg.model.num_query_groups = 64, 2 if family == "llama" else None
+    cfg.model.seq_length, cfg.model.num_query_groups = 64, 2 if family != "gpt2" else None
+    cfg.model.head_dim = 32 if family == "qwen3" else None
     measured = saved_bytes(one_device_model(cfg), cfg)
     assert measured == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.1)
 
@@ -316,7 +325,7 @@ def test_context_parallel_line_in_the_plan():
     cfg.model.seq_length = 64
     assert "context parallel" not in format_plan(make_plan(_valid(cfg, cp=1, world=2), 2))
     cfg = _valid(cfg, cp=4, world=4)
-    kv = 2 * cfg.train.micro_batch_size * cfg.model.kv_heads * (64 // 4) * cfg.model.head_dim  # local K and V
+    kv = 2 * cfg.train.micro_batch_size * cfg.model.kv_heads * (64 // 4) * cfg.model.head_size  # local K and V
     assert comm_bytes(cfg) == (3 * kv * 2, 3 * kv * 2 + 4 * kv * 4)
     text = format_plan(make_plan(cfg, 4))
     assert "tp 1 x cp 4 x pp 1 (vp 1) x dp 1" in text

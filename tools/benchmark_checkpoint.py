@@ -40,11 +40,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state
 from megalite.config import Config
 from megalite.config_cli import dump_yaml
-from megalite.parallel.topology import Topology
+from megalite.parallel.topology import Topology, release_process_groups
 from megalite.planning.measure import measurement_config, mock_batches, param_dtype_fields
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
@@ -150,6 +151,7 @@ def filesystem(path: Path) -> str:
 def measure(args: argparse.Namespace) -> dict:
     cfg = build_config(args)
     load_before = os.getloadavg()
+    created = not dist.is_initialized()
     trained = Trained(cfg)
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="megalite-ckpt-bench-"))
     results = {"sync": [], "async_stall": [], "async_total": [], "host_copy": [], "longest_pause": [], "paused": []}
@@ -174,6 +176,9 @@ def measure(args: argparse.Namespace) -> dict:
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
+        trained.topology = None
+        if created:
+            release_process_groups()
     m = cfg.model
     contents = "bf16 parameters, fp32 main weights" if cfg.train.param_dtype != "fp32" else "fp32 parameters"
     return {"results": results, "written": written, "contents": contents,

@@ -132,7 +132,7 @@ class Case:
         x, grad = (torch.randn(args.seq, args.micro_batch, args.hidden, generator=generator) for _ in range(2))
         if tp.sequence_parallel:
             x, grad = x.chunk(tp.tp.size)[tp.tp.rank], grad.chunk(tp.tp.size)[tp.tp.rank]
-        rope = (rope_for(rope_tables(m.positions, m.head_dim, m.rope_theta, cpu), args.seq, None)
+        rope = (rope_for(rope_tables(m, cpu), args.seq, None)
                 if m.features.position_embedding == "rope" else None)
         return cls(layer, x.clone().requires_grad_(), grad, rope, threads)
 

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script Python puts tools/ first, not the root
@@ -54,7 +55,7 @@ from megalite.checkpoint.hf_config import hf_config  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.data.batches import Batch  # noqa: E402
 from megalite.parallel.distributed_optimizer import adamw, decay_groups  # noqa: E402
-from megalite.parallel.topology import Topology, synchronize  # noqa: E402
+from megalite.parallel.topology import Topology, release_process_groups, synchronize  # noqa: E402
 from megalite.planning.measure import measurement_config, mock_batches, model_fields  # noqa: E402
 from megalite.training.build import build_rank_model, build_trainer  # noqa: E402
 from megalite.training.flops import training_flops_per_token  # noqa: E402
@@ -246,7 +247,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = build_config(args)
+    created = not dist.is_initialized()
     topology = Topology.from_environment(args.device, cfg.parallel, experts=cfg.model.num_experts > 0)
+    try:
+        compare(args, cfg, topology)
+    finally:
+        if created:
+            topology = None
+            release_process_groups()
+
+
+def compare(args: argparse.Namespace, cfg: Config, topology: Topology) -> None:
+    """Time both sides (and the plain loop) on one batch and print each one's speed and the ratio."""
     device = topology.device
     batch = mock_batches(cfg, 1)[0]
 

@@ -58,7 +58,7 @@ def hf_training_bytes(m: ModelConfig, micro_batch: int, seq: int) -> dict[str, f
     params, tokens = model_parameters(m), micro_batch * seq
     layer_params = sum(layer_parameters(m, index=i).total for i in range(m.num_layers))
     hidden, ffn, kv = LAYER_BYTES[m.family]
-    layer = hidden * m.hidden_size + ffn * m.ffn_size + kv * m.kv_heads * m.head_dim
+    layer = hidden * m.hidden_size + ffn * m.ffn_size + kv * m.kv_heads * m.head_size
     return {**{name: size * params for name, size in STATE_BYTES.items()},
             "weight copies": WEIGHT_COPY_BYTES * layer_params,
             **{f"logits ({name})": size * tokens * m.vocab_size for name, size in LOGIT_BYTES.items()},

@@ -4,7 +4,8 @@
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load as they load a
 released model; `hf_to_megalite` turns such a directory (or a GGUF file transformers can read)
 into a weights-only checkpoint that `pretrain_gpt.py --checkpoint.load` resumes at any layout.
-Configs are hf_config.py's business, tensor names and layouts hf_mapping.py's; this module deals with files.
+Configs are hf_config.py's and hf_config_read.py's business, tensor names and layouts hf_mapping.py's; this
+module deals with files.
 """
 
 from __future__ import annotations
@@ -14,19 +15,12 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.hf_config import hf_config, model_config_from_hf
+from megalite.checkpoint.hf_config import hf_config
+from megalite.checkpoint.hf_config_read import model_config_from_hf
 from megalite.checkpoint.hf_mapping import from_hf, to_hf
-from megalite.checkpoint.hf_tokenizer import has_tokenizer, hf_tokenizer, keep_tokenizer
-from megalite.checkpoint.model_io import read_model_tensors, write_model_checkpoint
+from megalite.checkpoint.hf_tokenizer import has_tokenizer, hf_tokenizer, keep_tokenizer, save_tokenizer
+from megalite.checkpoint.model_io import fresh_target, read_model_tensors, write_model_checkpoint
 from megalite.config import Config, DataConfig
-
-
-def _fresh_target(path: str | Path) -> Path:
-    """The output directory, which must not hold anything yet: a conversion never overwrites."""
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"--save {path} already exists and is not empty; remove it or choose another directory")
-    return path
 
 
 def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2GB") -> Path:
@@ -39,7 +33,7 @@ def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2G
     """
     from transformers import AutoModelForCausalLM
 
-    save = _fresh_target(save)
+    save = fresh_target(save)
     cfg, tensors = read_model_tensors(load)
     tokenizer = hf_tokenizer(cfg.data, cfg.model.vocab_size, f"{load} (config.yaml)")
     ids = {} if tokenizer is None else {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
@@ -56,7 +50,7 @@ def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2G
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, max_shard_size=max_shard_size)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, cfg.data, tmp)
     if save.exists():
         save.rmdir()  # empty, checked above
     tmp.rename(save)
@@ -83,17 +77,20 @@ def load_hf(source: str | Path):
 def hf_to_megalite(load: str | Path, save: str | Path, make_vocab_size_divisible_by: int = 128) -> Path:
     """Write a weights-only megalite checkpoint of an HF model directory or .gguf file (see
     hf_model_to_megalite); returns the iteration directory."""
-    _fresh_target(save)  # before the (slow) load
+    fresh_target(save)  # before the (slow) load
     model, tokenizer = load_hf(load)
-    return hf_model_to_megalite(model, tokenizer, save, f"{load} (config.json)", make_vocab_size_divisible_by)
+    directory = None if Path(load).suffix == ".gguf" else Path(load)
+    return hf_model_to_megalite(model, tokenizer, save, f"{load} (config.json)", make_vocab_size_divisible_by,
+                                directory)
 
 
-def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str,
-                         make_vocab_size_divisible_by: int = 128) -> Path:
+def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_vocab_size_divisible_by: int = 128,
+                         tokenizer_dir: Path | None = None) -> Path:
     """Write a weights-only megalite checkpoint of a loaded transformers model (hf_config.ARCHITECTURES), with its
-    tokenizer (if any) under save/tokenizer; returns the iteration directory, whose config.yaml holds the
-    derived model config and names the tokenizer. `source` names the model in errors."""
-    save = _fresh_target(save)
+    tokenizer (if any) under save/tokenizer (the files of HF directory `tokenizer_dir` unchanged, when given);
+    returns the iteration directory, whose config.yaml holds the derived model config and names the tokenizer.
+    `source` names the model in errors."""
+    save = fresh_target(save)
     cfg = Config(model=model_config_from_hf(model.config, source))
     cfg.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     hf_state = model.state_dict()
@@ -105,5 +102,5 @@ def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str,
                          "this model cannot be converted")
     save.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
-        cfg.data = DataConfig(**keep_tokenizer(tokenizer, save))
+        cfg.data = DataConfig(**keep_tokenizer(tokenizer, save, tokenizer_dir))
     return write_model_checkpoint(save, cfg, tensors)

@@ -3,7 +3,9 @@
 An exported model is only usable with the tokenizer it was trained with, so `--to-hf` writes
 it next to the weights in the form `AutoTokenizer.from_pretrained(dir)` reads, encoding text
 to the ids megalite trained on; `--from-hf` keeps the HF tokenizer with the checkpoint, so
-continued pretraining and generation use the model's own vocabulary.
+continued pretraining and generation use the model's own vocabulary. A tokenizer that came from an HF
+directory goes both ways as its files, byte for byte (chat templates, special tokens and all): loading
+and saving it again would rewrite them in the installed transformers' own form.
 """
 
 from __future__ import annotations
@@ -93,14 +95,44 @@ def _sentencepiece_as_llama(model_file: str):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **special)
 
 
+# The files an HF tokenizer may consist of (transformers v5 writes some of them, older versions others), and the
+# folder v5 keeps named chat templates in.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt")
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
+
+
 def has_tokenizer(directory: Path) -> bool:
     """Whether an HF model directory ships tokenizer files."""
-    return any((directory / name).is_file()
-               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
 
 
-def keep_tokenizer(tokenizer, root: Path) -> dict[str, str]:
-    """Save an HF tokenizer under checkpoint root/tokenizer; the data config fields that name it."""
+def copy_tokenizer_files(source: Path, target: Path) -> None:
+    """Copy the tokenizer files of HF directory `source` into `target` unchanged."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, target / name)
+    if (source / CHAT_TEMPLATES_DIR).is_dir():
+        shutil.copytree(source / CHAT_TEMPLATES_DIR, target / CHAT_TEMPLATES_DIR, dirs_exist_ok=True)
+
+
+def save_tokenizer(tokenizer, data: DataConfig, target: Path) -> None:
+    """Write `tokenizer` (hf_tokenizer's for `data`) into HF directory `target`: a Hugging Face tokenizer directory's
+    files as they are, any other tokenizer as transformers saves it."""
+    if data.tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(data.tokenizer_model):
+        copy_tokenizer_files(Path(data.tokenizer_model), target)
+    else:
+        tokenizer.save_pretrained(target)
+
+
+def keep_tokenizer(tokenizer, root: Path, source: Path | None = None) -> dict[str, str]:
+    """Keep an HF tokenizer under checkpoint root/tokenizer: the files of HF directory `source` unchanged, or (a
+    GGUF's) as transformers saves it; the data config fields that name it."""
     target = root / TOKENIZER_DIR
-    tokenizer.save_pretrained(target)
+    if source is not None and has_tokenizer(source):
+        copy_tokenizer_files(source, target)
+    else:
+        tokenizer.save_pretrained(target)
     return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(target.resolve())}

@@ -43,14 +43,29 @@ def read_model_tensors(path: str | Path) -> tuple[Config, dict[str, torch.Tensor
     return cfg, tensors
 
 
-def write_model_checkpoint(root: str | Path, cfg: Config, tensors: dict[str, torch.Tensor], step: int = 0) -> Path:
-    """A checkpoint of weights and config only; training resumes from it with fresh optimizer state."""
+def fresh_target(path: str | Path) -> Path:
+    """The output directory of a conversion, which must not hold anything yet: a conversion never overwrites."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"--save {path} already exists and is not empty; remove it or choose another directory")
+    return path
+
+
+def write_model_checkpoint(root: str | Path, cfg: Config, tensors: dict[str, torch.Tensor], step: int = 0,
+                           consumed_samples: int = 0,
+                           optimizer: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """A checkpoint of weights and config, and, where `optimizer` gives it, Adam's state of each parameter
+    (exp_avg, exp_avg_sq and step, by parameter name); training resumes from it at `step` and
+    `consumed_samples`, with fresh optimizer state when there is none."""
     final = iteration_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     pieces = [(Piece(name, "model", list(t.shape), None, 0, t.numel()), t.detach().reshape(-1))
               for name, t in tensors.items()]
+    for name, kinds in (optimizer or {}).items():
+        pieces += [(Piece(name, kind, list(t.shape), None, 0, t.numel()), t.detach().reshape(-1))
+                   for kind, t in kinds.items()]
     write_rank_files(tmp, 0, pieces, rng=None)
-    write_run_files(tmp, dump_yaml(cfg), TrainingState(step, 0).__dict__)
+    write_run_files(tmp, dump_yaml(cfg), TrainingState(step, consumed_samples).__dict__)
     finalize(tmp, final)
     return final

@@ -1,7 +1,9 @@
 """Blend several datasets into one stream with fixed weights, as Megatron-LM's --data-path does.
 
-Megatron-LM picks each sample with a greedy C++ loop ("the dataset furthest behind its
-share goes next"). Here dataset d's k-th sample is due at time (k + 0.5) / w_d, and the blend
+Two rules (data.blend_rule, BLEND_RULES below) size and order a blend. "megatron" is Megatron-Core's
+own, exactly (megatron_blending.py: a greedy C++ loop, "the dataset furthest behind its share goes next",
+and a 0.5% surplus per dataset), for runs that continue Megatron-LM's. "megalite", the default, is this
+module's: dataset d's k-th sample is due at time (k + 0.5) / w_d, and the blend
 is all datasets' due times merged in order (ties go to the lower dataset index): the
 sequential Sainte-Lague (Webster) apportionment, computed with a stable argsort. For the
 first n samples, each dataset's due times up to the n-th pick's time T are in, so its count
@@ -10,40 +12,42 @@ c_d lies within 1/2 of T * w_d; summing over the D datasets, n lies within D/2 o
     |c_d(n) - n * w_d| <= (1 + (D - 2) * w_d) / 2      for every prefix n,
 
 which keeps every share within 1% of its weight from n = 50 * (D - 1) samples on
-(tests/test_blending.py checks the bound at every prefix).
-"""
+(tests/test_blending.py checks the bound at every prefix), and sizes each dataset so that the
+blend never runs it dry."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+
+from megalite.data.megatron_blending import (
+    SURPLUS,
+    megatron_blend_sizes,
+    megatron_blending_indices,
+    normalise,
+    requested_sizes,
+)
 
 MERGE_CHUNK = 1 << 22  # samples merged per argsort, to bound temporary memory
 
 
-def _normalise(weights: Sequence[float]) -> np.ndarray:
-    w = np.asarray(weights, dtype=np.float64)
-    if w.ndim != 1 or w.size == 0 or not np.all(np.isfinite(w)) or np.any(w <= 0):
-        raise ValueError(f"blend weights must be a non-empty list of positive numbers, got {list(weights)}")
-    return w / w.sum()
-
-
 def max_deviation(weights: Sequence[float]) -> np.ndarray:
     """Per dataset, the most its count can differ from n * weight at any prefix n (module docstring)."""
-    w = _normalise(weights)
+    w = normalise(weights)
     return (1 + (len(w) - 2) * w) / 2
 
 
-def blend_sizes(weights: Sequence[float], size: int, surplus: float = 0.005) -> list[int]:
+def blend_sizes(weights: Sequence[float], size: int, surplus: float = SURPLUS) -> list[int]:
     """How many samples to build per dataset so that a blend of `size` never runs one dry.
 
     Megatron-LM's request, ceil(ceil(size * w) * (1 + surplus)), raised where needed to the
     proven maximum use size * w + max_deviation (which only matters for tiny sizes).
     """
-    w = _normalise(weights)
-    requested = [math.ceil(math.ceil(size * x) * (1 + surplus)) for x in w]
+    w = normalise(weights)
+    requested = requested_sizes(w, size, surplus)
     needed = [math.floor(size * x + dev + 1e-6) for x, dev in zip(w, max_deviation(w))]  # counts are integers
     return [max(r, n) for r, n in zip(requested, needed)]
 
@@ -52,7 +56,7 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     """(dataset index per sample, sample index within that dataset), deterministic for the weights."""
     if size < 0:
         raise ValueError(f"blend size must be >= 0, got {size}")
-    w = _normalise(weights)
+    w = normalise(weights)
     dataset_index = np.empty(size, dtype=np.int16 if len(w) <= np.iinfo(np.int16).max else np.int32)
     dataset_sample_index = np.empty(size, dtype=np.int64)
     used = np.zeros(len(w), dtype=np.int64)
@@ -77,19 +81,39 @@ def _merge_next(w: np.ndarray, used: np.ndarray, n: int) -> tuple[np.ndarray, np
     return owner[order], k[order]
 
 
-class BlendedDataset:
-    """Sample i is datasets[dataset_index[i]][dataset_sample_index[i]]."""
+@dataclass(frozen=True)
+class BlendRule:
+    """How a blend asked for `size` samples is sized and ordered (data.blend_rule)."""
 
-    def __init__(self, datasets: list, weights: list[float], size: int) -> None:
+    sizes: Callable[[Sequence[float], int], tuple[list[int], int]]  # -> (samples to build per dataset, blend length)
+    indices: Callable[[Sequence[float], int], tuple[np.ndarray, np.ndarray]]  # (weights, blend length) -> order
+    remedy: Callable[[int, int], str]  # (blend length, dataset) -> how to fix a dataset the blend runs dry
+
+
+BLEND_RULES = {
+    "megalite": BlendRule(lambda weights, size: (blend_sizes(weights, size), size), blending_indices,
+                          lambda size, d: f"build it with blend_sizes(weights, {size})[{d}] samples"),
+    "megatron": BlendRule(megatron_blend_sizes, megatron_blending_indices,
+                          lambda size, d: f"Megatron-Core's surplus of {SURPLUS} is too small here (Megatron-LM "
+                                          "fails the same way): train for more samples, or use data.blend_rule="
+                                          "megalite, whose sizes never run short"),
+}
+
+
+class BlendedDataset:
+    """Sample i is datasets[dataset_index[i]][dataset_sample_index[i]], in the order of `rule`
+    (BLEND_RULES); `size` is the blend's length."""
+
+    def __init__(self, datasets: list, weights: list[float], size: int, rule: str = "megalite") -> None:
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = datasets
-        self.dataset_index, self.dataset_sample_index = blending_indices(weights, size)
+        self.dataset_index, self.dataset_sample_index = BLEND_RULES[rule].indices(weights, size)
         drawn = np.bincount(self.dataset_index, minlength=len(datasets))
         for d, (dataset, count) in enumerate(zip(datasets, drawn)):
             if len(dataset) < count:
                 raise ValueError(f"blended dataset {d} has {len(dataset)} samples but the blend of {size} draws "
-                                 f"{count} from it; build it with blend_sizes(weights, {size})[{d}] samples")
+                                 f"{count} from it; {BLEND_RULES[rule].remedy(size, d)}")
 
     def __len__(self) -> int:
         return len(self.dataset_index)
@@ -101,7 +125,8 @@ class BlendedDataset:
 
 
 def parse_blend(paths: list) -> tuple[list[float], list[str]]:
-    """Megatron-style ["0.7", "prefixA", "0.3", "prefixB"], or ["prefix"], -> (normalised weights, prefixes)."""
+    """Megatron-style ["0.7", "prefixA", "0.3", "prefixB"], or ["prefix"], -> (weights, prefixes), the weights
+    normalised as Megatron-Core's builder normalises them."""
     items = [str(p) for p in paths]
     example = "expected a single dataset prefix or 'weight prefix' pairs such as ['0.7', 'dataA', '0.3', 'dataB']"
     if len(items) == 1 and not _is_number(items[0]):
@@ -118,7 +143,7 @@ def parse_blend(paths: list) -> tuple[list[float], list[str]]:
             raise ValueError(f"blend {items}: entry {position + 1} ({prefix!r}) is a number where a dataset "
                              f"prefix belongs; {example}")
         weights.append(float(weight))
-    return [x / sum(weights) for x in weights], items[1::2]
+    return normalise(weights).tolist(), items[1::2]
 
 
 def _is_number(text: str) -> bool:

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from megalite.config import Config, DataConfig
 from megalite.data.batches import BatchMaker
-from megalite.data.blending import BlendedDataset, blend_sizes, parse_blend
+from megalite.data.blending import BLEND_RULES, BlendedDataset, parse_blend
 from megalite.data.gpt_dataset import GPTDataset, split_documents
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.mock import VALIDATION_OFFSET, MockDataset
@@ -55,20 +55,30 @@ def _split_dataset(prefix: str, split: str, index: int, num_samples: int, cfg: C
     cache_dir = cfg.data.cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
     return GPTDataset(
         documents, ids, num_samples, cfg.model.seq_length, cfg.train.seed, cache_dir,
-        description=f"{os.path.abspath(prefix)} split={split} part={index}", is_builder=rank == 0, barrier=dist.barrier,
+        description=f"{os.path.abspath(prefix)} split={split} part={index}", is_builder=rank == 0,
+        barrier=dist.barrier if dist.is_initialized() else None,  # one process without a group: nothing to wait for
     )
 
 
 def _blend(paths: list[str], split: str, index: int, num_samples: int, cfg: Config, rank: int) -> Dataset | None:
+    """The blend of `paths` for split part `index`, sized and ordered by data.blend_rule. Megatron-Core blends
+    a weighted single prefix ("1.0 prefix") too, with its surplus, so blend_rule=megatron does the same."""
     weights, prefixes = parse_blend(paths)
-    if len(prefixes) == 1:
+    megatron = cfg.data.blend_rule == "megatron"
+    if len(prefixes) == 1 and not (megatron and len(paths) > 1):
         return _split_dataset(prefixes[0], split, index, num_samples, cfg, rank)
-    sizes = blend_sizes(weights, num_samples)
+    rule = BLEND_RULES[cfg.data.blend_rule]
+    sizes, length = rule.sizes(weights, num_samples)
     parts = [_split_dataset(p, split, index, n, cfg, rank) for p, n in zip(prefixes, sizes)]
     kept = [(w, d) for w, d in zip(weights, parts) if d is not None]
     if not kept:
         return None
-    return BlendedDataset([d for _, d in kept], [w for w, _ in kept], num_samples)
+    if megatron and len(kept) < len(parts):
+        empty = [p for p, d in zip(prefixes, parts) if d is None]
+        raise ValueError(f"data.split={split} leaves no documents of {empty} in part {index} of the blend (0 train, "
+                         "1 valid), which Megatron-LM cannot blend either: give that part more weight, or use "
+                         "data.blend_rule=megalite, which leaves such a dataset out of the part")
+    return BlendedDataset([d for _, d in kept], [w for w, _ in kept], length, cfg.data.blend_rule)
 
 
 def build_training_data(cfg: Config, rank: int, tokenizer: Tokenizer | None, train_samples: int,

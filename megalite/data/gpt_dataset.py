@@ -48,11 +48,12 @@ def split_documents(num_documents: int, split: str) -> list[np.ndarray]:
     """Contiguous train/valid/test document-id ranges from weights such as "949,50,1".
 
     Bounds are round(cumulative normalised weight * num_documents), so the ranges tile the
-    corpus without gaps and never go negative. (Megatron-LM rounds each share and then shifts
-    the bounds by the total's excess; the two rules agree except in rare rounding ties.)
+    corpus without gaps and never go negative; exactly Megatron-Core's (its split matrix: the
+    weights normalised, then summed in order, in float64, each bound rounded half to even), also
+    where a bound falls on a half and the order of those float operations decides it.
     """
     weights = _parse_split(split)
-    bounds = [0, *np.rint(np.cumsum(weights) / weights.sum() * num_documents).astype(np.int64)]
+    bounds = [0, *np.rint(np.cumsum(weights / np.sum(weights)) * num_documents).astype(np.int64)]
     bounds[-1] = num_documents
     dtype = _index_dtype(num_documents)
     return [np.arange(lo, hi, dtype=dtype) for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -12,7 +12,9 @@ weights beside the parameters; what matters here is megalite's kinds, the planne
 - a storage starts as `transient` (anything a step makes) or as the kind set by `making(kind)`;
 - `label(tensors, kind)` names the storages of known objects (parameters, gradient buffers, main weights,
   optimizer state) once they exist;
-- what autograd saves for backward becomes `activations` (saved-tensor hooks see every saved tensor).
+- what autograd saves for backward becomes `activations` (saved-tensor hooks see every saved tensor);
+- `host` is memory off the device (the full-shape draws of initialisation, offloaded optimizer state): it is
+  counted in `totals` and `host_peak`, not in the device's `live` and `peak`.
 
 The peak keeps the total of each kind at the moment of the most bytes (a small dict copy per new peak). A tensor
 made before the peak and saved only after it (the loss's logits, saved as its forward ends) is moved to the
@@ -61,6 +63,7 @@ class LiveBytes(TorchDispatchMode):
         self.at_peak: dict[str, int] = {}
         self.kind = "transient"  # the kind new storages get
         self.sites, self.largest_at_peak = sites, []
+        self.host_peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -90,6 +93,9 @@ class LiveBytes(TorchDispatchMode):
 
     def _move(self, kind: str, delta: int) -> None:
         self.totals[kind] += delta
+        if kind == "host":
+            self.host_peak = max(self.host_peak, self.totals["host"])
+            return
         self.live += delta
         if self.live > self.peak:
             self._new_peak()
@@ -104,8 +110,8 @@ class LiveBytes(TorchDispatchMode):
         """Count `storage` (tracked now if it was not) as `kind` from here on."""
         self._track(storage)
         entry = self.entries[id(storage)]
-        self.totals[entry[2]] -= entry[1]
-        self.totals[kind] += entry[1]
+        self._move(entry[2], -entry[1])
+        self._move(kind, entry[1])
         if entry[2] == "transient" and kind == "activations" and entry[4] <= self.made_at_peak:
             self.at_peak["transient"] -= entry[1]  # alive at the peak, saved since (module docstring)
             self.at_peak["activations"] = self.at_peak.get("activations", 0) + entry[1]

@@ -26,6 +26,7 @@ from megalite.dryrun.fake_world import as_accelerator, fake_rank, fake_tensors
 from megalite.dryrun.live_bytes import LiveBytes
 from megalite.dryrun.roles import Role
 from megalite.dryrun.routing import balanced_routing
+from megalite.model import init
 from megalite.parallel.nccl_rules import Call, CommRecorder
 from megalite.parallel.topology import Topology
 from megalite.planning.measure import kept_gradients
@@ -41,7 +42,7 @@ class RankRun:
     coords: dict[str, int]
     memory: dict[str, int]  # device bytes by kind at the steady-state peak (live_bytes.KINDS)
     host: int  # offloaded bytes (optim.offload=cpu: main weights, optimizer state, gradient copies)
-    init_draw: int  # the most bytes the build held above the state it built: parameters drawn at full shape
+    build: tuple[int, int]  # the most device bytes while building, and the most host memory the init drew at once
     calls: list[Call] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # groups, build, step
     largest: list[tuple[int, str, str]] = field(default_factory=list)  # (bytes, kind, made at) at the peak
@@ -72,6 +73,22 @@ def label_state(live: LiveBytes, trainer: Trainer) -> None:
 
 
 Phase = tuple[dict[str, int], list]  # a phase's peak: bytes by kind, and its largest storages (LiveBytes sites)
+
+
+@contextlib.contextmanager
+def host_draws(live: LiveBytes) -> Iterator[None]:
+    """Initialisation draws every parameter at full shape on the host (model/init.py): count those as host memory."""
+    original = init.initial_value
+
+    def drawn(*args, **kwargs) -> torch.Tensor:
+        with live.making("host"):
+            return original(*args, **kwargs)
+
+    init.initial_value = drawn
+    try:
+        yield
+    finally:
+        init.initial_value = original
 
 
 @contextlib.contextmanager
@@ -115,9 +132,10 @@ def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int, s
         live = LiveBytes(sites)
         with fake_tensors(), live.counting(), balanced_routing(), as_accelerator():
             start = time.perf_counter()
-            trainer = build_trainer(cfg, topology)
+            with host_draws(live):
+                trainer = build_trainer(cfg, topology)
             label_state(live, trainer)
-            init_draw = live.peak - live.live
+            build = live.peak, live.host_peak
             live.reset_peak()
             seconds["build"] = time.perf_counter() - start
             batches = fake_batches(cfg, microbatches)
@@ -127,8 +145,8 @@ def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int, s
             seconds["step"] = time.perf_counter() - start
             state = live.totals["optimizer"]
             memory, largest = steady_peak(phases, state)
-            host = live.totals["host"]
+            host = live.totals["host"]  # offloaded state (the init's draws are gone)
             del trainer, batches
     coords = topology.grid.coords(role.rank)
     device = {kind: memory.get(kind, 0) for kind in memory if kind != "host"}
-    return RankRun(role, coords, device, host, init_draw, recorder.record.calls, seconds, largest)
+    return RankRun(role, coords, device, host, build, recorder.record.calls, seconds, largest)

@@ -31,8 +31,13 @@ def difference(run: RankRun, stage: StageMemory) -> float:
     return (run.total - stage.total) / stage.total if stage.total else 0.0
 
 
+def needed(run: RankRun) -> float:
+    """GiB the rank needs: its step's peak or its build's, whichever is larger, and the planner's reserve."""
+    return max(run.total, run.build[0]) / GIB + RESERVED_GIB
+
+
 def fits(run: RankRun, gpu: str) -> bool:
-    return run.total / GIB + RESERVED_GIB <= GPUS[gpu][0] / 1024
+    return needed(run) <= GPUS[gpu][0] / 1024
 
 
 def _memory_lines(report: DryRun, run: RankRun) -> list[str]:
@@ -46,8 +51,9 @@ def _memory_lines(report: DryRun, run: RankRun) -> list[str]:
     if run.host:
         lines.append(f"  host (offloaded)      {run.host / GIB:>10.3f} G")
     lines += [f"    {nbytes / GIB:8.3f} G {kind:<13} made at {site}" for nbytes, kind, site in run.largest]
-    lines.append(f"  initialisation drew up to {run.init_draw / GIB:.3f} G at once beyond the state (each parameter at "
-                 "full shape, in host memory: model/init.py)")
+    device, host = run.build
+    lines.append(f"  building it takes up to {device / GIB:.3f} G on the device, and draws up to {host / GIB:.3f} G at "
+                 "once in host memory (each parameter at full shape: model/init.py)")
     return lines
 
 
@@ -70,7 +76,7 @@ def _rank_lines(report: DryRun, run: RankRun, gpu: str) -> list[str]:
     lines += [f"    {group:<36}{name:<24}{count:>6} calls {nbytes / 2**20:>12.1f} MiB"
               for group, name, count, nbytes in communication(run)]
     verdict = "fits" if fits(run, gpu) else "does not fit"
-    lines.append(f"  {verdict}: {run.total / GIB + RESERVED_GIB:.1f} GiB with {RESERVED_GIB:.1f} reserved, "
+    lines.append(f"  {verdict}: {needed(run):.1f} GiB with {RESERVED_GIB:.1f} reserved, "
                  f"{GPUS[gpu][0] / 1024:.1f} GiB per {gpu}")
     return lines
 

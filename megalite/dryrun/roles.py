@@ -28,12 +28,13 @@ class Role:
 
 
 def roles(cfg: Config, world_size: int) -> list[Role]:
-    """Rank 0 of the other axes on the first, a middle and the last pipeline stage, and on the stage the planner
-    expects to need the most memory (one role when pp = 1)."""
+    """Rank 0 of the other axes on the first and the last pipeline stage and on the stage the planner expects to
+    need the most memory, or if that is the first or the last, on a middle stage (one role when pp = 1)."""
     p = cfg.parallel
     grid = RankGrid.for_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp)
     worst = max(memory_per_stage(cfg, world_size), key=lambda stage: stage.total).pp_rank
-    stages = sorted({0, p.pp // 2, p.pp - 1, worst})
+    middle = [] if 0 < worst < p.pp - 1 else [p.pp // 2]  # a layers-only stage, unless the largest is one
+    stages = sorted({0, p.pp - 1, worst, *middle})
     tied = cfg.model.tied and p.pp > 1
 
     def name(stage: int) -> str:

@@ -8,6 +8,9 @@ layout differs from Hugging Face's [all q][all k][all v] (the HF mapping reorder
 During generation a KV cache (model/kv_cache.py) supplies the keys and values of earlier
 tokens; the new tokens' queries then attend to those plus their own causal prefix.
 
+With `qkv_bias` (Qwen2) the QKV projection has a bias even where `bias` gives the others none. Each head is
+model.head_dim wide, which need not be hidden / heads (Qwen3's released models).
+
 With `qk_norm` (Qwen3) every query and key head is RMS-normalised over its head_dim before RoPE, by one
 weight per projection shared by all heads. Each tensor-parallel rank applies it to its own heads, so its
 gradient there is a partial sum over tp, as the weights' placement says.
@@ -43,10 +46,10 @@ class SelfAttention(nn.Module):
         """`device`: where the model will live (which norm implementation runs)."""
         super().__init__()
         tp = ctx.tp.size
-        self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp, cfg.kv_heads // tp, cfg.head_dim
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp, cfg.kv_heads // tp, cfg.head_size
         bias = cfg.features.bias
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias)
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias or cfg.features.qkv_bias)
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
         self.q_norm = self.k_norm = None
         if cfg.features.qk_norm:

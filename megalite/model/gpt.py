@@ -80,10 +80,11 @@ class Embedding(nn.Module):
             return self.dropout(x)
 
 
-def materialize(module: nn.Module, device: torch.device) -> None:
-    """Give every meta parameter and buffer of `module` uninitialised storage on `device`, as Module.to_empty does,
-    but as new tensors (a parameter shared by two modules stays shared): to_empty swaps each parameter in place,
-    which a fake-tensor mode refuses (the dry run builds real models on fake tensors: megalite/dryrun/)."""
+def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every meta parameter (in `dtype`) and buffer of `module` uninitialised storage on `device`, as
+    Module.to_empty does, but as new tensors (a parameter shared by two modules stays shared): to_empty swaps each
+    parameter in place, which a fake-tensor mode refuses (the dry run builds real models on fake tensors:
+    megalite/dryrun/)."""
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (meta tensor, kept alive: ids stay unique; new)
     for child in module.modules():
         for tensors, wrap in ((child._parameters, True), (child._buffers, False)):
@@ -91,8 +92,11 @@ def materialize(module: nn.Module, device: torch.device) -> None:
                 if tensor is None:
                     continue
                 if id(tensor) not in made:
-                    empty = torch.empty_like(tensor, device=device)
-                    made[id(tensor)] = tensor, nn.Parameter(empty, tensor.requires_grad) if wrap else empty
+                    if wrap:
+                        empty = nn.Parameter(torch.empty_like(tensor, device=device, dtype=dtype), tensor.requires_grad)
+                    else:
+                        empty = torch.empty_like(tensor, device=device)
+                    made[id(tensor)] = tensor, empty
                 tensors[key] = made[id(tensor)][1]
 
 
@@ -106,19 +110,19 @@ class GPTModel(nn.Module):
     of the word embeddings as `lm_head.weight` (TIED_COPY), initialised identically and kept equal
     by all-reducing its gradient with the first stage's (parallel/ddp.py).
 
-    The constructor reads only the architecture (`cfg`) and the init `seed`; how the model is
+    The constructor reads only the architecture (`cfg`), the init `seed` and the parameters' `dtype`; how the model is
     trained (activation recompute: model/recompute.py) is applied to it afterwards.
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device, ctx: ParallelContext | None = None,
-                 stage: StageLayout | None = None, *, seed: int) -> None:
+                 stage: StageLayout | None = None, *, seed: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.cfg, self.vocab_size, self.ctx = cfg, cfg.vocab_size, ctx or ParallelContext()
         self.stage = stage or StageLayout.single(cfg.num_layers)
         self.aux_losses = AuxLosses()  # terms layers add in forward (model/aux_losses.py)
         with torch.device("meta"):
             self._build_modules(cfg, device)
-        materialize(self, device)
+        materialize(self, device, dtype)
         if device.type != "meta":  # a meta build is for shapes and counts (planner, tests): nothing to draw
             init_parameters(self, seed, cfg, self.placements_by_name(), self.ctx.coord, self.tied_copies())
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -173,8 +177,7 @@ class GPTModel(nn.Module):
         if self.cfg.features.position_embedding != "rope":
             return None
         if tokens.device not in self._rope_cache:
-            self._rope_cache[tokens.device] = rope_tables(self.cfg.positions, self.cfg.head_dim, self.cfg.rope_theta,
-                                                          tokens.device)
+            self._rope_cache[tokens.device] = rope_tables(self.cfg, tokens.device)
         return rope_for(self._rope_cache[tokens.device], tokens.shape[1], position_ids)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,

@@ -45,5 +45,6 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, placements: d
         placement, name = placements[local_name], tied_copies.get(local_name, local_name)
         full = initial_value(name, torch.Size(placement.global_shape(param.shape, coord)), seed, cfg)
         param.copy_(placement.local(full, coord))
+        del full  # before the next draw: one full-shape tensor in host memory at a time, not two (the dry run)
     for buffer in model.buffers():
         buffer.zero_()

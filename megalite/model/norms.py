@@ -1,6 +1,6 @@
 """Normalisation layers: NVIDIA apex's fused kernels on CUDA when installed, torch's otherwise.
-apex's norms keep only what backward needs (less activation memory than torch's, see the planner);
-unmeasured on GPUs here.
+apex's norms keep only what backward needs; on CUDA torch's RMSNorm is a fused kernel too (it keeps its input
+and rstd, measured on an H100, see the planner). apex's are unmeasured: the GPU we ran on had no apex.
 
 Both compute the same function with the same parameters (`weight`, and `bias` for
 LayerNorm), so checkpoints do not depend on which implementation ran.

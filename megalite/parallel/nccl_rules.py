@@ -142,6 +142,7 @@ class CommRecorder:
 
     def __init__(self, rank: int) -> None:
         self.record = RankRecord(rank)
+        self._posted = 0  # calls posted so far: the next call's index
         self._waited: set[int] = set()
         self._depth = threading.local()
         self._saved: dict[tuple[Any, str], Callable] = {}
@@ -208,7 +209,7 @@ class CommRecorder:
         else:
             group, ops = a.get("group"), []
         group = group if group is not None else c10d._get_default_group()
-        call = Call(self.record.rank, len(self.record.calls), name, group.group_name,
+        call = Call(self.record.rank, self._posted, name, group.group_name,
                     tuple(dist.get_process_group_ranks(group)), where=_caller(), desc=group.group_desc)
         received = []
         for send, peer, tensor in ops:
@@ -226,6 +227,7 @@ class CommRecorder:
                 call.nbytes, call.dtype = tensor.numel() * tensor.element_size(), str(tensor.dtype)
         call.payload = _payload(call, a)
         self.record.events.append(("post", call))
+        self._posted += 1
         if name == "batch_isend_irecv":
             result = self._batch(original, a["p2p_op_list"])
         else:

@@ -39,6 +39,8 @@ class Widths:
     residual: int  # the residual stream between layers (the parameters' dtype)
     layernorm_input: int  # LayerNorm's saved input: CUDA autocast runs layer_norm in fp32 (a copy)
     layernorm_stats: int  # LayerNorm's mean and rstd
+    rmsnorm_input: int  # RMSNorm's saved input per element: CUDA's fused kernel keeps the input as it came (the
+    # residual stream's dtype) and an fp32 rstd per row; torch's composite form (CPU) keeps an fp32 x and x * rstd
 
     @classmethod
     def of(cls, cfg: Config, device: str) -> Widths:
@@ -46,18 +48,20 @@ class Widths:
         compute, residual = _BYTES[t.precision], _BYTES[t.param_dtype]
         autocast = t.precision != "fp32"
         on_cuda = device == "cuda"
-        return cls(compute, residual, 4 if on_cuda and autocast else residual, 4 if on_cuda else residual)
+        return cls(compute, residual, 4 if on_cuda and autocast else residual, 4 if on_cuda else residual,
+                   residual if on_cuda else 2 * 4)
 
 
 def _norm(cfg: Config, rows: int, w: Widths) -> int:
-    """LayerNorm keeps input, mean, rstd; torch's RMSNorm computes in fp32 and keeps x, x*rstd, rstd. Under a
-    schedule that splits the backward (zero bubble) either keeps only its input (model/norms.py SplitLayerNorm)."""
+    """LayerNorm keeps input, mean, rstd; RMSNorm its input (Widths.rmsnorm_input) and rstd. Under a schedule
+    that splits the backward (zero bubble) either keeps only its input (model/norms.py SplitLayerNorm), on any
+    device: its backward runs the norm again."""
     h = cfg.model.hidden_size
     if splits_backward(cfg.parallel.pipeline_schedule):
         return rows * h * w.residual
     if cfg.model.features.norm == "layernorm":
         return rows * (h * w.layernorm_input + 2 * w.layernorm_stats)
-    return rows * (2 * h * 4 + 4)
+    return rows * (h * w.rmsnorm_input + 4)
 
 
 def token_rows(cfg: Config) -> tuple[int, int]:
@@ -74,7 +78,7 @@ def layer_bytes(cfg: Config, device: str = "cuda", index: int = 0) -> int:
     tokens, rows = token_rows(cfg)
     if cfg.train.recompute == "full":
         return rows * m.hidden_size * w.residual  # the layer's input, kept by the checkpoint
-    h, d, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads // tp, m.kv_heads // tp
+    h, d, heads, groups = m.hidden_size, m.head_size, m.num_attention_heads // tp, m.kv_heads // tp
     sp = cfg.parallel.sequence_parallel_active
     inputs = rows if sp else tokens  # a column-parallel layer keeps its local input under SP
     attention = (
@@ -83,10 +87,25 @@ def layer_bytes(cfg: Config, device: str = "cuda", index: int = 0) -> int:
         + (tokens * (heads + groups) * d * w.compute if features.position_embedding == "rope" else 0)  # q, k after RoPE
         + tokens * heads * d * w.compute  # attention output = projection input
         + (tokens * heads * 4 if cfg.train.recompute == "none" else 0)  # flash logsumexp
+        + _qk_norm(cfg, tokens, heads, groups, w)
     )
     mlp = moe_block_bytes(cfg, rows, w) if m.is_moe_layer(index) else inputs * h * w.compute + _mlp(cfg, m.ffn_size, w)
     dropout = 2 * rows * h if m.hidden_dropout > 0 else 0  # boolean masks after attention and MLP
     return 2 * _norm(cfg, rows, w) + attention + allgather_layer_bytes(cfg, w.compute) + mlp + dropout
+
+
+def _qk_norm(cfg: Config, tokens: int, heads: int, groups: int, w: Widths) -> int:
+    """Qwen3's per-head RMSNorm of q and k: torch's keeps x * rstd in fp32 and rstd per head, and its input in
+    fp32: in fp32 a view of the fused QKV output (counted there) for k, and for q unless grouped-query attention
+    made q a copy; in a lower precision an fp32 copy of both."""
+    if not cfg.model.features.qk_norm:
+        return 0
+    rows, d = tokens * (heads + groups), cfg.model.head_size
+    if w.compute != 4:
+        inputs = rows * d * 4
+    else:
+        inputs = tokens * heads * d * 4 if groups != heads else 0
+    return rows * d * 4 + rows * 4 + inputs
 
 
 def _mlp(cfg: Config, width: int, w: Widths) -> int:

@@ -29,7 +29,7 @@ def _sizes(cfg: Config) -> tuple[int, int, int, int]:
     m, p = cfg.model, cfg.parallel
     tokens = m.seq_length // p.cp * cfg.train.micro_batch_size
     heads, groups = m.num_attention_heads // p.tp, m.kv_heads // p.tp
-    return tokens, heads, groups, 2 * tokens * groups * m.head_dim
+    return tokens, heads, groups, 2 * tokens * groups * m.head_size
 
 
 def comm_bytes(cfg: Config) -> tuple[int, int]:
@@ -66,7 +66,7 @@ def allgather_layer_bytes(cfg: Config, compute: int) -> int:
     rope = m.features.position_embedding == "rope"
     one_device = tokens * (heads + 2 * groups) + (tokens * (heads + groups) if rope else 0)
     kept_q = tokens * heads if rope or groups != heads else tokens * (heads + 2 * groups)
-    return ((kept_q - one_device) * m.head_dim + gathered_kv(cfg)) * compute
+    return ((kept_q - one_device) * m.head_size + gathered_kv(cfg)) * compute
 
 
 def attention_transient_bytes(cfg: Config, compute: int) -> int:
@@ -81,7 +81,7 @@ def attention_transient_bytes(cfg: Config, compute: int) -> int:
     if p.cp == 1:
         return 0
     tokens, heads, _, kv = _sizes(cfg)
-    dq = tokens * heads * cfg.model.head_dim
+    dq = tokens * heads * cfg.model.head_size
     if p.cp_comm == "p2p":
         return 2 * kv * (compute + 4) + dq * 4
     cast = compute if compute != 4 else 0  # .to() an fp32 tensor to fp32 returns the tensor itself

@@ -132,9 +132,10 @@ def kept_gradients(buffers: Iterable[GradBuffer]) -> list[torch.Tensor]:
 
 class GradientBytes:
     """The bytes the ZeRO strategies' gradient storage holds (whole buffers or shards, the buckets filling, the
-    inputs and outputs of reductions in flight, which a collective keeps alive until it is waited for),
-    sampled at every allocation, where a peak happens; `peak` is the most at once. Every such buffer is made
-    by the strategies' one allocation point, and is counted until it is really freed (weak references)."""
+    inputs of reductions in flight, which a collective keeps alive until it is waited for), sampled at every
+    allocation, where a peak happens; `peak` is the most at once. Every such buffer is made by the strategies'
+    one gradient allocation point (parameter storage has its own), and is counted until it is really freed
+    (weak references)."""
 
     def __init__(self) -> None:
         self.alive: list[tuple[weakref.ref, int]] = []
@@ -144,11 +145,10 @@ class GradientBytes:
     def tracking(self) -> Iterator[GradientBytes]:
         zeros = AllReduce._zeros
 
-        def counted(strategy: AllReduce, size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-            tensor = zeros(strategy, size, dtype)
-            if (dtype or strategy.grad_dtype) == strategy.grad_dtype:
-                self.alive.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
-                self.peak = max(self.peak, self.now)
+        def counted(strategy: AllReduce, size: int) -> torch.Tensor:
+            tensor = zeros(strategy, size)
+            self.alive.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
+            self.peak = max(self.peak, self.now)
             return tensor
 
         AllReduce._zeros = counted

@@ -1,11 +1,11 @@
 """Parameter counts from the config, per tensor-parallel rank of each pipeline stage.
 
-Mirrors how megalite/model builds the GPT: a fused QKV and (for SwiGLU) a fused gate/up matrix,
-column-parallel weights and biases split over tp, row-parallel weights split and their biases
-replicated, norms (the per-head q/k norms too) and learned positions replicated, the padded
-vocabulary split over tp. With tied embeddings under pipeline parallelism the last stage holds its
-own copy of the word embeddings as the LM head (kept equal to the first stage's), which costs
-memory there.
+Mirrors how megalite/model builds the GPT: a fused QKV (heads model.head_dim wide; a bias with model.bias or
+model.qkv_bias) and (for SwiGLU) a fused gate/up matrix, column-parallel weights and biases split over tp,
+row-parallel weights split and their biases replicated, norms (the per-head q/k norms too) and learned
+positions replicated, the padded vocabulary split over tp. With tied embeddings under pipeline parallelism
+the last stage holds its own copy of the word embeddings as the LM head (kept equal to the first stage's),
+which costs memory there.
 Each count also lists its ZeRO-3 gather units (GPTModel.chunk_modules): the embedding, each layer,
 the final norm and an untied LM head, each gathered whole around its use (parallel/zero/stage3.py).
 
@@ -82,10 +82,10 @@ def _moe(m: ModelConfig, ep: int) -> tuple[list[int], list[int], tuple[int, ...]
 
 def layer_parameters(m: ModelConfig, tp: int = 1, index: int = 0, ep: int = 1) -> Parameters:
     """Transformer layer `index` (global: which layers have experts) on one tensor- and expert-parallel rank."""
-    h, d, bias = m.hidden_size, m.head_dim, m.features.bias
+    h, d, bias = m.hidden_size, m.head_size, m.features.bias
     qkv = (m.num_attention_heads + 2 * m.kv_heads) * d
     norm = _norm_parameters(m)
-    sharded = [h * qkv, m.num_attention_heads * d * h] + ([qkv] if bias else [])
+    sharded = [h * qkv, m.num_attention_heads * d * h] + ([qkv] if bias or m.features.qkv_bias else [])
     replicated = [norm, norm] + ([h] if bias else []) + ([d, d] if m.features.qk_norm else [])
     expert: tuple[int, ...] = ()
     if m.is_moe_layer(index):

@@ -61,10 +61,11 @@ class Trainer:
 def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank: int) -> GPTModel:
     """Pipeline rank `pp_rank`'s model chunks, its shards (`ctx`), in train.param_dtype, with train.recompute
     applied."""
-    model = GPTModel(cfg.model, device, ctx, stage_layout(cfg, pp_rank), seed=cfg.train.seed)
+    # Each parameter is drawn in fp32 on every layout and rounded once into train.param_dtype as it is copied in
+    # (model/init.py); its storage is made in that dtype, so no fp32 copy of the model is ever on the device.
+    model = GPTModel(cfg.model, device, ctx, stage_layout(cfg, pp_rank), seed=cfg.train.seed,
+                     dtype=TORCH_DTYPES[cfg.train.param_dtype])
     apply_recompute(model, cfg.train.recompute)
-    for param in model.parameters():  # initialised in fp32 on every layout, then rounded once
-        param.data = param.data.to(TORCH_DTYPES[cfg.train.param_dtype])
     return model
 
 

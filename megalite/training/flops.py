@@ -76,7 +76,7 @@ def _mlp_matmul_parameters(cfg: ModelConfig, index: int) -> int:
 
 def _layer_matmul_parameters(cfg: ModelConfig) -> int:
     """Weights one token multiplies in the transformer layers (what full recompute runs again)."""
-    h, d = cfg.hidden_size, cfg.head_dim
+    h, d = cfg.hidden_size, cfg.head_size
     qkv = h * (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
     proj = cfg.num_attention_heads * d * h
     mlp = sum(_mlp_matmul_parameters(cfg, i) for i in range(cfg.num_layers))
@@ -90,7 +90,7 @@ def matmul_parameters(cfg: ModelConfig) -> int:
 
 def _core_attention_forward_flops(cfg: ModelConfig) -> int:
     """QK^T and the weighted sum over the s x s square, per token, every layer: 2 matmuls x 2 FLOPs."""
-    return 4 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
+    return 4 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.head_size
 
 
 def training_flops_per_token(cfg: ModelConfig) -> float:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.files import complete_iterations
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
 from megalite.checkpoint.resume import resume
 from megalite.config import Config
@@ -99,6 +100,10 @@ class Run:
         if c.load and c.load != c.save and not Path(c.load).exists():
             raise FileNotFoundError(f"checkpoint.load={c.load} does not exist; "
                                     "fix the path or drop --checkpoint.load to start from scratch")
+        if c.load and c.save and c.load != c.save and complete_iterations(Path(c.save)):
+            load = c.save  # this run's own progress: a relaunch continues it, not the checkpoint it started from
+            self.notes.append(f"resuming from checkpoint.save={c.save}, which holds this run's checkpoints "
+                              f"(checkpoint.load={c.load} is where it started)")
         resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes)
         if resumed is None:
             return None, []

@@ -3,8 +3,9 @@ with one grouped GEMM per projection (`torch._grouped_mm`), however unevenly the
 
 Weights are stored as linear layers store theirs, [experts, out, in] (transformers v5 keeps Mixtral's and
 Qwen3-MoE's experts fused the same way: gate_up_proj [E, 2I, H], down_proj [E, H, I]); a gated MLP's fc1
-holds the gate rows, then the up rows. They live on the expert grid, split by expert over ep: each rank holds
-num_experts/ep consecutive experts, and their gradients are reduced over the expert-data-parallel ranks.
+holds the gate rows, then the up rows, and the activation is the dense MLP's (model/mlp.py `activate`).
+They live on the expert grid, split by expert over ep: each rank holds num_experts/ep consecutive experts,
+and their gradients are reduced over the expert-data-parallel ranks.
 Under expert tensor parallelism (etp) each expert's MLP is split as a dense one is over tp: fc1's output
 features (gate and up each) and fc2's input features, so the output is a partial sum over the etp ranks.
 """
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.model.mlp import activate
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.placement import Placement, ShardSpec
 from megalite.parallel.weight_grads import split_backward, weight_grad
@@ -109,7 +111,7 @@ class ExpertLinear(nn.Module):
 class GroupedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
-        self.gated = cfg.features.gated_mlp
+        self.gated, self.activation = cfg.features.gated_mlp, cfg.features.activation
         self.local = cfg.num_experts // ctx.ep.size
         width, blocks = cfg.expert_ffn_size // ctx.etp.size, 2 if self.gated else 1
         self.linear_fc1 = ExpertLinear(self.local, cfg.hidden_size, blocks * width, dim=1, blocks=blocks)
@@ -127,9 +129,4 @@ class GroupedExperts(nn.Module):
         return self._activation_and_fc2(h, offsets)
 
     def _activation_and_fc2(self, h: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.linear_fc2(h, offsets)
+        return self.linear_fc2(activate(h, self.activation, self.gated), offsets)

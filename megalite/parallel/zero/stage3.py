@@ -54,9 +54,9 @@ class ShardedParameters(ShardedGradients):
     def _store_params(self, params: list[nn.Parameter]) -> None:
         """Each bucket's parameters become views of its own storage; only this rank's slices are kept
         (`param_shard`) and the bucket storage is freed until it is gathered."""
-        self.param_shard = self._zeros(self.layout.size // self.replicas, params[0].dtype)
+        self.param_shard = self._param_storage(self.layout.size // self.replicas, params[0].dtype)
         for bucket in self.layout.buckets:
-            weights = self.weights[bucket.index] = self._zeros(bucket.end - bucket.start, params[0].dtype)
+            weights = self.weights[bucket.index] = self._param_storage(bucket.end - bucket.start, params[0].dtype)
             for param in bucket.params:
                 view = self._view(weights, param, bucket.start)
                 view.copy_(param.data)

@@ -64,9 +64,14 @@ class AllReduce:
         for param in params:
             param.main_grad = self._view(self.grad_data, param)
 
-    def _zeros(self, size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Every buffer a strategy makes: one place, where measurements can see them."""
-        return torch.zeros(size, dtype=dtype or self.grad_dtype, device=self.device)
+    def _zeros(self, size: int) -> torch.Tensor:
+        """Every gradient buffer a strategy makes: one place, where measurements can see them
+        (planning/measure.py GradientBytes)."""
+        return torch.zeros(size, dtype=self.grad_dtype, device=self.device)
+
+    def _param_storage(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer for parameters (stages 1-3), not counted as gradient storage."""
+        return torch.zeros(size, dtype=dtype, device=self.device)
 
     def _view(self, flat: torch.Tensor, param: nn.Parameter, first: int = 0) -> torch.Tensor:
         """`param`'s elements of a flat buffer of the layout that starts at layout element `first`."""
@@ -135,7 +140,7 @@ class ReduceScatter(AllReduce):
 
     def _store_params(self, params: list[nn.Parameter]) -> None:
         """Parameters become views of one flat buffer of the layout, keeping their values."""
-        self.param_data = self._zeros(self.layout.size, params[0].dtype)
+        self.param_data = self._param_storage(self.layout.size, params[0].dtype)
         for param in params:
             view = self._view(self.param_data, param)
             view.copy_(param.data)

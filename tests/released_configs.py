@@ -1,0 +1,82 @@
+"""The config.json of released models (as their hub repositories hold them, in transformers 4.x's format:
+rope_theta and rope_scaling at the top level), for their shapes only: no weights. Each comes with its
+parameter count as transformers counts it (the model cards' figure)."""
+
+from __future__ import annotations
+
+import transformers
+
+RELEASED = {  # name -> (config.json, parameters)
+    "Qwen3-0.6B": ({
+        "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+        "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+        "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+        "use_sliding_window": False, "vocab_size": 151936
+    }, 596_049_920),
+    "Qwen3-8B": ({
+        "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36,
+        "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+        "use_sliding_window": False, "vocab_size": 151936
+    }, 8_190_735_360),
+    "Qwen2.5-0.5B": ({
+        "model_type": "qwen2", "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+        "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+        "max_position_embeddings": 32768, "max_window_layers": 24, "num_attention_heads": 14, "num_hidden_layers": 24,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+        "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936
+    }, 494_032_768),
+    "Llama-3.2-1B": ({
+        "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+        "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+        "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256
+    }, 1_235_814_400),
+    "Llama-3.1-8B": ({
+        "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+        "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256
+    }, 8_030_261_248),
+    "Mistral-7B-v0.3": ({
+        "model_type": "mistral", "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+        "tie_word_embeddings": False, "vocab_size": 32768
+    }, 7_248_023_552),
+    "Qwen1.5-MoE-A2.7B": ({
+        "model_type": "qwen2_moe", "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+        "decoder_sparse_step": 1, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21,
+        "moe_intermediate_size": 1408, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 60,
+        "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "shared_expert_intermediate_size": 5632, "sliding_window": 32768,
+        "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936
+    }, 14_315_784_192),
+    "Qwen3-30B-A3B": ({
+        "model_type": "qwen3_moe", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+        "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+        "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936
+    }, 30_532_122_624),
+}
+
+
+def released_config(name: str, **changes) -> transformers.PretrainedConfig:
+    """transformers' config of released model `name`, as it reads the config.json, with `changes` to its fields."""
+    fields = {**RELEASED[name][0], **changes}
+    return transformers.CONFIG_MAPPING[fields.pop("model_type")].from_dict(fields)
