@@ -52,7 +52,7 @@ def layer_held_bytes(cfg: Config, device: str = "cuda", index: int = 0) -> int:
     """Transformer layer `index`'s weight-gradient inputs for one micro batch on one rank."""
     m, tp, w = cfg.model, cfg.parallel.tp, Widths.of(cfg, device)
     tokens, rows = token_rows(cfg)
-    h, d = m.hidden_size, m.head_dim
+    h, d = m.hidden_size, m.head_size
     heads, groups = m.num_attention_heads // tp, m.kv_heads // tp
     size = 2 * _norm(rows * h, w.residual, w)
     size += _linear(tokens, h, (heads + 2 * groups) * d, w.compute) + _linear(tokens, heads * d, h, w.compute)
