@@ -7,9 +7,10 @@
    compute is a sleep: forward t_f / vp, B t_b / vp, W t_w / vp, in the measured ratios with t_f = --t-f ms (a
    schedule without W sleeps B and W together in its backward). Sleeping ranks need no CPU, so pp ranks on 2
    cores time like pp devices. Bubble = (step - ideal) / ideal, with ideal m (t_f + t_b + t_w), next to the
-   schedule's formula with the same times (parallel/schedules.py bubble_fraction) and to its op lists played out
-   with free messages (planning/bubble.py); also against the same rank's operations run back to back without a
-   pipeline, which pay the same late wake-ups and autograd, so that only the pipeline's costs remain.
+   schedule's formula with the same times (parallel/schedules.py bubble_fraction), to its op lists played out
+   with free messages and with the communication plan's batched exchanges (planning/bubble.py); also against
+   the same rank's operations run back to back without a pipeline, which pay the same late wake-ups and
+   autograd, so that only the pipeline's costs remain.
 3. Memory: the benchmark model itself trains one step per schedule on pp gloo ranks; each rank's activation
    memory at the schedule's peak (what autograd saves, plus what B leaves for W: planning/measure_pipeline.py)
    next to the planner's (planning/memory.py peak_activations).
@@ -126,10 +127,11 @@ def bubble_row(case: Case, ranks: list[dict], times: tuple[float, float, float])
     ideal = case.m * sum(times) / 1e3
     formula = bubble_fraction(case.schedule, case.pp, case.vp, case.m, *times)
     lists = simulated_bubble(case.schedule, case.pp, case.vp, case.m, *times)
+    exchanged = simulated_bubble(case.schedule, case.pp, case.vp, case.m, *times, exchanges=True)
     bubble, bubble_np = (step - ideal) / ideal, (step - no_pipeline) / no_pipeline
     peaks = ",".join(str(r["peak"]) for r in ranks)
     return (f"| {case.name} | {case.vp} | {case.m} | {1e3 * step:.0f} | {1e3 * ideal:.0f} | {1e3 * no_pipeline:.0f} "
-            f"| {formula:.3f} | {lists:.3f} | {bubble:.3f} ({bubble / formula:.2f}x) "
+            f"| {formula:.3f} | {lists:.3f} | {exchanged:.3f} | {bubble:.3f} ({bubble / formula:.2f}x) "
             f"| {bubble_np:.3f} ({bubble_np / formula:.2f}x) | {peaks} |")
 
 
@@ -198,8 +200,9 @@ def main(argv: list[str] | None = None) -> None:
           f"T_W {1e3 * t_w:.2f} ms; T_B/T_F {t_b / t_f:.2f}, T_W/T_F {t_w / t_f:.2f}")
     print(f"sleeping stages: t_f {times[0]:.1f}, t_b {times[1]:.1f}, t_w {times[2]:.1f} ms per micro batch per rank; "
           f"median of {args.iters} steps{'; ranks at SCHED_FIFO 1' if args.realtime else ''}")
-    print("| schedule | vp | m | step ms | ideal ms | no-pipeline ms | formula | op lists | bubble vs ideal "
-          "(x formula) | bubble vs no-pipeline (x formula) | in flight per rank |\n" + "|---" * 11 + "|")
+    print("| schedule | vp | m | step ms | ideal ms | no-pipeline ms | formula | op lists | plan's exchanges "
+          "| bubble vs ideal (x formula) | bubble vs no-pipeline (x formula) | in flight per rank |\n"
+          + "|---" * 12 + "|")
     for case in cases:
         print(bubble_row(case, run_on_ranks(case.pp, time_case, case, times, args.iters, args.realtime), times),
               flush=True)
