@@ -40,14 +40,22 @@ def input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return grad.matmul(weight.to(grad.dtype))
 
 
+_CPU_CAST_BYTES = 64 * 2**20  # the fp32 copies of grad and x rows a CPU makes at once (see _accumulate)
+
+
 def _accumulate(main: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
-    """main += grad^T x, for [n, out] grad and [n, in] x, accumulated in main's dtype."""
+    """main += grad^T x, for [n, out] grad and [n, in] x, accumulated in main's dtype. A CPU has no mixed-dtype
+    addmm, so it casts rows of grad and x to main's dtype a few at a time: whole, the LM head's [tokens, vocab]
+    gradient would be copied at once (llama_8b_zero3: 47 GiB, found by the dry run), where CUDA's kernel copies
+    nothing."""
     if grad.dtype == main.dtype:
         main.addmm_(grad.t(), x)
     elif main.is_cuda:
         torch.addmm(main, grad.t(), x, out_dtype=main.dtype, out=main)
     else:
-        main.addmm_(grad.t().to(main.dtype), x.to(main.dtype))
+        rows = max(1, _CPU_CAST_BYTES // (main.element_size() * (grad.shape[1] + x.shape[1])))
+        for start in range(0, grad.shape[0], rows):
+            main.addmm_(grad[start : start + rows].t().to(main.dtype), x[start : start + rows].to(main.dtype))
 
 
 def weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, final: bool = True) -> torch.Tensor | None:
