@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import tiny_run
@@ -75,3 +76,17 @@ def _whole_gradients(parts, topology: Topology) -> dict[str, torch.Tensor]:
                 grad = unshard(pieces, spec)
         grads[copies.get(name, name)] = grad
     return grads
+
+
+def assert_equals_one_device(layout: str, losses: list[float], per_rank: list, index: int,
+                             reference: tuple[list[float], dict[str, torch.Tensor]]) -> None:
+    """Case `index`'s losses, and every gradient merged over the ranks' results (per_rank[rank][index][1]),
+    equal the one-device run's `reference`: fp32, rel 1e-5."""
+    ref_losses, ref_grads = reference
+    assert losses == pytest.approx(ref_losses, rel=1e-5), layout
+    merged = {}
+    for rank_results in per_rank:
+        merged |= rank_results[index][1]
+    assert merged.keys() == ref_grads.keys(), layout
+    for name, grad in merged.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")

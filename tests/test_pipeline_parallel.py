@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from distributed import cpu_topology, pretrain_torchrun, run_ranks, tiny_run
-from parity import train_and_gather
+from parity import assert_equals_one_device, train_and_gather
 
 from megalite.parallel.pipeline_layout import PipelineStage
 from megalite.parallel.schedules import communication_plan, needs, schedule_ops
@@ -113,16 +113,8 @@ def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
 def test_pipeline_layouts_match_one_device(world_size, references):
     per_rank = run_ranks(world_size, _rank_run)
     for index, (family, pp, vp, tp, *rest) in enumerate(CASES[world_size]):
-        layout = f"{family} pp={pp} vp={vp} tp={tp} sp/first/last={rest}"
-        ref_losses, ref_grads = references[family]
-        last = per_rank[world_size - 1][index][0]
-        assert last == pytest.approx(ref_losses, rel=1e-5), layout
-        merged = {}
-        for rank_results in per_rank:
-            merged |= rank_results[index][1]
-        assert merged.keys() == ref_grads.keys(), layout
-        for name, grad in merged.items():
-            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
+        assert_equals_one_device(f"{family} pp={pp} vp={vp} tp={tp} sp/first/last={rest}",
+                                 per_rank[world_size - 1][index][0], per_rank, index, references[family])
 
 
 def test_trace_shows_every_op_once_per_step(tmp_path):

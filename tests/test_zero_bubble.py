@@ -29,7 +29,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from distributed import cpu_topology, run_ranks, tiny_run
-from parity import train_and_gather
+from parity import assert_equals_one_device, train_and_gather
 
 from megalite.config import Config
 from megalite.dryrun.pipeline_plan import check_pipeline
@@ -232,16 +232,9 @@ def test_zero_bubble_layouts_match_one_device(one_device):
     """Losses and every gradient the optimizers stepped with, fp32, over three steps."""
     per_rank = run_ranks(4, _parity_ranks)
     for index, (family, pp, vp, schedule, parallel) in enumerate(PARITY):
-        layout = f"{family} {schedule} pp={pp} vp={vp} {parallel}"
-        ref_losses, ref_grads = one_device[family]
         losses = next(r[index][0] for r in per_rank if r[index][0] is not None)
-        assert losses == pytest.approx(ref_losses, rel=1e-5), layout
-        merged = {}
-        for rank_results in per_rank:
-            merged |= rank_results[index][1]
-        assert merged.keys() == ref_grads.keys(), layout
-        for name, grad in merged.items():
-            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
+        assert_equals_one_device(f"{family} {schedule} pp={pp} vp={vp} {parallel}", losses, per_rank, index,
+                                 one_device[family])
 
 
 def test_a_compiled_layer_defers_its_weight_gradients():

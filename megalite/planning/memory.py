@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megalite.config import Config
@@ -138,31 +139,27 @@ def transient_bytes(cfg: Config, params: Parameters, shards: dict[str, int], act
     return max(backward, loss, step - activations if cfg.parallel.grad_reduce_dtype != "fp32" else 0)
 
 
+def _per_chunk(cfg: Config, pp_rank: int, layer: Callable[[int], int], first: int, last: int) -> list[int]:
+    """For each model chunk of pipeline stage `pp_rank`: layer(global index) summed over its layers, plus `first`
+    on the model's first chunk (the embedding) and `last` on its last (the head)."""
+    stage = stage_layout(cfg, pp_rank)
+    return [sum(layer(index) for index in range(a, b)) + (first if stage.is_first_chunk(chunk) else 0)
+            + (last if stage.is_last_chunk(chunk) else 0) for chunk, (a, b) in enumerate(stage.chunks)]
+
+
 def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
     """One micro batch's saved bytes for each model chunk of pipeline stage `pp_rank`."""
-    stage = stage_layout(cfg, pp_rank)
-    sizes = []
-    for index, (a, b) in enumerate(stage.chunks):
-        size = sum(layer_bytes(cfg, device, index) for index in range(a, b))
-        size += embedding_bytes(cfg) if stage.is_first_chunk(index) else 0
-        size += head_bytes(cfg, device) if stage.is_last_chunk(index) else 0
-        sizes.append(size)
-    return sizes
+    return _per_chunk(cfg, pp_rank, lambda index: layer_bytes(cfg, device, index), embedding_bytes(cfg),
+                      head_bytes(cfg, device))
 
 
 def chunk_held_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
     """One micro batch's weight-gradient inputs, held from its B to its W, for each model chunk of pipeline stage
     `pp_rank` (planning/held.py); none unless the schedule splits the backward."""
-    stage = stage_layout(cfg, pp_rank)
     if not splits_backward(cfg.parallel.pipeline_schedule):
-        return [0] * stage.vp
-    sizes = []
-    for index, (a, b) in enumerate(stage.chunks):
-        size = sum(layer_held_bytes(cfg, device, layer) for layer in range(a, b))
-        size += embedding_held_bytes(cfg) if stage.is_first_chunk(index) else 0
-        size += head_held_bytes(cfg, device) if stage.is_last_chunk(index) else 0
-        sizes.append(size)
-    return sizes
+        return [0] * stage_layout(cfg, pp_rank).vp
+    return _per_chunk(cfg, pp_rank, lambda index: layer_held_bytes(cfg, device, index), embedding_held_bytes(cfg),
+                      head_held_bytes(cfg, device))
 
 
 def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> tuple[int, int]:
