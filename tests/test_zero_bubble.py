@@ -193,8 +193,9 @@ def _layout(family: str, pp: int, vp: int, schedule: str, tp: int = 1, **paralle
                                  "pipeline_schedule": schedule, **parallel})
 
 
-PARITY = [  # on 4 ranks: pp 2 and 4 with tp 2 + SP, dp 2 + the distributed optimizer, ZeRO-3, expert parallelism
+PARITY = [  # on 4 ranks: pp 2 and 4 with tp 2 + SP, cp 2, dp 2 + the distributed optimizer, ZeRO-3, expert parallelism
     ("llama", 2, 2, "zb-v", {"tp": 2}),
+    ("llama", 2, 2, "zb-v", {"cp": 2}),  # ring attention's exchanges inside B, its projections' W deferred
     ("gpt2", 2, 2, "zb-h1", {"tp": 2}),  # tied embeddings, the row-parallel bias after the reduction
     ("gpt2", 2, 2, "zb-v", {"distributed_optimizer": True}),  # the tied copy next to the embedding on rank 0
     ("llama", 2, 1, "zb-h1", {"zero_stage": 3, "recompute": "full", "bucket_size": 20_000}),
