@@ -13,10 +13,10 @@ GPT from its own modules (`get_gpt_layer_local_spec`). `--attention` picks the c
 Data: random tokens (seeded), labels the next token, every position in the loss; no tokenizer, no index files,
 so Megatron's dataset helpers (C++ compiled by `make` at start-up) are not needed and their build is skipped.
 
-Each optimizer step prints one line, `peer-step <seconds> <tokens>` (timed between device synchronizations),
-and the built model one `peer-model parameters=<count> vocabulary=<padded size>`: gpu_check reads those, so that
-every peer is timed and checked the same way. `--cpu` (tests only) runs on a CPU with gloo through the stand-ins
-of tests/fixtures/megatron/cpu_standins.py.
+Each optimizer step prints one line, `peer-step <seconds> <tokens> <peak allocated GiB>` (timed between device
+synchronizations), and the built model one `peer-model parameters=<count> vocabulary=<padded size>`: gpu_check
+reads those, so that every peer is timed and checked the same way. `--cpu` (tests only) runs on a CPU with gloo
+through the stand-ins of tests/fixtures/megatron/cpu_standins.py.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def timed(train_step, tokens_per_step):
         start = time.perf_counter()
         result = train_step(*args, **kwargs)
         torch.cuda.synchronize()
-        print(f"peer-step {time.perf_counter() - start:.6f} {tokens_per_step()}", flush=True)
+        seconds, peak = time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
+        print(f"peer-step {seconds:.6f} {tokens_per_step()} {peak:.3f}", flush=True)
         return result
 
     return step

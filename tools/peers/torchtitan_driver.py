@@ -12,11 +12,12 @@ and the training options). torchtitan imports Hugging Face `datasets` at start-u
 which this spec does not use: where `datasets` cannot be imported (absent, or its pyarrow broken), a stand-in
 module takes its place that fails if anything calls it.
 
-Each optimizer step prints `peer-step <seconds> <tokens>` (timed between device synchronizations) and the built
-model `peer-model parameters=<count> vocabulary=<size>`, as tools/peers/megatron_driver.py does. `--cpu` (tests
-only) runs on a CPU: torchtitan picks CUDA whenever no other accelerator is found, so a small shim names the CPU
-as its device, gives torch.cpu the few memory queries torchtitan's metrics ask torch.cuda for, and stands in for
-the MoE triton kernels a dense model never runs (a CPU machine has no triton).
+Each optimizer step prints `peer-step <seconds> <tokens> <peak allocated GiB>` (timed between device
+synchronizations) and the built model `peer-model parameters=<count> vocabulary=<size>`, as
+tools/peers/megatron_driver.py does. `--cpu` (tests only) runs on a CPU: torchtitan picks CUDA whenever no other
+accelerator is found, so a small shim names the CPU as its device, gives torch.cpu the few memory queries
+torchtitan's metrics ask torch.cuda for, and stands in for the MoE triton kernels a dense model never runs (a CPU
+machine has no triton).
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ def timed_trainer():
             utils.device_module.synchronize()
             t = self.job_config.training
             tokens = t.local_batch_size * t.seq_len * self.gradient_accumulation_steps
-            print(f"peer-step {time.perf_counter() - start:.6f} {tokens}", flush=True)
+            seconds = time.perf_counter() - start
+            peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+            print(f"peer-step {seconds:.6f} {tokens} {peak:.3f}", flush=True)
 
     return TimedTrainer
 
