@@ -222,6 +222,7 @@ def install_wheels(ctx: Context, wheels: Path) -> tuple[Path | None, str]:
     rc, output = ctx.run("peers_install", install_command(files, site), 120)
     if rc != 0:
         return None, f"pip install of the peers' wheels: {failed(rc)}: {' '.join(output.split()[-30:])}"
+    site.mkdir(parents=True, exist_ok=True)
     (site / ".installed").write_text("\n".join(file.name for file in files) + "\n")
     return site, ""
 
