@@ -7,7 +7,8 @@
 - Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) saves the same way in two lines
   and leaves a finished W&B run with every step; a second Ctrl-C during the save aborts with one line and
   status 130, publishes nothing and leaves no process behind;
-- the ranks agree on a stop at every step, not only at log steps (spawned ranks, one of them signalled).
+- the ranks agree on a stop at every step, not only at log steps (spawned ranks, one of them signalled);
+- a stop with no checkpoint.save to save into says so and exits 143, as a process the signal ended.
 
 Jobs are held after a known step (tests/held_pretrain.py) while the test signals them, so every stop lands
 at a step known in advance. The Slurm script's side (requeue only after a save, a save longer than
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -25,7 +28,7 @@ import pytest
 from conftest import tiny_config
 from distributed import metrics as read_metrics
 from distributed import run_ranks
-from held_job import LAUNCH, Job
+from held_job import LAUNCH, ROOT, Job
 from wandb_records import read_run
 
 from megalite.config_cli import parse_config
@@ -153,3 +156,34 @@ def test_the_ranks_agree_on_a_stop_at_every_step(tmp_path):
     """Not only at log steps: the vote queued at the end of step 3 carries rank 1's signal, step 4 reads it."""
     assert run_ranks(2, _one_rank_signalled, str(tmp_path)) == [(4, "SIGTERM", "iter_0000004")] * 2
     assert (tmp_path / "latest").read_text().strip() == "4"
+
+
+# Runs pretrain_gpt.py in this process after wrapping train_step so that the process sends itself SIGTERM
+# during step 2 (as a scheduler would, to one process).
+_SIGTERM_IN_STEP_2 = """
+import os, runpy, signal, sys
+import megalite.training.pretrain as pretrain_module
+
+step, started = pretrain_module.train_step, [0]
+
+def signalled_step(trainer, batches):
+    started[0] += 1
+    if started[0] == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return step(trainer, batches)
+
+pretrain_module.train_step = signalled_step
+sys.argv[0] = "pretrain_gpt.py"
+runpy.run_path("pretrain_gpt.py", run_name="__main__")
+"""
+
+
+def test_a_stop_without_checkpoint_save_says_so_and_exits_like_the_signal(tmp_path):
+    """Nothing saved is work lost: exit status 143 (128 + SIGTERM), as a process the signal ended, with the line
+    saying what to set; no traceback."""
+    done = subprocess.run([sys.executable, "-c", _SIGTERM_IN_STEP_2, *TINY, "--data.num_workers=0"], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert ("SIGTERM received: stopped after step 3 without saving (set checkpoint.save to resume after a "
+            "preemption)") in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
