@@ -11,10 +11,12 @@ from megalite.training.pretrain import pretrain
 def main() -> int:
     try:
         cfg = config_from_argv()
-        pretrain(cfg)
+        result = pretrain(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if result.stopped_by and result.checkpoint is None:
+        return 128 + result.stopped_by  # stopped by a signal with nothing saved: the shell's status for it
     return 0
 
 

@@ -33,11 +33,12 @@ def _payloads(data: bytes):
 
 
 def read_run(run_dir: str | Path) -> dict:
-    """{'history': [{key: value}...], 'config': {key: value}} of the offline run in `run_dir`."""
+    """{'history': [{key: value}...], 'config': {key: value}, 'exit_code': int or None (not finished)} of the
+    offline run in `run_dir`."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (file,) = Path(run_dir).glob("run-*.wandb")
-    history, config = [], {}
+    history, config, exit_code = [], {}, None
     for payload in _payloads(file.read_bytes()):
         record = pb.Record()
         record.ParseFromString(payload)
@@ -48,4 +49,6 @@ def read_run(run_dir: str | Path) -> dict:
         elif kind in ("run", "config"):
             updates = record.run.config.update if kind == "run" else record.config.update
             config.update({item.key: json.loads(item.value_json) for item in updates})
-    return {"history": history, "config": config}
+        elif kind == "exit":
+            exit_code = record.exit.exit_code
+    return {"history": history, "config": config, "exit_code": exit_code}

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megalite.child_signals import children_start_deaf, ignore_stop_signals
 from megalite.data.batches import Batch, BatchMaker
 
 
@@ -38,7 +39,8 @@ class MicroBatches:
     from the traceback, leaves no worker behind."""
 
     def __init__(self, loader: DataLoader) -> None:
-        self._batches = iter(loader)
+        with children_start_deaf():  # the workers start here
+            self._batches = iter(loader)
 
     def __iter__(self) -> MicroBatches:
         return self
@@ -64,5 +66,6 @@ def micro_batches(dataset: Dataset, maker: BatchMaker, first: int, end: int, mic
     loader = DataLoader(
         dataset, batch_sampler=MicroBatchSampler(first, end, micro_batch_size, dp, dp_rank), collate_fn=maker,
         num_workers=num_workers, pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers else None,
+        worker_init_fn=ignore_stop_signals,  # the rank stops them (megalite/child_signals.py)
     )
     return MicroBatches(loader)

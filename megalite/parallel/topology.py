@@ -318,6 +318,29 @@ class Topology:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags.tolist()
 
+    def max_over_ranks_later(self, values: list[float]) -> Callable[[], list[float]]:
+        """`max_over_ranks` without waiting for it: the host-to-device copy, the collective and the copy back
+        are queued now (pinned memory, no wait), and the returned function reads the result. Read one step
+        later, the GPU finished it while the next step was queued, so the host waits for nothing (unless it
+        ran more than a step ahead of its GPU). On the CPU the collective runs when queued."""
+        if self.world_size == 1:
+            return lambda: values
+        if self.device.type != "cuda":
+            flags = torch.tensor(values, dtype=torch.float32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            return flags.tolist
+        flags = torch.tensor(values, dtype=torch.float32).pin_memory().to(self.device, non_blocking=True)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True).copy_(flags, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> list[float]:
+            copied.synchronize()
+            return host.tolist()
+
+        return read
+
     @classmethod
     def from_config(cls, rank: int, world_size: int, device: torch.device, parallel: ParallelConfig,
                     experts: bool = False) -> Topology:

@@ -6,9 +6,7 @@ import contextlib
 import copy
 import os
 import signal
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
 from megalite.training.routing_metrics import RoutingMetrics
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
+from megalite.training.stopping import StopSignals, StopVote, write_report
 from megalite.training.trace import write_chrome_trace
 from megalite.training.wandb_logger import new_run_id
 
@@ -52,11 +51,13 @@ class RunResult:
     checkpoint: Path | None = None
     wandb_dir: str | None = None
     wandb_run_id: str | None = None
+    stopped_by: signal.Signals | None = None  # a signal stopped the run before train.train_iters (saved if
+    # `checkpoint` is set)
 
 
 class Run:
-    def __init__(self, cfg: Config, topology: Topology) -> None:
-        self.cfg, self.topology = cfg, topology
+    def __init__(self, cfg: Config, topology: Topology, signals: StopSignals) -> None:
+        self.cfg, self.topology, self.signals = cfg, topology, signals
         # first: a memory snapshot then sees every allocation
         self.profiler = Profiler(cfg.logging, topology.rank, topology.device)
         self.gbs = cfg.batch_size(topology.world_size)
@@ -126,26 +127,27 @@ class Run:
                                              t.dp_rank, cfg.data.num_workers, t.device)
         per_step = cfg.num_microbatches(t.world_size)
         self.interval = (time.perf_counter(), 0)
-        with _stop_flag_on(signal.SIGTERM) as sigterm:
-            while self.state.step < cfg.train.train_iters:
-                step = self.state.step + 1
-                self.optimizer.set_lr(learning_rate(step, cfg.optim, cfg.train.train_iters))
-                batches = [next(stream) for _ in range(per_step)]
-                self.profiler.step_started(step)
-                result = train_step(self.trainer, batches)
-                if self.routing is not None:
-                    self.routing.add_step(self.trainer.model.aux_losses)
-                self.profiler.step_finished(step)
-                self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
-                self.state.loss_scaler = self.trainer.scaler.state_dict()
-                self._after_step(step, start, result)
-                reason = self._stop_reason(step, sigterm)
-                wanted = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
-                if self.checkpointer and (reason or wanted):
-                    self._save()
-                if reason:
+        vote = StopVote(t, self.signals, cfg.train.exit_duration_mins, self.started)
+        while self.state.step < cfg.train.train_iters:
+            step = self.state.step + 1
+            self.optimizer.set_lr(learning_rate(step, cfg.optim, cfg.train.train_iters))
+            batches = [next(stream) for _ in range(per_step)]
+            self.profiler.step_started(step)
+            result = train_step(self.trainer, batches)
+            if self.routing is not None:
+                self.routing.add_step(self.trainer.model.aux_losses)
+            self.profiler.step_finished(step)
+            self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
+            self.state.loss_scaler = self.trainer.scaler.state_dict()
+            self._after_step(step, start, result)
+            reason = self._stop_reason(step, vote)
+            wanted = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
+            if self.checkpointer and (reason or wanted):
+                self._save()
+            if reason:
+                if not self.result.stopped_by:
                     self.writer.print(f"{reason} at step {step}; exiting cleanly")
-                    break
+                break
         return self._finish(start)
 
     def _after_step(self, step: int, start: int, result: StepResult) -> None:
@@ -204,21 +206,18 @@ class Run:
                                      f"(last: step {step}): training diverged{where}. Lower optim.lr, "
                                      "raise optim.warmup_iters or check the data, then resume")
 
-    def _stop_reason(self, step: int, sigterm: threading.Event) -> str | None:
-        """Why every rank should stop now (they agree: one rank's SIGTERM or clock stops all). Agreeing is a
-        collective read on the host, which stalls a GPU pipeline, so it happens only at log steps, where the
-        host waits for the GPU anyway: a SIGTERM is acted on within logging.log_interval steps."""
+    def _stop_reason(self, step: int, vote: StopVote) -> str | None:
+        """Why every rank should stop now: they agree at every step (one rank's signal or clock stops all;
+        stopping.py), and on train.exit_interval."""
         train = self.cfg.train
+        stopped_by, late = vote.after_step()
+        if stopped_by:
+            self.result.stopped_by = stopped_by
+            return f"{stopped_by.name} received"
+        if late:
+            return f"train.exit_duration_mins={train.exit_duration_mins} passed"
         if train.exit_interval is not None and step % train.exit_interval == 0:
             return f"train.exit_interval={train.exit_interval} reached"
-        if step % self.cfg.logging.log_interval and step != train.train_iters:
-            return None
-        late = train.exit_duration_mins is not None and time.monotonic() - self.started >= 60 * train.exit_duration_mins
-        flags = self.topology.max_over_ranks([float(sigterm.is_set()), float(late)])
-        if flags[0]:
-            return "SIGTERM received (preemption?): saved to resume later" if self.checkpointer else "SIGTERM received"
-        if flags[1]:
-            return f"train.exit_duration_mins={train.exit_duration_mins} passed"
         return None
 
     def _finish(self, start_step: int) -> RunResult:
@@ -234,7 +233,18 @@ class Run:
         if self.checkpointer:
             self.checkpointer.wait()
         self.result.final_step = step
+        if self.result.stopped_by:
+            self._say_where_it_stopped()
         return self.result
+
+    def _say_where_it_stopped(self) -> None:
+        name, step, saved = self.result.stopped_by.name, self.state.step, self.result.checkpoint
+        if self.checkpointer:
+            self.writer.print(f"{name} received: stopped after step {step} and saved {saved}; "
+                              "run the same command to resume from it")
+        else:
+            self.writer.print(f"{name} received: stopped after step {step} without saving "
+                              "(set checkpoint.save to resume after a preemption)")
 
     def close(self, failed: bool = False) -> None:
         """Release what the run started, before the process group goes: data workers, the trainer's
@@ -329,10 +339,11 @@ def pretrain(cfg: Config) -> RunResult:
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)), data_files=True)
     created = not dist.is_initialized()
     topology = Topology.from_environment(cfg.train.device, cfg.parallel, experts=cfg.model.num_experts > 0)
+    signals = StopSignals().install()  # before the data workers and W&B start: a signal then only asks to stop
     try:
         torch.manual_seed(cfg.train.seed)
         allow_tf32(cfg.train.allow_tf32)
-        run = Run(cfg, topology)
+        run = Run(cfg, topology, signals)
         try:
             result = run.train()
         except BaseException as error:
@@ -344,22 +355,12 @@ def pretrain(cfg: Config) -> RunResult:
             raise
         run.close()
         dist.barrier()
+        if result.stopped_by and result.checkpoint:
+            write_report(result.stopped_by, result.final_step, result.checkpoint)
         return result
     finally:
+        signals.restore()
         if created:
             run = topology = None  # nothing of the run may hold a group once they are destroyed
             release_process_groups()
 
-
-@contextlib.contextmanager
-def _stop_flag_on(signum: int) -> Iterator[threading.Event]:
-    """An event set when `signum` arrives (Slurm sends SIGTERM before preemption), instead of dying mid-step."""
-    event = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield event
-        return
-    previous = signal.signal(signum, lambda *_: event.set())
-    try:
-        yield event
-    finally:
-        signal.signal(signum, previous)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import secrets
+import signal
 import string
 import threading
 import time
@@ -23,7 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megalite.child_signals import STOP_SIGNALS, children_start_deaf
+
 _RESTARTS = 3  # offline restarts after failures before W&B is given up for this run
+_PARENT_CHECK_SECONDS = 5.0  # how often a W&B process with nothing to log checks that training still runs
 
 
 def new_run_id() -> str:
@@ -32,26 +36,56 @@ def new_run_id() -> str:
 
 
 def _serve(settings: dict[str, Any], timeout: float, records: Any, status: Any) -> None:
-    """The child process: one W&B run, fed from `records` until ("finish", exit code)."""
+    """The child process: one W&B run, fed from `records` until ("finish", exit code), or until the training
+    process is gone (killed, aborted: the run is finished as failed). SIGTERM and SIGINT are left to the
+    training process, which finishes the run once it has stopped; but where a cluster signals every process
+    of the job, W&B's own service dies of it, and the failure reported then names the signal."""
+    signalled = _note_stop_signals()
     import wandb
+
+    def failed(error: Exception) -> None:
+        why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if signalled:
+            why = f"{signalled[0].name} reached every process of the job and stopped W&B's service"
+        status.put(("failed", why))
 
     try:
         run = wandb.init(**settings, settings=wandb.Settings(init_timeout=timeout))
     except Exception as error:  # noqa: BLE001 - whatever W&B raises, the parent falls back
-        status.put(("failed", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"))
+        failed(error)
         return
     status.put(("ready", run.dir))
     while True:
-        kind, payload, step = records.get()
-        if kind == "finish":
-            run.finish(exit_code=payload)
-            status.put(("finished", run.dir))
-            return
+        kind, payload, step = _next_record(records)
         try:
+            if kind == "finish":
+                run.finish(exit_code=payload)
+                status.put(("finished", run.dir))
+                return
             run.log(payload, step=step)
         except Exception as error:  # noqa: BLE001
-            status.put(("failed", f"{type(error).__name__}: {error}"))
+            failed(error)
             return
+
+
+def _note_stop_signals() -> list[signal.Signals]:
+    """The W&B process notes SIGTERM / SIGINT instead of dying of them (it started with them blocked:
+    megalite/child_signals.py)."""
+    received: list[signal.Signals] = []
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda number, _: received.append(signal.Signals(number)))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    return received
+
+
+def _next_record(records: Any) -> tuple[str, Any, int]:
+    """The next record for W&B; ("finish", 1, 0) once the training process is gone."""
+    while True:
+        try:
+            return records.get(timeout=_PARENT_CHECK_SECONDS)
+        except queue.Empty:
+            if not multiprocessing.parent_process().is_alive():
+                return "finish", 1, 0
 
 
 class WandbLogger:
@@ -67,7 +101,7 @@ class WandbLogger:
         self.closing, self.exit_code, self.finished = False, 0, threading.Event()
         self.dir: str | None = None
         self.reason: str | None = None  # why the run fell back to offline, until the offline run is up
-        self.restarts = 0
+        self.restarts, self.settings_mode = 0, mode
         self._start(mode)
         self.supervisor = threading.Thread(target=self._supervise, name="wandb-supervisor", daemon=True)
         self.supervisor.start()
@@ -82,7 +116,8 @@ class WandbLogger:
         self.started = time.monotonic()
         self.process = self.context.Process(target=_serve, args=({**self.settings, "mode": mode}, self.timeout,
                                                                  self.records, self.status), daemon=True)
-        self.process.start()
+        with children_start_deaf():
+            self.process.start()
 
     def log(self, record: dict[str, Any], step: int) -> None:
         with self.lock:
@@ -134,7 +169,9 @@ class WandbLogger:
         if self.reason is None:
             return
         command = f"wandb sync {Path(directory).parent}"
-        self.say(f"warning: W&B went offline ({self.reason}); training continues and logs to {Path(directory).parent}; "
+        went = "went offline" if self.settings_mode == "online" else "restarted"
+        going_on = "the run is finished" if self.closing else "training continues and logs"
+        self.say(f"warning: W&B {went} ({self.reason}); {going_on} in {Path(directory).parent}; "
                  f"upload it later with `{command}`")
         self.note({"wandb_fallback": "offline", "reason": self.reason, "sync_command": command,
                    "step": self.history[-1][1] if self.history else 0})
