@@ -17,8 +17,10 @@ from typing import Any, Literal
 
 import torch
 
+from megalite.errors import InvalidInput
 
-class ConfigError(ValueError):
+
+class ConfigError(InvalidInput):
     """A configuration problem the user must fix; the message says which field and how."""
 
     @classmethod

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.compatibility import model_changes, saved_model
 from megalite.checkpoint.files import complete_iterations
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
 from megalite.checkpoint.resume import resume
@@ -23,6 +24,7 @@ from megalite.config_cli import dump_yaml
 from megalite.config_validation import validate
 from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import MicroBatches, micro_batches
+from megalite.errors import MissingInput
 from megalite.parallel.schedules import Trace
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, release_process_groups, synchronize
@@ -98,15 +100,19 @@ class Run:
         if not load:
             return None, []
         if c.load and c.load != c.save and not Path(c.load).exists():
-            raise FileNotFoundError(f"checkpoint.load={c.load} does not exist; "
+            raise MissingInput(f"checkpoint.load={c.load} does not exist; "
                                     "fix the path or drop --checkpoint.load to start from scratch")
         if c.load and c.save and c.load != c.save and complete_iterations(Path(c.save)):
             load = c.save  # this run's own progress: a relaunch continues it, not the checkpoint it started from
             self.notes.append(f"resuming from checkpoint.save={c.save}, which holds this run's checkpoints "
                               f"(checkpoint.load={c.load} is where it started)")
-        resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes)
+        resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes,
+                         self.cfg.model)
         if resumed is None:
             return None, []
+        changes = model_changes(saved_model(resumed.path), self.cfg.model)[1]
+        if changes:
+            self.notes.append(f"model changed since {resumed.path} was saved: {', '.join(map(str, changes))}")
         self.optimizer.gather_params()  # the distributed optimizer's ranks loaded only their own slices
         self.state = resumed.state
         if resumed.rng is not None:
