@@ -199,11 +199,12 @@ def preprocess(args: argparse.Namespace, sources: list[Source], stats: Stats) ->
     config = WorkerConfig(args.tokenizer_type, args.json_keys, args.append_eod, args.vocab_file,
                           args.merge_file, args.tokenizer_model, args.vocab_size)
     tokenizer = config.build_tokenizer()  # in the parent too: a bad flag fails here, clearly
-    dtype, recorded = optimal_dtype(tokenizer.vocab_size), {"type": args.tokenizer_type,
-                                                            "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    recorded = {"type": args.tokenizer_type, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     with ExitStack() as stack:
-        writers = {key: stack.enter_context(IndexedDatasetWriter(f"{args.output_prefix}_{key}_document", dtype, recorded))
+        writers = {key: stack.enter_context(
+                       IndexedDatasetWriter(f"{args.output_prefix}_{key}_document", dtype, recorded))
                    for key in args.json_keys}
         rejects_file = stack.enter_context(open(args.rejects, "w", encoding="utf-8")) if args.rejects else None
         progress = Progress(known_size(sources), args.log_interval)
