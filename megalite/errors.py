@@ -58,5 +58,6 @@ def report(error: UserError, program: str = "pretrain_gpt.py") -> int:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun shows this as the root cause of the failure
         with open(error_file, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
     return EXIT_USER_ERROR

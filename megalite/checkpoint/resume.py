@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.files import problem_with
+from megalite.checkpoint.files import complete_iterations, problem_with
 from megalite.checkpoint.local import (
     TrainingState,
     checkpoint_candidates,
@@ -32,7 +32,8 @@ from megalite.checkpoint.local import (
 )
 from megalite.checkpoint.reader import DamagedCheckpoint
 from megalite.checkpoint.sharded_state import ShardedState
-from megalite.config import ModelConfig
+from megalite.config import CheckpointConfig, ModelConfig
+from megalite.errors import MissingInput
 from megalite.parallel.topology import Topology
 
 
@@ -44,6 +45,19 @@ class Resumed:
     optimizer_loaded: bool
     bytes_read: int
     skipped: list[str]  # damaged checkpoints passed over on the way
+
+
+def where_to_resume(c: CheckpointConfig) -> tuple[str | None, str | None]:
+    """The directory a run resumes from (None: nowhere) and a note when it is not the obvious one: checkpoint.load,
+    by default checkpoint.save (so a restarted job continues), but checkpoint.save once it holds this run's own
+    checkpoints (a relaunch continues the run, not the checkpoint it started from)."""
+    if c.load and c.load != c.save and not Path(c.load).exists():
+        raise MissingInput(f"checkpoint.load={c.load} does not exist; "
+                           "fix the path or drop --checkpoint.load to start from scratch")
+    if c.load and c.save and c.load != c.save and complete_iterations(Path(c.save)):
+        return c.save, (f"resuming from checkpoint.save={c.save}, which holds this run's checkpoints "
+                        f"(checkpoint.load={c.load} is where it started)")
+    return c.load or c.save, None
 
 
 def _plan(load: str) -> tuple[list[tuple[str, str | None]], bool, str]:

@@ -16,15 +16,14 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.compatibility import model_changes, saved_model
-from megalite.checkpoint.files import complete_iterations
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
-from megalite.checkpoint.resume import resume
+from megalite.checkpoint.resume import resume, where_to_resume
 from megalite.config import Config
 from megalite.config_cli import dump_yaml
 from megalite.config_validation import validate
 from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import MicroBatches, micro_batches
-from megalite.errors import MissingInput
+from megalite.errors import UserError
 from megalite.parallel.schedules import Trace
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, release_process_groups, synchronize
@@ -34,6 +33,7 @@ from megalite.training.flops import peak_tflops, throughput
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
+from megalite.training.report_once import ReportOnce
 from megalite.training.routing_metrics import RoutingMetrics
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
 from megalite.training.trace import write_chrome_trace
@@ -96,16 +96,11 @@ class Run:
         """Resume from checkpoint.load (default: checkpoint.save, so a restarted job continues); every rank
         reads only what it holds (checkpoint/resume.py)."""
         c = self.cfg.checkpoint
-        load = c.load or c.save
+        load, note = where_to_resume(c)
         if not load:
             return None, []
-        if c.load and c.load != c.save and not Path(c.load).exists():
-            raise MissingInput(f"checkpoint.load={c.load} does not exist; "
-                                    "fix the path or drop --checkpoint.load to start from scratch")
-        if c.load and c.save and c.load != c.save and complete_iterations(Path(c.save)):
-            load = c.save  # this run's own progress: a relaunch continues it, not the checkpoint it started from
-            self.notes.append(f"resuming from checkpoint.save={c.save}, which holds this run's checkpoints "
-                              f"(checkpoint.load={c.load} is where it started)")
+        if note:
+            self.notes.append(note)
         resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes,
                          self.cfg.model)
         if resumed is None:
@@ -336,6 +331,7 @@ def pretrain(cfg: Config) -> RunResult:
     created = not dist.is_initialized()
     topology = Topology.from_environment(cfg.train.device, cfg.parallel, experts=cfg.model.num_experts > 0)
     try:
+        report = ReportOnce()
         torch.manual_seed(cfg.train.seed)
         allow_tf32(cfg.train.allow_tf32)
         run = Run(cfg, topology)
@@ -351,6 +347,9 @@ def pretrain(cfg: Config) -> RunResult:
         run.close()
         dist.barrier()
         return result
+    except UserError as error:
+        report.claim(error)
+        raise
     finally:
         if created:
             run = topology = None  # nothing of the run may hold a group once they are destroyed
