@@ -32,6 +32,7 @@ CHANGEABLE = frozenset({
     "moe_bias_update_rate", "moe_capacity_factor", "moe_drop_policy", "moe_pad_to_capacity",
 })
 
+_FEATURE_NAMES = {f.name for f in dataclasses.fields(Features)}
 # Fields compared on the value the model is built from, not on what was written (None: "the default").
 _RESOLVED: dict[str, Callable[[ModelConfig], Any]] = {
     "num_query_groups": lambda m: m.kv_heads,
@@ -41,7 +42,17 @@ _RESOLVED: dict[str, Callable[[ModelConfig], Any]] = {
     "max_position_embeddings": lambda m: m.positions,
     "make_vocab_size_divisible_by": lambda m: m.padded_vocab_size,
     "moe_router_group_topk": lambda m: m.moe_router_group_topk or m.moe_router_groups,
-    **{f.name: (lambda m, name=f.name: getattr(m.features, name)) for f in dataclasses.fields(Features)},
+    **{name: (lambda m, name=name: getattr(m.features, name)) for name in _FEATURE_NAMES},
+}
+# What a default follows: the fields it is derived from (config.py's ModelConfig properties).
+_DERIVED_FROM: dict[str, set[str]] = {
+    "num_query_groups": {"num_attention_heads"},
+    "head_dim": {"hidden_size", "num_attention_heads"},
+    "ffn_hidden_size": {"hidden_size", "family", "gated_mlp"},
+    "moe_ffn_hidden_size": {"hidden_size", "family", "gated_mlp", "ffn_hidden_size"},
+    "moe_router_group_topk": {"moe_router_groups"},
+    "make_vocab_size_divisible_by": {"vocab_size"},  # compared as the padded vocabulary
+    **{name: {"family"} for name in _FEATURE_NAMES},
 }
 _HINTS = {"vocab_size": "the tokenizer sets it: train with the checkpoint's tokenizer",
           "make_vocab_size_divisible_by": "it pads the vocabulary"}
@@ -82,17 +93,29 @@ def saved_model(path: Path) -> ModelConfig:
 
 
 def model_changes(saved: ModelConfig, current: ModelConfig) -> tuple[list[Change], list[Change]]:
-    """(refused, allowed) differences between a checkpoint's model and the run's."""
+    """(refused, allowed) differences between a checkpoint's model and the run's. A width both configs leave to
+    its default is not listed when what it derives from is (it follows), nor are the experts' fields of two
+    models without experts."""
     refused, allowed = [], []
     rope = current.features.position_embedding == "rope" == saved.features.position_embedding
+    experts = saved.num_experts or current.num_experts
     for f in dataclasses.fields(ModelConfig):
         value = _RESOLVED.get(f.name, lambda m, name=f.name: getattr(m, name))
         before, after = value(saved), value(current)
-        if before == after:
+        if before == after or (f.name.startswith("moe_") and not experts):
             continue
         changeable = f.name in CHANGEABLE and (rope or f.name != "max_position_embeddings")
         (allowed if changeable else refused).append(Change(f.name, before, after))
-    return refused, allowed
+    named = {c.field for c in refused}
+    return [c for c in refused if not _follows(c, saved, current, named)], allowed
+
+
+def _follows(change: Change, saved: ModelConfig, current: ModelConfig, named: set[str]) -> bool:
+    """Whether `change` is only the consequence of a listed one: a default derived on both sides (the padded
+    vocabulary always) from a field that changed."""
+    name = change.field
+    derived = name == "make_vocab_size_divisible_by" or getattr(saved, name) is None and getattr(current, name) is None
+    return derived and bool(named & _DERIVED_FROM.get(name, set()))
 
 
 def _names(names: Iterable[str], limit: int = 3) -> str:
