@@ -158,7 +158,6 @@ def check_fits(path: Path, saved_shapes: dict[str, list[int]], held_shapes: dict
                              "directory (and no checkpoint.load) to start a new run")
 
 
-
 def check_model(path: Path, model: ModelConfig) -> list[Change]:
     """Refuse checkpoint `path` when `model` differs from its saved one where the weights cannot follow (the
     tensors are not read); returns the allowed changes."""

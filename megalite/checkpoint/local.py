@@ -182,7 +182,7 @@ def _candidates(root: Path) -> list[Path]:
     latest = iteration_dir(root, int(text))
     if not latest.is_dir():
         raise MissingInput(f"{pointer} names iteration {text} but {latest} does not exist; "
-                                "point it at an existing iter_* directory")
+                           "point it at an existing iter_* directory")
     return [latest] + [p for p in found if int(p.name[5:]) < int(text)]
 
 
@@ -203,7 +203,7 @@ def give_up_unless_fallback(problems: list[str], exact: bool, fallback: bool) ->
         raise InvalidInput(f"{problems[-1]}; resume from another iter_* directory")
     if not fallback:
         raise InvalidInput(f"{problems[-1]}; set checkpoint.fallback=true to resume from the previous complete "
-                         "checkpoint")
+                           "checkpoint")
 
 
 def none_complete(load: str, problems: list[str]) -> None:

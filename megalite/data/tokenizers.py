@@ -110,7 +110,7 @@ class GPT2BPETokenizer(_RustTokenizer):
         eod = backend.token_to_id("<|endoftext|>")
         if eod is None:
             raise InvalidInput(f"{_SOURCES['vocab_file']}: {vocab_file} has no <|endoftext|> token, "
-                             "so it is not a GPT-2 vocabulary")
+                               "so it is not a GPT-2 vocabulary")
         super().__init__(backend, eod)
 
 
@@ -165,11 +165,11 @@ class HuggingFaceTokenizer(_RustTokenizer):
         loaded = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         if loaded.eos_token_id is None:
             raise InvalidInput(f"{_SOURCES['tokenizer_model']}: the tokenizer in {path} has no eos token to end "
-                             "documents with; set eos_token in its tokenizer_config.json")
+                               "documents with; set eos_token in its tokenizer_config.json")
         backend = getattr(loaded, "backend_tokenizer", None)
         if backend is None:
             raise InvalidInput(f"{_SOURCES['tokenizer_model']}: {path} loads as {type(loaded).__name__}, which has no "
-                             "fast (tokenizers) backend; save it with save_pretrained from a fast tokenizer")
+                               "fast (tokenizers) backend; save it with save_pretrained from a fast tokenizer")
         return backend, loaded.eos_token_id
 
 
@@ -187,7 +187,7 @@ class SentencePieceTokenizer(Tokenizer):
                                "the .model file the corpus was preprocessed with") from None
         if self._sp.eos_id() < 0:
             raise InvalidInput(f"{_SOURCES['tokenizer_model']}: SentencePiece model {path} has no eos piece "
-                             "to end documents with")
+                               "to end documents with")
 
     @property
     def vocab_size(self) -> int:
