@@ -19,7 +19,7 @@ from conftest import tiny_config
 from distributed import ROOT
 
 from megalite.checkpoint.compatibility import CheckpointMismatch
-from megalite.data.gpt_dataset import TokenOutOfVocabulary
+from megalite.data.gpt_dataset import TokenOutOfVocabulary, Vocabulary
 from megalite.data.indexed_dataset import IndexedDatasetError, IndexedDatasetWriter, stats_file_path
 from megalite.training.pretrain import pretrain
 
@@ -116,6 +116,15 @@ def test_token_ids_beyond_the_vocabulary_are_caught_as_each_sample_is_read(tmp_p
     assert str(caught.value).startswith(f"{prefix} split=1,0,0 part=0, sample ")
     assert "holds token id 5000, outside the vocabulary of 301 ids" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_the_sample_check_takes_negative_ids_too():
+    """An int32 corpus can hold negative ids (corrupt, or written by hand); one unsigned max catches both ends."""
+    vocab = Vocabulary(300, "data.tokenizer_type=NullTokenizer")
+    vocab.check(np.array([0, 150, 299]), "fine")
+    for bad, tokens in ((-2, [1, -2, 400]), (300, [300, 1])):
+        with pytest.raises(TokenOutOfVocabulary, match=rf"^here holds token id {bad}, outside the vocabulary of 300"):
+            vocab.check(np.array(tokens), "here")
 
 
 def test_empty_and_mixed_datasets_are_named(tmp_path):

@@ -133,7 +133,7 @@ class GPTDataset:
 @dataclass(frozen=True)
 class Vocabulary:
     """The ids a model embeds, and the tokenizer they come from (for messages). Every sample is checked as it is
-    read (in the loader's worker, on the host: a max and a min over a few thousand ids), so a corpus made with
+    read (in the loader's worker, on the host: one max over a few thousand ids), so a corpus made with
     another tokenizer stops the run with a line naming the dataset and the vocabulary instead of failing inside
     the embedding (an IndexError on a CPU, a device-side assert on a GPU)."""
 
@@ -141,8 +141,9 @@ class Vocabulary:
     tokenizer: str
 
     def check(self, tokens: np.ndarray, where: str) -> None:
-        if tokens.size and (tokens.max() >= self.size or tokens.min() < 0):
-            bad = int(tokens.max() if tokens.max() >= self.size else tokens.min())
+        """One pass over `tokens` (int64): viewed unsigned, a negative id is larger than any vocabulary."""
+        if tokens.size and tokens.view(np.uint64).max() >= self.size:
+            bad = int(tokens[(tokens < 0) | (tokens >= self.size)][0])
             raise TokenOutOfVocabulary(
                 f"{where} holds token id {bad}, outside the vocabulary of {self.size} ids of {self.tokenizer}: "
                 "the corpus was tokenized with another tokenizer; preprocess it with this one, or train with the "
