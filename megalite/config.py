@@ -17,15 +17,21 @@ from typing import Any, Literal
 
 import torch
 
+from megalite.errors import InvalidInput
 
-class ConfigError(ValueError):
+
+class ConfigError(InvalidInput):
     """A configuration problem the user must fix; the message says which field and how."""
+
+    problems: list[str] = []  # each problem, when raised by raise_if
 
     @classmethod
     def raise_if(cls, errors: list[str]) -> None:
         """Raise one error listing every problem at once, if there is any."""
         if errors:
-            raise cls("invalid configuration:\n  - " + "\n  - ".join(errors))
+            error = cls("invalid configuration:\n  - " + "\n  - ".join(errors))
+            error.problems = errors
+            raise error
 
 
 # What train.precision, train.param_dtype and parallel.grad_reduce_dtype name.

@@ -100,7 +100,8 @@ def _check_moe(cfg: Config, world_size: int) -> list[str]:
                       "expert-parallel rank holds the same number of experts")
     if world_size % (p.etp * p.ep * p.pp):
         errors.append(f"world size {world_size} is not divisible by parallel.etp*parallel.ep*parallel.pp="
-                      f"{p.etp * p.ep * p.pp}: the expert grid is carved out of each pipeline stage's ranks")
+                      f"{p.etp * p.ep * p.pp}: the expert grid is carved out of each pipeline stage's ranks; "
+                      f"{_launch_hint(p.etp * p.ep * p.pp)}")
     if m.expert_ffn_size % p.etp:
         errors.append(f"the experts' width (model.moe_ffn_hidden_size) {m.expert_ffn_size} is not divisible by "
                       f"parallel.etp={p.etp}; pick an etp that divides it")
@@ -146,7 +147,8 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
         axes = ("tp", "cp", "pp") if p.cp > 1 else ("tp", "pp")
         product = "*".join(axes)
         errors.append(f"world size {world_size} is not divisible by {'*'.join('parallel.' + a for a in axes)}="
-                      f"{p.tp * p.cp * p.pp}; launch a multiple of {product} processes (dp = world/({product}))")
+                      f"{p.tp * p.cp * p.pp}; launch a multiple of {product} processes (dp = world/({product})), "
+                      f"{_launch_hint(p.tp * p.cp * p.pp)}")
     errors += _check_context_parallel(cfg)
     errors += _check_pipeline(cfg, world_size)
     m = cfg.model
@@ -171,6 +173,11 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
     if p.bucket_size < 1:
         errors.append(f"parallel.bucket_size={p.bucket_size} must be >= 1")
     return errors
+
+
+def _launch_hint(multiple: int) -> str:
+    return (f"e.g. torchrun --nproc-per-node={multiple} pretrain_gpt.py ARGS (pretrain_gpt.py --check "
+            "--nproc-per-node=N --nnodes=M ARGS checks a launch without starting it)")
 
 
 def _check_context_parallel(cfg: Config) -> list[str]:

@@ -103,12 +103,14 @@ class Stats:
     tokens: Counter = field(default_factory=Counter)
     bytes: int = 0
     skipped: Counter = field(default_factory=Counter)
+    keys_seen: set[str] = field(default_factory=set)
 
     def add(self, result: ChunkResult) -> None:
         self.documents += len(next(iter(result.lengths.values())))
         self.tokens.update({key: int(lengths.sum()) for key, lengths in result.lengths.items()})
         self.bytes += result.size
         self.skipped.update(reject.reason for reject in result.rejects)
+        self.keys_seen |= result.keys_seen
 
     def rates(self) -> str:
         seconds = max(time.perf_counter() - self.start, 1e-9)
@@ -196,10 +198,13 @@ def preprocess(args: argparse.Namespace, sources: list[Source], stats: Stats) ->
     """Tokenize every source into one writer per key; the outputs get their final names only if it all succeeds."""
     config = WorkerConfig(args.tokenizer_type, args.json_keys, args.append_eod, args.vocab_file,
                           args.merge_file, args.tokenizer_model, args.vocab_size)
-    dtype = optimal_dtype(config.build_tokenizer().vocab_size)  # in the parent too: a bad flag fails here, clearly
+    tokenizer = config.build_tokenizer()  # in the parent too: a bad flag fails here, clearly
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    recorded = {"type": args.tokenizer_type, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     with ExitStack() as stack:
-        writers = {key: stack.enter_context(IndexedDatasetWriter(f"{args.output_prefix}_{key}_document", dtype))
+        writers = {key: stack.enter_context(
+                       IndexedDatasetWriter(f"{args.output_prefix}_{key}_document", dtype, recorded))
                    for key in args.json_keys}
         rejects_file = stack.enter_context(open(args.rejects, "w", encoding="utf-8")) if args.rejects else None
         progress = Progress(known_size(sources), args.log_interval)
@@ -210,8 +215,23 @@ def preprocess(args: argparse.Namespace, sources: list[Source], stats: Stats) ->
             write_result(result, writers, rejects_file, args.strict)
             stats.add(result)
             progress.update(stats, result.size)
+        if not stats.documents:
+            raise InputError(no_documents(stats, args.json_keys))
         finalize_all(list(writers.values()))
     return stats
+
+
+def no_documents(stats: Stats, keys: list[str]) -> str:
+    """Why nothing would be written, as Megatron-LM would write an empty dataset: usually a wrong --json-keys or
+    Parquet column, so the keys the records do have are listed."""
+    given = " ".join(keys)
+    if not sum(stats.skipped.values()):
+        return "the inputs hold no records"
+    skipped = ", ".join(f"{reason} {n:,}" for reason, n in sorted(stats.skipped.items()))
+    if stats.keys_seen:
+        return (f"no record has text under --json-keys {given} (skipped: {skipped}); the records' keys are "
+                f"{', '.join(sorted(stats.keys_seen))}: pass the text field with --json-keys")
+    return f"every record was skipped (skipped: {skipped}); --rejects FILE lists them with the reason"
 
 
 def finalize_all(writers: list[IndexedDatasetWriter]) -> None:

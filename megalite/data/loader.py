@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from megalite.child_signals import children_start_deaf, ignore_stop_signals
 from megalite.data.batches import Batch, BatchMaker
+from megalite.errors import UserError
 
 
 class MicroBatchSampler:
@@ -46,7 +47,10 @@ class MicroBatches:
         return self
 
     def __next__(self) -> Batch:
-        return next(self._batches)
+        try:
+            return next(self._batches)
+        except UserError as error:
+            raise _as_raised(error) from None
 
     def close(self) -> None:
         shutdown = getattr(self._batches, "_shutdown_workers", None)  # only loaders with workers have them
@@ -58,6 +62,16 @@ class MicroBatches:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _as_raised(error: UserError) -> UserError:
+    """A user error raised in a worker process arrives re-raised by torch with the worker's whole traceback in its
+    message; what the user needs is the message the worker raised (its last line), once."""
+    text, marker = str(error).rstrip(), f"{type(error).__name__}: "
+    last = text.splitlines()[-1] if text else ""
+    if "Original Traceback" not in text or marker not in last:
+        return error
+    return type(error)(last.split(marker, 1)[1])
 
 
 def micro_batches(dataset: Dataset, maker: BatchMaker, first: int, end: int, micro_batch_size: int, dp: int,

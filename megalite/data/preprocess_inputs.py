@@ -127,7 +127,7 @@ def _jsonl_chunks(path: str) -> Iterator[Chunk]:
             line += data.count(b"\n")
 
 
-def _columns_chunk(source: str, table, keys: list[str], first: int) -> Chunk:
+def _columns_chunk(source: str, table, keys: list[str], first: int, columns: list[str]) -> Chunk:
     """An Arrow batch as plain lists per key. Strings travel as bytes (a zero-copy cast), so
     a row of invalid UTF-8 is rejected by the worker instead of failing the whole batch here."""
     import pyarrow as pa
@@ -143,7 +143,7 @@ def _columns_chunk(source: str, table, keys: list[str], first: int) -> Chunk:
         elif pa.types.is_large_string(column.type):
             column = column.cast(pa.large_binary())
         records[key] = column.to_pylist()
-    return Chunk(source, "columns", records, first=first, size=table.nbytes)
+    return Chunk(source, "columns", records, first=first, size=table.nbytes, columns=columns)
 
 
 def _rows_per_chunk(bytes_per_row: float) -> int:
@@ -161,7 +161,7 @@ def _parquet_chunks(path: str, keys: list[str]) -> Iterator[Chunk]:
                for c in range(meta.num_columns) if meta.schema.column(c).path.split(".")[0] in present)
     first = 1
     for batch in file.iter_batches(batch_size=_rows_per_chunk(size / max(meta.num_rows, 1)), columns=present):
-        yield _columns_chunk(path, batch, keys, first)
+        yield _columns_chunk(path, batch, keys, first, file.schema_arrow.names)
         first += batch.num_rows
 
 
@@ -184,7 +184,7 @@ def _hf_chunks(path: str, keys: list[str], split: str | None) -> Iterator[Chunk]
         rows = _STREAMING_ROWS
     first = 1
     for table in dataset.with_format("arrow").iter(batch_size=rows):
-        yield _columns_chunk(path, table, keys, first)
+        yield _columns_chunk(path, table, keys, first, table.column_names)
         first += table.num_rows
 
 

@@ -13,14 +13,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.files import complete_iterations
+from megalite.checkpoint.compatibility import model_changes, saved_model
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
-from megalite.checkpoint.resume import resume
+from megalite.checkpoint.resume import resume, where_to_resume
 from megalite.config import Config
 from megalite.config_cli import dump_yaml
 from megalite.config_validation import validate
 from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import MicroBatches, micro_batches
+from megalite.errors import UserError
 from megalite.parallel.schedules import Trace
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, release_process_groups, synchronize
@@ -30,6 +31,7 @@ from megalite.training.flops import peak_tflops, throughput
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
+from megalite.training.report_once import ReportOnce
 from megalite.training.routing_metrics import RoutingMetrics
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
 from megalite.training.stopping import StopSignals, StopVote, write_report
@@ -95,19 +97,18 @@ class Run:
         """Resume from checkpoint.load (default: checkpoint.save, so a restarted job continues); every rank
         reads only what it holds (checkpoint/resume.py)."""
         c = self.cfg.checkpoint
-        load = c.load or c.save
+        load, note = where_to_resume(c)
         if not load:
             return None, []
-        if c.load and c.load != c.save and not Path(c.load).exists():
-            raise FileNotFoundError(f"checkpoint.load={c.load} does not exist; "
-                                    "fix the path or drop --checkpoint.load to start from scratch")
-        if c.load and c.save and c.load != c.save and complete_iterations(Path(c.save)):
-            load = c.save  # this run's own progress: a relaunch continues it, not the checkpoint it started from
-            self.notes.append(f"resuming from checkpoint.save={c.save}, which holds this run's checkpoints "
-                              f"(checkpoint.load={c.load} is where it started)")
-        resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes)
+        if note:
+            self.notes.append(note)
+        resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes,
+                         self.cfg.model)
         if resumed is None:
             return None, []
+        changes = model_changes(saved_model(resumed.path), self.cfg.model)[1]
+        if changes:
+            self.notes.append(f"model changed since {resumed.path} was saved: {', '.join(map(str, changes))}")
         self.optimizer.gather_params()  # the distributed optimizer's ranks loaded only their own slices
         self.state = resumed.state
         if resumed.rng is not None:
@@ -341,6 +342,7 @@ def pretrain(cfg: Config) -> RunResult:
     topology = Topology.from_environment(cfg.train.device, cfg.parallel, experts=cfg.model.num_experts > 0)
     signals = StopSignals().install()  # before the data workers and W&B start: a signal then only asks to stop
     try:
+        report = ReportOnce()
         torch.manual_seed(cfg.train.seed)
         allow_tf32(cfg.train.allow_tf32)
         run = Run(cfg, topology, signals)
@@ -358,6 +360,9 @@ def pretrain(cfg: Config) -> RunResult:
         if result.stopped_by and result.checkpoint:
             write_report(result.stopped_by, result.final_step, result.checkpoint)
         return result
+    except UserError as error:
+        report.claim(error)
+        raise
     finally:
         signals.restore()
         if created:
