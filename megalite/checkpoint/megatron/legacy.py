@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.megatron.buffer_layout import bucket_size, flat_ranges
+from megalite.checkpoint.megatron.buffer_layout import bucket_size
 from megalite.checkpoint.megatron.names import IGNORED_SUFFIX, known, layer_numbers, merge_tensor_parallel, renumber
 from megalite.checkpoint.megatron.safe_pickle import load_megatron_pickle
 from megalite.checkpoint.megatron.state import MAIN, MOMENTS, MegatronState
