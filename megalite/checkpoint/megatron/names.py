@@ -68,6 +68,7 @@ ROW_PARALLEL = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "m
 EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)")
 LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)")
 GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)(\d+)")
+BUFFER = ".mlp.router.expert_bias"  # state, not a parameter: no optimizer state
 IGNORED_SUFFIX = "._extra_state"  # Transformer Engine's FP8 metadata (None with the local spec): no weights
 
 
@@ -98,11 +99,14 @@ def megalite_name(name: str, tied: bool, where: str) -> str | None:
 
 
 def merge_tensor_parallel(name: str, shards: list[torch.Tensor], swiglu: bool, where: str) -> torch.Tensor:
-    """The whole tensor from its tensor-parallel shards (rank order)."""
+    """The whole tensor from its tensor-parallel shards (rank order); stacked experts expert by expert."""
     inner = known(name, where)
-    if EXPERT.fullmatch(inner):  # [experts, out, in]: each expert merged over expert tensor parallelism
-        return torch.stack([merge_tensor_parallel(name, list(expert), swiglu, where)
-                            for expert in zip(*(shard.unbind() for shard in shards))])
+    if EXPERT.fullmatch(inner):
+        return torch.stack([_merge(inner, list(expert), swiglu) for expert in zip(*(s.unbind() for s in shards))])
+    return _merge(inner, shards, swiglu)
+
+
+def _merge(inner: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
     if swiglu and inner in SWIGLU_FC1:
         gates, ups = zip(*(shard.chunk(2) for shard in shards))
         return torch.cat(gates + ups)
@@ -117,8 +121,11 @@ def split_tensor_parallel(name: str, tensor: torch.Tensor, size: int, swiglu: bo
     """The tensor-parallel shards of a whole tensor (rank order): merge_tensor_parallel's inverse."""
     inner = known(name, name)
     if EXPERT.fullmatch(inner):
-        per_expert = [split_tensor_parallel(name, expert, size, swiglu) for expert in tensor.unbind()]
-        return [torch.stack(shards) for shards in zip(*per_expert)]
+        return [torch.stack(shards) for shards in zip(*(_split(inner, e, size, swiglu) for e in tensor.unbind()))]
+    return _split(inner, tensor, size, swiglu)
+
+
+def _split(inner: str, tensor: torch.Tensor, size: int, swiglu: bool) -> list[torch.Tensor]:
     if swiglu and inner in SWIGLU_FC1:
         gate, up = tensor.chunk(2)
         return [torch.cat(pair) for pair in zip(gate.chunk(size), up.chunk(size))]
