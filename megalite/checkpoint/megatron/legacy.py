@@ -69,7 +69,7 @@ def _chunks(saved: dict, path: Path, args: argparse.Namespace, pp_rank: int, ep_
     for v, key in enumerate(keys):
         model = {k: t for k, t in saved[key].items() if not k.endswith(IGNORED_SUFFIX)}
         counted = sorted(layer_numbers(list(model)))
-        layers = list(chunk_layers(args, pp_rank, v)) if vp > 1 else counted
+        layers = list(chunk_layers(args, pp_rank, v))
         if len(layers) != len(counted):
             raise ValueError(f"{path}: {key} holds layers {counted}, Megatron's even split gives {layers}")
         params = [(_canonical(name, layers, ep_rank, per_rank), t) for name, t in model.items()]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from megalite.checkpoint.megatron.names import EXPERT, LAYER
+from megalite.checkpoint.megatron.names import BUFFER, EXPERT, LAYER
 from megalite.checkpoint.megatron.state import arg
 
 # A layer's tensors in the order Megatron registers them (local spec; see te_order for Transformer Engine's).
@@ -103,7 +103,8 @@ def chunk_parameters(names: list[str], args: argparse.Namespace, pp_rank: int, c
     out = [RankParam(n, shared=tied and n in TIED_COPIES) for n in BEFORE if first and n in names] \
         if experts is not True else []
     for layer in layers:
-        inner = sorted((m.group(2) for m in map(LAYER.fullmatch, names) if m and int(m.group(1)) == layer),
+        inner = sorted((m.group(2) for m in map(LAYER.fullmatch, names)
+                        if m and int(m.group(1)) == layer and not m.group(0).endswith(BUFFER)),
                        key=lambda n: _layer_key(n, te))
         for name in inner:
             full = f"decoder.layers.{layer}.{name}"

@@ -72,7 +72,7 @@ def _unstack(name: str, tensor: torch.Tensor, meta: TensorStorageMetadata, num_l
     """Per-layer tensors of a stacked decoder tensor (the layers some chunk covers: a layer type only some
     layers have, such as experts after dense layers, covers only those); others as they are."""
     if not name.startswith(STACKED) or LAYER.fullmatch(name):
-        return {name: tensor}
+        return {canonical(name): tensor}
     if tensor.shape[0] != num_layers:
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}: a stacked layer tensor should have "
                          f"num_layers={num_layers} rows first")
@@ -81,10 +81,10 @@ def _unstack(name: str, tensor: torch.Tensor, meta: TensorStorageMetadata, num_l
     return {f"{STACKED}{i}.{rest}": tensor[i] for i in layers}
 
 
-def canonical(inner: str) -> str:
-    """A layer tensor's name as names.py knows it: torch_dist's routed experts (`mlp.experts.experts.*`) are
-    the layer's stacked experts."""
-    return inner.replace("mlp.experts.experts.", "mlp.experts.", 1)
+def canonical(name: str) -> str:
+    """A tensor's name as names.py knows it: torch_dist's routed experts (`mlp.experts.experts.*`) are the
+    layer's stacked experts."""
+    return name.replace(".mlp.experts.experts.", ".mlp.experts.", 1).replace("mlp.experts.experts.", "mlp.experts.", 1)
 
 
 def _common_state(found: Path, files: _Files, names: list[str]) -> dict:
