@@ -267,11 +267,12 @@ def test_unknown_keys_and_options_are_named(megatron, tmp_path, capsys):
     work = tmp_path / "gpt"
     shutil.copytree(megatron["gpt_torch"], work)
     rank_file = work / "iter_0000003/mp_rank_00_000/model_optim_rng.pt"
-    _rewrite_rank_file(rank_file, lambda s: s["model"].update({"decoder.layers.1.mlp.router.weight": torch.ones(2)}))
-    assert "tensor 'decoder.layers.1.mlp.router.weight' has no place in megalite's model" in _fails(
-        work, tmp_path / "a", capsys)
+    mla = "decoder.layers.1.self_attention.linear_q_down_proj.weight"
+    _rewrite_rank_file(rank_file, lambda s: s["model"].update({mla: torch.ones(2)}))
+    assert f"tensor '{mla}' has no place in megalite's model" in _fails(work, tmp_path / "a", capsys)
     _rewrite_rank_file(rank_file, lambda s: setattr(s["args"], "num_experts", 8))
-    assert "args.num_experts=8" in _fails(work, tmp_path / "b", capsys)
+    assert "args.add_bias_linear=True with experts (megalite's router and experts have no biases)" in _fails(
+        work, tmp_path / "b", capsys)
     torch.save({"args": NotMegatron()}, rank_file)
     assert "test_megatron_convert.NotMegatron" in _fails(work, tmp_path / "c", capsys)
     shutil.rmtree(work)
