@@ -3,7 +3,8 @@ moment leaves the previous checkpoint intact and `latest` pointing at a complete
 
     root/latest                      the last complete iteration's number, replaced atomically
     root/iter_0000100/
-        config.yaml  state.json      the run's config; step, consumed samples, loss scaler, W&B id
+        config.yaml  state.json      the run's config as given; step, consumed samples, loss scaler, W&B id
+        resolved.yaml                the same config with every derived default filled in (config_resolved.py)
         index.json                   every piece (global name, kind, shard, range, file, key, CRC-32
                                      of each block of BLOCK_BYTES) and every file's size and CRC-32,
                                      written last
@@ -30,6 +31,8 @@ from safetensors.torch import save_file
 
 from megalite.checkpoint.reader import INDEX
 from megalite.checkpoint.sharded_state import Piece
+from megalite.config_cli import config_from_yaml_text
+from megalite.config_resolved import RESOLVED_HEADER, resolved_yaml
 
 FORMAT_VERSION = 2
 LATEST = "latest"
@@ -77,9 +80,15 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tenso
     atomic_write_text(tmp / f"rank_{rank:05d}.json", json.dumps({"files": files, "pieces": listed}))
 
 
+CONFIG_HEADER = ("# The run's config as given (null: derived at start-up; resolved.yaml beside it has the values).\n"
+                 "# Reuse it with --config.\n")
+
+
 def write_run_files(tmp: Path, config_yaml: str, state: dict[str, Any]) -> None:
-    """The run's config and training state (rank 0's share of a checkpoint)."""
-    (tmp / "config.yaml").write_text(config_yaml)
+    """The run's config as given, its resolved view and the training state (rank 0's share of a checkpoint)."""
+    (tmp / "config.yaml").write_text(CONFIG_HEADER + config_yaml)
+    resolved = resolved_yaml(config_from_yaml_text(config_yaml, str(tmp / "config.yaml")))
+    (tmp / "resolved.yaml").write_text(RESOLVED_HEADER + resolved)
     (tmp / "state.json").write_text(json.dumps({"format_version": FORMAT_VERSION, **state}, indent=2))
 
 

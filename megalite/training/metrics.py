@@ -18,10 +18,23 @@ from tqdm import tqdm
 from megalite.config import Config
 from megalite.training.wandb_logger import WandbLogger
 
+DURATIONS = ("elapsed_s", "eta_s")  # seconds, shown as 1h02m03s
 
-def _format(value: Any) -> str:
+
+def format_duration(seconds: float) -> str:
+    """12.3s, 4m05s or 1h02m03s: durations as a log reader takes them in at a glance."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _format(value: Any, key: str = "") -> str:
     if value is None:
         return "n/a"
+    if key in DURATIONS:
+        return format_duration(value)
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
@@ -37,7 +50,7 @@ class MetricsWriter:
     """`wandb_run_id`: the W&B run to log to (every rank agrees on it; a resumed run passes the saved one)."""
 
     def __init__(self, cfg: Config, enabled: bool, start_step: int, wandb_run_id: str | None) -> None:
-        self.enabled = enabled
+        self.enabled, self.total = enabled, cfg.train.train_iters
         self.file = Path(cfg.logging.metrics_file) if enabled and cfg.logging.metrics_file else None
         self.file_lock = threading.Lock()  # the W&B supervisor notes a fallback from its own thread
         if self.file:
@@ -72,8 +85,8 @@ class MetricsWriter:
         """Write `record` (must hold `step`) to every sink; `console_keys` maps record keys to console labels."""
         if not self.enabled:
             return
-        parts = [f"step {record['step']}"] + [f"{label} {_format(record.get(key))}"
-                                              for key, label in console_keys.items()]
+        parts = [f"step {record['step']}/{self.total}"] + [f"{label} {_format(record.get(key), key)}"
+                                                           for key, label in console_keys.items()]
         self.print(" | ".join(parts))
         self.note(record)
         if self.wandb:
