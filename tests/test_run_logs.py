@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import re
+import shutil
 
 import pytest
 from conftest import tiny_config
@@ -112,3 +113,20 @@ def test_the_memory_estimate_is_the_planners_against_the_gpus_memory():
 
 def test_durations_read_at_a_glance():
     assert [format_duration(s) for s in (0.04, 59.94, 65, 3723.4)] == ["0.0s", "59.9s", "1m05s", "1h02m03s"]
+
+
+def test_after_a_resume_the_metrics_file_continues_at_the_resumed_step(tmp_path, capsys):
+    """A run killed after step 5 but whose last checkpoint is step 3 (and whose last line the kill cut short):
+    resumed, the file holds every step once."""
+    metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    cfg = tiny_config(train={"train_iters": 5}, logging={"metrics_file": str(metrics)},
+                      checkpoint={"save": str(ckpt), "save_interval": 3})
+    pretrain(cfg)
+    shutil.rmtree(ckpt / "iter_0000005")
+    (ckpt / "latest").write_text("3\n")
+    with metrics.open("a") as f:
+        f.write('{"step": 6, "loss"')
+    pretrain(cfg)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert (f"metrics file {metrics}: dropped 3 records after step 3, written by a run that got further than its "
+            "last checkpoint; this run writes those steps again") in capsys.readouterr().out

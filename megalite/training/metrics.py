@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,15 @@ def _format(value: Any, key: str = "") -> str:
     return str(value)
 
 
+def _step_of(line: str) -> int | None:
+    """The step of one whole line of the metrics file; None for a line cut short or not a record."""
+    try:
+        record = json.loads(line) if line.endswith("\n") else None
+    except json.JSONDecodeError:
+        return None
+    return record.get("step") if isinstance(record, dict) else None
+
+
 def wandb_enabled(cfg: Config) -> bool:
     return bool(cfg.logging.wandb_project) and cfg.logging.wandb_mode != "disabled"
 
@@ -58,8 +68,25 @@ class MetricsWriter:
         self.bar = (tqdm(total=cfg.train.train_iters, initial=start_step, unit="step", dynamic_ncols=True,
                          disable=None)
                     if enabled and cfg.logging.progress_bar else None)
+        self._continue_file_at(start_step)  # before W&B, which may note a fallback in the file
         self.wandb = self._start_wandb(cfg, wandb_run_id) if enabled and wandb_enabled(cfg) and wandb_run_id else None
         self.wandb_dir: str | None = None
+
+    def _continue_file_at(self, step: int) -> None:
+        """The metrics file continues at the step this run starts from: records that a stopped or killed run
+        wrote after it (and a line cut short by a kill) are dropped, as this run writes those steps again, so
+        every step appears once. Rewritten atomically; one line says what went."""
+        if not self.file or not self.file.exists():
+            return
+        lines = self.file.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if (logged := _step_of(line)) is not None and logged <= step]
+        if len(kept) == len(lines):
+            return
+        tmp = self.file.with_name(self.file.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.file)
+        self.print(f"metrics file {self.file}: dropped {len(lines) - len(kept)} records after step {step}, "
+                   "written by a run that got further than its last checkpoint; this run writes those steps again")
 
     def _start_wandb(self, cfg: Config, run_id: str) -> WandbLogger:
         log = cfg.logging
