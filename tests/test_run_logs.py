@@ -10,9 +10,11 @@ import io
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import tiny_config
+from wandb_records import read_run
 
 from megalite.checkpoint.model_io import read_model_tensors
 from megalite.config_cli import config_from_yaml_text, parse_config
@@ -130,3 +132,21 @@ def test_after_a_resume_the_metrics_file_continues_at_the_resumed_step(tmp_path,
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5]
     assert (f"metrics file {metrics}: dropped 3 records after step 3, written by a run that got further than its "
             "last checkpoint; this run writes those steps again") in capsys.readouterr().out
+
+
+def test_a_resumed_offline_wandb_run_keeps_one_directory_with_the_whole_history(tmp_path, capsys):
+    """The first part logs steps 1-4 but its last checkpoint is step 2 (killed before saving step 4): the resumed
+    part's directory holds steps 1-2 of the first and its own 3-4; the first part's directory is gone."""
+    ckpt = tmp_path / "ckpt"
+    cfg = tiny_config(checkpoint={"save": str(ckpt), "save_interval": 2},
+                      logging={"wandb_project": "megalite-test", "wandb_mode": "offline", "wandb_dir": str(tmp_path)})
+    first = pretrain(cfg)
+    shutil.rmtree(ckpt / "iter_0000004")
+    (ckpt / "latest").write_text("2\n")
+    second = pretrain(cfg)
+    (directory,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert first.wandb_run_id == second.wandb_run_id and str(directory) == str(Path(second.wandb_dir).parent)
+    logged = {r["_step"]: r["loss"] for r in read_run(directory)["history"]}
+    assert logged == pytest.approx({1: first.losses[1], 2: first.losses[2], 3: second.losses[3], 4: second.losses[4]})
+    assert f"W&B: {directory} holds the whole run; removed the 1 offline directory of its earlier parts" in (
+        capsys.readouterr().out)

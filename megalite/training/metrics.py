@@ -69,7 +69,8 @@ class MetricsWriter:
                          disable=None)
                     if enabled and cfg.logging.progress_bar else None)
         self._continue_file_at(start_step)  # before W&B, which may note a fallback in the file
-        self.wandb = self._start_wandb(cfg, wandb_run_id) if enabled and wandb_enabled(cfg) and wandb_run_id else None
+        self.wandb = (self._start_wandb(cfg, wandb_run_id, start_step)
+                      if enabled and wandb_enabled(cfg) and wandb_run_id else None)
         self.wandb_dir: str | None = None
 
     def _continue_file_at(self, step: int) -> None:
@@ -88,13 +89,13 @@ class MetricsWriter:
         self.print(f"metrics file {self.file}: dropped {len(lines) - len(kept)} records after step {step}, "
                    "written by a run that got further than its last checkpoint; this run writes those steps again")
 
-    def _start_wandb(self, cfg: Config, run_id: str) -> WandbLogger:
+    def _start_wandb(self, cfg: Config, run_id: str, start_step: int) -> WandbLogger:
         log = cfg.logging
         directory = Path(log.wandb_dir or cfg.checkpoint.save or ".")
         directory.mkdir(parents=True, exist_ok=True)
         settings = {"project": log.wandb_project, "entity": log.wandb_entity, "name": log.wandb_name,
                     "config": cfg.to_dict(), "dir": str(directory), "id": run_id, "resume": "allow"}
-        return WandbLogger(settings, log.wandb_mode, log.wandb_timeout, self.print, self.note)
+        return WandbLogger(settings, log.wandb_mode, log.wandb_timeout, self.print, self.note, start_step)
 
     def print(self, line: str) -> None:
         if not self.enabled:
