@@ -8,15 +8,18 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
 from conftest import tiny_config
 from wandb_records import read_run
 
-from megalite.checkpoint.model_io import read_model_tensors
+from megalite.checkpoint.hf_convert import megalite_to_hf
+from megalite.checkpoint.model_io import read_model_tensors, write_model_checkpoint
 from megalite.config_cli import config_from_yaml_text, parse_config
 from megalite.planning.memory import memory_per_stage
 from megalite.planning.parameters import model_parameters, rank_parameters
@@ -150,3 +153,16 @@ def test_a_resumed_offline_wandb_run_keeps_one_directory_with_the_whole_history(
     assert logged == pytest.approx({1: first.losses[1], 2: first.losses[2], 3: second.losses[3], 4: second.losses[4]})
     assert f"W&B: {directory} holds the whole run; removed the 1 offline directory of its earlier parts" in (
         capsys.readouterr().out)
+
+
+def test_checkpoint_and_hf_weights_are_readable_as_the_umask_says(logged_run, tmp_path):
+    """safetensors 0.8 writes 0600; a team sharing a file system reads what the umask lets it."""
+    cfg, tensors = read_model_tensors(logged_run[2] / "ckpt")
+    previous = os.umask(0o007)
+    try:
+        iteration = write_model_checkpoint(tmp_path / "ckpt", cfg, tensors)
+        megalite_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    finally:
+        os.umask(previous)
+    files = [iteration / "rank_00000.safetensors", *(tmp_path / "hf").glob("*.safetensors")]
+    assert len(files) == 2 and [stat.S_IMODE(f.stat().st_mode) for f in files] == [0o660, 0o660]

@@ -68,6 +68,7 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tenso
     if pieces:
         path = tmp / name
         save_file({str(i): t.contiguous() for i, (_, t) in enumerate(pieces)}, str(path))  # streams, releasing the GIL
+        readable_as_umask(path)
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         files[name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
@@ -82,6 +83,25 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tenso
 
 CONFIG_HEADER = ("# The run's config as given (null: derived at start-up; resolved.yaml beside it has the values).\n"
                  "# Reuse it with --config.\n")
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux tells it (os.umask can only be read by
+    changing it, which races with a thread creating a file: an asynchronous save's writer)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def readable_as_umask(path: Path) -> None:
+    """Give `path` the mode a new file gets (0666 less the umask): safetensors 0.8 writes 0600, which a team
+    sharing a cluster's file system could not read."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def write_run_files(tmp: Path, config_yaml: str, state: dict[str, Any]) -> None:
