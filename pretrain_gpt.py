@@ -5,12 +5,13 @@ import sys
 
 from megalite.config import ConfigError
 from megalite.config_cli import config_from_argv
-from megalite.training.pretrain import pretrain
 
 
 def main() -> int:
     try:
-        cfg = config_from_argv()
+        cfg = config_from_argv()  # --help answers here, before torch is imported
+        from megalite.training.pretrain import pretrain
+
         pretrain(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
