@@ -3,11 +3,17 @@ fast default, plotting (and a one-line message without matplotlib), the quicksta
 
 from __future__ import annotations
 
+import gzip
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from tools import dry_run
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tools import dry_run, preprocess_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,3 +34,24 @@ def test_help_imports_no_torch():
 def test_the_dry_runs_default_is_the_fast_peak():
     args, _ = dry_run.parse_args(["--config", "examples/llama_70b.yaml", "--world-size", "64"])
     assert args.microbatches == "peak"
+
+
+def test_preprocessing_logs_say_how_far_it_is_and_when_it_ends(tmp_path, capsys):
+    """In a log (stderr not a terminal), every progress line has the percentage of the inputs read (on-disk
+    bytes, whatever the format), the rates, the time elapsed and an ETA."""
+    rows = [{"text": " ".join(str(i % 97) for i in range(n, n + 50))} for n in range(200)]
+    plain = tmp_path / "a.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    pq.write_table(pa.table({"text": [r["text"] for r in rows]}), tmp_path / "c.parquet")
+    inputs = [plain, tmp_path / "b.jsonl.gz", tmp_path / "c.parquet"]
+    total = sum(p.stat().st_size for p in inputs)
+    assert preprocess_data.main(["--input", *map(str, inputs), "--output-prefix", str(tmp_path / "out"),
+                                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--workers", "1",
+                                 "--log-interval", "1"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("processed ")]
+    pattern = (rf"processed ([\d.]+)% of {total / 1e6:,.1f} MB \| [\d,]+ docs, .* tokens/s \| elapsed [\d.]+s "
+               r"\| ETA [\d.]+s")
+    done = [float(re.fullmatch(pattern, line).group(1)) for line in lines]
+    assert len(done) == 3 and done[0] == round(100 * plain.stat().st_size / total, 1) < done[1] < done[2] == 100

@@ -58,6 +58,7 @@ class Chunk:
     records: bytes | dict[str, list] | list[str]
     first: int = 0
     size: int = 0  # input bytes, for progress and throughput
+    read_to: int = 0  # on-disk bytes of all inputs read once this chunk was cut (the percentage done)
 
 
 @dataclass
