@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_config
 from wandb_records import read_run
 
@@ -25,7 +26,7 @@ from megalite.planning.memory import memory_per_stage
 from megalite.planning.parameters import model_parameters, rank_parameters
 from megalite.training.metrics import format_duration
 from megalite.training.pretrain import pretrain
-from megalite.training.run_summary import memory_line, parameters_line
+from megalite.training.run_summary import gpu_memory_line, memory_line, parameters_line
 
 NUMBER = r"[\d.e+-]+"
 
@@ -166,3 +167,16 @@ def test_checkpoint_and_hf_weights_are_readable_as_the_umask_says(logged_run, tm
         os.umask(previous)
     files = [iteration / "rank_00000.safetensors", *(tmp_path / "hf").glob("*.safetensors")]
     assert len(files) == 2 and [stat.S_IMODE(f.stat().st_mode) for f in files] == [0o660, 0o660]
+
+
+def test_the_memory_line_is_printed_for_a_gpu_only_and_never_stops_a_run(monkeypatch):
+    cfg = parse_config([])
+    assert gpu_memory_line(cfg, 1, torch.device("cpu")) is None
+    monkeypatch.setattr("megalite.training.run_summary.device_memory", lambda device: ("NVIDIA H100", 80 * 2**30))
+    assert gpu_memory_line(cfg, 1, torch.device("cuda", 0)) == memory_line(cfg, 1, "NVIDIA H100", 80 * 2**30)
+
+    def broken(*args):
+        raise KeyError("a planner bug")
+
+    monkeypatch.setattr("megalite.training.run_summary.memory_per_stage", broken)
+    assert gpu_memory_line(cfg, 1, torch.device("cuda", 0)) == "memory (planner): n/a (KeyError: 'a planner bug')"

@@ -26,7 +26,7 @@ from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import MicroBatches, micro_batches
 from megalite.parallel.schedules import Trace
 from megalite.parallel.timeouts import collective_timeout_message
-from megalite.parallel.topology import Topology, device_memory, peak_memory, release_process_groups, synchronize
+from megalite.parallel.topology import Topology, peak_memory, release_process_groups, synchronize
 from megalite.training.build import build_trainer
 from megalite.training.evaluate import evaluate
 from megalite.training.flops import peak_tflops, throughput
@@ -34,7 +34,7 @@ from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
 from megalite.training.routing_metrics import RoutingMetrics
-from megalite.training.run_summary import Clock, end_summary, memory_line, parameters_line
+from megalite.training.run_summary import Clock, end_summary, gpu_memory_line, parameters_line
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
 from megalite.training.trace import write_chrome_trace
 from megalite.training.wandb_logger import new_run_id
@@ -275,9 +275,9 @@ class Run:
             f"{cfg.train.micro_batch_size} x dp {t.dp}"
         )
         self.writer.print(parameters_line(cfg))
-        gpu = device_memory(t.device)
-        if gpu is not None:
-            self.writer.print(memory_line(cfg, t.world_size, *gpu))
+        memory = gpu_memory_line(cfg, t.world_size, t.device)
+        if memory:
+            self.writer.print(memory)
         for problem in self.damaged:
             self.writer.print(f"skipped a damaged checkpoint: {problem}")
         for note in self.notes:

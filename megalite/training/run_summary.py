@@ -8,7 +8,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from megalite.config import Config
+from megalite.parallel.topology import device_memory
 from megalite.planning.memory import memory_per_stage
 from megalite.planning.parameters import active_parameters, model_parameters, rank_parameters
 from megalite.training.metrics import format_duration
@@ -44,6 +47,18 @@ def memory_line(cfg: Config, world_size: int, device_name: str, device_bytes: in
     where = f" (pipeline stage {worst.pp_rank})" if cfg.parallel.pp > 1 else ""
     return (f"memory (planner): {worst.total / 2**30:.1f} GiB per GPU{where} of {device_bytes / 2**30:.1f} GiB "
             f"on {device_name} ({share:.0%}){verdict}")
+
+
+def gpu_memory_line(cfg: Config, world_size: int, device: torch.device) -> str | None:
+    """memory_line for this rank's GPU; None on a CPU. A summary line never stops a run: a planner that cannot
+    take the config says so in the line."""
+    gpu = device_memory(device)
+    if gpu is None:
+        return None
+    try:
+        return memory_line(cfg, world_size, *gpu)
+    except Exception as error:  # noqa: BLE001
+        return f"memory (planner): n/a ({type(error).__name__}: {error})"
 
 
 @dataclass
