@@ -17,6 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from megalite.config import Config
+from megalite.config_resolved import resolved_config
 from megalite.training.wandb_logger import WandbLogger
 
 DURATIONS = ("elapsed_s", "eta_s")  # seconds, shown as 1h02m03s
@@ -94,7 +95,7 @@ class MetricsWriter:
         directory = Path(log.wandb_dir or cfg.checkpoint.save or ".")
         directory.mkdir(parents=True, exist_ok=True)
         settings = {"project": log.wandb_project, "entity": log.wandb_entity, "name": log.wandb_name,
-                    "config": cfg.to_dict(), "dir": str(directory), "id": run_id, "resume": "allow"}
+                    "config": resolved_config(cfg).to_dict(), "dir": str(directory), "id": run_id, "resume": "allow"}
         return WandbLogger(settings, log.wandb_mode, log.wandb_timeout, self.print, self.note, start_step)
 
     def print(self, line: str) -> None:
