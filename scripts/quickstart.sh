@@ -9,8 +9,8 @@
 set -euo pipefail
 STARTED=$SECONDS
 OUT=runs/quickstart
-echo "megalite quickstart: about 10 minutes on a 2-core CPU (1 on a GPU), plus a few minutes to install"
-echo "torch and megalite into .venv the first time; everything it writes goes to $OUT/"
+echo "megalite quickstart: about 10 minutes on a 2-core CPU doing nothing else (longer when it is shared), plus"
+echo "about 5 the first time to install torch and megalite into .venv; everything it writes goes to $OUT/"
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" plot
 bash scripts/get_assets.sh
 if [ -e "$OUT" ]; then
