@@ -71,6 +71,7 @@ class WandbLogger:
         self.history: list[tuple[dict[str, Any], int]] = history_until(self.parts, start_step)
         self.lock = threading.Lock()
         self.closing, self.exit_code, self.finished = False, 0, threading.Event()
+        self.completed = False  # the W&B run finished with every record: its directory holds the whole run
         self.dir: str | None = None
         self.reason: str | None = None  # why the run fell back to offline, until the offline run is up
         self.restarts = 0
@@ -107,7 +108,7 @@ class WandbLogger:
             where = f"`wandb sync {Path(self.dir).parent}` uploads it" if self.dir else "nothing was written"
             self.say(f"warning: W&B did not finish within logging.wandb_timeout={self.timeout:g} s; "
                      f"stopped it ({where})")
-        elif self.dir and self.parts:
+        elif self.completed and self.parts:
             self._remove_earlier_parts(Path(self.dir).parent)
         return self.dir
 
@@ -131,7 +132,7 @@ class WandbLogger:
             if kind == "ready":
                 self._up(detail)
             elif kind == "finished":
-                self.dir = detail
+                self.dir, self.completed = detail, True
                 self.finished.set()
             else:
                 self._failed(detail)
