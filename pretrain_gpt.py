@@ -9,19 +9,21 @@ import sys
 
 from megalite.config_cli import config_from_argv
 from megalite.errors import UserError, report
+from megalite.launch_flags import split_launch_args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        from megalite.training.launch_check import check_launch, split_launch_args
-        from megalite.training.pretrain import pretrain
-
         launch, args = split_launch_args(argv)
-        cfg = config_from_argv(args)
+        cfg = config_from_argv(args)  # --help answers here, before torch is imported
         if launch is not None:
+            from megalite.training.launch_check import check_launch
+
             print("\n".join(["pretrain_gpt.py --check: this launch is valid", *check_launch(cfg, *launch, args)]))
             return 0
+        from megalite.training.pretrain import pretrain
+
         result = pretrain(cfg)
     except UserError as err:
         return report(err)

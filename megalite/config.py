@@ -15,8 +15,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
 from megalite.errors import InvalidInput
 
 
@@ -34,8 +32,15 @@ class ConfigError(InvalidInput):
             raise error
 
 
-# What train.precision, train.param_dtype and parallel.grad_reduce_dtype name.
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+def __getattr__(name: str) -> Any:
+    """TORCH_DTYPES, what train.precision, train.param_dtype and parallel.grad_reduce_dtype name, made on first
+    use: the config (and `pretrain_gpt.py --help`) need no torch, which takes seconds to import."""
+    if name == "TORCH_DTYPES":
+        import torch
+
+        globals()[name] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _f(default: Any, doc: str) -> Any:

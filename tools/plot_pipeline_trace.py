@@ -8,15 +8,19 @@ labelled with its micro batch.
 
     python tools/plot_pipeline_trace.py trace.json docs/images/interleaved_schedule.png [--step N] [--title TEXT]
 
-Needs matplotlib: pip install -e ".[docs]".
+Needs matplotlib: pip install -e ".[plot]".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script Python puts tools/ first, not the root
+from tools.plotting import pyplot  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,10 +52,7 @@ def load_step(trace: dict, step: int | None) -> tuple[dict[int, list[dict]], dic
 
 
 def draw(events: dict[int, list[dict]], names: dict[int, str], title: str, output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     origin = min(e["ts"] for evs in events.values() for e in evs)

@@ -59,6 +59,7 @@ class Chunk:
     first: int = 0
     size: int = 0  # input bytes, for progress and throughput
     columns: list[str] | None = None  # "columns": every column of the source, to name them when a key is missing
+    read_to: int = 0  # on-disk bytes of all inputs read once this chunk was cut (the percentage done)
 
 
 @dataclass

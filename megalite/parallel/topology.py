@@ -386,3 +386,11 @@ def peak_memory(device: torch.device) -> tuple[float, str]:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "RSS"
+
+
+def device_memory(device: torch.device) -> tuple[str, int] | None:
+    """(name, bytes) of a GPU's memory, for comparing the planner's estimate with it; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    properties = torch.cuda.get_device_properties(device)
+    return properties.name, properties.total_memory

@@ -18,6 +18,7 @@ from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, se
 from megalite.checkpoint.resume import resume, where_to_resume
 from megalite.config import Config
 from megalite.config_cli import dump_yaml
+from megalite.config_resolved import resolved_yaml
 from megalite.config_validation import validate
 from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import MicroBatches, micro_batches
@@ -33,6 +34,7 @@ from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
 from megalite.training.report_once import ReportOnce
 from megalite.training.routing_metrics import RoutingMetrics
+from megalite.training.run_summary import Clock, end_summary, gpu_memory_line, parameters_line
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
 from megalite.training.stopping import StopSignals, StopVote, write_report
 from megalite.training.trace import write_chrome_trace
@@ -41,7 +43,7 @@ from megalite.training.wandb_logger import new_run_id
 _CONSOLE = {"loss": "loss", "lr": "lr", "grad_norm": "grad norm", "loss_scale": "loss scale",
             "skipped_steps": "skipped", "tokens_per_sec": "tokens/s", "tflops_per_device": "model TFLOP/s/device",
             "mfu": "MFU", "hardware_tflops_per_device": "hardware TFLOP/s/device", "hfu": "HFU",
-            "peak_memory_gib": "peak mem GiB"}
+            "peak_memory_gib": "peak mem GiB", "s_per_step": "s/step", "elapsed_s": "elapsed", "eta_s": "ETA"}
 _HARDWARE = ("hardware_tflops_per_device", "hfu")  # equal to the model figures, so not printed, without recompute
 
 
@@ -127,6 +129,7 @@ class Run:
                                              cfg.train.train_iters * self.gbs, cfg.train.micro_batch_size, t.dp,
                                              t.dp_rank, cfg.data.num_workers, t.device)
         per_step = cfg.num_microbatches(t.world_size)
+        self.clock = Clock(start, cfg.train.train_iters)
         self.interval = (time.perf_counter(), 0)
         vote = StopVote(t, self.signals, cfg.train.exit_duration_mins, self.started)
         while self.state.step < cfg.train.train_iters:
@@ -264,17 +267,28 @@ class Run:
         self.profiler.close()
         self.writer.close(exit_code=1 if failed else 0)
         self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_dir, self.state.wandb_run_id
+        if not failed:
+            self._summarize()
+
+    def _summarize(self) -> None:
+        """The end-of-run summary, the last lines of the log."""
+        r, tokens_per_step = self.result, self.gbs * self.cfg.model.seq_length
+        wandb_run = str(Path(r.wandb_dir).parent) if r.wandb_dir else None
+        self.writer.print(end_summary(self.cfg, self.clock, r.final_step, tokens_per_step, r.losses.get(r.final_step),
+                                      r.val_loss, r.checkpoint and str(r.checkpoint), wandb_run))
 
     def _announce(self) -> None:
         t, cfg = self.topology, self.cfg
-        params = sum(torch.Size(shape).numel() for shape in self.sharded.shapes().values())
-        self.writer.print(f"megalite config:\n{dump_yaml(cfg)}")
+        self.writer.print(f"megalite config (resolved: derived defaults filled in):\n{resolved_yaml(cfg)}")
         self.writer.print(
             f"world {t.world_size} (tp {t.tp}, {f'cp {t.cp}, ' if t.cp > 1 else ''}pp {t.pp}, dp {t.dp}) "
-            f"on {t.device}; {params / 1e6:.2f}M parameters; "
-            f"global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x "
+            f"on {t.device}; global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x "
             f"{cfg.train.micro_batch_size} x dp {t.dp}"
         )
+        self.writer.print(parameters_line(cfg))
+        memory = gpu_memory_line(cfg, t.world_size, t.device)
+        if memory:
+            self.writer.print(memory)
         for problem in self.damaged:
             self.writer.print(f"skipped a damaged checkpoint: {problem}")
         for note in self.notes:
@@ -296,7 +310,7 @@ class Run:
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.topology.world_size,
             **throughput(tokens_per_sec / self.topology.world_size, self.cfg.model, self.cfg.train.recompute,
                          self.peak),
-            "peak_memory_gib": memory, "peak_memory_kind": what,
+            "peak_memory_gib": memory, "peak_memory_kind": what, **self.clock.figures(step, steps, seconds),
         }
         if self.routing is not None:
             record |= self.routing.read(self.cfg.num_microbatches(self.topology.world_size))
