@@ -107,8 +107,10 @@ def test_ctrl_c_saves_in_two_lines_and_a_second_one_aborts(tmp_path, reference):
     job.release()
     out = job.finish()
     assert job.proc.returncode == 0, out[-3000:]
-    said = [line for line in out[before:].splitlines() if not line.startswith("step ")]
+    said, summary = out[before:].split("run summary: ", 1)  # the end-of-run summary every run ends with
+    said = [line for line in said.splitlines() if not line.startswith("step ")]
     assert said == [f"saved checkpoint {ckpt / 'iter_0000004'}", _saved_line("SIGINT", 4, ckpt)], out[before:]
+    assert summary.startswith("4 steps to step 4/12") and "Traceback" not in summary, summary
     (run,) = (ckpt / "wandb").glob("offline-run-*")  # W&B never fell back to another run
     assert [r["_step"] for r in read_run(run)["history"]] == [1, 2, 3, 4]
     assert read_run(run)["exit_code"] == 0
