@@ -19,11 +19,11 @@ import torch
 from megalite.config import Config
 from megalite.config_validation import validate
 from megalite.dryrun.fake_world import fake_rank
+from megalite.dryrun.nccl_rules.replay import Report
 from megalite.dryrun.pipeline_plan import check_pipeline
 from megalite.dryrun.rank_step import RankRun, simulate_rank
 from megalite.dryrun.roles import roles
 from megalite.dryrun.routing import check_routing
-from megalite.parallel.nccl_rules import Report
 from megalite.parallel.topology import Topology
 from megalite.planning.memory import StageMemory, peak_activations, stage_memory
 
