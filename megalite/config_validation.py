@@ -12,10 +12,12 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from megalite.config import Config, ConfigError, LoggingConfig, ModelConfig, chunk_layer_counts
+from megalite.config import Config, ConfigError, LoggingConfig, ModelConfig
 from megalite.data.blending import parse_blend
 from megalite.data.indexed_dataset import data_file_path, index_file_path
 from megalite.data.megatron_blending import MAX_DATASETS
+from megalite.parallel.pipeline.registry import SCHEDULES, training_schedules
+from megalite.parallel.pipeline.stage import chunk_layer_counts
 
 
 def validate(cfg: Config, world_size: int, data_files: bool = False) -> None:
@@ -199,27 +201,17 @@ def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
     p, errors = cfg.parallel, []
     if p.vp > 1 and p.pp == 1:
         errors.append(f"parallel.vp={p.vp} needs pipeline parallelism (parallel.pp > 1)")
-    if p.vp > 1 and p.pipeline_schedule == "gpipe":
-        errors.append("parallel.pipeline_schedule=gpipe runs one chunk per rank; set parallel.vp=1 or use 1f1b")
-    if p.pipeline_schedule in ("zb-h1", "zb-v") and p.pp == 1:
-        errors.append(f"parallel.pipeline_schedule={p.pipeline_schedule} fills pipeline bubbles, and parallel.pp=1 "
-                      "has none: use 1f1b, or set parallel.pp > 1")
-    if p.pipeline_schedule == "zb-v" and p.vp != 2:
-        errors.append(f"parallel.pipeline_schedule=zb-v places two chunks per rank in a V: set parallel.vp=2 "
-                      f"(not {p.vp})")
     try:
         chunk_layer_counts(cfg.model.num_layers, p.pp * p.vp, p.first_stage_layers if p.pp > 1 else None,
                            p.last_stage_layers if p.pp > 1 else None)
     except ValueError as err:
         errors.append(f"model.num_layers / parallel.pp, vp, first_stage_layers, last_stage_layers: {err}")
-    interleaved = p.vp > 1 and p.pipeline_schedule != "zb-v"  # ZB-V takes any number of micro batches
-    if interleaved and world_size % (p.tp * p.cp * p.pp) == 0 and cfg.train.micro_batch_size > 0:
-        microbatches = cfg.num_microbatches(world_size)
-        if microbatches % p.pp:
-            errors.append(f"interleaved {p.pipeline_schedule} (parallel.vp={p.vp}) needs the number of micro batches "
-                          f"({microbatches} = global batch / (micro batch * dp)) to be a multiple of "
-                          f"parallel.pp={p.pp}; change train.global_batch_size")
-    return errors
+    spec = SCHEDULES.get(p.pipeline_schedule)
+    if spec is None or not spec.trains:
+        return errors + [f"parallel.pipeline_schedule={p.pipeline_schedule!r} is not a training schedule; use one of "
+                         f"{', '.join(training_schedules())}"]
+    known = world_size % (p.tp * p.cp * p.pp) == 0 and cfg.train.micro_batch_size > 0
+    return errors + spec.problems(p.pp, p.vp, cfg.num_microbatches(world_size) if known else None)
 
 
 def _check_train(cfg: Config, world_size: int) -> list[str]:

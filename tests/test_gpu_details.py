@@ -404,7 +404,7 @@ def test_device_timings_come_from_cuda_events_on_a_gpu(monkeypatch):
     """On CUDA a wait for a collective or a pipeline operation is timed by events on the stream (the host
     returns from NCCL's wait at once); the trace places device intervals at the host time of its first mark."""
     from megalite.parallel import timing
-    from megalite.parallel.schedules import Trace
+    from megalite.parallel.pipeline.executor import Trace
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     _FakeEvent.script = [10.0, 10.25]

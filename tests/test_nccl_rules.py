@@ -1,5 +1,5 @@
 """NCCL's ordering rules, checked without a GPU: every point-to-point call and collective that gloo
-ranks really make is recorded and replayed as NCCL would run it (megalite/parallel/nccl_rules.py).
+ranks really make is recorded and replayed as NCCL would run it (megalite/dryrun/nccl_rules/).
 
 The replay is first shown to catch each kind of NCCL-only failure on small hand-made programs;
 then it checks the pipeline executor for every schedule (the zero-bubble ones too), pp, vp and micro
@@ -17,10 +17,11 @@ import torch.distributed as dist
 from distributed import cpu_topology, run_ranks
 
 from megalite.config_cli import parse_config
+from megalite.dryrun.nccl_rules.record import Call, CommRecorder, Message, RankRecord
+from megalite.dryrun.nccl_rules.replay import replay
 from megalite.dryrun.pipeline_plan import SHAPE, record_schedule
-from megalite.parallel.nccl_rules import Call, CommRecorder, Message, RankRecord, replay
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.pipeline_layout import PipelineStage, placement_of
+from megalite.parallel.pipeline.registry import schedule_spec
 from megalite.training.pretrain import pretrain
 
 
@@ -105,8 +106,7 @@ def _executor_ranks(rank: int, world_size: int) -> list[tuple[tuple, RankRecord]
     """Run the executor with a toy model per case: each chunk scales its input by its own weight."""
     topology = cpu_topology(rank, world_size, pp=world_size)
     comm = PipelineComm(topology, SHAPE, torch.float32)
-    return [((name, vp, m), record_schedule(name, m, PipelineStage(world_size, vp, rank, placement=placement_of(name)),
-                                            comm))
+    return [((name, vp, m), record_schedule(name, m, schedule_spec(name).stage(world_size, vp, rank), comm))
             for name, vp, m in _schedule_cases(world_size)]
 
 

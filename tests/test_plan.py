@@ -19,6 +19,7 @@ from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import local_positions
+from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.parallel.zero import unit_index
 from megalite.planning.context_parallel import comm_bytes
@@ -31,7 +32,7 @@ from megalite.planning.memory import (
     stage_memory,
     state_bytes,
 )
-from megalite.planning.parameters import rank_parameters, stage_layout
+from megalite.planning.parameters import rank_parameters
 from megalite.planning.plan import format_plan, make_plan, schedule_plans
 from megalite.training.build import build_model, build_trainer
 from megalite.training.step import precision_context
@@ -216,7 +217,7 @@ def test_zero_bubble_activations_and_weight_gradient_inputs(family, precision, p
     cfg = _model_config(family, train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute},
                         parallel={"pipeline_schedule": "zb-h1"})
     cfg.model.seq_length, cfg.model.num_query_groups = 64, 2 if family == "llama" else None
-    model = build_model(cfg, torch.device("cpu"), ParallelContext(split_backward=True), 0).train()
+    model = build_model(cfg, torch.device("cpu"), ParallelContext(), 0).train()
     assert saved_bytes(model, cfg) == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.01)
     shape, generator = (cfg.train.micro_batch_size, cfg.model.seq_length), torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=generator)

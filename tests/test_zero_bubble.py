@@ -1,4 +1,4 @@
-"""Zero-bubble schedules (parallel/zero_bubble.py) and the split backward they run (parallel/weight_grads.py).
+"""Zero-bubble schedules (parallel/pipeline/zero_bubble.py) and the split backward they run (parallel/weight_grads.py).
 
 - Each rank's list runs every F, B and W once, each after what it needs on the rank, and holds no more micro
   batches between forward and weight gradient than 1F1B's first rank (interleaved 1F1B's with vp > 1; ZB-V
@@ -35,11 +35,15 @@ from megalite.config import Config
 from megalite.dryrun.pipeline_plan import check_pipeline
 from megalite.model.gpt import GPTModel
 from megalite.model.recompute import apply_recompute
+from megalite.model.split_backward import apply_split_backward
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.schedules import B, F, W, bubble_fraction, communication_plan, schedule_ops
+from megalite.parallel.pipeline.ops import B, F, W
+from megalite.parallel.pipeline.plan import communication_plan
+from megalite.parallel.pipeline.registry import bubble_fraction, schedule_ops
 from megalite.parallel.topology import Topology, release_process_groups
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.planning.bubble import simulated_bubble
+from megalite.training.build import is_logging_rank
 
 CASES = ([("zb-h1", pp, 1, m) for pp in (2, 4, 8) for m in (1, 2, pp - 1, pp, pp + 1, 2 * pp, 3 * pp + 1)]
          + [("zb-h1", pp, vp, m) for pp in (2, 4, 8) for vp in (2, 3) for m in (pp, 2 * pp, 3 * pp)]
@@ -112,8 +116,8 @@ def test_the_plans_batched_exchanges_cost_what_the_benchmark_measured():
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
 def test_lock_step_plan_exists_for_every_micro_batch_count(pp):
-    """The plan is NCCL-safe by construction once it exists (schedules.py); it exists for every count allowed:
-    any for ZB-H1 and ZB-V, multiples of pp for interleaved ZB-H1."""
+    """The plan is NCCL-safe by construction once it exists (parallel/pipeline/plan.py); it exists for every count
+    allowed: any for ZB-H1 and ZB-V, multiples of pp for interleaved ZB-H1."""
     for m in range(1, 4 * pp + 2):
         for name, vp in [("zb-h1", 1), ("zb-v", 2)] + ([("zb-h1", 2), ("zb-h1", 3)] if m % pp == 0 else []):
             plans = communication_plan(name, pp, vp, m)
@@ -147,8 +151,10 @@ MODELS = {
 def _gradients(cfg: Config, split: bool, recompute: str, deferring: bool) -> dict[str, torch.Tensor]:
     """Two micro batches' gradients of a model built for a schedule that splits its backward (`split`), each
     backward run fused or, `deferring`, as a B (checked to leave every weight gradient for later) and its W."""
-    model = GPTModel(cfg.model, torch.device("cpu"), ParallelContext(split_backward=split), seed=3)
+    model = GPTModel(cfg.model, torch.device("cpu"), ParallelContext(), seed=3)
     apply_recompute(model, recompute)
+    if split:
+        apply_split_backward(model)
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, 100, (2, 16), generator=g) for _ in range(2))
     for microbatch in range(2):
@@ -210,9 +216,8 @@ def _parity_ranks(rank: int, world_size: int) -> list:
     for family, pp, vp, schedule, parallel in PARITY:
         cfg = _layout(family, pp, vp, schedule, **parallel)
         losses, grads = train_and_gather(cfg, cpu_topology(rank, world_size, cfg))
-        results.append((losses if Topology.from_config(
-            rank, world_size, torch.device("cpu"), cfg.parallel, cfg.model.num_experts > 0).is_logging_rank
-            else None, grads))
+        results.append((losses if is_logging_rank(cfg, Topology.from_config(
+            rank, world_size, torch.device("cpu"), cfg.parallel, cfg.model.num_experts > 0)) else None, grads))
     return results
 
 
@@ -245,7 +250,8 @@ def test_a_compiled_layer_defers_its_weight_gradients():
     grads = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = GPTModel(cfg.model, torch.device("cpu"), ParallelContext(split_backward=True), seed=3)
+        model = GPTModel(cfg.model, torch.device("cpu"), ParallelContext(), seed=3)
+        apply_split_backward(model)
         layer = model.layers["0"]
         if compiled:
             layer.compile()

@@ -7,7 +7,7 @@
    compute is a sleep: forward t_f / vp, B t_b / vp, W t_w / vp, in the measured ratios with t_f = --t-f ms (a
    schedule without W sleeps B and W together in its backward). Sleeping ranks need no CPU, so pp ranks on 2
    cores time like pp devices. Bubble = (step - ideal) / ideal, with ideal m (t_f + t_b + t_w), next to the
-   schedule's formula with the same times (parallel/schedules.py bubble_fraction), to its op lists played out
+   schedule's formula with the same times (its ScheduleSpec's bubble), to its op lists played out
    with free messages and with the communication plan's batched exchanges (planning/bubble.py); also against
    the same rank's operations run back to back without a pipeline, which pay the same late wake-ups and
    autograd, so that only the pipeline's costs remain.
@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite.config import ParallelConfig
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.pipeline_layout import PipelineStage, placement_of
-from megalite.parallel.schedules import Trace, bubble_fraction, run_schedule, splits_backward
+from megalite.parallel.pipeline.executor import Trace, run_schedule
+from megalite.parallel.pipeline.registry import SCHEDULES, schedule_spec, training_schedules
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
 from megalite.parallel.weight_grads import weight_grad
@@ -75,14 +76,14 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"{'interleaved ' if self.vp > 1 and self.schedule == '1f1b' else ''}{self.schedule}"
+        return schedule_spec(self.schedule).label(self.vp)
 
 
 def chunk_times(case: Case, times: tuple[float, float, float]) -> tuple[float, float, float]:
     """Seconds one chunk sleeps: a rank's forward, B and W times over its vp chunks; B and W together when the
     schedule does not split them."""
     t_f, t_b, t_w = (t / 1e3 / case.vp for t in times)
-    return (t_f, t_b, t_w) if splits_backward(case.schedule) else (t_f, t_b + t_w, 0.0)
+    return (t_f, t_b, t_w) if schedule_spec(case.schedule).split_backward else (t_f, t_b + t_w, 0.0)
 
 
 def no_pipeline_step(case: Case, times: tuple[float, float, float]) -> float:
@@ -99,7 +100,7 @@ def time_case(rank: int, world_size: int, case: Case, times: tuple[float, float,
     peak of micro batches in flight."""
     if realtime:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-    stage = PipelineStage(case.pp, case.vp, rank, placement=placement_of(case.schedule))
+    stage = schedule_spec(case.schedule).stage(case.pp, case.vp, rank)
     comm = PipelineComm(Topology(rank, world_size, torch.device("cpu"), pp=case.pp), SHAPE, torch.float32)
     anchors = [torch.zeros(()) for _ in range(case.vp)]
 
@@ -112,7 +113,7 @@ def time_case(rank: int, world_size: int, case: Case, times: tuple[float, float,
     for i in range(iters + 1):
         dist.barrier()
         start = time.perf_counter()
-        run_schedule(case.schedule, case.m, forward_step, stage, comm, trace)
+        run_schedule(case.schedule, case.m, forward_step, stage, comm, [trace])
         step = time.perf_counter() - start
         dist.barrier()
         if i:
@@ -125,7 +126,7 @@ def bubble_row(case: Case, ranks: list[dict], times: tuple[float, float, float])
     """A step lasts until its slowest rank finishes; medians over steps."""
     step, no_pipeline = (statistics.median(map(max, zip(*(r[key] for r in ranks)))) for key in ("steps", "no_pipeline"))
     ideal = case.m * sum(times) / 1e3
-    formula = bubble_fraction(case.schedule, case.pp, case.vp, case.m, *times)
+    formula = schedule_spec(case.schedule).bubble(case.pp, case.vp, case.m, *times)
     lists = simulated_bubble(case.schedule, case.pp, case.vp, case.m, *times)
     exchanged = simulated_bubble(case.schedule, case.pp, case.vp, case.m, *times, exchanges=True)
     bubble, bubble_np = (step - ideal) / ideal, (step - no_pipeline) / no_pipeline
@@ -167,12 +168,17 @@ def cpu_line() -> str:
     return f"{model}, {os.cpu_count()} cores, avx512_bf16: {'yes' if 'avx512_bf16' in text else 'no'}"
 
 
+def _every_schedule() -> list[str]:
+    """SCHEDULE:VP for every registered training schedule at each vp of 1 and 2 it runs at."""
+    return [f"{name}:{vp}" for name in training_schedules() for vp in (1, 2) if SCHEDULES[name].vp in (None, vp)]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (one process each)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
-    p.add_argument("--schedules", nargs="+", default=["1f1b:1", "1f1b:2", "zb-h1:1", "zb-h1:2", "zb-v:2"],
-                   help="SCHEDULE:VP pairs")
+    p.add_argument("--schedules", nargs="+", default=_every_schedule(), help="SCHEDULE:VP pairs (default: every "
+                   "training schedule at vp 1 and 2, or at the vp it needs)")
     p.add_argument("--t-f", type=float, default=20.0, help="a stage's sleeping forward, ms (B and W in the ratios "
                                                            "measured)")
     p.add_argument("--layers", type=int, default=16, help="benchmark model layers (a stage holds layers / pp)")
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = [Case(name, args.pp, int(vp), m) for m in args.microbatches
              for name, vp in (pair.split(":") for pair in args.schedules)]
     torch.set_num_threads(1)
-    t_f, t_b, t_w = stage_times(model_config(args, Case("zb-h1", args.pp, 1, args.pp)), 1)
+    t_f, t_b, t_w = stage_times(model_config(args, Case(ParallelConfig().pipeline_schedule, args.pp, 1, args.pp)), 1)
     times = (args.t_f, args.t_f * t_b / t_f, args.t_f * t_w / t_f)
     print(f"CPU: {cpu_line()}; Python {platform.python_version()}, torch {torch.__version__}")
     print(f"stage times (stage 1 of {args.pp}: {args.layers // args.pp} layers, hidden {args.hidden}, seq {args.seq}, "

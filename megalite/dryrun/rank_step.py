@@ -24,10 +24,10 @@ from megalite.config import Config
 from megalite.data.batches import Batch
 from megalite.dryrun.fake_world import as_accelerator, fake_rank, fake_tensors
 from megalite.dryrun.live_bytes import LiveBytes
+from megalite.dryrun.nccl_rules.record import Call, CommRecorder
 from megalite.dryrun.roles import Role
 from megalite.dryrun.routing import balanced_routing
 from megalite.model import init
-from megalite.parallel.nccl_rules import Call, CommRecorder
 from megalite.parallel.topology import Topology
 from megalite.planning.measure import kept_gradients
 from megalite.training.build import Trainer, build_trainer

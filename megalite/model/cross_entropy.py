@@ -25,7 +25,7 @@ import torch
 
 from megalite.parallel import gemm
 from megalite.parallel.mappings import in_compute_dtype
-from megalite.parallel.weight_grads import split_backward, weight_grad
+from megalite.parallel.weight_grads import opaque_backward, weight_grad
 
 # Rows per chunk: on CPUs a chunk's fp32 log-softmax must stay in cache (a few MiB);
 # accelerators stream whole tensors quickly and pay per kernel launch instead.
@@ -68,7 +68,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         x, grad_logits = ctx.saved_tensors
-        grad_x = split_backward(_backward, [x, grad_losses.contiguous(), ctx.weight, grad_logits], final=ctx.final,
+        grad_x = opaque_backward(_backward, [x, grad_losses.contiguous(), ctx.weight, grad_logits], final=ctx.final,
                                 needs_weight=ctx.needs_input_grad[1])
         return grad_x, None, None, None, None
 

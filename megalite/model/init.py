@@ -9,19 +9,15 @@ and lets a run change its layout without changing its numbers.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.parallel.placement import Coord, Placement
+from megalite.parallel.random import named_seed
 
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
-
-
-def parameter_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 def initial_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> torch.Tensor:
@@ -31,7 +27,7 @@ def initial_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> 
     if "norm" in name:
         return torch.ones(shape)
     std = cfg.init_std / math.sqrt(2 * cfg.num_layers) if name.endswith(_OUTPUT_PROJECTIONS) else cfg.init_std
-    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+    generator = torch.Generator().manual_seed(named_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 

@@ -39,14 +39,10 @@ class ParallelContext:
     ep_etp: AxisView = field(default_factory=AxisView)  # the etp x ep ranks that together hold every expert
     tokens: AxisView = field(default_factory=AxisView)  # ranks holding parts of one micro batch (tp under SP, cp)
     expert_dispatcher: str = "alltoall"  # how tokens reach their experts' ranks (parallel.moe_dispatcher)
-    # The schedule splits each backward into B and W (zero bubble): layers whose weight gradient autograd would
-    # compute together with the input gradient (norms, biases after a reduction) recompute it apart, in W
-    # (weight_grads.recomputed); matmuls and lookups split their backward under every schedule.
-    split_backward: bool = False
 
     @classmethod
     def from_topology(cls, topology: Topology, sequence_parallel: bool, seed: int, cp_comm: str = "p2p",
-                      expert_dispatcher: str = "alltoall", split_backward: bool = False) -> ParallelContext:
+                      expert_dispatcher: str = "alltoall") -> ParallelContext:
         """`sequence_parallel`: ParallelConfig.sequence_parallel_active (asked for, and tp > 1)."""
         ep = etp = ep_etp = AxisView()
         if "expert" in topology.grids:
@@ -60,7 +56,7 @@ class ParallelContext:
         return cls(AxisView(topology.tp_group, topology.tp_rank, topology.tp),
                    AxisView(topology.cp_group, topology.cp_rank, topology.cp), sequence_parallel, cp_comm,
                    model_parallel_tracker(seed, topology.tp_rank, topology.device), ep, etp, ep_etp,
-                   tokens, expert_dispatcher, split_backward)
+                   tokens, expert_dispatcher)
 
     @classmethod
     def tensor_parallel(cls, group: dist.ProcessGroup | None, rank: int, size: int,

@@ -16,7 +16,7 @@ and the input gradient's reduce-scatter is launched before the weight gradient's
 it, so the two overlap: Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication (a deferred weight
 gradient keeps the gathered input until its W instead). On CUDA the overlap needs
 CUDA_DEVICE_MAX_CONNECTIONS=1 (cuda_env.py), which makes the GPU start kernels and collectives in the order
-they were queued. Under torch.compile the backward runs behind weight_grads.split_backward's opaque op, so
+they were queued. Under torch.compile the backward runs behind one opaque op (weight_grads.opaque_backward), so
 the sink and the split work there too.
 """
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.parallel.mappings import all_gather_single, gather_rows, in_compute_dtype, start_reduce_scatter_rows
-from megalite.parallel.weight_grads import split_backward
+from megalite.parallel.weight_grads import opaque_backward
 from megalite.parallel.weight_grads import weight_grad as defer_weight_grad
 
 
@@ -93,7 +93,7 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         needs = tuple(ctx.needs_input_grad[:3])
         (x,) = ctx.saved_tensors
-        grad_input = split_backward(_linear_backward, [x, grad.contiguous(), *ctx.params], group=ctx.group,
+        grad_input = opaque_backward(_linear_backward, [x, grad.contiguous(), *ctx.params], group=ctx.group,
                                     final=ctx.final, needs=needs)
         return (grad_input if needs[0] else None), None, None, None, None
 

@@ -6,7 +6,7 @@ parameters' placements (parallel/placement.py), so initialisation, gradient redu
 checkpoints can move between full tensors and per-rank shards without knowing the model. Every
 matmul runs through gemm.py, every lookup through `embedding`, and each hands its weight gradient to
 weight_grads.py (in W under a zero-bubble schedule); so does the bias a row-parallel layer adds after its
-reduction, when the schedule splits the backward (`ParallelContext.split_backward`).
+reduction, when the schedule splits the backward (`recompute_bias`, set by model/split_backward.py).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, ctx.tp.size, "input features")))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.placements = {"weight": Placement.split("tp", 1)}
+        self.recompute_bias = False  # the bias after the reduction keeps nothing and hands its gradient to W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.ctx.tp
@@ -108,7 +109,7 @@ class RowParallelLinear(nn.Module):
         y = reduce_scatter_to_sp(y, tp.group) if self.ctx.sequence_parallel else reduce_from_tp(y, tp.group)
         if self.bias is None:
             return y
-        return recomputed(add_bias, y, self.bias) if self.ctx.split_backward else add_bias(y, self.bias)
+        return recomputed(add_bias, y, self.bias) if self.recompute_bias else add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):

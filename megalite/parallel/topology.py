@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from megalite.config import ParallelConfig
 from megalite.parallel.cuda_env import prepare_cuda_environment
-from megalite.parallel.pipeline_layout import PipelineStage, placement_of
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
@@ -179,7 +178,6 @@ GROUPS: dict[tuple[str, tuple[str, ...]], str] = {
     ("dense", ("dp",)): "data-parallel",
     ("dense", ("cp", "dp")): "data-and-context-parallel",
     ("dense", ("pp",)): "pipeline-parallel",
-    ("dense", ("tp", "pp")): "model-parallel",
     ("dense", ("tp", "cp")): "tensor-and-context-parallel",
     ("expert", ("etp",)): "expert-tensor-parallel",
     ("expert", ("ep",)): "expert-parallel",
@@ -221,7 +219,6 @@ class Topology:
     etp: int = 1
     experts: bool = False  # the model has expert layers (their groups are made even at ep = etp = 1)
     timeout_minutes: float | None = None  # collective timeout of the groups (None: torch's default)
-    head_stage: int | None = None  # the pipeline stage holding the LM head (None: the last)
     grids: dict[str, RankGrid] = field(init=False, repr=False)
     groups: dict[tuple[str, tuple[str, ...]], dist.ProcessGroup] = field(init=False, repr=False)
     embedding_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
@@ -291,23 +288,14 @@ class Topology:
     pp_rank = property(lambda self: self.coord("pp"))
     dp_cp_rank = property(lambda self: self.coord("cp", "dp"))
     tp_group = property(lambda self: self.group("tp"))
-    dp_group = property(lambda self: self.group("dp"))
     dp_cp_group = property(lambda self: self.group("cp", "dp"))
     pp_group = property(lambda self: self.group("pp"))
-    mp_group = property(lambda self: self.group("tp", "pp"))
     cp_group = property(lambda self: self.group("cp") if self.cp > 1 else None)
 
     def named_groups(self) -> dict[str, dist.ProcessGroup]:
         """This rank's groups by the description they were created with."""
         groups = [*self.groups.values(), self.embedding_group]
         return {group.group_desc: group for group in groups if group is not None}
-
-    @property
-    def is_logging_rank(self) -> bool:
-        """The last rank of the pipeline stage holding the LM head, where the loss is known: the last rank,
-        unless ZB-V's V placement puts the head on the first stage (`head_stage`)."""
-        head = self.pp - 1 if self.head_stage is None else self.head_stage
-        return self.rank == max(ranks[head] for ranks in self.grid.groups(("pp",)))
 
     def max_over_ranks(self, values: list[float]) -> list[float]:
         """Element-wise maximum over every rank, in one collective: how ranks agree on flags (any rank's
@@ -345,10 +333,8 @@ class Topology:
     def from_config(cls, rank: int, world_size: int, device: torch.device, parallel: ParallelConfig,
                     experts: bool = False) -> Topology:
         """The topology `parallel` asks for, on a process group that already exists."""
-        head = PipelineStage(parallel.pp, parallel.vp, 0, placement=placement_of(parallel.pipeline_schedule))
         return cls(rank, world_size, device, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep,
-                   etp=parallel.etp, experts=experts, timeout_minutes=parallel.timeout_minutes,
-                   head_stage=head.holder(head.model_chunks - 1)[0])
+                   etp=parallel.etp, experts=experts, timeout_minutes=parallel.timeout_minutes)
 
     @classmethod
     def from_environment(cls, device_preference: str = "auto", parallel: ParallelConfig | None = None,

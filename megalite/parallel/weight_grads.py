@@ -1,6 +1,6 @@
 """Weight gradients, computed inside a layer's backward or deferred to a later W operation.
 
-A zero-bubble schedule (parallel/zero_bubble.py) splits each chunk's backward in two: B computes the input
+A zero-bubble schedule (parallel/pipeline/zero_bubble.py) splits each chunk's backward in two: B computes the input
 gradients, which the previous pipeline rank waits for, and W, later, the weight gradients, which nothing
 waits for, so they can fill the pipeline's bubbles (Qi et al., arXiv 2401.10241). Every layer hands its
 parameters' gradients to `weight_grad` here from its own backward: inside a B (`deferred`) the work is
@@ -23,7 +23,7 @@ Two kinds of layer split their backward:
 
 The queue of the B under way is module state (`_queue`), set only inside `deferred`: autograd may run a
 backward on a worker thread (one per CUDA device), which must see it too. Under torch.compile a layer's
-backward is traced ahead of time, so whether it defers cannot be decided there: `split_backward` puts the
+backward is traced ahead of time, so whether it defers cannot be decided there: `opaque_backward` puts the
 backward's work behind one opaque custom op that decides when it runs, so compiled layers split too
 (torch.distributed.pipelining refuses compiled stages for want of this).
 """
@@ -110,7 +110,7 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,), params = ctx.saved_tensors, ctx.params
-        grad_x = split_backward(_recomputed_backward, [x, grad.contiguous(), *params], fn=ctx.fn,
+        grad_x = opaque_backward(_recomputed_backward, [x, grad.contiguous(), *params], fn=ctx.fn,
                                 static=tuple(ctx.static.items()), autocast=ctx.autocast,
                                 needs=tuple(ctx.needs_input_grad[3:]))
         return (grad_x if ctx.needs_input_grad[0] else None), None, None, *(None for _ in params)
@@ -160,25 +160,25 @@ def _parameter_grad(fn: Callable[..., torch.Tensor], kwargs: dict[str, Any], aut
 _BACKWARDS: dict[str, tuple[Callable[..., torch.Tensor], dict[str, Any]]] = {}
 
 
-def split_backward(impl: Callable[..., torch.Tensor], tensors: list[torch.Tensor], **static: Any) -> torch.Tensor:
+def opaque_backward(impl: Callable[..., torch.Tensor], tensors: list[torch.Tensor], **static: Any) -> torch.Tensor:
     """impl(*tensors, **static), a layer's backward that returns the input gradient (shaped and typed as
     tensors[0]) and hands weight gradients to `weight_grad`. Eagerly it is called; while torch.compile traces
-    a backward it becomes one call of the opaque op `megalite::split_backward`, which calls it when the
+    a backward it becomes one call of the opaque op `megalite::opaque_backward`, which calls it when the
     compiled backward runs, so that `deferred` decides then. `static` (groups, flags) is registered under a
     name the traced graph keeps; the tensors, parameters included, are passed at every call."""
     if not torch.compiler.is_compiling():
         return impl(*tensors, **static)
     name = f"{impl.__module__}.{impl.__qualname__}:{sorted(static.items(), key=lambda kv: kv[0])!r}"
     _BACKWARDS.setdefault(name, (impl, static))
-    return _split_backward_op(name, tensors)
+    return _opaque_backward_op(name, tensors)
 
 
-@torch.library.custom_op("megalite::split_backward", mutates_args=())
-def _split_backward_op(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+@torch.library.custom_op("megalite::opaque_backward", mutates_args=())
+def _opaque_backward_op(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     impl, static = _BACKWARDS[name]
     return impl(*tensors, **static)
 
 
-@_split_backward_op.register_fake
+@_opaque_backward_op.register_fake
 def _(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty_like(tensors[0])

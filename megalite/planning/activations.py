@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.model.cross_entropy import chunk_rows
-from megalite.parallel.schedules import splits_backward
+from megalite.parallel.pipeline.registry import schedule_spec
 from megalite.planning.context_parallel import allgather_layer_bytes
 from megalite.planning.experts import routed_bytes
 
@@ -54,10 +54,10 @@ class Widths:
 
 def _norm(cfg: Config, rows: int, w: Widths) -> int:
     """LayerNorm keeps input, mean, rstd; RMSNorm its input (Widths.rmsnorm_input) and rstd. Under a schedule
-    that splits the backward (zero bubble) either keeps only its input (model/norms.py SplitLayerNorm), on any
+    that splits the backward (zero bubble) either keeps only its input (model/norms.py RecomputedLayerNorm), on any
     device: its backward runs the norm again."""
     h = cfg.model.hidden_size
-    if splits_backward(cfg.parallel.pipeline_schedule):
+    if schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
         return rows * h * w.residual
     if cfg.model.features.norm == "layernorm":
         return rows * (h * w.layernorm_input + 2 * w.layernorm_stats)

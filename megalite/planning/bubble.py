@@ -1,5 +1,5 @@
-"""The pipeline bubble of a schedule: its formula (registered with the schedule, parallel/schedules.py) and its
-op lists played out with given operation times.
+"""The pipeline bubble of a schedule: its formula (its ScheduleSpec, parallel/pipeline/) and its op lists played
+out with given operation times.
 
 `simulated_step` runs every rank's list as the executor would with free, instant messages: an operation starts
 when its rank is free and its input exists (the previous chunk's forward, the next chunk's backward, its own
@@ -16,8 +16,11 @@ neighbour posts: the lock-step plan's cost, which 1F1B does not pay and the zero
 from __future__ import annotations
 
 from megalite.parallel.p2p import Message
-from megalite.parallel.pipeline_layout import PipelineStage, placement_of
-from megalite.parallel.schedules import B, F, Op, communication_plan, is_local, needs, schedule_ops, splits_backward
+from megalite.parallel.pipeline.ops import B, F, Op
+from megalite.parallel.pipeline.plan import communication_plan, is_local, needs
+from megalite.parallel.pipeline.registry import schedule_spec
+from megalite.parallel.pipeline.spec import ScheduleSpec
+from megalite.parallel.pipeline.stage import PipelineStage
 
 
 def _dependency(stage: PipelineStage, op: Op) -> tuple[str, int, int, int] | None:
@@ -35,8 +38,8 @@ class _Rounds:
     """When each rank posts each exchange of the communication plan, and when the exchange carrying a message
     completes on its receiver."""
 
-    def __init__(self, name: str, pp: int, vp: int, microbatches: int) -> None:
-        self.plans = communication_plan(name, pp, vp, microbatches)
+    def __init__(self, spec: ScheduleSpec, pp: int, vp: int, microbatches: int) -> None:
+        self.plans = communication_plan(spec, pp, vp, microbatches)
         self.posted: dict[tuple[int, Message], float] = {}
         self.carrier: dict[tuple[int, Message], list[Message]] = {}
 
@@ -52,18 +55,19 @@ class _Rounds:
         return None if None in times else max(times)
 
 
-def simulated_step(name: str, pp: int, vp: int, microbatches: int, t_f: float = 1.0, t_b: float = 1.0,
-                   t_w: float = 1.0, exchanges: bool = False) -> float:
-    """The step time of schedule `name` with a rank's forward, input-gradient and weight-gradient times t_f, t_b,
+def simulated_step(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches: int, t_f: float = 1.0,
+                   t_b: float = 1.0, t_w: float = 1.0, exchanges: bool = False) -> float:
+    """The step time of `schedule` with a rank's forward, input-gradient and weight-gradient times t_f, t_b,
     t_w (its whole stage: each chunk takes 1/vp of them); a schedule without W runs B and W as one backward.
     `exchanges`: messages in the plan's batched rounds (module docstring), else free and instant."""
-    if not splits_backward(name):
+    spec = schedule_spec(schedule)
+    if not spec.split_backward:
         t_b, t_w = t_b + t_w, 0.0
-    stages = [PipelineStage(pp, vp, r, placement=placement_of(name)) for r in range(pp)]
-    ops = [schedule_ops(name, pp, vp, r, microbatches) for r in range(pp)]
+    stages = [spec.stage(pp, vp, r) for r in range(pp)]
+    ops = [spec.rank_ops(pp, vp, r, microbatches) for r in range(pp)]
     took = {F: t_f / vp, B: t_b / vp, "W": t_w / vp}
     done: dict[tuple[str, int, int, int], float] = {}
-    rounds = _Rounds(name, pp, vp, microbatches) if exchanges and pp > 1 else None
+    rounds = _Rounds(spec, pp, vp, microbatches) if exchanges and pp > 1 else None
     position, clock = [0] * pp, [0.0] * pp
     progress = True
     while progress:
@@ -82,7 +86,7 @@ def simulated_step(name: str, pp: int, vp: int, microbatches: int, t_f: float = 
             if rounds is not None and position[r] == len(ops[r]):
                 rounds.post(r, position[r], clock[r])  # the rounds after its last operation
     if position != [len(o) for o in ops]:
-        raise RuntimeError(f"schedule {name} (pp={pp}, vp={vp}, {microbatches} micro batches) cannot finish")
+        raise RuntimeError(f"schedule {spec.name} (pp={pp}, vp={vp}, {microbatches} micro batches) cannot finish")
     return max(clock)
 
 
@@ -100,9 +104,9 @@ def _ready(stage: PipelineStage, op: Op, done: dict[tuple[str, int, int, int], f
     return None if arrival is None else max(ready, arrival)
 
 
-def simulated_bubble(name: str, pp: int, vp: int, microbatches: int, t_f: float = 1.0, t_b: float = 1.0,
-                     t_w: float = 1.0, exchanges: bool = False) -> float:
+def simulated_bubble(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches: int, t_f: float = 1.0,
+                     t_b: float = 1.0, t_w: float = 1.0, exchanges: bool = False) -> float:
     """`simulated_step`'s idle share of the ideal step m (t_f + t_b + t_w), as `bubble_fraction` gives it."""
     ideal = microbatches * (t_f + t_b + t_w)
-    return simulated_step(name, pp, vp, microbatches, t_f, t_b, t_w, exchanges) / ideal - 1
+    return simulated_step(schedule, pp, vp, microbatches, t_f, t_b, t_w, exchanges) / ideal - 1
 

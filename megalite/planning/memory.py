@@ -27,9 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.pipeline.registry import schedule_spec, stage_layout
 from megalite.parallel.placement import DATA_AXES
-from megalite.parallel.schedules import schedule_ops, splits_backward
 from megalite.parallel.topology import RankGrid
 from megalite.planning.activations import (
     _BYTES,
@@ -156,7 +155,7 @@ def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> l
 def chunk_held_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
     """One micro batch's weight-gradient inputs, held from its B to its W, for each model chunk of pipeline stage
     `pp_rank` (planning/held.py); none unless the schedule splits the backward."""
-    if not splits_backward(cfg.parallel.pipeline_schedule):
+    if not schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
         return [0] * stage_layout(cfg, pp_rank).vp
     return _per_chunk(cfg, pp_rank, lambda index: layer_held_bytes(cfg, device, index), embedding_held_bytes(cfg),
                       head_held_bytes(cfg, device))
@@ -164,12 +163,12 @@ def chunk_held_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[in
 
 def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> tuple[int, int]:
     """(peak bytes, micro batches in flight then) over this stage's schedule: a forward stores its chunk's
-    activations until the matching backward frees them (parallel/schedules.py); under a zero-bubble schedule
+    activations until the matching backward frees them (parallel/pipeline/executor.py); under a zero-bubble schedule
     that backward (B) leaves the chunk's weight-gradient inputs until its W."""
     p = cfg.parallel
     sizes, held_inputs = chunk_activation_bytes(cfg, pp_rank, device), chunk_held_bytes(cfg, pp_rank, device)
-    ops = schedule_ops(p.pipeline_schedule, p.pp, p.vp, pp_rank, cfg.num_microbatches(world_size))
-    split = splits_backward(p.pipeline_schedule)
+    spec = schedule_spec(p.pipeline_schedule)
+    ops, split = spec.rank_ops(p.pp, p.vp, pp_rank, cfg.num_microbatches(world_size)), spec.split_backward
     held, count, peak = 0, 0, (0, 0)
     for kind, chunk, _ in ops:
         if kind == "F":

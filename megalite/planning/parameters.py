@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megalite.config import Config, ModelConfig
-from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.pipeline.registry import stage_layout
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ layers it also gives the parameters one token uses (what the FLOPs count), the e
 GPU's model state and what the token dispatch sends (planning/experts.py). With pipeline parallelism it
 weighs every schedule the layout allows (ZB-V at vp 2) by its bubble and memory, each with its verdict.
 
-The bubble is the schedule's formula (parallel/schedules.py, zero_bubble.py) with a stage's forward, input-
+The bubble is the schedule's formula (its ScheduleSpec, parallel/pipeline/) with a stage's forward, input-
 gradient and weight-gradient times equal, as the zero-bubble paper assumes for transformer layers (the
 weight and input gradients are one matmul each per forward matmul); tools/benchmark_pipeline.py measures
 them and compares."""
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config, ConfigError
 from megalite.config_validation import validate
-from megalite.parallel.schedules import BUBBLES, bubble_fraction
+from megalite.parallel.pipeline.registry import SCHEDULES, bubble_fraction, training_schedules
 from megalite.planning.activations import token_rows
 from megalite.planning.context_parallel import describe as describe_cp
 from megalite.planning.experts import describe as describe_moe
@@ -117,13 +117,13 @@ class Plan:
 
 
 def schedule_plans(plan: Plan) -> list[Plan]:
-    """The plan under every training schedule its layout allows (ZB-V with vp = 2), for pp > 1."""
+    """The plan under every training schedule its layout allows, each at the vp it needs (ZB-V's 2), for pp > 1."""
     p = plan.cfg.parallel
     if p.pp == 1:
         return []
     plans = []
-    for name in sorted(BUBBLES):
-        parallel = dataclasses.replace(p, pipeline_schedule=name, vp=2 if name == "zb-v" else p.vp)
+    for name in training_schedules():
+        parallel = dataclasses.replace(p, pipeline_schedule=name, vp=SCHEDULES[name].vp or p.vp)
         cfg = dataclasses.replace(plan.cfg, parallel=parallel)
         try:
             validate(cfg, plan.world_size)

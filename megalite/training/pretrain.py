@@ -23,10 +23,10 @@ from megalite.config_validation import validate
 from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import MicroBatches, micro_batches
 from megalite.errors import UserError
-from megalite.parallel.schedules import Trace
+from megalite.parallel.pipeline.executor import Trace
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, release_process_groups, synchronize
-from megalite.training.build import build_trainer
+from megalite.training.build import build_trainer, is_logging_rank
 from megalite.training.evaluate import evaluate
 from megalite.training.flops import peak_tflops, throughput
 from megalite.training.lr_schedule import learning_rate
@@ -72,8 +72,9 @@ class Run:
         self.data = build_training_data(cfg, topology.rank, tokenizer, cfg.train.train_iters * self.gbs, valid_samples)
         self.trainer = build_trainer(cfg, topology)
         self.optimizer, self.pipeline = self.trainer.optimizer, self.trainer.pipeline
-        if cfg.logging.pipeline_trace:
-            self.pipeline.trace = Trace(topology.device)
+        self.trace = Trace(topology.device) if cfg.logging.pipeline_trace else None
+        if self.trace is not None:
+            self.pipeline.observers.append(self.trace)
         self.sharded = self.trainer.sharded_state()
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(c.save, topology, c.async_save, c.keep_last) if c.save else None
@@ -85,7 +86,7 @@ class Run:
             chosen = [new_run_id()]
             dist.broadcast_object_list(chosen, src=0)
             self.state.wandb_run_id = chosen[0]
-        self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)
+        self.writer = MetricsWriter(cfg, is_logging_rank(cfg, topology), self.state.step, self.state.wandb_run_id)
         self.console = {key: label for key, label in _CONSOLE.items()
                         if cfg.train.recompute != "none" or key not in _HARDWARE}
         self.routing = RoutingMetrics(cfg.model, topology) if cfg.model.num_experts else None
@@ -158,7 +159,7 @@ class Run:
         cfg = self.cfg
         self.unread.append((step, result))
         self.writer.advance()
-        if self.pipeline.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
+        if self.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
             self._write_trace(step - start)
         began, steps = self.interval
         self.interval = (began, steps + 1)
@@ -230,7 +231,7 @@ class Run:
         self.optimizer.wait_params()
         if step >= cfg.train.train_iters and cfg.train.eval_interval and step % cfg.train.eval_interval:
             self._evaluate()
-        if self.pipeline.trace is not None and step > start_step:
+        if self.trace is not None and step > start_step:
             self._write_trace(step - start_step)
         if self.checkpointer and step > start_step and self.saved_step != step:
             self._save()
@@ -317,8 +318,9 @@ class Run:
         self.writer.log(record, self.console)
 
     def _write_trace(self, steps: int) -> None:
-        write_chrome_trace(self.cfg.logging.pipeline_trace, self.pipeline.trace, self.topology, steps)
-        self.pipeline.trace = None
+        write_chrome_trace(self.cfg.logging.pipeline_trace, self.trace, self.topology, steps)
+        self.pipeline.observers.remove(self.trace)
+        self.trace = None
         self.writer.print(f"pipeline trace of {steps} steps written to {self.cfg.logging.pipeline_trace}")
 
     def _evaluate(self) -> None:

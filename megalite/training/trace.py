@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megalite.parallel.schedules import Trace
+from megalite.parallel.pipeline.executor import Trace
 from megalite.parallel.topology import Topology
 
 

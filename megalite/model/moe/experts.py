@@ -21,7 +21,7 @@ from megalite.config import ModelConfig
 from megalite.model.mlp import activate
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.placement import Placement, ShardSpec
-from megalite.parallel.weight_grads import split_backward, weight_grad
+from megalite.parallel.weight_grads import opaque_backward, weight_grad
 
 
 def grouped_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -69,7 +69,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         x, offsets = ctx.saved_tensors
-        grad_x = split_backward(_grouped_backward, [x, grad.contiguous(), ctx.weight, offsets], grouped=ctx.grouped,
+        grad_x = opaque_backward(_grouped_backward, [x, grad.contiguous(), ctx.weight, offsets], grouped=ctx.grouped,
                                 needs=tuple(ctx.needs_input_grad[:2]))
         return (grad_x if ctx.needs_input_grad[0] else None), None, None
 

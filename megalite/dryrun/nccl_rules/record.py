@@ -1,29 +1,5 @@
-"""Record the communication that gloo ranks really perform, then replay it under NCCL's rules.
-
-gloo forgives what NCCL does not: a gloo send never blocks another rank's call, and tags
-route messages. NCCL (user guide, "Point-to-point communication"; ncclSend/ncclRecv) runs
-every call on a GPU stream:
-
-- a send or receive blocks its stream until the peer's matching call runs; only the calls
-  of one group (one `batch_isend_irecv`) progress together;
-- messages match in the order they were posted per communicator and direction; tags are
-  ignored;
-- calls on one stream run in the order they were posted; a batch and every collective use
-  the process group's communicator and stream; a single `isend`/`irecv` uses a two-rank
-  communicator of its own ("pair" placement), or the group's one when the group was bound
-  to a device ("group" placement); both are replayed;
-- every call waits for the compute queued before it, which waits for every call already
-  waited on (`work.wait()` does not block the host; it orders the compute stream).
-
-`CommRecorder` wraps torch.distributed's functions inside one process and records, in
-order, each call it posts (communicator, peers, sizes, a digest of the bytes sent or
-received) and each wait on it. `replay` runs all ranks' records as NCCL would and reports
-every call that could never finish (a hang), every message NCCL would deliver to another
-receive than gloo did (a silent swap), and every size or collective mismatch.
-
-It lives in megalite, not only in the tests, because the dry run (megalite/dryrun/) records the calls of
-ranks it simulates on fake tensors (no bytes to digest: sizes and order are checked, not contents).
-"""
+"""Recording what every torch.distributed call of this process posts and waits on (the rules it is checked against:
+nccl_rules/__init__.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +8,6 @@ import hashlib
 import inspect
 import sys
 import threading
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +21,6 @@ P2P_FUNCTIONS = ("isend", "irecv", "send", "recv")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                "reduce_scatter_tensor", "reduce_scatter", "broadcast", "barrier", "reduce", "all_to_all_single",
                "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
-PLACEMENTS = ("pair", "group")
 
 
 @dataclass
@@ -113,7 +87,7 @@ def _caller() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if "/torch/" not in path and not path.endswith("nccl_rules.py"):
+        if "/torch/" not in path and "/nccl_rules/" not in path:
             return f"{'/'.join(path.rsplit('/', 2)[-2:])}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
@@ -272,160 +246,3 @@ def _collective_tensor(name: str, arguments: dict[str, Any]) -> torch.Tensor | N
         if isinstance(value, torch.Tensor):
             return value
     return None
-
-
-@dataclass
-class Report:
-    problems: list[str] = field(default_factory=list)
-    calls: int = 0
-    messages: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def text(self) -> str:
-        return "\n".join(self.problems[:40])
-
-
-class _Replay:
-    """One placement's replay: streams, message channels and the started/completed fixpoint."""
-
-    def __init__(self, records: dict[int, RankRecord], placement: str) -> None:
-        self.placement, self.report = placement, Report()
-        self.calls = {(r, c.index): c for r, rec in records.items() for c in rec.calls}
-        self.report.calls = len(self.calls)
-        self.streams: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-        self.waits: dict[int, list[int]] = {r: [i for kind, i in rec.events if kind == "wait"]
-                                            for r, rec in records.items()}
-        self.waits_before: dict[tuple[int, int], int] = {}
-        for r, rec in records.items():
-            waited = 0
-            for kind, item in rec.events:
-                if kind == "wait":
-                    waited += 1
-                else:
-                    self.waits_before[(r, item.index)] = waited
-                    self.streams[(r, self._communicator(item))].append((r, item.index))
-        self.partners = self._match()
-
-    def _communicator(self, call: Call, peer: int | None = None) -> tuple:
-        if call.single and self.placement == "pair":
-            peer = call.messages[0].peer if peer is None else peer
-            return ("pair", call.comm, min(call.rank, peer), max(call.rank, peer))
-        return ("group", call.comm)
-
-    def _match(self) -> dict[tuple[int, int], set[tuple[int, int]]]:
-        """Pair sends with receives in post order per communicator and direction, collectives in post
-        order per communicator; note every mismatch. Returns each call's partner calls."""
-        sends, recvs, collectives = defaultdict(list), defaultdict(list), defaultdict(lambda: defaultdict(list))
-        for key in sorted(self.calls):
-            call = self.calls[key]
-            for message in call.messages:
-                src, dst = (call.rank, message.peer) if message.send else (message.peer, call.rank)
-                channel = (self._communicator(call, message.peer), src, dst)
-                (sends if message.send else recvs)[channel].append((key, message))
-            if not call.messages:
-                collectives[call.comm][call.rank].append(key)
-        partners: dict[tuple[int, int], set[tuple[int, int]]] = defaultdict(set)
-        for channel in sends.keys() | recvs.keys():
-            self._pair_messages(channel, sends[channel], recvs[channel], partners)
-        for comm, per_rank in collectives.items():
-            self._pair_collectives(comm, per_rank, partners)
-        return partners
-
-    def _pair_messages(self, channel: tuple, sent: list, received: list, partners: dict) -> None:
-        _, src, dst = channel
-        self.report.messages += min(len(sent), len(received))
-        for (skey, s), (rkey, r) in zip(sent, received):
-            partners[skey].add(rkey)
-            partners[rkey].add(skey)
-            if s.nbytes != r.nbytes or s.dtype != r.dtype:
-                self._problem(f"size mismatch: {self.calls[skey].describe()} sends {s.nbytes} bytes {s.dtype} "
-                              f"into {self.calls[rkey].describe()} which expects {r.nbytes} bytes {r.dtype}")
-            elif r.digest is not None and s.digest != r.digest:
-                self._problem(f"wrong message: NCCL matches {self.calls[skey].describe()} with "
-                              f"{self.calls[rkey].describe()}, but that receive got other data under gloo "
-                              "(messages between two ranks must be received in the order they are sent; "
-                              "tags are ignored)")
-        for key, _ in sent[len(received):]:
-            self._problem(f"send {src}->{dst} never received: {self.calls[key].describe()}")
-        for key, _ in received[len(sent):]:
-            self._problem(f"receive {src}->{dst} never sent: {self.calls[key].describe()}")
-
-    def _pair_collectives(self, comm: str, per_rank: dict[int, list], partners: dict) -> None:
-        members = self.calls[next(iter(per_rank.values()))[0]].members
-        counts = {r: len(per_rank.get(r, [])) for r in members}
-        if len(set(counts.values())) > 1:
-            self._problem(f"group {comm}: members post different numbers of collectives {counts}")
-        for position in range(min(counts.values())):
-            keys = [per_rank[r][position] for r in members]
-            shapes = {(self.calls[k].name, self.calls[k].nbytes, self.calls[k].dtype) for k in keys}
-            if len(shapes) > 1:
-                self._problem(f"group {comm}: collective #{position} differs across members: "
-                              + "; ".join(self.calls[k].describe() for k in keys))
-            if all(self.calls[k].splits is not None for k in keys):
-                self._pair_all_to_all([self.calls[k] for k in keys])
-            for key in keys:
-                partners[key].update(k for k in keys if k != key)
-
-    def _pair_all_to_all(self, calls: list[Call]) -> None:
-        """Member i's bytes to member j are what j expects from i."""
-        for i, sender in enumerate(calls):
-            for j, receiver in enumerate(calls):
-                if sender.splits[0][j] != receiver.splits[1][i]:
-                    self._problem(f"all-to-all size mismatch: {sender.describe()} sends {sender.splits[0][j]} bytes "
-                                  f"to {receiver.describe()}, which expects {receiver.splits[1][i]}")
-
-    def _problem(self, text: str) -> None:
-        self.report.problems.append(f"[{self.placement} placement] {text}")
-
-    def run(self) -> Report:
-        started, done = set(), set()
-        heads = {stream: 0 for stream in self.streams}
-        self.waited_done = waited_done = dict.fromkeys(self.waits, 0)
-        progress = True
-        while progress:
-            progress = False
-            for stream, queue in self.streams.items():
-                while heads[stream] < len(queue):
-                    key = queue[heads[stream]]
-                    if key not in started and waited_done[key[0]] >= self.waits_before[key]:
-                        started.add(key)
-                        progress = True
-                    if key not in started or not self.partners[key] <= started:
-                        break
-                    done.add(key)
-                    heads[stream] += 1
-                    progress = True
-            for rank, waits in self.waits.items():
-                while waited_done[rank] < len(waits) and (rank, waits[waited_done[rank]]) in done:
-                    waited_done[rank] += 1
-        self._report_hang(started, done, heads)
-        return self.report
-
-    def _report_hang(self, started: set, done: set, heads: dict) -> None:
-        for stream, queue in self.streams.items():
-            if heads[stream] >= len(queue):
-                continue
-            key = queue[heads[stream]]
-            call = self.calls[key]
-            if key in started:
-                missing = sorted(self.partners[key] - started)
-                why = "its peers' matching calls never start: " + "; ".join(self.calls[k].describe() for k in missing)
-            else:
-                blocker = self.calls[(key[0], self.waits[key[0]][self.waited_done[key[0]]])]
-                why = f"it waits for compute that waits for {blocker.describe()}"
-            self._problem(f"hang: {call.describe()} never completes: {why}")
-
-
-def replay(records: dict[int, RankRecord] | list[RankRecord], placements: tuple[str, ...] = PLACEMENTS) -> Report:
-    """Replay every rank's record under NCCL's rules for each communicator placement."""
-    if isinstance(records, list):
-        records = {record.rank: record for record in records}
-    total = Report()
-    for placement in placements:
-        report = _Replay(records, placement).run()
-        total.problems += report.problems
-        total.calls, total.messages = report.calls, max(total.messages, report.messages)
-    return total

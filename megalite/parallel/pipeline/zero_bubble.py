@@ -2,15 +2,15 @@
 
 Each backward is split into B, the input gradient the previous rank waits for, and W, the weight gradient
 nothing waits for (weight_grads.py), and the W operations go where 1F1B idles. Per micro batch a rank still
-runs F, B and W once per chunk; only their order changes, so the communication plan, the NCCL-rule replay
-and the executor are those of every schedule (schedules.py).
+runs F, B and W once per chunk; only their order changes, so the communication plan (plan.py), the NCCL-rule
+replay and the executor (executor.py) are those of every schedule.
 
 - `zb-h1` (ZB-H1): the 1F1B order (interleaved 1F1B's when vp > 1), each backward split in two, and rank
   r's W operations each deferred by as many backwards as its warm-up is shorter than rank 0's. Every rank
   then holds what 1F1B's rank 0 holds (micro batches between their forward and their weight gradient), and
   the deferred W operations fill the cool-down, where 1F1B's later ranks wait for gradients. With vp > 1
   this is the interleaved zero-bubble order, on the interleaved schedule's memory.
-- `zb-v` (ZB-V, vp = 2, the V placement of pipeline_layout.py): rank r holds chunks r and 2pp-1-r. Its
+- `zb-v` (ZB-V, vp = 2, the V chunk order of stage.py): rank r holds chunks r and 2pp-1-r. Its
   warm-up runs 2(pp-r)-1 forwards of its first chunk, then r pairs of forwards of both chunks: exactly the
   forwards whose inputs arrive (unit times) before its first backward does; then the steady phase runs
   F, B, W of one chunk and of the other in turn; the cool-down runs the remaining backwards first and the
@@ -19,7 +19,7 @@ and the executor are those of every schedule (schedules.py).
 Both orders are fixed, not found by simulating one set of operation times: lists fitted to equal F, B and
 W times were found to idle badly when B took twice F, where these stay within the formulas below.
 
-The bubble (`bubble_fraction`, the idle share of the ideal step m (T_F + T_B + T_W), with T the times of
+The bubble (each spec's formula, the idle share of the ideal step m (T_F + T_B + T_W), with T the times of
 a rank's whole stage, all its chunks): megalite's step ends with a synchronous optimizer step (the global
 gradient norm), so the next step cannot start under this one's tail, and the last rank's first forward
 waits (pp-1) T_F / vp. ZB-H1 idles (pp-1)(T_F + T_B - T_W) / vp, 1F1B's (pp-1)(T_F + T_B + T_W) / vp less
@@ -30,7 +30,10 @@ does not do that.
 
 from __future__ import annotations
 
-from megalite.parallel.schedules import B, F, Op, W, one_f_one_b, schedule
+from megalite.parallel.pipeline.one_f_one_b import one_f_one_b
+from megalite.parallel.pipeline.ops import B, F, Op, W
+from megalite.parallel.pipeline.spec import ScheduleSpec
+from megalite.parallel.pipeline.stage import V
 
 
 def zero_bubble_bubble(pp: int, vp: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
@@ -39,7 +42,6 @@ def zero_bubble_bubble(pp: int, vp: int, m: int, t_f: float, t_b: float, t_w: fl
     return (pp - 1) * max(t_f + t_b - t_w, t_f) / (vp * m * (t_f + t_b + t_w))
 
 
-@schedule("zb-h1", bubble=zero_bubble_bubble, split=True)
 def zb_h1(pp: int, vp: int, rank: int, m: int) -> list[Op]:
     """1F1B's order with split backwards, W deferred by rank 0's warm-up minus this rank's."""
     delay = _warmup(one_f_one_b(pp, vp, 0, m)) - _warmup(ops := one_f_one_b(pp, vp, rank, m))
@@ -63,11 +65,8 @@ def _split(ops: list[Op], delay: int) -> list[Op]:
     return result + waiting
 
 
-@schedule("zb-v", bubble=zero_bubble_bubble, split=True)
 def zb_v(pp: int, vp: int, rank: int, m: int) -> list[Op]:
     """ZB-V's phases on rank `rank` (chunk 0: model chunk rank, chunk 1: model chunk 2pp-1-rank)."""
-    if vp != 2:
-        raise ValueError(f"zb-v places two chunks per rank in a V; it needs parallel.vp=2, not {vp}")
     order = _VOrder(m)
     for _ in range(2 * (pp - rank) - 1):
         order.add(F, 0)
@@ -111,3 +110,10 @@ class _VOrder:
         for chunk in (0, 1):
             while self.count[B][chunk] < self.m:
                 self.add(B, chunk), self.add(W, chunk)
+
+
+ZB_H1 = ScheduleSpec("zb-h1", zb_h1, zero_bubble_bubble, split_backward=True, needs_pipeline=True,
+                     doc="zero bubble, 1F1B's memory: backwards split into B and W, W in the bubbles (interleaved "
+                         "when vp > 1)")
+ZB_V = ScheduleSpec("zb-v", zb_v, zero_bubble_bubble, split_backward=True, chunk_order=V, needs_pipeline=True,
+                    doc="zero bubble in a V: two chunks per rank (vp = 2), rank 0 holding the first and the last")
