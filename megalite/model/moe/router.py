@@ -78,6 +78,15 @@ def balance_probabilities(routing: Routing, cfg: ModelConfig) -> torch.Tensor:
     return routing.scores / (routing.scores.sum(-1, keepdim=True) + 1e-20)
 
 
+def balancing_choices(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """[tokens, k] the experts whose load the balancing losses count (their f_e): the plain top-k of the
+    balancing probabilities, without the expert bias and the group limit that decide where tokens go. This is
+    DeepSeek-V3's f_i (its report counts s_i,t in TopK(s), not in TopK(s + b)) and Megatron-Core's (its
+    aux-loss routing map is a top-k of the scores alone), so a converted Megatron run takes Megatron's step.
+    Without a bias or groups these are the routing's own choices."""
+    return probs.detach().topk(k, dim=-1).indices
+
+
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """How many of the (token, choice) pairs went to each expert, along the last dim of ids [..., tokens, k]."""
     flat = experts.flatten(-2)
@@ -155,12 +164,13 @@ class Router(nn.Module):
         tokens, k = seq * batch * sharers, cfg.moe_topk
         if cfg.moe_aux_loss_coeff or cfg.moe_seq_aux_loss_coeff:
             probs = balance_probabilities(routing, cfg)
+            balanced = balancing_choices(probs, k)
         if cfg.moe_aux_loss_coeff:
-            counts = _summed(expert_counts(routing.experts.detach(), cfg.num_experts), group)
+            counts = _summed(expert_counts(balanced, cfg.num_experts), group)
             loss = cfg.moe_aux_loss_coeff * switch_loss(probs, counts, tokens, k)
             weights = self._attach(BALANCING_TERMS[0], weights, loss)
         if cfg.moe_seq_aux_loss_coeff:
-            per_sequence = routing.experts.detach().view(seq, batch, k).transpose(0, 1)
+            per_sequence = balanced.view(seq, batch, k).transpose(0, 1)
             counts = _summed(expert_counts(per_sequence, cfg.num_experts), group)
             loss = cfg.moe_seq_aux_loss_coeff * sequence_loss(probs.view(seq, batch, -1), counts, seq * sharers, k)
             weights = self._attach(BALANCING_TERMS[1], weights, loss)
