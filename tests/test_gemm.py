@@ -2,7 +2,8 @@
 
 - Through `gemm.linear`, output and input gradient are F.linear's; with a gradient buffer's sink on the
   weight, dW is added straight into the fp32 main gradient (accumulating over micro batches) and nothing
-  is handed to autograd; bf16 operands are accumulated in fp32, not rounded to bf16 first.
+  is handed to autograd; bf16 operands are accumulated in fp32, not rounded to bf16 first, also while a
+  weight's first reader's gradient waits for its last (a tied embedding).
 - Under sequence parallelism the backward runs in Megatron-LM's order, each collective launched before a
   matmul and awaited after it (2 gloo ranks).
 - An auxiliary loss attached on a middle pipeline stage reaches backward there: a pp=2 run with such a
@@ -11,22 +12,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
+from torch import nn
 
 from megalite.model.aux_losses import AuxLosses
 from megalite.model.gpt import TransformerLayer
 from megalite.parallel import gemm
+from megalite.parallel.grad_buffer import GradBuffer
+from megalite.parallel.weight_grads import set_sink
 
 
-def _sink(main: torch.Tensor, calls: list[int]):
-    def accumulate(add) -> None:
-        add(main)
-        calls.append(1)
-    return accumulate
+class _Sink:
+    """A gradient sink that adds every gradient into `main` and counts the deposits."""
+
+    def __init__(self, main: torch.Tensor, calls: list[int]) -> None:
+        self.main, self.calls = main, calls
+
+    def deposit(self, param: torch.Tensor, add) -> None:
+        add(self.main)
+        self.calls.append(1)
 
 
 def test_weight_gradient_goes_into_the_fp32_main_gradient():
@@ -38,7 +48,7 @@ def test_weight_gradient_goes_into_the_fp32_main_gradient():
 
     x1, w1, b1 = (t.clone().requires_grad_() for t in (x, w, b))
     main, calls = torch.full((6, 8), 0.5), []
-    w1.accumulate_grad = _sink(main, calls)
+    set_sink(w1, _Sink(main, calls))
     for _ in range(2):  # two micro batches accumulate
         y = gemm.linear(x1, w1, b1)
         y.square().sum().backward()
@@ -57,7 +67,7 @@ def test_bf16_operands_accumulate_in_fp32():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(64, 32, generator=g), torch.randn(16, 32, generator=g).requires_grad_()
     main, calls = torch.zeros(16, 32), []
-    w.accumulate_grad = _sink(main, calls)
+    set_sink(w, _Sink(main, calls))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = gemm.linear(x, w)
     grad = torch.randn(y.shape, generator=g).to(torch.bfloat16)
@@ -68,11 +78,19 @@ def test_bf16_operands_accumulate_in_fp32():
     rounded = (grad.t() @ x.to(torch.bfloat16)).float()  # what a bf16 dW would have been
     assert not torch.equal(rounded, exact)
 
-    main.zero_()  # a tied LM head's non-final gradient waits in w.grad: in fp32 too, until the final one
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = gemm.linear(x, w, final=False)
-    y.backward(grad)
-    assert calls == [1] and w.grad.dtype == torch.float32 and torch.allclose(w.grad, exact, rtol=1e-6, atol=1e-6)
+    # A weight read twice in one backward (a tied embedding and the LM head): the first gradient waits beside the
+    # buffer, in fp32 too, until the last one, which the buffer then counts once.
+    tied = nn.Parameter(w.detach().clone())
+    buffer, calls = GradBuffer([tied], 1024, None, 1, 0, 0, False, reads={id(tied): 2}), []
+    buffer.on_grads_in = calls.append
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = gemm.linear(x, tied)
+        y.backward(grad)
+        if not calls:
+            waiting = buffer.waiting[id(tied)]
+    assert len(calls) == 1 and waiting.dtype == torch.float32 and torch.allclose(waiting, exact, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(tied.main_grad, 2 * exact, rtol=1e-6, atol=1e-6) and tied.grad is None
 
 
 class _Recorded:
@@ -93,6 +111,21 @@ def _noted(name: str, fn, events: list[str]):
     return call
 
 
+@dataclass(frozen=True)
+class _NotedMatmuls(gemm.HighPrecision):
+    """High precision, noting each gradient matmul in `events`."""
+
+    events: list[str]
+
+    def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self.events.append("dX matmul")
+        return super().linear_input_grad(grad, weight)
+
+    def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.events.append("dW matmul")
+        return super().linear_weight_grad(grad, x, out)
+
+
 def _sequence_parallel_backward(rank: int, world_size: int) -> tuple[list[str], bool]:
     """A column-parallel matmul on a sequence-parallel input (4 local rows, 6 local outputs) and its backward,
     every step of gemm's backward noted in order; and whether its gradients equal the one-device ones."""
@@ -105,13 +138,11 @@ def _sequence_parallel_backward(rank: int, world_size: int) -> tuple[list[str], 
     gemm.all_gather_single = _noted("all-gather x", lambda *a, **k: _Recorded(gather(*a, **k), "all-gather x", events),
                                     events)
     gemm.start_reduce_scatter_rows = _noted("reduce-scatter dX", start_scatter, events)
-    gemm.input_grad = _noted("dX matmul", gemm.input_grad, events)
-    gemm.weight_grad = _noted("dW matmul", gemm.weight_grad, events)
     g = torch.Generator().manual_seed(0)
     x, w, grad = torch.randn(8, 2, 8, generator=g), torch.randn(12, 8, generator=g), torch.randn(8, 2, 12, generator=g)
     rows, cols = slice(4 * rank, 4 * rank + 4), slice(6 * rank, 6 * rank + 6)
     local_x, local_w = x[rows].clone().requires_grad_(), w[cols].clone().requires_grad_()
-    gemm.linear(local_x, local_w, gather_group=dist.group.WORLD).backward(grad[..., cols])
+    gemm.linear(local_x, local_w, gather_group=dist.group.WORLD, recipe=_NotedMatmuls(events)).backward(grad[..., cols])
     equal = (torch.allclose(local_x.grad, (grad @ w)[rows], atol=1e-5)
              and torch.allclose(local_w.grad, grad[..., cols].flatten(0, 1).t() @ x.flatten(0, 1), atol=1e-5))
     return events, equal

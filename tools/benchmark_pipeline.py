@@ -37,7 +37,7 @@ from megalite.parallel.pipeline_layout import PipelineStage, placement_of
 from megalite.parallel.schedules import Trace, bubble_fraction, run_schedule, splits_backward
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
-from megalite.parallel.weight_grads import weight_grad
+from megalite.parallel.weight_grads import deliver
 from megalite.planning.bubble import simulated_bubble
 from megalite.planning.measure import measurement_config, mock_batches
 from megalite.planning.measure_pipeline import activation_peak, stage_times
@@ -62,7 +62,7 @@ class Sleep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         time.sleep(ctx.times[1])
-        weight_grad(ctx.anchor, lambda: time.sleep(ctx.times[2]))
+        deliver(ctx.anchor, lambda: time.sleep(ctx.times[2]))
         return grad, None, None
 
 
