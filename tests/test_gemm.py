@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
 
 import pytest
 import torch
@@ -21,10 +21,14 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from torch import nn
 
+from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
-from megalite.model.gpt import TransformerLayer
+from megalite.model.gpt import GPTModel, TransformerLayer
+from megalite.model.moe.experts import ExpertLinear
 from megalite.parallel import gemm
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.grad_buffer import GradBuffer
+from megalite.parallel.layers import ColumnParallelLinear
 from megalite.parallel.weight_grads import set_sink
 
 
@@ -111,11 +115,11 @@ def _noted(name: str, fn, events: list[str]):
     return call
 
 
-@dataclass(frozen=True)
 class _NotedMatmuls(gemm.HighPrecision):
     """High precision, noting each gradient matmul in `events`."""
 
-    events: list[str]
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
 
     def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         self.events.append("dX matmul")
@@ -156,6 +160,76 @@ def test_sequence_parallel_backward_overlaps_both_collectives_as_megatron_does()
              "reduce-scatter dX", "dW matmul", "wait reduce-scatter dX"]
     for events, equal in run_ranks(2, _sequence_parallel_backward):
         assert events == order and equal
+
+
+class _RoundedAndCounted(gemm.HighPrecision):
+    """A recipe of the test's own: operands rounded to bf16's precision (kept in fp32) before the forward matmul,
+    and every call counted by method name."""
+
+    def __init__(self) -> None:
+        self.calls = collections.Counter()
+
+    def linear(self, x, weight, bias):
+        self.calls["linear"] += 1
+        return super().linear(_rounded(x), _rounded(weight), bias)
+
+    def linear_input_grad(self, grad, weight):
+        self.calls["linear_input_grad"] += 1
+        return super().linear_input_grad(grad, weight)
+
+    def linear_weight_grad(self, grad, x, out=None):
+        self.calls["linear_weight_grad"] += 1
+        return super().linear_weight_grad(grad, x, out)
+
+    def grouped(self, x, weight, groups):
+        self.calls["grouped"] += 1
+        return super().grouped(_rounded(x), _rounded(weight), groups)
+
+    def grouped_input_grad(self, grad, weight, groups):
+        self.calls["grouped_input_grad"] += 1
+        return super().grouped_input_grad(grad, weight, groups)
+
+    def grouped_weight_grad(self, grad, x, groups):
+        self.calls["grouped_weight_grad"] += 1
+        return super().grouped_weight_grad(grad, x, groups)
+
+
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+def test_a_recipe_applied_to_a_built_model_runs_its_dense_and_expert_matmuls():
+    """apply_recipe gives the transformer layers a recipe defined here: every dense linear (attention, the dense
+    MLP) and every grouped expert matmul runs its forward, input gradient and weight gradient through it, once
+    per matmul; the router and the LM head keep the default."""
+    cfg = ModelConfig(family="llama", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+                      vocab_size=64, num_experts=4, moe_topk=2, moe_ffn_hidden_size=16, moe_first_dense_layers=1)
+    model = GPTModel(cfg, torch.device("cpu"), seed=0)
+    recipe = _RoundedAndCounted()
+    gemm.apply_recipe(model.layers, recipe)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens, tokens).sum().backward()
+    dense = 2 + 2 + 2  # attention's qkv and output projections in both layers, the dense layer's MLP
+    grouped = 2  # the experts' two projections
+    assert recipe.calls == {"linear": dense, "linear_input_grad": dense, "linear_weight_grad": dense,
+                            "grouped": grouped, "grouped_input_grad": grouped, "grouped_weight_grad": grouped}
+    assert model.lm_head.recipe is gemm.HIGH_PRECISION
+
+
+def test_a_recipe_decides_how_dense_and_grouped_operands_are_cast():
+    """The same recipe rounds the operands of a column-parallel layer and of the experts' grouped matmul."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 32, generator=g)
+    dense, experts = ColumnParallelLinear(32, 16, ParallelContext(), bias=False), ExpertLinear(2, 32, 16, dim=1)
+    for layer in (dense, experts):
+        layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=g))
+        gemm.apply_recipe(layer, _RoundedAndCounted())
+    w, offsets = experts.weight, torch.tensor([2, 5], dtype=torch.int32)
+    assert torch.equal(dense(x), F.linear(_rounded(x), _rounded(dense.weight)))
+    by_hand = torch.cat([F.linear(_rounded(x[:2]), _rounded(w[0])), F.linear(_rounded(x[2:]), _rounded(w[1]))])
+    torch.testing.assert_close(experts(x, offsets), by_hand)
+    assert not torch.allclose(dense(x), F.linear(x, dense.weight), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(experts(x, offsets), gemm.grouped_linear(x, w, offsets), rtol=1e-4, atol=1e-4)
 
 
 def test_an_attached_loss_gets_the_step_scale_as_gradient():

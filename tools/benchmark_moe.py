@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,6 @@ from megalite.parallel.topology import synchronize
 from megalite.training.step import precision_context
 
 
-@dataclass(frozen=True)
 class ExpertLoop(HighPrecision):
     """The reference: one matmul per expert over its rows (sizes read on the host), both ways."""
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -61,7 +60,11 @@ class Recipe(ABC):
     """How a matmul's operands are cast and multiplied: dense x [n, in] by weight [out, in], or grouped, rows
     offsets[e-1]:offsets[e] of x by weight[e] of weight [experts, out, in] (`RowGroups`). Outputs and input
     gradients are in the compute dtype, x's and grad's; weight gradients as each method says. A compiled
-    backward knows a recipe by its repr: make it a frozen dataclass, whose repr names it and its settings."""
+    backward knows a recipe by its repr: its class and settings (its attributes), which must not change."""
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{name}={value!r}" for name, value in sorted(vars(self).items()))
+        return f"{type(self).__qualname__}({settings})"
 
     @abstractmethod
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -135,7 +138,6 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
     return matmul(a, b, offs=offsets)
 
 
-@dataclass(frozen=True)
 class HighPrecision(Recipe):
     """Operands in the compute dtype (the weights cast as autocast would cast them); dense weight gradients
     accumulated in the main gradient's dtype. Grouped matmuls run torch._grouped_mm where it takes the operands
