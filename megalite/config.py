@@ -194,10 +194,14 @@ class ModelConfig:
     def expert_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_size
 
-    def is_moe_layer(self, index: int) -> bool:
-        """Whether layer `index` (global, from 0) has routed experts instead of a dense MLP."""
-        later = index - self.moe_first_dense_layers
-        return self.num_experts > 0 and later >= 0 and later % self.moe_layer_freq == 0
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers (global indices, from 0) with routed experts instead of a dense MLP: every moe_layer_freq-th
+        after the first moe_first_dense_layers."""
+        if not self.num_experts:
+            return ()
+        first, every = self.moe_first_dense_layers, self.moe_layer_freq
+        return tuple(i for i in range(first, self.num_layers) if i >= 0 and (i - first) % every == 0)
 
     @property
     def tied(self) -> bool:

@@ -127,12 +127,12 @@ def _check_moe(cfg: Config, world_size: int) -> list[str]:
                       "own tokens before they travel)")
     if m.moe_pad_to_capacity and m.moe_capacity_factor is None:
         errors.append("model.moe_pad_to_capacity=true needs a model.moe_capacity_factor")
-    if m.moe_layer_freq < 1:
-        errors.append(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
     if m.moe_shared_expert_size % p.tp:
         errors.append(f"model.moe_shared_expert_size={m.moe_shared_expert_size} is not divisible by parallel.tp="
                       f"{p.tp}; the shared expert is a tensor-parallel MLP")
-    if not any(m.is_moe_layer(i) for i in range(m.num_layers)):
+    if m.moe_layer_freq < 1:
+        errors.append(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
+    elif not m.moe_layers:
         errors.append(f"model.num_experts={m.num_experts} but no layer is a mixture of experts: "
                       f"model.moe_first_dense_layers={m.moe_first_dense_layers} covers all {m.num_layers} layers")
     return errors

@@ -355,7 +355,7 @@ def test_context_parallel_hands_kv_per_group_to_the_flash_kernel(monkeypatch, ca
 def test_grouped_gemm_runs_the_cuda_kernel_in_bf16_and_equals_the_loop():
     """bf16 operands with 16-byte rows take torch._grouped_mm's CUDA kernel (uneven groups, one empty);
     fp32 ones fall back to the loop over experts. Both equal per-expert matmuls."""
-    from megalite.model.moe.experts import grouped_kernel_takes, grouped_linear
+    from megalite.parallel.gemm import grouped_kernel_takes, grouped_linear
 
     counts = torch.tensor([300, 0, 517, 9], device=DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(0)

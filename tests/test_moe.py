@@ -14,7 +14,6 @@ from megalite.config import ConfigError, ModelConfig
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.model.moe.dispatch import Sorted
-from megalite.model.moe.experts import grouped_kernel_takes, grouped_linear
 from megalite.model.moe.layer import MoELayer
 from megalite.model.moe.router import (
     capacity,
@@ -27,6 +26,7 @@ from megalite.model.moe.router import (
 )
 from megalite.model.recompute import apply_recompute
 from megalite.parallel.context import AxisView, ParallelContext
+from megalite.parallel.gemm import grouped_kernel_takes, grouped_linear
 from megalite.planning.measure import saved_storages
 
 

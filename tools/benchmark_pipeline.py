@@ -38,7 +38,7 @@ from megalite.parallel.pipeline.executor import Trace, run_schedule
 from megalite.parallel.pipeline.registry import SCHEDULES, schedule_spec, training_schedules
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
-from megalite.parallel.weight_grads import weight_grad
+from megalite.parallel.weight_grads import deliver
 from megalite.planning.bubble import simulated_bubble
 from megalite.planning.measure import measurement_config, mock_batches
 from megalite.planning.measure_pipeline import activation_peak, stage_times
@@ -63,7 +63,7 @@ class Sleep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         time.sleep(ctx.times[1])
-        weight_grad(ctx.anchor, lambda: time.sleep(ctx.times[2]))
+        deliver(ctx.anchor, lambda: time.sleep(ctx.times[2]))
         return grad, None, None
 
 

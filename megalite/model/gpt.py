@@ -22,7 +22,8 @@ from megalite.model.moe.layer import MoELayer
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.layers import Lookup, VocabParallelEmbedding
+from megalite.parallel.layers import VocabParallelEmbedding
+from megalite.parallel.lookup import Lookup
 from megalite.parallel.mappings import local_rows
 from megalite.parallel.pipeline.stage import StageLayout
 from megalite.parallel.placement import Placement, parameter_placements
@@ -43,7 +44,7 @@ class TransformerLayer(nn.Module):
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.attention = SelfAttention(cfg, ctx, device)
         self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if cfg.is_moe_layer(index) else MLP(cfg, ctx)
+        self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if index in cfg.moe_layers else MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 

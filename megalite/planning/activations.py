@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.model.cross_entropy import chunk_rows
+from megalite.model.cross_entropy import chunk_bytes, chunk_rows
 from megalite.parallel.pipeline.registry import schedule_spec
 from megalite.planning.context_parallel import allgather_layer_bytes
 from megalite.planning.experts import routed_bytes
@@ -89,7 +89,7 @@ def layer_bytes(cfg: Config, device: str = "cuda", index: int = 0) -> int:
         + (tokens * heads * 4 if cfg.train.recompute == "none" else 0)  # flash logsumexp
         + _qk_norm(cfg, tokens, heads, groups, w)
     )
-    mlp = moe_block_bytes(cfg, rows, w) if m.is_moe_layer(index) else inputs * h * w.compute + _mlp(cfg, m.ffn_size, w)
+    mlp = moe_block_bytes(cfg, rows, w) if index in m.moe_layers else inputs * h * w.compute + _mlp(cfg, m.ffn_size, w)
     dropout = 2 * rows * h if m.hidden_dropout > 0 else 0  # boolean masks after attention and MLP
     return 2 * _norm(cfg, rows, w) + attention + allgather_layer_bytes(cfg, w.compute) + mlp + dropout
 
@@ -161,6 +161,6 @@ def head_transient_bytes(cfg: Config, device: str = "cuda") -> int:
     m, tp, w = cfg.model, cfg.parallel.tp, Widths.of(cfg, device)
     tokens, _ = token_rows(cfg)
     if tp == 1:
-        rows = min(tokens, chunk_rows(m.padded_vocab_size, "cuda"))
+        rows = min(tokens, chunk_rows(m.padded_vocab_size, chunk_bytes("cuda")))
         return (1 if w.compute == 4 else 2) * rows * m.padded_vocab_size * 4
     return tokens * (m.padded_vocab_size // tp) * w.compute if w.compute != 4 else 0

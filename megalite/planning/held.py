@@ -57,7 +57,7 @@ def layer_held_bytes(cfg: Config, device: str = "cuda", index: int = 0) -> int:
     size = 2 * _norm(rows * h, w.residual, w)
     size += _linear(tokens, h, (heads + 2 * groups) * d, w.compute) + _linear(tokens, heads * d, h, w.compute)
     size += _norm(tokens * (heads + groups) * d, w.compute, w) if m.features.qk_norm else 0
-    size += _experts(cfg, rows, w) if m.is_moe_layer(index) else _mlp(cfg, tokens, m.ffn_size, w)
+    size += _experts(cfg, rows, w) if index in m.moe_layers else _mlp(cfg, tokens, m.ffn_size, w)
     if m.features.bias and tp > 1:  # the row-parallel layers' biases, added after the reduction
         size += 2 * 2 * rows * h * w.compute
     return size

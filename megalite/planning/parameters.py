@@ -88,7 +88,7 @@ def layer_parameters(m: ModelConfig, tp: int = 1, index: int = 0, ep: int = 1) -
     sharded = [h * qkv, m.num_attention_heads * d * h] + ([qkv] if bias or m.features.qkv_bias else [])
     replicated = [norm, norm] + ([h] if bias else []) + ([d, d] if m.features.qk_norm else [])
     expert: tuple[int, ...] = ()
-    if m.is_moe_layer(index):
+    if index in m.moe_layers:
         mlp_sharded, mlp_replicated, expert = _moe(m, ep)
     else:
         mlp_sharded, mlp_replicated = _mlp(m, m.ffn_size)
@@ -132,7 +132,7 @@ def model_parameters(m: ModelConfig) -> int:
 
 def moe_layers(m: ModelConfig) -> int:
     """How many layers have routed experts."""
-    return sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    return len(m.moe_layers)
 
 
 def active_parameters(m: ModelConfig) -> int:

@@ -14,6 +14,7 @@ from megalite.model.split_backward import apply_split_backward
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.distributed_optimizer import DistributedOptimizer
+from megalite.parallel.grad_buffer import readers
 from megalite.parallel.pipeline.registry import pipeline_stage, schedule_spec, stage_layout
 from megalite.parallel.pipeline.runner import Pipeline
 from megalite.parallel.topology import Topology
@@ -96,7 +97,7 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     placements = model.placements_by_name()
     modules = model.chunk_modules()
     units = unit_index(modules) if p.zero >= 3 else None
-    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, placements, tied, units)
+    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, placements, tied, units, readers(modules))
     stage3 = any(isinstance(buffer.strategy, ShardedParameters) for buffer in grads.buffers)
     sharded = GatherUnits(modules, grads.buffers) if stage3 else None
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,

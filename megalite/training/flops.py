@@ -66,7 +66,7 @@ def _mlp_weights(cfg: ModelConfig, width: int) -> int:
 def _mlp_matmul_parameters(cfg: ModelConfig, index: int) -> int:
     """Weights one token multiplies in layer `index`'s MLP: the dense MLP's, or a mixture of experts' router,
     top-k experts, shared expert and its gate."""
-    if not cfg.is_moe_layer(index):
+    if index not in cfg.moe_layers:
         return _mlp_weights(cfg, cfg.ffn_size)
     h, shared = cfg.hidden_size, cfg.moe_shared_expert_size
     gate = h if shared and cfg.moe_shared_expert_gate else 0
@@ -103,7 +103,7 @@ def recomputed_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
     if recompute == "full":
         return 2 * _layer_matmul_parameters(cfg) + _core_attention_forward_flops(cfg)
     if recompute == "selective":
-        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        moe_layers = len(cfg.moe_layers)
         experts_fc2 = moe_layers * cfg.moe_topk * cfg.expert_ffn_size * cfg.hidden_size
         return _core_attention_forward_flops(cfg) + 2 * experts_fc2
     if recompute == "none":

@@ -9,7 +9,7 @@ asked (a softmax over the k chosen logits, as Mixtral computes it, is exactly th
 
 The balancing losses need the whole micro batch's load, but under sequence or context parallelism each rank
 holds part of its tokens. Every rank therefore sums its expert counts over the ranks holding the rest
-(`ctx.tokens`; counts carry no gradient), and each adds only its own tokens' share of the probability sums:
+(`ctx.sequence_ranks`; counts carry no gradient), and each adds only its own tokens' share of the probability sums:
 the ranks' terms add up to the one-device loss, and their gradients meet where the router's do (its weight's
 gradient is partial over tp under SP, so summed over tp). Over cp the gradients are averaged with the data
 (each context-parallel rank's main loss is the mean over its own tokens), so there a term counts cp times.
@@ -21,13 +21,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.expert_parallel import sum_counts
 
 # The balancing terms a router attaches (model/aux_losses.py), by the name they are logged under.
 BALANCING_TERMS = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss")
@@ -87,17 +87,14 @@ def balancing_choices(probs: torch.Tensor, k: int) -> torch.Tensor:
     return probs.detach().topk(k, dim=-1).indices
 
 
-def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many of the (token, choice) pairs went to each expert, along the last dim of ids [..., tokens, k]."""
+def expert_counts(experts: torch.Tensor, num_experts: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """How many of the (token, choice) pairs went to each expert: ids [..., tokens, k] -> [..., experts] counts in
+    `dtype` (default: the ids'; the balancing losses count in fp32). Not torch.bincount: its output's size depends
+    on the largest id, which CUDA reads on the host (a sync per MoE layer) and a fake tensor cannot know (the dry
+    run)."""
     flat = experts.flatten(-2)
-    counts = torch.zeros((*flat.shape[:-1], num_experts), dtype=torch.float32, device=experts.device)
-    return counts.scatter_add_(-1, flat, torch.ones_like(flat, dtype=torch.float32))
-
-
-def _summed(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
+    counts = flat.new_zeros((*flat.shape[:-1], num_experts), dtype=dtype)
+    return counts.scatter_add_(-1, flat, torch.ones_like(flat, dtype=counts.dtype))
 
 
 def switch_loss(probs: torch.Tensor, counts: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
@@ -147,7 +144,7 @@ class Router(nn.Module):
         routing = route(logits, self.cfg, self.expert_bias)
         if not self.training:
             return routing
-        counts = expert_counts(routing.experts, self.cfg.num_experts)
+        counts = expert_counts(routing.experts, self.cfg.num_experts, torch.float32)
         dropped = None
         if self.cfg.moe_capacity_factor is not None:
             dropped = (counts - counts.clamp(max=capacity(self.cfg, seq * batch))).sum()
@@ -159,20 +156,21 @@ class Router(nn.Module):
         return self.aux_losses.attach(name, weights, loss * self.ctx.cp.size)
 
     def _balancing(self, routing: Routing, logits: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
-        cfg, group, weights = self.cfg, self.ctx.tokens.group, routing.weights
-        sharers = self.ctx.tokens.size  # ranks holding parts of each sequence of this micro batch
-        tokens, k = seq * batch * sharers, cfg.moe_topk
+        cfg, weights = self.cfg, routing.weights
+        sharers = self.ctx.sequence_ranks  # ranks holding parts of each sequence of this micro batch
+        tokens, k = seq * batch * sharers.size, cfg.moe_topk
         if cfg.moe_aux_loss_coeff or cfg.moe_seq_aux_loss_coeff:
             probs = balance_probabilities(routing, cfg)
             balanced = balancing_choices(probs, k)
         if cfg.moe_aux_loss_coeff:
-            counts = _summed(expert_counts(balanced, cfg.num_experts), group)
+            counts = sum_counts(expert_counts(balanced, cfg.num_experts, torch.float32), sharers)
             loss = cfg.moe_aux_loss_coeff * switch_loss(probs, counts, tokens, k)
             weights = self._attach(BALANCING_TERMS[0], weights, loss)
         if cfg.moe_seq_aux_loss_coeff:
             per_sequence = balanced.view(seq, batch, k).transpose(0, 1)
-            counts = _summed(expert_counts(per_sequence, cfg.num_experts), group)
-            loss = cfg.moe_seq_aux_loss_coeff * sequence_loss(probs.view(seq, batch, -1), counts, seq * sharers, k)
+            counts = sum_counts(expert_counts(per_sequence, cfg.num_experts, torch.float32), sharers)
+            loss = sequence_loss(probs.view(seq, batch, -1), counts, seq * sharers.size, k)
+            loss = cfg.moe_seq_aux_loss_coeff * loss
             weights = self._attach(BALANCING_TERMS[1], weights, loss)
         if cfg.moe_z_loss_coeff:
             weights = self._attach(BALANCING_TERMS[2], weights, cfg.moe_z_loss_coeff * z_loss(logits, tokens))
