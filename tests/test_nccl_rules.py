@@ -18,7 +18,7 @@ from distributed import cpu_topology, run_ranks
 
 from megalite.config_cli import parse_config
 from megalite.dryrun.nccl_rules.record import Call, CommRecorder, Message, RankRecord
-from megalite.dryrun.nccl_rules.replay import replay
+from megalite.dryrun.nccl_rules.replay import STREAMS, replay
 from megalite.dryrun.pipeline_plan import SHAPE, record_schedule
 from megalite.parallel.p2p import PipelineComm
 from megalite.parallel.pipeline.registry import schedule_spec
@@ -79,6 +79,36 @@ def test_replay_accepts_a_batched_exchange_and_counts_what_it_saw():
     assert report.calls == 6 and report.messages == 3
 
 
+def _pairs_in_order(rank: int, world_size: int, global_order: bool) -> RankRecord:
+    """A ring of three, each neighbour pair on a communicator of its own: each rank sends to the next and
+    receives from the previous, one batch per pair, posting the pairs in one global order (lower pair
+    first) or each its send first."""
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    out, inbox = torch.full((4,), float(rank)), torch.empty(4)
+    batches = {nxt: ("isend", out), prev: ("irecv", inbox)}
+    pairs = {pair: dist.new_group(list(pair)) for pair in ((0, 1), (1, 2), (0, 2))}  # every rank makes all, in order
+    groups = {peer: pairs[tuple(sorted((rank, peer)))] for peer in batches}
+    order = sorted(batches, key=lambda peer: sorted((rank, peer))) if global_order else [nxt, prev]
+    with CommRecorder(rank) as recorder:
+        works = [work for peer in order for work in dist.batch_isend_irecv(
+            [dist.P2POp(getattr(dist, batches[peer][0]), batches[peer][1], group=groups[peer],
+                        group_peer=dist.get_group_rank(groups[peer], peer))])]
+        for work in works:
+            work.wait()
+    return recorder.record
+
+
+def test_replay_rejects_pair_exchanges_posted_out_of_one_global_order():
+    """Each pair on its own communicator: side by side (a stream each) any order finishes; run one after another
+    (NCCL's caveat for concurrent communicators) only one global order does, and the replay says so."""
+    for global_order in (True, False):
+        records = run_ranks(3, _pairs_in_order, global_order)
+        assert replay(records, streams=STREAMS[:1]).ok
+        report = replay(records, streams=STREAMS)
+        assert report.ok == global_order, report.text()
+        assert global_order or "[pair communicators, one per rank stream] hang" in report.text(), report.text()
+
+
 def test_replay_catches_size_and_collective_mismatches():
     def call(rank: int, index: int, name: str, *messages: Message, nbytes: int | None = None) -> Call:
         return Call(rank, index, name, "0", (0, 1), list(messages), nbytes, "torch.float32" if nbytes else None)
@@ -115,7 +145,7 @@ def test_pipeline_executor_obeys_nccl_rules(pp):
     per_rank = run_ranks(pp, _executor_ranks)
     failures = []
     for index, (case, _) in enumerate(per_rank[0]):
-        report = replay([results[index][1] for results in per_rank])
+        report = replay([results[index][1] for results in per_rank], streams=STREAMS)
         assert report.messages > 0 or case[2] == 0
         if not report.ok:
             failures.append(f"{case}: {report.text().splitlines()[0]}")
