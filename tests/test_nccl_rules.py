@@ -1,10 +1,11 @@
 """NCCL's ordering rules, checked without a GPU: every point-to-point call and collective that gloo
 ranks really make is recorded and replayed as NCCL would run it (megalite/dryrun/nccl_rules/).
 
-The replay is first shown to catch each kind of NCCL-only failure on small hand-made programs;
-then it checks the pipeline executor for every schedule (the zero-bubble ones too), pp, vp and micro
-batch counts the validator allows, and whole training and evaluation steps with tp, SP, dp and the
-distributed optimizer.
+The replay is first shown to catch each kind of NCCL-only failure on small hand-made programs (pair
+exchanges posted out of one global order among them); then it checks the pipeline executor for every schedule
+(the zero-bubble ones and DualPipeV too), pp, vp and micro batch counts the validator allows, with the
+neighbour pairs' communicators side by side and one after another, and whole training and evaluation steps with
+tp, SP, dp and the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def _schedule_cases(pp: int) -> list[tuple[str, int, int]]:
     cases += [("forward", vp, m) for vp in (1, 3) for m in (1, pp, 2 * pp + 1) if vp == 1 or m % pp == 0]
     cases += [("zb-h1", 1, m) for m in sorted({1, pp - 1, pp, 2 * pp + 1} - {0})]
     cases += [("zb-h1", 2, m) for m in (pp, 2 * pp)] + [("zb-v", 2, m) for m in (1, 2 * pp - 1, 2 * pp + 1)]
+    cases += [("dualpipev", 2, m) for m in (2 * pp, 3 * pp + 1)]
     return cases
 
 
