@@ -200,6 +200,11 @@ RUNS = {
         "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--parallel.cp=2",
         "--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true", "--train.recompute=selective",
         "--train.precision=bf16", "--train.param_dtype=bf16", "--train.global_batch_size=4"],
+    "llama MoE pp2 (DualPipeV) x dp4, ep4 (all-to-alls of F&B pairs interleaved), full recompute": [
+        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--model.num_experts=8",
+        "--model.moe_topk=2", "--model.moe_ffn_hidden_size=16", "--parallel.ep=4", "--parallel.pp=2",
+        "--parallel.vp=2", "--parallel.pipeline_schedule=dualpipev", "--train.recompute=full",
+        "--train.global_batch_size=16"],
     "gpt2 cp4 x pp2, ring attention, distributed optimizer over dp x cp": [
         "--model.family=gpt2", "--model.num_layers=2", "--parallel.cp=4", "--parallel.pp=2",
         "--parallel.distributed_optimizer=true", "--train.global_batch_size=4"],
@@ -225,3 +230,17 @@ def test_training_runs_obey_nccl_rules(tmp_path):
         if "all-to-all" in layout:
             assert any(call.name == "all_to_all_single" and call.splits[0] != call.splits[1]
                        for records in per_rank for call in records[index].calls), "no uneven all-to-all replayed"
+        if "DualPipeV" in layout:
+            assert all(_travelled(records[index]) for records in per_rank), "no all-to-all travelled in a pair"
+
+
+def _travelled(record: RankRecord) -> bool:
+    """Some all-to-all had another call posted between its post and its wait: the other part of a paired
+    operation ran while it travelled."""
+    posted: dict[int, int] = {}
+    for position, (kind, item) in enumerate(record.events):
+        if kind == "post" and item.name == "all_to_all_single":
+            posted[item.index] = position
+        elif kind == "wait" and item in posted and any(k == "post" for k, _ in record.events[posted[item] + 1:position]):
+            return True
+    return False

@@ -16,9 +16,10 @@
   selective recompute. Against the plain modules (what a non-splitting schedule runs) LayerNorm models are bit
   for bit equal too; RMSNorm's input gradient adds its parts in another order (fp32 rounding). A compiled
   layer defers them too.
-- Trained, ZB-H1 and ZB-V equal the one-device run (losses and every gradient, fp32) at pp 2 and 4 with tp 2 +
-  SP, dp 2 + the distributed optimizer, ZeRO-3, experts, full and selective recompute (torch.compile: in
-  tests/test_compile.py); checkpoints move between ZB-V and interleaved 1F1B; the trace shows the W operations.
+- Trained, ZB-H1, ZB-V and DualPipeV equal the one-device run (losses and every gradient, fp32) at pp 2 and 4
+  with tp 2 + SP, dp 2 + the distributed optimizer, ZeRO-3, experts (DualPipeV's pairs interleaved at the
+  expert all-to-all over ep 2), full and selective recompute (torch.compile: in tests/test_compile.py);
+  checkpoints move between ZB-V, DualPipeV and interleaved 1F1B; the trace shows the W operations and the pairs.
 """
 
 from __future__ import annotations
@@ -205,6 +206,10 @@ PARITY = [  # on 4 ranks: pp 2 and 4 with tp 2 + SP, cp 2, dp 2 + the distribute
     ("llama MoE", 2, 2, "zb-v", {"ep": 2, "recompute": "selective"}),
     ("llama", 4, 2, "zb-v", {"recompute": "selective"}),
     ("gpt2", 4, 1, "zb-h1", {}),
+    # DualPipeV: its F&B pairs interleaved at the expert all-to-all (ep 2), recompute rerunning them inside B
+    ("llama MoE", 2, 2, "dualpipev", {"tp": 2, "ep": 2}),
+    ("llama MoE", 2, 2, "dualpipev", {"ep": 2, "distributed_optimizer": True, "recompute": "full"}),
+    ("llama MoE", 4, 2, "dualpipev", {"recompute": "selective"}),
 ]
 
 
@@ -270,22 +275,30 @@ TINY = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention
         "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0"]
 
 
-def test_checkpoints_move_between_zb_v_and_interleaved_1f1b_and_the_trace_shows_w(tmp_path):
-    """ZB-V places layers in a V, interleaved 1F1B in a loop; checkpoints name layers globally, so a run saved
-    under one resumes under the other, both ways, on the one-device run's losses. ZB-V's trace (Perfetto) has
-    a W box for every chunk and micro batch on every rank."""
+def test_checkpoints_move_between_v_schedules_and_interleaved_1f1b_and_the_trace_shows_w_and_pairs(tmp_path):
+    """ZB-V and DualPipeV place layers in a V, interleaved 1F1B in a loop; checkpoints name layers globally, so a
+    run saved under one resumes under the other, both ways, on the one-device run's losses. ZB-V's trace
+    (Perfetto) has a W box for every chunk and micro batch on every rank; DualPipeV's every F and B once, a W
+    for each B that left one, and each F&B pair's backward on the rank's second row beside its forward."""
     ckpt = [f"--checkpoint.save={tmp_path / 'ckpt'}", f"--checkpoint.load={tmp_path / 'ckpt'}"]
-    trace = tmp_path / "trace.json"
-    reference = [r["loss"] for r in tiny_run(tmp_path, 1, base=TINY, name="one")]
-    layout = ["--parallel.pp=2", "--parallel.vp=2", "--train.exit_interval=2", *ckpt]
+    traces = {"zb-v": tmp_path / "zb-v.json", "dualpipev": tmp_path / "dualpipev.json"}
+    reference = [r["loss"] for r in tiny_run(tmp_path, 1, "--train.train_iters=8", base=TINY, name="one")]
+    layout = ["--parallel.pp=2", "--parallel.vp=2", "--train.exit_interval=2", "--train.train_iters=8", *ckpt]
     losses = []
-    for step, schedule in enumerate(("zb-v", "1f1b", "zb-v")):
-        extra = [f"--logging.pipeline_trace={trace}", "--logging.pipeline_trace_steps=1"] if step == 0 else []
+    for step, schedule in enumerate(("zb-v", "1f1b", "dualpipev", "1f1b")):
+        extra = [f"--logging.pipeline_trace={traces[schedule]}", "--logging.pipeline_trace_steps=1"] if (
+            step in (0, 2)) else []
         records = tiny_run(tmp_path, 2, *layout, f"--parallel.pipeline_schedule={schedule}", *extra, base=TINY,
                            name=f"{schedule}{step}")
         losses += [r["loss"] for r in records]
     assert losses == pytest.approx(reference, rel=1e-5)
-    events = json.loads(trace.read_text())["traceEvents"]
-    for rank in (0, 1):
-        ops = Counter(e["name"] for e in events if e["pid"] == rank and e["ph"] == "X")
-        assert ops == Counter(f"{k} c{c} mb{m}" for k in "FBW" for c in range(2) for m in range(4)), rank
+    for schedule, path in traces.items():
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+        for rank in (0, 1):
+            ops = schedule_ops(schedule, 2, 2, rank, 4)
+            mine = [e for e in events if e["pid"] == rank]
+            assert Counter(e["name"] for e in mine) == Counter(part.label for op in ops for part in op.parts), rank
+            pairs = [e for e in mine if e["args"]["paired"]]
+            assert len(pairs) == 2 * sum(len(op.parts) == 2 for op in ops), rank
+            assert all(e["tid"] == (e["cat"] == "B") for e in pairs) and all(e["tid"] == 0 for e in mine
+                                                                             if not e["args"]["paired"])

@@ -70,11 +70,11 @@ def simulated_step(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches:
     done: dict[tuple[str, int, int, int], float] = {}
     rounds = _Rounds(spec, pp, vp, microbatches) if exchanges and pp > 1 else None
     position, clock = [0] * pp, [0.0] * pp
+    deferring = [{(op.chunk, op.microbatch) for op in rank_ops if op.kind == W} for rank_ops in ops]
     progress = True
     while progress:
         progress = False
         for r, stage in enumerate(stages):
-            deferred = {(op.chunk, op.microbatch) for op in ops[r] if op.kind == W}
             while position[r] < len(ops[r]):
                 op = ops[r][position[r]]
                 if rounds is not None:
@@ -82,7 +82,7 @@ def simulated_step(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches:
                 ready = [_ready(stage, part, done, rounds) for part in op.parts]
                 if None in ready:
                     break
-                whole = (op.chunk, op.microbatch) not in deferred if op.kind == B else False
+                whole = op.kind == B and (op.chunk, op.microbatch) not in deferring[r]
                 clock[r] = max(clock[r], *ready) + took.get(op.kind, (t_b + whole * t_w) / vp)
                 for part in op.parts:
                     done[(part.kind, r, part.chunk, part.microbatch)] = clock[r]

@@ -41,6 +41,9 @@ class ScheduleObserver:
     def after(self, op: ScheduleOp, in_flight: InFlight) -> None:
         """`op` ran; `in_flight`: what this rank now holds for later operations."""
 
+    def after_part(self, part: Op, in_flight: InFlight) -> None:
+        """One part of a paired operation ran (the other may still be under way)."""
+
 
 @dataclass
 class Trace(ScheduleObserver):
@@ -203,7 +206,7 @@ def run_schedule(schedule: str | ScheduleSpec, microbatches: int, forward_step: 
                 before_last_grads(chunk)
         for observer in observers:
             observer.before(op)
-        _run(op, me, mailbox, in_flight, pairs)
+        _run(op, me, mailbox, in_flight, pairs, observers)
         for observer in observers:
             observer.after(op, in_flight)
     mailbox.post(len(ops))
@@ -213,13 +216,21 @@ def run_schedule(schedule: str | ScheduleSpec, microbatches: int, forward_step: 
                            f"{[*in_flight.stored, *in_flight.weights]}")
 
 
-def _run(op: ScheduleOp, me: PipelineStage, mailbox: _Mailbox, in_flight: InFlight, pairs: PairRunner) -> None:
+def _run(op: ScheduleOp, me: PipelineStage, mailbox: _Mailbox, in_flight: InFlight, pairs: PairRunner,
+         observers: Sequence[ScheduleObserver]) -> None:
     """Take what `op`'s parts consume, run them (a pair through `pairs`), send what they produce."""
     received = [mailbox.take(need) if (need := needs(me, part)) is not None else None for part in op.parts]
+
+    def run_part(part: Op, x: torch.Tensor | None) -> torch.Tensor | None:
+        result = in_flight.run(part, x)
+        for observer in observers:
+            observer.after_part(part, in_flight)
+        return result
+
     if len(op.parts) == 1:
         results = [in_flight.run(op, received[0])]
     else:
-        results = pairs.run([functools.partial(in_flight.run, part, x) for part, x in zip(op.parts, received)])
+        results = pairs.run([functools.partial(run_part, part, x) for part, x in zip(op.parts, received)])
     for part, result in zip(op.parts, results):
         message = sends(me, part)
         if message is not None:

@@ -98,9 +98,9 @@ class Interleaved:
         stream = self.streams.current()
 
         def run_part(side: int) -> None:
+            turns.wait(side)
             if side:
                 self.streams.use(stream)
-            turns.wait(side)
             _seat.value = (turns, side)
             try:
                 results[side] = parts[side]()
