@@ -63,7 +63,8 @@ def test_lists_idle_as_the_formula_says(times):
     t_f, t_b, t_w = times
     for pp in (2, 4, 8):
         for m in (2 * pp, 3 * pp + 1):
-            lists, formula = simulated_bubble("dualpipev", pp, 2, m, *times), bubble_fraction("dualpipev", pp, 2, m, *times)
+            lists = simulated_bubble("dualpipev", pp, 2, m, *times)
+            formula = bubble_fraction("dualpipev", pp, 2, m, *times)
             if t_b == t_f >= t_w:
                 assert lists == pytest.approx(formula), (pp, m, times)
             assert lists <= formula + 1e-9, (pp, m, times)

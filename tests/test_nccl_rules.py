@@ -241,6 +241,7 @@ def _travelled(record: RankRecord) -> bool:
     for position, (kind, item) in enumerate(record.events):
         if kind == "post" and item.name == "all_to_all_single":
             posted[item.index] = position
-        elif kind == "wait" and item in posted and any(k == "post" for k, _ in record.events[posted[item] + 1:position]):
+        elif kind == "wait" and item in posted and any(k == "post" for k, _ in
+                                                         record.events[posted[item] + 1:position]):
             return True
     return False

@@ -24,8 +24,8 @@ from megalite.parallel.pipeline.one_f_one_b import one_f_one_b_bubble
 from megalite.parallel.pipeline.ops import B, F, Op, W
 from megalite.parallel.pipeline.registry import register, unregister
 from megalite.parallel.pipeline.spec import ScheduleSpec
-from megalite.planning.memory import chunk_held_bytes, peak_activations
 from megalite.planning.bubble import simulated_bubble
+from megalite.planning.memory import chunk_held_bytes, peak_activations
 from megalite.planning.plan import make_plan, schedule_plans
 from megalite.training.build import build_model
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.parallel.p2p import Exchange, Message, PipelineComm
-from megalite.parallel.pipeline.ops import B, F, Op, ScheduleOp, W, weight_gradient_ops
+from megalite.parallel.pipeline.ops import F, Op, ScheduleOp, W, weight_gradient_ops
 from megalite.parallel.pipeline.overlap import SEQUENTIAL, PairRunner
 from megalite.parallel.pipeline.plan import Plan, communication_plan, is_local, needs, sends
 from megalite.parallel.pipeline.registry import schedule_spec

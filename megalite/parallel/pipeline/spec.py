@@ -2,9 +2,10 @@
 
 A `ScheduleSpec` holds a schedule's op-list builder (each rank's operations in order), the formula of its bubble,
 whether it splits each backward into B and W, the chunk order its stages hold their chunks in, the number of
-chunks per rank it needs, whether it needs pipeline parallelism at all, and how many micro batches per rank. Config validation, the planner, the
-stage layout, the executor and the dry run read these fields and nothing else of a schedule; none of them names
-one. The specs are registered in registry.py; a new schedule (DualPipeV, say) is its op lists and its spec.
+chunks per rank it needs, whether it needs pipeline parallelism at all and how many micro batches per rank.
+Config validation, the planner, the stage layout, the executor and the dry run read these fields and nothing
+else of a schedule; none of them names one. The specs are registered in registry.py; a new schedule (DualPipeV
+was one) is its op lists and its spec.
 """
 
 from __future__ import annotations
