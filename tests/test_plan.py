@@ -380,9 +380,11 @@ def test_the_plan_weighs_every_schedule_the_layout_allows():
     cfg = _model_config("gpt2", parallel={"pp": 4}, train={"global_batch_size": 16})
     cfg.model.num_layers = 8
     plans = {p.cfg.parallel.pipeline_schedule: p for p in schedule_plans(make_plan(cfg, 4))}
-    assert sorted(plans) == ["1f1b", "gpipe", "zb-h1", "zb-v"] and plans["zb-v"].cfg.parallel.vp == 2
+    assert sorted(plans) == ["1f1b", "dualpipev", "gpipe", "zb-h1", "zb-v"] and plans["zb-v"].cfg.parallel.vp == 2
     assert plans["1f1b"].bubble == pytest.approx(3 / 8) and plans["zb-h1"].bubble == pytest.approx(1 / 8)
     assert plans["zb-v"].bubble == pytest.approx(1 / 16)
+    assert plans["dualpipev"].bubble == pytest.approx(1 / 8) and plans["dualpipev"].cfg.parallel.vp == 2
+    assert all(plan.bubble == pytest.approx(plan.bubble_formula) for plan in plans.values())  # F = B = W
     assert plans["gpipe"].worst.in_flight == 8 and plans["1f1b"].worst.in_flight == 4
     text = format_plan(make_plan(cfg, 4))
     for name in plans:

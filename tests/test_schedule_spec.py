@@ -24,6 +24,7 @@ from megalite.parallel.pipeline.one_f_one_b import one_f_one_b_bubble
 from megalite.parallel.pipeline.ops import B, F, Op, W
 from megalite.parallel.pipeline.registry import register, unregister
 from megalite.parallel.pipeline.spec import ScheduleSpec
+from megalite.planning.bubble import simulated_bubble
 from megalite.planning.memory import chunk_held_bytes, peak_activations
 from megalite.planning.plan import make_plan, schedule_plans
 from megalite.training.build import build_model
@@ -63,7 +64,8 @@ def test_a_registered_schedule_is_validated_planned_and_dry_run(lifo):
         validate(_config(lifo.name, vp=2), 2)
     assert "lifo-test: a test's schedule" in help_text()
     plan = make_plan(cfg, 2)
-    assert plan.bubble == pytest.approx(1 / 4)  # its formula: (pp - 1) / m
+    assert plan.bubble_formula == pytest.approx(1 / 4)  # its formula: (pp - 1) / m
+    assert plan.bubble == pytest.approx(simulated_bubble(lifo, 2, 1, 4))  # its op lists played out
     assert peak_activations(cfg, 2, 0, "cpu")[1] == 4  # every micro batch in flight before the first backward
     assert chunk_held_bytes(cfg, 0, "cpu")[0] > 0  # B leaves W its inputs: the planner read split_backward
     assert lifo.name in {p.cfg.parallel.pipeline_schedule for p in schedule_plans(plan)}

@@ -7,16 +7,18 @@
    compute is a sleep: forward t_f / vp, B t_b / vp, W t_w / vp, in the measured ratios with t_f = --t-f ms (a
    schedule without W sleeps B and W together in its backward). Sleeping ranks need no CPU, so pp ranks on 2
    cores time like pp devices. Bubble = (step - ideal) / ideal, with ideal m (t_f + t_b + t_w), next to the
-   schedule's formula with the same times (its ScheduleSpec's bubble), to its op lists played out
-   with free messages and with the communication plan's batched exchanges (planning/bubble.py); also against
-   the same rank's operations run back to back without a pipeline, which pay the same late wake-ups and
-   autograd, so that only the pipeline's costs remain.
+   schedule's formula with the same times (its ScheduleSpec's bubble; a paired F&B of DualPipeV sleeps its
+   forward and its whole backward, F&B = F + B), to its op lists played out with free messages and with the
+   communication plan's exchanges (planning/bubble.py); also against the same rank's operations run back to
+   back without a pipeline, which pay the same late wake-ups and autograd, so that only the pipeline's costs
+   remain. `--ratios` sleeps given ratios instead of measuring the stage, so that repeated runs compare alike.
 3. Memory: the benchmark model itself trains one step per schedule on pp gloo ranks; each rank's activation
    memory at the schedule's peak (what autograd saves, plus what B leaves for W: planning/measure_pipeline.py)
    next to the planner's (planning/memory.py peak_activations).
 
     python tools/benchmark_pipeline.py --realtime
-    python tools/benchmark_pipeline.py --pp 4 --microbatches 8 16 --schedules 1f1b:1 1f1b:2 zb-h1:1 zb-v:2
+    python tools/benchmark_pipeline.py --realtime --pp 4 --microbatches 8 16 \
+        --schedules 1f1b:1 1f1b:2 zb-h1:1 zb-v:2 dualpipev:2
 """
 
 from __future__ import annotations
@@ -181,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "training schedule at vp 1 and 2, or at the vp it needs)")
     p.add_argument("--t-f", type=float, default=20.0, help="a stage's sleeping forward, ms (B and W in the ratios "
                                                            "measured)")
+    p.add_argument("--ratios", type=float, nargs=2, metavar=("B/F", "W/F"), help="the sleeping B and W as ratios of "
+                   "t_f, instead of measuring the stage (so that repeated runs sleep the same times)")
     p.add_argument("--layers", type=int, default=16, help="benchmark model layers (a stage holds layers / pp)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=256)
@@ -198,12 +202,17 @@ def main(argv: list[str] | None = None) -> None:
     cases = [Case(name, args.pp, int(vp), m) for m in args.microbatches
              for name, vp in (pair.split(":") for pair in args.schedules)]
     torch.set_num_threads(1)
-    t_f, t_b, t_w = stage_times(model_config(args, Case(ParallelConfig().pipeline_schedule, args.pp, 1, args.pp)), 1)
-    times = (args.t_f, args.t_f * t_b / t_f, args.t_f * t_w / t_f)
-    print(f"CPU: {cpu_line()}; Python {platform.python_version()}, torch {torch.__version__}")
-    print(f"stage times (stage 1 of {args.pp}: {args.layers // args.pp} layers, hidden {args.hidden}, seq {args.seq}, "
-          f"micro batch {args.micro_batch_size}, fp32, 1 thread): T_F {1e3 * t_f:.2f} ms, T_B {1e3 * t_b:.2f} ms, "
-          f"T_W {1e3 * t_w:.2f} ms; T_B/T_F {t_b / t_f:.2f}, T_W/T_F {t_w / t_f:.2f}")
+    print(f"CPU: {cpu_line()}; Python {platform.python_version()}, torch {torch.__version__}; load average "
+          f"{' '.join(f'{load:.1f}' for load in os.getloadavg())}")
+    if args.ratios:
+        times = (args.t_f, args.t_f * args.ratios[0], args.t_f * args.ratios[1])
+    else:
+        t_f, t_b, t_w = stage_times(model_config(args, Case(ParallelConfig().pipeline_schedule, args.pp, 1, args.pp)),
+                                    1)
+        times = (args.t_f, args.t_f * t_b / t_f, args.t_f * t_w / t_f)
+        print(f"stage times (stage 1 of {args.pp}: {args.layers // args.pp} layers, hidden {args.hidden}, seq "
+              f"{args.seq}, micro batch {args.micro_batch_size}, fp32, 1 thread): T_F {1e3 * t_f:.2f} ms, T_B "
+              f"{1e3 * t_b:.2f} ms, T_W {1e3 * t_w:.2f} ms; T_B/T_F {t_b / t_f:.2f}, T_W/T_F {t_w / t_f:.2f}")
     print(f"sleeping stages: t_f {times[0]:.1f}, t_b {times[1]:.1f}, t_w {times[2]:.1f} ms per micro batch per rank; "
           f"median of {args.iters} steps{'; ranks at SCHED_FIFO 1' if args.realtime else ''}")
     print("| schedule | vp | m | step ms | ideal ms | no-pipeline ms | formula | op lists | plan's exchanges "

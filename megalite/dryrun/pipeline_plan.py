@@ -13,7 +13,7 @@ import torch
 
 from megalite.dryrun.fake_world import fake_rank, fake_tensors
 from megalite.dryrun.nccl_rules.record import CommRecorder, RankRecord
-from megalite.dryrun.nccl_rules.replay import Report, replay
+from megalite.dryrun.nccl_rules.replay import STREAMS, Report, replay
 from megalite.parallel.p2p import PipelineComm
 from megalite.parallel.pipeline.executor import ForwardStep, run_schedule
 from megalite.parallel.pipeline.registry import schedule_spec
@@ -53,10 +53,11 @@ def record_schedule(schedule: str | ScheduleSpec, microbatches: int, stage: Pipe
 
 
 def check_pipeline(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches: int) -> Report:
-    """Replay all `pp` ranks' calls of one step of `schedule` under NCCL's rules."""
+    """Replay all `pp` ranks' calls of one step of `schedule` under NCCL's rules, with the pairs' communicators
+    side by side and one after another (nccl_rules/replay.py STREAMS)."""
     spec, records = schedule_spec(schedule), []
     for rank in range(pp):
         with fake_rank(rank, pp), fake_tensors():
             comm = PipelineComm(Topology(rank, pp, torch.device("cpu"), pp=pp), SHAPE, torch.float32)
             records.append(record_schedule(spec, microbatches, spec.stage(pp, vp, rank), comm))
-    return replay(records)
+    return replay(records, streams=STREAMS)

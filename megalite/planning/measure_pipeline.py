@@ -6,8 +6,9 @@ tests hold the planner to the same measurement (planning/measure.py says why mea
 
 Activation memory at a schedule's peak: after every operation of a real training step, the bytes of the
 distinct storages that autograd saved and that are still alive, plus those the queued weight gradients hold
-for their W (measure.held_for_w), parameters left out; the most at any operation's end. Inside an operation
-a backward also holds its own temporaries; the planner counts those as transient, apart.
+for their W (measure.held_for_w), parameters left out; the most at any operation's end (and at the end of
+either part of a paired F&B). Inside an operation a backward also holds its own temporaries; the planner
+counts those as transient, apart.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from megalite.config import Config
 from megalite.model.split_backward import apply_split_backward
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.pipeline.executor import InFlight, ScheduleObserver
-from megalite.parallel.pipeline.ops import Op
+from megalite.parallel.pipeline.ops import Op, ScheduleOp
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.planning.measure import held_for_w
 from megalite.training.build import Trainer, build_model
@@ -85,7 +86,11 @@ class ActivationPeak(ScheduleObserver):
             alive |= held_for_w(queue, [])
         self.peak = max(self.peak, sum(size for ptr, size in alive.items() if ptr not in self.skip))
 
-    def after(self, op: Op, in_flight: InFlight) -> None:
+    def after(self, op: ScheduleOp, in_flight: InFlight) -> None:
+        self.sample(in_flight.weight_work)
+
+    def after_part(self, part: Op, in_flight: InFlight) -> None:
+        """A pair's forward part holds its activations before its backward part frees the other's."""
         self.sample(in_flight.weight_work)
 
     @contextlib.contextmanager

@@ -163,18 +163,20 @@ def chunk_held_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[in
 
 def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> tuple[int, int]:
     """(peak bytes, micro batches in flight then) over this stage's schedule: a forward stores its chunk's
-    activations until the matching backward frees them (parallel/pipeline/executor.py); under a zero-bubble schedule
-    that backward (B) leaves the chunk's weight-gradient inputs until its W."""
+    activations until the matching backward frees them (parallel/pipeline/executor.py); a backward (B) with a W
+    leaves the chunk's weight-gradient inputs until that W."""
     p = cfg.parallel
     sizes, held_inputs = chunk_activation_bytes(cfg, pp_rank, device), chunk_held_bytes(cfg, pp_rank, device)
     spec = schedule_spec(p.pipeline_schedule)
-    ops, split = spec.rank_ops(p.pp, p.vp, pp_rank, cfg.num_microbatches(world_size)), spec.split_backward
+    ops = spec.rank_ops(p.pp, p.vp, pp_rank, cfg.num_microbatches(world_size))
+    deferring = {(op.chunk, op.microbatch) for op in ops if op.kind == "W"}
     held, count, peak = 0, 0, (0, 0)
-    for kind, chunk, _ in ops:
+    for kind, chunk, mb in (part for op in ops for part in op.parts):  # a pair's forward before its backward frees
         if kind == "F":
             held, count = held + sizes[chunk], count + 1
         elif kind == "B":
-            held, count = held - sizes[chunk] + held_inputs[chunk], count - (not split)
+            split = (chunk, mb) in deferring
+            held, count = held - sizes[chunk] + split * held_inputs[chunk], count - (not split)
         else:
             held, count = held - held_inputs[chunk], count - 1
         peak = max(peak, (held, count))

@@ -131,7 +131,7 @@ def train_step(trainer: Trainer, batches: list[Batch]) -> StepResult:
     forward_step = microbatch_forward(trainer, batches, scaled_loss)
     sharded = trainer.sharded_params
     run_schedule(pipeline.spec, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.observers,
-                 grads.start_sync, sharded.backward_done if sharded is not None else None)
+                 grads.start_sync, sharded.backward_done if sharded is not None else None, pipeline.pairs)
     if trainer.cfg.model.moe_expert_bias:
         update_expert_biases(trainer.model, t)
     grads.reduce(optimizer.grads_landed)

@@ -1,6 +1,15 @@
 """Replaying every rank's recorded calls (record.py) as NCCL would run them (the rules: nccl_rules/__init__.py):
 every call that could never finish, every message delivered to another receive than under gloo, every size
-or collective mismatch."""
+or collective mismatch.
+
+Where the calls of different communicators run is a choice too. NCCL runs each communicator's calls on a stream
+of its own, and side by side they progress independently; but its user guide ("Using multiple NCCL
+communicators concurrently") promises that only as long as the GPU can hold all their kernels at once, and asks
+for the calls to be posted in one order on every rank. `streams="one per rank"` replays every call of a rank in
+one queue, in post order, as a GPU that holds one kernel at a time would: code whose calls on several
+communicators are posted in one global order (the pipeline's exchanges, each pair of ranks on its own
+communicator) must pass that too.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,8 @@ from megalite.dryrun.nccl_rules.record import Call, RankRecord
 # Where a single isend/irecv runs: a two-rank communicator of its own ("pair"), or the group's ("group", when the
 # group was bound to a device). Both are replayed.
 P2P_COMMUNICATORS = ("pair", "group")
+# Where the calls of different communicators run: on a stream per communicator, or all of a rank's in one queue.
+STREAMS = ("per communicator", "one per rank")
 
 
 @dataclass
@@ -29,11 +40,11 @@ class Report:
 
 
 class _Replay:
-    """One replay under one choice of p2p communicators: streams, message channels and the started/completed
-    fixpoint."""
+    """One replay under one choice of p2p communicators and of streams: the streams' queues, message channels
+    and the started/completed fixpoint."""
 
-    def __init__(self, records: dict[int, RankRecord], communicators: str) -> None:
-        self.communicators, self.report = communicators, Report()
+    def __init__(self, records: dict[int, RankRecord], communicators: str, streams: str = STREAMS[0]) -> None:
+        self.communicators, self.streams_per, self.report = communicators, streams, Report()
         self.calls = {(r, c.index): c for r, rec in records.items() for c in rec.calls}
         self.report.calls = len(self.calls)
         self.streams: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
@@ -47,8 +58,11 @@ class _Replay:
                     waited += 1
                 else:
                     self.waits_before[(r, item.index)] = waited
-                    self.streams[(r, self._communicator(item))].append((r, item.index))
+                    self.streams[(r, self._stream(item))].append((r, item.index))
         self.partners = self._match()
+
+    def _stream(self, call: Call) -> tuple:
+        return ("rank",) if self.streams_per == "one per rank" else self._communicator(call)
 
     def _communicator(self, call: Call, peer: int | None = None) -> tuple:
         if call.single and self.communicators == "pair":
@@ -119,7 +133,8 @@ class _Replay:
                                   f"to {receiver.describe()}, which expects {receiver.splits[1][i]}")
 
     def _problem(self, text: str) -> None:
-        self.report.problems.append(f"[{self.communicators} communicators] {text}")
+        streams = "" if self.streams_per == STREAMS[0] else f", {self.streams_per} stream"
+        self.report.problems.append(f"[{self.communicators} communicators{streams}] {text}")
 
     def run(self) -> Report:
         started, done = set(), set()
@@ -160,14 +175,16 @@ class _Replay:
             self._problem(f"hang: {call.describe()} never completes: {why}")
 
 
-def replay(records: dict[int, RankRecord] | list[RankRecord],
-           communicators: tuple[str, ...] = P2P_COMMUNICATORS) -> Report:
-    """Replay every rank's record under NCCL's rules for each choice of p2p communicators."""
+def replay(records: dict[int, RankRecord] | list[RankRecord], communicators: tuple[str, ...] = P2P_COMMUNICATORS,
+           streams: tuple[str, ...] = STREAMS[:1]) -> Report:
+    """Replay every rank's record under NCCL's rules for each choice of p2p communicators and of streams
+    (module docstring; `STREAMS` for both)."""
     if isinstance(records, list):
         records = {record.rank: record for record in records}
     total = Report()
     for choice in communicators:
-        report = _Replay(records, choice).run()
-        total.problems += report.problems
-        total.calls, total.messages = report.calls, max(total.messages, report.messages)
+        for where in streams:
+            report = _Replay(records, choice, where).run()
+            total.problems += report.problems
+            total.calls, total.messages = report.calls, max(total.messages, report.messages)
     return total

@@ -7,7 +7,8 @@ from megalite.parallel.pipeline.ops import B, F, Op, OpKind
 from megalite.parallel.pipeline.spec import ScheduleSpec, forwards
 
 
-def one_f_one_b_bubble(pp: int, vp: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+def one_f_one_b_bubble(pp: int, vp: int, m: int, t_f: float, t_b: float, t_w: float,
+                       t_fb: float | None = None) -> float:
     """Megatron-LM's (pp - 1) / (vp * m): each of the first pp - 1 micro batches' forward and whole backward
     (B and W together) idles some rank; interleaving cuts each chunk's share by vp."""
     return (pp - 1) / (vp * m)

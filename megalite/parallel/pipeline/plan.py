@@ -1,19 +1,23 @@
 """When each pipeline message travels: a communication plan NCCL cannot deadlock on.
 
 A message goes to whoever holds the next (or previous) chunk (the stage's chunk order, stage.py), which under
-ZB-V may be the sender itself, a hand-off that never touches the network. `communication_plan` decides when
-each message travels. It plays all ranks' lists in lock step (a rank runs its next operation once its input was
-produced at an earlier step) and, after each step, forms one round: every message produced in that step, sent
-and received in that round. A rank posts each of its rounds as one batched exchange, in round order, between
-the operations where they fall (executor.py). Sender and receiver post a message in the same round, every
-exchange depends only on rounds before it on its own rank, and so the rank holding the lowest unfinished round
-can always finish it: no schedule can deadlock, whatever NCCL's blocking, stream ordering and in-order matching
-(the NCCL-rule replay test checks the real calls).
+a V order may be the sender itself, a hand-off that never touches the network. `communication_plan` decides
+when each message travels. It plays all ranks' lists in lock step (a rank runs its next operation once its
+inputs were produced at an earlier step) and, after each step, forms one round: every message produced in
+that step, sent and received in that round. A round is split by the pair of ranks a message travels between:
+each pair's messages are one exchange, one batched call on that pair's own communicator (p2p.py), which a
+rank posts between the operations where its round falls (executor.py), so that a rank waiting for its
+input from one neighbour never waits for the other. Every rank posts its exchanges in one global order,
+(round, pair); sender and receiver post a message in the same exchange, and an exchange depends only on
+exchanges before it in that order (an operation needs messages of earlier rounds). So the lowest unfinished
+exchange can always finish, whether NCCL runs the pairs' communicators side by side or one after another:
+no schedule can deadlock (the NCCL-rule replay test checks the real calls under both).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 from megalite.parallel.p2p import Message
 from megalite.parallel.pipeline.ops import B, F, Op
@@ -51,12 +55,13 @@ def is_local(message: Message) -> bool:
     return message.src == message.dst
 
 
-Plan = list[list[list[Message]]]  # per operation index (and one past the last): the rounds to post before it
+Plan = list[list[list[Message]]]  # per operation index (and one past the last): the exchanges to post before it
 
 
 def communication_plan(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches: int) -> dict[int, Plan]:
-    """For every pipeline rank, the exchanges (rounds of messages) to post before each of its operations. A
-    hand-off to the same rank is in no round: it is there for the rank's next operations."""
+    """For every pipeline rank, the exchanges (one round's messages with one neighbour) to post before each of
+    its operations, in (round, pair) order. A hand-off to the same rank is in no exchange: it is there for the
+    rank's next operations."""
     return _plan(schedule_spec(schedule), pp, vp, microbatches)
 
 
@@ -70,18 +75,17 @@ def _plan(spec: ScheduleSpec, pp: int, vp: int, microbatches: int) -> dict[int, 
         produced, ran = [], False
         for r, stage in enumerate(stages):
             op = ops[r][position[r]] if position[r] < len(ops[r]) else None
-            if op is not None and (needs(stage, op) is None or needs(stage, op) in arrived[r]):
-                message, ran = sends(stage, op), True
-                produced += [message] if message else []
-                position[r] += 1
+            if op is not None and all(needs(stage, part) in arrived[r] | {None} for part in op.parts):
+                produced += [message for part in op.parts if (message := sends(stage, part)) is not None]
+                position[r], ran = position[r] + 1, True
         if not ran:
             raise RuntimeError(f"schedule {spec.name} (pp={pp}, vp={vp}, {microbatches} micro batches) cannot make "
                                "progress")
         for r in range(pp):
-            mine = [m for m in produced if r in (m.src, m.dst) and not is_local(m)]
-            mine.sort(key=lambda m: (m.src, m.dst))
-            if mine:
-                plans[r][position[r]].append(mine)
+            mine = sorted((m for m in produced if r in (m.src, m.dst) and not is_local(m)),
+                          key=lambda m: (m.pair, m.src, m.dst, m.kind, m.chunk, m.microbatch))
+            for _, exchange in itertools.groupby(mine, key=lambda m: m.pair):
+                plans[r][position[r]].append(list(exchange))
         for message in produced:
             arrived[message.dst].add(message)
     return plans

@@ -9,8 +9,9 @@ take these.
 from __future__ import annotations
 
 from megalite.config import Config, ParallelConfig
+from megalite.parallel.pipeline.dualpipe import DUALPIPE_V
 from megalite.parallel.pipeline.one_f_one_b import FORWARD, GPIPE, ONE_F_ONE_B
-from megalite.parallel.pipeline.ops import Op
+from megalite.parallel.pipeline.ops import ScheduleOp
 from megalite.parallel.pipeline.spec import ScheduleSpec
 from megalite.parallel.pipeline.stage import PipelineStage, StageLayout
 from megalite.parallel.pipeline.zero_bubble import ZB_H1, ZB_V
@@ -30,7 +31,7 @@ def unregister(name: str) -> None:
     SCHEDULES.pop(name, None)
 
 
-for _spec in (FORWARD, GPIPE, ONE_F_ONE_B, ZB_H1, ZB_V):
+for _spec in (FORWARD, GPIPE, ONE_F_ONE_B, ZB_H1, ZB_V, DUALPIPE_V):
     register(_spec)
 
 
@@ -48,16 +49,16 @@ def schedule_spec(schedule: str | ScheduleSpec) -> ScheduleSpec:
     return SCHEDULES[schedule]
 
 
-def schedule_ops(schedule: str | ScheduleSpec, pp: int, vp: int, rank: int, microbatches: int) -> list[Op]:
+def schedule_ops(schedule: str | ScheduleSpec, pp: int, vp: int, rank: int, microbatches: int) -> list[ScheduleOp]:
     """The operations of pipeline rank `rank` under `schedule`, in execution order."""
     return schedule_spec(schedule).rank_ops(pp, vp, rank, microbatches)
 
 
 def bubble_fraction(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches: int, t_f: float = 1.0,
-                    t_b: float = 1.0, t_w: float = 1.0) -> float:
+                    t_b: float = 1.0, t_w: float = 1.0, t_fb: float | None = None) -> float:
     """`schedule`'s idle share of the ideal step, given a rank's forward, input-gradient and weight-gradient
-    times (only their ratios matter)."""
-    return schedule_spec(schedule).bubble(pp, vp, microbatches, t_f, t_b, t_w)
+    times and a paired forward and whole backward's (None: their sum; only the ratios matter)."""
+    return schedule_spec(schedule).bubble(pp, vp, microbatches, t_f, t_b, t_w, t_fb)
 
 
 def pipeline_stage(parallel: ParallelConfig, pp_rank: int) -> PipelineStage:

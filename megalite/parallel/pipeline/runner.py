@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from megalite.config import TORCH_DTYPES, Config
 from megalite.parallel.p2p import PipelineComm
 from megalite.parallel.pipeline.executor import ScheduleObserver
+from megalite.parallel.pipeline.overlap import SEQUENTIAL, PairRunner, pair_runner
 from megalite.parallel.pipeline.registry import schedule_spec
 from megalite.parallel.pipeline.spec import ScheduleSpec
 from megalite.parallel.pipeline.stage import PipelineStage
@@ -21,12 +22,14 @@ from megalite.parallel.topology import Topology
 
 @dataclass
 class Pipeline:
-    """The schedule's spec, this rank's stage, the p2p channel (pp > 1) and whoever watches the training steps
-    (the pipeline trace, measurements: executor.py's ScheduleObserver)."""
+    """The schedule's spec, this rank's stage, the p2p channel (pp > 1), what runs paired operations (overlap.py:
+    interleaved where experts exchange tokens over ep > 1 ranks) and whoever watches the training steps (the
+    pipeline trace, measurements: executor.py's ScheduleObserver)."""
 
     spec: ScheduleSpec
     stage: PipelineStage
     comm: PipelineComm | None = None
+    pairs: PairRunner = SEQUENTIAL
     observers: list[ScheduleObserver] = field(default_factory=list)
 
     @classmethod
@@ -40,4 +43,4 @@ class Pipeline:
         seq = seq // topology.tp if cfg.parallel.sequence_parallel_active else seq
         dtype = TORCH_DTYPES[cfg.train.param_dtype]  # the residual stream's dtype
         comm = PipelineComm(topology, (seq, cfg.train.micro_batch_size, m.hidden_size), dtype)
-        return cls(spec, stage, comm)
+        return cls(spec, stage, comm, pair_runner(topology.device, topology.ep > 1))

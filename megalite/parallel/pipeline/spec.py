@@ -2,9 +2,10 @@
 
 A `ScheduleSpec` holds a schedule's op-list builder (each rank's operations in order), the formula of its bubble,
 whether it splits each backward into B and W, the chunk order its stages hold their chunks in, the number of
-chunks per rank it needs, and whether it needs pipeline parallelism at all. Config validation, the planner, the
-stage layout, the executor and the dry run read these fields and nothing else of a schedule; none of them names
-one. The specs are registered in registry.py; a new schedule (DualPipeV, say) is its op lists and its spec.
+chunks per rank it needs, whether it needs pipeline parallelism at all and how many micro batches per rank.
+Config validation, the planner, the stage layout, the executor and the dry run read these fields and nothing
+else of a schedule; none of them names one. The specs are registered in registry.py; a new schedule (DualPipeV
+was one) is its op lists and its spec.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megalite.parallel.pipeline.ops import Bubble, F, Op, OpList
+from megalite.parallel.pipeline.ops import Bubble, F, Op, OpList, ScheduleOp
 from megalite.parallel.pipeline.stage import LOOP, ChunkOrder, PipelineStage
 
 
@@ -26,7 +27,8 @@ class ScheduleSpec:
     by B: weight_grads.py), and the model is built so (model/split_backward.py). chunk_order: which chunks each
     rank holds (stage.py). vp: the chunks per rank it needs (None: any; with vp > 1 it then interleaves, its
     micro batches going through the chunks in groups of pp, Megatron-LM's rule); its chunk order's when that
-    needs one. needs_pipeline: it only makes sense at pp > 1. doc: one line for --help.
+    needs one. needs_pipeline: it only makes sense at pp > 1. min_microbatches_per_rank: it needs at least this
+    many micro batches per pipeline rank (DualPipeV's 2). doc: one line for --help.
     """
 
     name: str
@@ -37,6 +39,7 @@ class ScheduleSpec:
     chunk_order: ChunkOrder = LOOP
     vp: int | None = None
     needs_pipeline: bool = False
+    min_microbatches_per_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.vp is None and self.chunk_order.vp is not None:
@@ -56,10 +59,12 @@ class ScheduleSpec:
         """Pipeline rank `rank`'s stage under this schedule: the one place a stage gets its chunk order."""
         return PipelineStage(pp, vp, rank, order=self.chunk_order)
 
-    def rank_ops(self, pp: int, vp: int, rank: int, microbatches: int) -> list[Op]:
+    def rank_ops(self, pp: int, vp: int, rank: int, microbatches: int) -> list[ScheduleOp]:
         """Pipeline rank `rank`'s operations, in execution order."""
         if self.vp is not None and vp != self.vp:
             raise ValueError(self.vp_problem(vp))
+        if microbatches < self.min_microbatches_per_rank * pp:
+            raise ValueError(self.problems(pp, vp, microbatches)[-1])
         return self.ops(pp, vp, rank, microbatches)
 
     def vp_problem(self, vp: int) -> str:
@@ -79,6 +84,11 @@ class ScheduleSpec:
             errors.append(f"interleaved {self.name} (parallel.vp={vp}) needs the number of micro batches "
                           f"({microbatches} = global batch / (micro batch * dp)) to be a multiple of "
                           f"parallel.pp={pp}; change train.global_batch_size")
+        if microbatches is not None and microbatches < self.min_microbatches_per_rank * pp:
+            errors.append(f"parallel.pipeline_schedule={self.name} needs at least {self.min_microbatches_per_rank} "
+                          f"micro batches per pipeline rank: {self.min_microbatches_per_rank * pp} at "
+                          f"parallel.pp={pp}, not {microbatches} (= global batch / (micro batch * dp)); raise "
+                          "train.global_batch_size or lower train.micro_batch_size")
         return errors
 
     def label(self, vp: int) -> str:
@@ -88,7 +98,7 @@ class ScheduleSpec:
     def forward_only(self) -> ScheduleSpec:
         """Evaluation's schedule on this schedule's stages: forwards only, in this schedule's chunk order."""
         return dataclasses.replace(self, name=f"{self.name} (forwards)", ops=forwards, bubble=None, doc="",
-                                   split_backward=False, needs_pipeline=False)
+                                   split_backward=False, needs_pipeline=False, min_microbatches_per_rank=0)
 
 
 def forwards(pp: int, vp: int, rank: int, m: int) -> list[Op]:

@@ -36,7 +36,8 @@ from megalite.parallel.pipeline.spec import ScheduleSpec
 from megalite.parallel.pipeline.stage import V
 
 
-def zero_bubble_bubble(pp: int, vp: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+def zero_bubble_bubble(pp: int, vp: int, m: int, t_f: float, t_b: float, t_w: float,
+                       t_fb: float | None = None) -> float:
     """(pp-1) max(T_F + T_B - T_W, T_F) / vp over m (T_F + T_B + T_W): the W operations fill what 1F1B's
     (T_F + T_B + T_W) leaves, but the last rank still waits for its first input."""
     return (pp - 1) * max(t_f + t_b - t_w, t_f) / (vp * m * (t_f + t_b + t_w))
