@@ -20,6 +20,11 @@ def test_optimizer_family_is_the_optimizers_kernels_not_every_lambda():
             "::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>")
     silu = "void at::native::elementwise_kernel<128, 4, at::native::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}>"
     assert family(copy) == "copy / cast" and family(silu) == "elementwise"
+    mul = ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor"
+           "<float, float, float, at::native::binary_internal::MulFunctor<float>>>>")  # `cast` matched its nocast
+    assert family(mul) == "elementwise" and family("bfloat16_copy_kernel_cuda{lambda(float)#1}") == "copy / cast"
+    assert family("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<float, float, 32u>") \
+        == "norm" and family("void cudnn::fusion::convert_dq_to_16bits<true>") == "attention"
     assert family("void multi_tensor_apply_kernel<TensorListMetadata<5>, LAMBStage1Functor<float>>") == "optimizer"
     assert family("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata"
                   "<4>, FusedAdamMathFunctor<float, 4>>") == "optimizer"

@@ -24,12 +24,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 KERNEL_FAMILIES = (  # (family, pattern on a kernel's name), the first that matches names its family
-    ("attention", r"flash|fmha|attention|sdpa"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn"),  # cuDNN's SDPA has helper kernels (cudnn::fusion::...)
     ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|splitk|sm90_|sm80_"),
-    ("norm", r"layer_?norm|rms_?norm"),
+    ("norm", r"layer_?norm|rms_?norm|gammabeta"),  # LayerNorm's weight and bias gradients: GammaBetaBackward
     ("softmax / cross-entropy", r"softmax|nll_loss|cross_entropy"),
     ("optimizer", r"adam|multi_tensor_apply|foreach|lamb(?!da)|muon"),  # lamb, not the {lambda()#3} of any functor
-    ("copy / cast", r"memcpy|memset|copy|cast|catarray|transpose|index_put|gather|scatter"),
+    ("copy / cast", r"memcpy|memset|copy|catarray|transpose|index_put|gather|scatter"),  # casts are copy kernels;
+    # `cast` would match every functor run through gpu_kernel_impl_nocast or LoadWithCast
     ("reduction", r"reduce"),
     ("triton", r"^triton_"),
     ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
