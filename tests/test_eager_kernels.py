@@ -163,3 +163,22 @@ def test_fusions_is_a_training_option():
     model = torch.nn.Sequential(LayerNorm(8), torch.nn.Linear(8, 8))
     apply_fusions(model, False)
     assert model[0].fused is False and not hasattr(model[1], "fused")
+
+
+def test_the_fused_functions_compile_on_cuda_only_and_not_inside_a_compiled_layer(monkeypatch):
+    """Where the one-kernel forms come from: torch.compile of the function on CUDA with triton; the function as it
+    is on a CPU, without triton, and inside a compiled layer (inductor fuses it there with the rest)."""
+    from types import SimpleNamespace
+
+    from megalite.model import fused
+
+    monkeypatch.setattr(fused, "_compiled", lambda fn: ("compiled", fn))
+    monkeypatch.setattr(fused, "_can_compile", lambda: True)
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    assert fused._kernel(fused._swiglu, cuda) == ("compiled", fused._swiglu)
+    assert fused._kernel(fused._swiglu, cpu) is fused._swiglu
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fused._kernel(fused._rope, cuda) is fused._rope
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    monkeypatch.setattr(fused, "_can_compile", lambda: False)
+    assert fused._kernel(fused._rope, cuda) is fused._rope

@@ -57,9 +57,18 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
+@functools.cache
+def _can_compile() -> bool:
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
 def _kernel(fn: Callable, x: torch.Tensor) -> Callable:
-    """fn compiled on CUDA; as it is elsewhere, and inside a compiled layer (train.compile), which fuses it."""
-    return _compiled(fn) if x.is_cuda and not torch.compiler.is_compiling() else fn
+    """fn compiled on CUDA (where triton is there to compile it); as it is elsewhere, and inside a compiled layer
+    (train.compile), which fuses it with the rest of the layer."""
+    compile_here = x.is_cuda and not torch.compiler.is_compiling() and _can_compile()
+    return _compiled(fn) if compile_here else fn
 
 
 class _SwiGLU(torch.autograd.Function):
