@@ -302,6 +302,8 @@ class TrainConfig:
     eval_iters: int = _f(10, "global batches per evaluation")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: cuda when available (one GPU per LOCAL_RANK), else cpu")
     compile: bool = _f(False, "torch.compile each transformer layer")
+    fusions: bool = _f(True, "norms in their input's dtype under autocast; SwiGLU and RoPE as one compiled kernel "
+                             "each way on CUDA (model/fused.py); false: torch's eager forms")
     allow_tf32: bool = _f(True, "fp32 matmuls and convolutions on CUDA may use TF32 tensor cores (10-bit mantissa "
                                 "inputs, fp32 accumulation; about 8x the fp32 rate on an H100); false for exact fp32")
 

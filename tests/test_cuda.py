@@ -216,8 +216,9 @@ def test_a_non_finite_gradient_norm_skips_the_update_on_the_device(topology):
 @pytest.mark.parametrize("param_dtype", ["bf16", "fp32"])
 def test_saved_activations_match_the_planner_on_cuda(family, param_dtype):
     """The planner's CUDA figures against what autograd saves on the GPU under bf16 autocast: CUDA's fused
-    RMSNorm keeps its input and rstd (the CPU's composite form an fp32 x and x * rstd), LayerNorm an fp32 copy
-    of its input, flash attention its logsumexp. A norm 256 wide, so a wrong norm term misses by over 20%."""
+    RMSNorm keeps its input and rstd (the CPU's composite form an fp32 x and x * rstd), LayerNorm its input in
+    the residual stream's dtype (train.fusions: no fp32 copy), flash attention its logsumexp, fused SwiGLU its
+    input only. A norm 256 wide, so a wrong norm term misses by over 20%."""
     cfg = _config(family, param_dtype=param_dtype)
     cfg.model.hidden_size, cfg.model.seq_length = 256, 128
     model = build_model(cfg, DEVICE, ParallelContext(), 0).train()

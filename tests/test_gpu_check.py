@@ -278,7 +278,8 @@ def test_a_whole_run_with_its_commands_faked(tmp_path, monkeypatch):
                "throughput_llama_compiled": (1, "torch.OutOfMemoryError: CUDA out of memory.")}
 
     def run(self, name: str, cmd: list[str], limit: float, path=()) -> tuple[int, str]:
-        if name.startswith(("peers_", "profile_")):  # their own tests fake them (tests/test_gpu_check_peers.py)
+        if name.startswith(("peers_", "profile_", "fusions_")):  # their own tests fake them (test_gpu_check_peers.py,
+            # test_gpu_check_fusions.py)
             return 1, "not faked here"
         return training(name, cmd, limit) if name.startswith("train_") else outputs[name]
 

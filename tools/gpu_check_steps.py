@@ -141,7 +141,8 @@ def percent(value: float | None) -> str:
 
 
 def pytest_command() -> list[str]:
-    return [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q", "-rs", "-p", "no:cacheprovider"]
+    return [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "tests/test_cuda_kernels.py", "-q",
+            "-rs", "-p", "no:cacheprovider"]
 
 
 def step_tests(ctx: Context) -> CheckResult:
@@ -299,9 +300,9 @@ def flops_by_family(runs: list[Run]) -> dict[str, float]:
     return {run.name: training_flops_per_token(run.cfg.model) for run in runs}
 
 
-def parse_benchmark(output: str) -> dict[str, float]:
-    """tokens/s by side (megalite, huggingface) from the benchmark's result lines."""
-    found = re.findall(r"^(megalite|huggingface)\s+[\d.]+ ms/step\s+([\d.]+) tokens/s", output, re.M)
+def parse_benchmark(output: str, sides: tuple[str, ...] = ("megalite", "huggingface")) -> dict[str, float]:
+    """tokens/s by side from the benchmark's result lines, of `sides` only."""
+    found = re.findall(rf"^({'|'.join(sides)})\s+[\d.]+ ms/step\s+([\d.]+) tokens/s", output, re.M)
     return {side: float(tokens) for side, tokens in found}
 
 

@@ -15,16 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.model.fused import swiglu
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 ACTIVATIONS = {"gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
 
-def activate(h: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
-    """fc1's output -> fc2's input: activation(h), or with a gated MLP activation(gate) * up of h = [gate | up]."""
+def activate(h: torch.Tensor, activation: str, gated: bool, fused: bool = False) -> torch.Tensor:
+    """fc1's output -> fc2's input: activation(h), or with a gated MLP activation(gate) * up of h = [gate | up];
+    `fused`: SwiGLU as model/fused.py's one kernel each way."""
     if not gated:
         return ACTIVATIONS[activation](h)
+    if fused and activation == "silu":
+        return swiglu(h)
     gate, up = h.chunk(2, dim=-1)
     return ACTIVATIONS[activation](gate) * up
 
@@ -38,6 +42,7 @@ class MLP(nn.Module):
         blocks, width = 2 if self.gated else 1, width or cfg.ffn_size
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, blocks * width, ctx, features.bias, blocks=blocks)
         self.linear_fc2 = RowParallelLinear(width, cfg.hidden_size, ctx, features.bias)
+        self.fused = True  # train.fusions (model/fused.py apply_fusions)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(activate(self.linear_fc1(x), self.activation, self.gated))
+        return self.linear_fc2(activate(self.linear_fc1(x), self.activation, self.gated, self.fused))

@@ -14,6 +14,7 @@ import math
 import torch
 
 from megalite.config import ModelConfig
+from megalite.model.fused import rope
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -50,8 +51,10 @@ def rope_for(tables: tuple[torch.Tensor, torch.Tensor], seq: int,
     return tuple(t[position_ids.t()].unsqueeze(2) for t in tables)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [seq, batch, heads, head_dim]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """x: [seq, batch, heads, head_dim]; `fused`: as model/fused.py's one kernel each way."""
+    if fused:
+        return rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)

@@ -37,7 +37,8 @@ class Widths:
 
     compute: int  # matmul inputs/outputs, attention (the autocast dtype)
     residual: int  # the residual stream between layers (the parameters' dtype)
-    layernorm_input: int  # LayerNorm's saved input: CUDA autocast runs layer_norm in fp32 (a copy)
+    split_norm_output: int  # a split-backward norm's output (model/norms.py SplitLayerNorm): CUDA autocast runs
+    # layer_norm in fp32; the other norms run in their input's dtype (norms.in_input_dtype) and keep that input
     layernorm_stats: int  # LayerNorm's mean and rstd
     rmsnorm_input: int  # RMSNorm's saved input per element: CUDA's fused kernel keeps the input as it came (the
     # residual stream's dtype) and an fp32 rstd per row; torch's composite form (CPU) keeps an fp32 x and x * rstd
@@ -60,7 +61,7 @@ def _norm(cfg: Config, rows: int, w: Widths) -> int:
     if schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
         return rows * h * w.residual
     if cfg.model.features.norm == "layernorm":
-        return rows * (h * w.layernorm_input + 2 * w.layernorm_stats)
+        return rows * (h * w.residual + 2 * w.layernorm_stats)
     return rows * (h * w.rmsnorm_input + 4)
 
 
@@ -110,8 +111,11 @@ def _qk_norm(cfg: Config, tokens: int, heads: int, groups: int, w: Widths) -> in
 
 def _mlp(cfg: Config, width: int, w: Widths) -> int:
     """A tensor-parallel MLP `width` wide, past its input: gate|up, silu(gate), product / GELU input and output,
-    for all local tokens (column-parallel layers gather them under SP)."""
-    intermediates = 4 if cfg.model.features.gated_mlp else 2
+    for all local tokens (column-parallel layers gather them under SP). Fused SwiGLU (train.fusions,
+    model/fused.py) keeps gate|up and recomputes silu(gate) from it."""
+    features = cfg.model.features
+    fused = cfg.train.fusions and features.activation == "silu"
+    intermediates = (3 if fused else 4) if features.gated_mlp else 2
     return intermediates * token_rows(cfg)[0] * (width // cfg.parallel.tp) * w.compute
 
 

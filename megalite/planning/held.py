@@ -24,7 +24,7 @@ def _linear(tokens: int, inputs: int, outputs: int, width: int) -> int:
 
 def _norm(elements: int, input_width: int, w: Widths) -> int:
     """A recomputed norm's input and output gradient (a norm's output width, planning/activations.py Widths)."""
-    return elements * (input_width + w.layernorm_input)
+    return elements * (input_width + w.split_norm_output)
 
 
 def _mlp(cfg: Config, tokens: int, width: int, w: Widths) -> int:
