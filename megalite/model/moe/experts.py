@@ -8,6 +8,9 @@ They live on the expert grid, split by expert over ep: each rank holds num_exper
 and their gradients are reduced over the expert-data-parallel ranks.
 Under expert tensor parallelism (etp) each expert's MLP is split as a dense one is over tp: fc1's output
 features (gate and up each) and fc2's input features, so the output is a partial sum over the etp ranks.
+With model.bias (gpt-oss) each projection has a bias per expert, [experts, out], added to the rows of that
+expert; fc1's is split with its output features, fc2's is added by etp rank 0 alone (to the partial sums), so its
+gradient is partial over etp, as its placement says.
 """
 
 from __future__ import annotations
@@ -41,13 +44,20 @@ def _eager_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor)
     return torch._grouped_mm(x, weight, offs=offs)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows offsets[e-1]:offsets[e] of x [tokens, in] times weight[e] [out, in]^T, for every expert e, in x's
-    dtype (the weights are cast as autocast would cast a linear layer's). `offsets` [experts] int32 are the
-    cumulative token counts, on the device: no host read when the grouped kernel takes the operands; otherwise
-    a loop over the experts reads them once. The weight gradient is handed to parallel/weight_grads.py (in W
-    under a zero-bubble schedule); both gradients are the grouped kernel's own backward, bit for bit."""
-    return _GroupedLinear.apply(x, weight, offsets)
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows offsets[e-1]:offsets[e] of x [tokens, in] times weight[e] [out, in]^T (plus bias[e]), for every expert
+    e, in x's dtype (the weights are cast as autocast would cast a linear layer's). `offsets` [experts] int32 are
+    the cumulative token counts, on the device: no host read when the grouped kernel takes the operands; otherwise
+    a loop over the experts reads them once. The weight (and bias) gradient is handed to parallel/weight_grads.py
+    (in W under a zero-bubble schedule); both gradients are the grouped kernel's own backward, bit for bit."""
+    return _GroupedLinear.apply(x, weight, offsets, bias)
+
+
+def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The local expert of each of the `rows` rows (no host read: the output size is given)."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
+    return torch.repeat_interleave(torch.arange(len(offsets), device=offsets.device), counts, output_size=rows)
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -57,30 +67,35 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
         cast = weight.to(x.dtype)
         ctx.grouped = grouped_kernel_takes(x, cast)
         ctx.save_for_backward(x, offsets)
-        ctx.weight = weight  # on ctx: a checkpoint's recompute would save a copy, not the parameter
+        ctx.params = [weight] + ([] if bias is None else [bias])  # on ctx: a recompute would save copies
         if not ctx.grouped:
-            return torch.cat([F.linear(part, cast[e]) for e, part in enumerate(x.split(_sizes(offsets)))])
-        return _grouped_mm(x, cast.transpose(-2, -1), offsets)
+            y = torch.cat([F.linear(part, cast[e]) for e, part in enumerate(x.split(_sizes(offsets)))])
+        else:
+            y = _grouped_mm(x, cast.transpose(-2, -1), offsets)
+        return y if bias is None else y + bias.to(y.dtype)[_row_experts(offsets, len(x))]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         x, offsets = ctx.saved_tensors
-        grad_x = split_backward(_grouped_backward, [x, grad.contiguous(), ctx.weight, offsets], grouped=ctx.grouped,
-                                needs=tuple(ctx.needs_input_grad[:2]))
-        return (grad_x if ctx.needs_input_grad[0] else None), None, None
+        weight, *bias = ctx.params
+        grad_x = split_backward(_grouped_backward, [x, grad.contiguous(), weight, offsets, *bias], grouped=ctx.grouped,
+                                needs=(*ctx.needs_input_grad[:2], ctx.needs_input_grad[3]))
+        return (grad_x if ctx.needs_input_grad[0] else None), None, None, None
 
 
 def _sizes(offsets: torch.Tensor) -> list[int]:
     return torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
 
 
-def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
-                      grouped: bool, needs: tuple[bool, bool]) -> torch.Tensor:
-    """dX, returned; dW (its rows grad_e^T x_e), handed to weight_grads."""
+def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                      bias: torch.Tensor | None = None, *, grouped: bool, needs: tuple[bool, bool, bool]) -> torch.Tensor:
+    """dX, returned; dW (its rows grad_e^T x_e) and the bias's (each expert's rows of grad summed), handed to
+    weight_grads."""
     cast = weight.to(x.dtype)
     if grouped:
         grad_x = _grouped_mm(grad, cast, offsets) if needs[0] else torch.empty_like(x)
@@ -92,30 +107,43 @@ def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor,
         compute = lambda: torch.stack([g.t().matmul(part) for g, part in parts]).to(weight.dtype)  # noqa: E731
     if needs[1]:
         weight_grad(weight, compute)
+    if bias is not None and needs[2]:
+        weight_grad(bias, lambda: torch.zeros(bias.shape, dtype=torch.float32, device=grad.device).index_add_(
+            0, _row_experts(offsets, len(grad)), grad.float()).to(bias.dtype))
     return grad_x
 
 
 class ExpertLinear(nn.Module):
     """One projection of this rank's experts: weight [local experts, out, in], split over etp along `dim` (1:
-    output features in `blocks` blocks, 2: input features)."""
+    output features in `blocks` blocks, 2: input features); with `bias` a bias [local experts, out], split with the
+    output features (dim 1) or, when they are partial sums (dim 2), added by `ctx`'s etp rank 0 alone."""
 
-    def __init__(self, experts: int, in_features: int, out_features: int, dim: int, blocks: int = 1) -> None:
+    def __init__(self, experts: int, in_features: int, out_features: int, dim: int, blocks: int = 1,
+                 bias: bool = False, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
         self.placements = {"weight": Placement((("ep", ShardSpec(0)), ("etp", ShardSpec(dim, blocks))), "expert")}
+        self.bias = nn.Parameter(torch.empty(experts, out_features)) if bias else None
+        self.adds_bias = bias and (dim == 1 or ctx is None or ctx.etp.rank == 0)
+        if bias and dim == 1:
+            self.placements["bias"] = Placement((("ep", ShardSpec(0)), ("etp", ShardSpec(1, blocks))), "expert")
+        elif bias:
+            etp = ctx is not None and ctx.etp.size > 1
+            self.placements["bias"] = Placement((("ep", ShardSpec(0)),), "expert", partial=("etp",) if etp else ())
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return grouped_linear(x, self.weight, offsets)
+        return grouped_linear(x, self.weight, offsets, self.bias if self.adds_bias else None)
 
 
 class GroupedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
-        self.gated, self.activation = cfg.features.gated_mlp, cfg.features.activation
+        self.features = features = cfg.features
         self.local = cfg.num_experts // ctx.ep.size
-        width, blocks = cfg.expert_ffn_size // ctx.etp.size, 2 if self.gated else 1
-        self.linear_fc1 = ExpertLinear(self.local, cfg.hidden_size, blocks * width, dim=1, blocks=blocks)
-        self.linear_fc2 = ExpertLinear(self.local, width, cfg.hidden_size, dim=2)
+        width, blocks = cfg.expert_ffn_size // ctx.etp.size, 2 if features.gated_mlp else 1
+        self.linear_fc1 = ExpertLinear(self.local, cfg.hidden_size, blocks * width, dim=1, blocks=blocks,
+                                       bias=features.bias)
+        self.linear_fc2 = ExpertLinear(self.local, width, cfg.hidden_size, dim=2, bias=features.bias, ctx=ctx)
         # Selective recompute (model/recompute.py): keep fc1's output only; backward reruns the activation and fc2's
         # forward (one more grouped GEMM, about a ninth of the experts' work) instead of keeping fc2's input.
         self.recompute_activation = False
@@ -129,4 +157,4 @@ class GroupedExperts(nn.Module):
         return self._activation_and_fc2(h, offsets)
 
     def _activation_and_fc2(self, h: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(activate(h, self.activation, self.gated), offsets)
+        return self.linear_fc2(activate(h, self.features), offsets)
