@@ -20,6 +20,7 @@ from megalite.config import Features, ModelConfig
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 

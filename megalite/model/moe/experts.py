@@ -93,7 +93,8 @@ def _sizes(offsets: torch.Tensor) -> list[int]:
 
 
 def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                      bias: torch.Tensor | None = None, *, grouped: bool, needs: tuple[bool, bool, bool]) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, *, grouped: bool,
+                      needs: tuple[bool, bool, bool]) -> torch.Tensor:
     """dX, returned; dW (its rows grad_e^T x_e) and the bias's (each expert's rows of grad summed), handed to
     weight_grads."""
     cast = weight.to(x.dtype)

@@ -1,11 +1,12 @@
 """Token-choice routing: which k experts each token goes to, with what weight, and the load-balancing losses.
 
-The router's linear layer (with a bias under model.moe_router_bias, gpt-oss) and everything after it run in fp32 (a bf16 softmax over many experts ties and
-flips choices between layouts). Scores are a softmax over all experts (Mixtral, Qwen3-MoE) or a sigmoid per
-expert (DeepSeek-V3). The k best scores are chosen, optionally only inside the best groups of experts
-(group-limited routing: a group's score is the sum of its best k/group_topk experts' scores, as DeepSeek-V3
-and Megatron-Core do), and the chosen scores become the combine weights: renormalised to sum to one when
-asked (a softmax over the k chosen logits, as Mixtral computes it, is exactly this) and scaled.
+The router's linear layer (with a bias under model.moe_router_bias, gpt-oss) and everything after it run in
+fp32 (a bf16 softmax over many experts ties and flips choices between layouts). Scores are a softmax over all
+experts (Mixtral, Qwen3-MoE, gpt-oss) or a sigmoid per expert (DeepSeek-V3). The k best scores are chosen,
+optionally only inside the best groups of experts (group-limited routing: a group's score is the sum of its best
+k/group_topk experts' scores, as DeepSeek-V3 and Megatron-Core do), and the chosen scores become the combine
+weights: renormalised to sum to one when asked (a softmax over the k chosen logits, as Mixtral and gpt-oss
+compute it, is exactly this) and scaled.
 
 The balancing losses need the whole micro batch's load, but under sequence or context parallelism each rank
 holds part of its tokens. Every rank therefore sums its expert counts over the ranks holding the rest
