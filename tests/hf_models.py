@@ -75,8 +75,8 @@ def tiny_released(name: str, seed: int = 0) -> transformers.PreTrainedModel:
 
 @torch.no_grad()
 def spread_routers_and_norms(model: torch.nn.Module, seed: int = 0) -> None:
-    """Redraw router weights (HF `mlp.gate.weight`, megalite `mlp.router.weight`) with std 0.3, norm weights
-    uniformly in [0.5, 1.5) and biases with std 0.1, in place."""
+    """Redraw router weights (HF `mlp.gate.weight`, megalite and gpt-oss `mlp.router.weight`) with std 0.3, norm
+    weights uniformly in [0.5, 1.5), biases with std 0.1 and attention sinks with std 1, in place."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
@@ -85,6 +85,8 @@ def spread_routers_and_norms(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(0.5 + torch.rand(param.shape, generator=generator))
         elif name.endswith("bias"):
             param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+        elif name.endswith("sinks"):
+            param.copy_(torch.randn(param.shape, generator=generator))
 
 
 def random_hf(name: str, seed: int = 0) -> transformers.PreTrainedModel:
