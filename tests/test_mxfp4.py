@@ -76,7 +76,8 @@ def test_gpt_oss_mxfp4_experts_dequantise_exactly_at_import(tmp_path):
     hub = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
     model, _, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
-    _same_logits("gpt-oss mxfp4", model, hub, torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(0)))
+    tokens = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(0))  # its window is 6
+    _same_logits("gpt-oss mxfp4", model, hub, tokens)
 
 
 def test_other_quantizations_are_refused(tmp_path, capsys):
