@@ -111,6 +111,13 @@ class ModelConfig:
     activation: Activation | None = _f(
         None, "the MLP's (and experts') nonlinearity: gelu_tanh (GELU's tanh approximation), gelu (exact, erf), "
               "silu (default: gpt2 gelu_tanh, llama and qwen silu)")
+    glu_limit: float | None = _f(
+        None, "a gated MLP's (and the experts') gate is clamped to at most this and its up projection to "
+              "[-limit, limit] before activation(gate) * (up + glu_linear_offset) (gpt-oss: 7; default: the "
+              "family's, none but gpt_oss)")
+    glu_linear_offset: float | None = _f(
+        None, "a gated MLP multiplies activation(gate) by (up + this) (gpt-oss: 1; default: the family's, 0 but "
+              "gpt_oss)")
     norm: Literal["layernorm", "rmsnorm"] | None = _f(
         None, "normalisation layers (default: gpt2 layernorm, llama rmsnorm)")
     position_embedding: Literal["learned", "rope"] | None = _f(
@@ -193,13 +200,6 @@ class ModelConfig:
     moe_router_bias: bool | None = _f(
         None, "a learned bias on the router's logits, in choosing and weighing experts (gpt-oss; default: gpt_oss "
               "true, the others false)")
-    glu_limit: float | None = _f(
-        None, "a gated MLP's (and the experts') gate is clamped to at most this and its up projection to "
-              "[-limit, limit] before activation(gate) * (up + glu_linear_offset) (gpt-oss: 7; default: the "
-              "family's, none but gpt_oss)")
-    glu_linear_offset: float | None = _f(
-        None, "a gated MLP multiplies activation(gate) by (up + this) (gpt-oss: 1; default: the family's, 0 but "
-              "gpt_oss)")
     moe_first_dense_layers: int = _f(0, "the first this many layers keep a dense MLP (DeepSeek-V3: 3)")
     moe_layer_freq: int = _f(1, "after the first dense layers, every this-many-th layer is a mixture of experts")
 
