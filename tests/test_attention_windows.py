@@ -40,7 +40,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
     heads, new, total = q.shape[1], q.shape[2], k.shape[2]
     k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    distance = torch.arange(total - new, total).unsqueeze(1) - torch.arange(total)
+    distance = torch.arange(total - new, total, device=q.device).unsqueeze(1) - torch.arange(total, device=q.device)
     seen = (distance >= 0) & (distance < (window or total + 1))
     scores = scores.masked_fill(~seen, float("-inf"))
     if sinks is not None:
@@ -48,7 +48,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
     return scores.softmax(-1)[..., :total] @ v
 
 
-def _grads(fn, q, k, v, sinks, dout) -> list[torch.Tensor]:
+def grads(fn, q, k, v, sinks, dout) -> list[torch.Tensor]:
+    """fn(q, k, v, sinks)'s output and the gradients of q, k, v (and of the sinks, when given) for `dout`."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     sink = None if sinks is None else torch.nn.Parameter(sinks.clone())
     out = fn(*leaves, sink)
@@ -65,8 +66,8 @@ def test_windowed_kernel_equals_masked_softmax_with_a_sink_column(new, total, wi
     q, dout = torch.randn(2, 4, new, 16, generator=gen), torch.randn(2, 4, new, 16, generator=gen)
     k, v = torch.randn(2, groups, total, 16, generator=gen), torch.randn(2, groups, total, 16, generator=gen)
     sink = 2 * torch.randn(4, generator=gen) if sinks else None
-    got = _grads(lambda *a: windowed_attention(*a[:3], window, a[3]), q, k, v, sink, dout)
-    expected = _grads(lambda *a: reference(*a[:3], window, a[3]), q, k, v, sink, dout)
+    got = grads(lambda *a: windowed_attention(*a[:3], window, a[3]), q, k, v, sink, dout)
+    expected = grads(lambda *a: reference(*a[:3], window, a[3]), q, k, v, sink, dout)
     for name, g, e in zip(("out", "dq", "dk", "dv", "dsinks"), got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -159,9 +160,9 @@ def _four_ranks(rank: int, world_size: int) -> tuple[list, list]:
     layouts = []
     for _, parallel in LAYOUTS:
         cfg = _gpt_oss(**dict(parallel))
-        losses, grads = train_and_gather(cfg, cpu_topology(rank, world_size, cfg))
+        losses, gradients = train_and_gather(cfg, cpu_topology(rank, world_size, cfg))
         logging = Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel, True).is_logging_rank
-        layouts.append((losses if logging else None, grads))
+        layouts.append((losses if logging else None, gradients))
     return attention, layouts
 
 
@@ -173,7 +174,7 @@ def four_ranks() -> list:
 def test_context_parallel_windows_and_sinks_equal_one_device_at_cp4(four_ranks):
     for index, (comm, window, groups) in enumerate(CP_CASES):
         q, k, v, dout, sinks = _cp_inputs(groups)
-        expected = _grads(lambda *a, w=window: reference(*a[:3], w, a[3]), q, k, v, sinks, dout)
+        expected = grads(lambda *a, w=window: reference(*a[:3], w, a[3]), q, k, v, sinks, dout)
         dsinks = sum(per_rank[0][index][0][4] for per_rank in four_ranks)  # each rank's rows' part
         torch.testing.assert_close(dsinks, expected[4], rtol=1e-5, atol=1e-6, msg=f"{comm} {window} dsinks")
         for rank, per_rank in enumerate(four_ranks):

@@ -20,6 +20,8 @@ Steps, in order, each PASS, FAIL or SKIP with its time:
               batch and sequence, or smaller where a memory estimate says HF's side would not fit the GPU
               (tools/gpu_check_shape.py).
   memory      each training run's peak allocated memory against the planner's prediction.
+  attention   tools/benchmark_attention.py: a sliding window with sinks (FlashAttention's window) at 8k and 32k
+              tokens against causal flash and against SDPA with the window as a mask, time and peak memory.
 
 The markdown report (for docs/benchmarks.md) names the device and the torch/CUDA versions and sets the results
 against the goals: MFU >= 50% for GPT-2 1.3B and >= 45% for Llama-3.2-1B (against the device's peak in
@@ -44,6 +46,7 @@ sys.path.insert(0, str(ROOT))  # run as a script, Python puts tools/ on the path
 from megalite.config import ConfigError  # noqa: E402
 from megalite.planning.plan import GPUS, make_plan  # noqa: E402
 from megalite.training.flops import device_model, peak_tflops  # noqa: E402
+from tools.gpu_check_attention import COMMAND as ATTENTION_COMMAND  # noqa: E402
 from tools.gpu_check_report import CheckResult, environment, write_report  # noqa: E402
 from tools.gpu_check_steps import (  # noqa: E402
     SHAPES,
@@ -69,6 +72,8 @@ def dry_run_lines(ctx: Context, step: str) -> list[str]:
     if step == "train":
         return [line for run in train_runs(ctx.out, ctx.train_iters) for line in (
             f"$ {display(run.command)}", f"  valid; planner ({ctx.gpu}): {make_plan(run.cfg, 1, ctx.gpu).verdict()}")]
+    if step == "attention":
+        return [f"$ {display(ATTENTION_COMMAND)}"]
     if step == "throughput":
         runs = benchmark_runs(ctx.gpu)
         flops = flops_by_family(runs)

@@ -24,11 +24,12 @@ from megalite.planning.plan import GIB, RESERVED_GIB, Plan, make_plan
 from megalite.training.flops import training_flops_per_token
 from tools.benchmark_throughput import build_config as benchmark_config
 from tools.benchmark_throughput import parse_args as benchmark_args
+from tools.gpu_check_attention import step_attention
 from tools.gpu_check_report import CheckResult, Goal
 from tools.gpu_check_shape import Shape, choose_shape
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "train", "throughput", "memory")
+STEPS = ("tests", "train", "throughput", "memory", "attention")
 SHAPES = {"gpt2": ("GPT-2 1.3B", "examples/gpt2_1.3b.yaml"), "llama": ("Llama-3.2-1B", "examples/llama_1b.yaml")}
 MFU_GOALS = {"gpt2": 0.50, "llama": 0.45}
 HF_GOALS = {"eager": 1.3, "compiled": 1.0}  # megalite tokens/s over HF's, in the benchmark mode of that name
@@ -43,7 +44,8 @@ LIMITS = {"tests": 150, "train": 150, "eager": 120, "compiled": 240}  # seconds 
 # Seconds a command needs at least to produce its figures (start-up, model build, compiling, a few steps): with
 # less of the budget left it is skipped, not started to be cut off. A step needs what its cheapest command needs.
 NEEDS = {"tests": 45, "train": 60, "eager": 60, "compiled": 150}
-STEP_NEEDS = {"tests": NEEDS["tests"], "train": NEEDS["train"], "throughput": NEEDS["eager"], "memory": 0}
+STEP_NEEDS = {"tests": NEEDS["tests"], "train": NEEDS["train"], "throughput": NEEDS["eager"], "memory": 0,
+              "attention": 30}
 
 
 @dataclass
@@ -382,6 +384,7 @@ def step_memory(ctx: Context) -> CheckResult:
                        details)
 
 
-STEP_FUNCTIONS = {"tests": step_tests, "train": step_train, "throughput": step_throughput, "memory": step_memory}
+STEP_FUNCTIONS = {"tests": step_tests, "train": step_train, "throughput": step_throughput, "memory": step_memory,
+                  "attention": step_attention}
 
 
