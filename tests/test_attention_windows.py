@@ -10,7 +10,8 @@
   outside the window skipped) equals one device's, values and gradients, and obeys NCCL's rules; and a tiny gpt-oss
   (sinks, windows of 6 on the even layers, shorter than the 32-token sequence and than a cp chunk at cp 2, experts
   with biases, a router bias) trained at tp 2 x pp 2, cp 2 (ring, and all-gather under pp 2), ZB-V with cp 2 and
-  selective recompute, and tp 2 x cp 2 with full recompute equals the one-device run: losses and every gradient.
+  selective recompute, and cp 2 x dp 2 under ZeRO-3 with full recompute equals the one-device run: losses and
+  every gradient.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ LAYOUTS = [  # (name, parallel fields)
     ("cp 2 all-gather x pp 2", {"cp": 2, "cp_comm": "allgather", "pp": 2}),
     ("ZB-V pp 2 x cp 2, selective recompute", {"pp": 2, "vp": 2, "pipeline_schedule": "zb-v", "cp": 2,
                                                 "recompute": "selective"}),
-    ("tp 2 x cp 2 all-gather, SP, full recompute", {"tp": 2, "cp": 2, "cp_comm": "allgather",
-                                                    "sequence_parallel": True, "recompute": "full"}),
+    ("cp 2 ring x dp 2, ZeRO-3, full recompute", {"cp": 2, "zero_stage": 3, "bucket_size": 20_000,
+                                                  "recompute": "full"}),
 ]
 
 

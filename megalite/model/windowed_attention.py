@@ -1,14 +1,14 @@
 """Causal attention with a sliding window and/or attention sinks on one device, in training and in generation.
 
-What kernel runs, and why: SDPA has no sink and, given a window, only a full [queries, keys] mask (128k tokens:
-16 GiB of it per layer); FlashAttention has sliding windows (window_size_left / right) but no sink, and its
-backward is not differentiable through the log-sum-exp it returns. Neither is needed: the sink only changes the
-softmax's normaliser, so the block kernels of context parallelism (parallel/context_parallel.py) run the windowed
-attention, the sink is folded into their output and log-sum-exp once (attention_masks.py `add_sinks`), and their
-backward, given that output and log-sum-exp, yields exact dq, dk, dv; the sink's gradient is a sum over the
-queries. On CUDA in bf16/fp16 that is FlashAttention-2's windowed kernel, which computes only the tiles inside the
-window and materialises no score matrix; on the CPU the fused CPU kernel with the block's mask. CUDA's flash
-kernel takes no fp32: there (generation in fp32, say) each block's scores are computed in full, by `_math_forward`.
+What kernel runs, and why: SDPA has no sink and takes a window only as a full [queries, keys] mask (16 GiB of it a
+layer at 128k tokens); FlashAttention has sliding windows (window_size_left / right) but no sink; flex_attention
+is fused only under torch.compile. No sink kernel is needed: a sink changes only the softmax's normaliser, so the
+block kernels of context parallelism (parallel/context_parallel.py) run the windowed attention, the sink is folded
+into their output and log-sum-exp once (attention_masks.py `add_sinks`), and their backward, given that output and
+log-sum-exp, yields exact dq, dk, dv; the sink's gradient is a sum over the queries. On CUDA in bf16/fp16 that is
+FlashAttention-2's windowed kernel, which computes only the tiles inside the window and keeps no score matrix; on
+the CPU the fused CPU kernel with the block's mask. CUDA's flash kernel takes no fp32: there (generation in fp32,
+say) the block's scores are computed in full, by `_math_forward`.
 
 The queries are the last of the keys' positions (the new tokens of a generation step after the cached ones), so
 one block covers the whole attention: the keys before any query's window are cut off first, never computed.
