@@ -104,13 +104,15 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = _f(
         128, "pad the vocabulary to a multiple of this; padded entries never take probability mass")
     bias: bool | None = _f(
-        None, "biases in the linear layers; LayerNorm keeps its own (default: gpt2 true, llama false)")
+        None, "biases in the linear layers, the routed experts' included; LayerNorm keeps its own (default: gpt2 "
+              "and gpt_oss true, llama false)")
     gated_mlp: bool | None = _f(
         None, "gated MLP: activation(gate) * up, two input projections (SwiGLU with silu; default: gpt2 false, "
               "llama true)")
     activation: Activation | None = _f(
         None, "the MLP's (and experts') nonlinearity: gelu_tanh (GELU's tanh approximation), gelu (exact, erf), "
-              "silu (default: gpt2 gelu_tanh, llama and qwen silu)")
+              "silu, quick_gelu (x * sigmoid(1.702 x)) (default: gpt2 gelu_tanh, llama and qwen silu, gpt_oss "
+              "quick_gelu)")
     glu_limit: float | None = _f(
         None, "a gated MLP's (and the experts') gate is clamped to at most this and its up projection to "
               "[-limit, limit] before activation(gate) * (up + glu_linear_offset) (gpt-oss: 7; default: the "
