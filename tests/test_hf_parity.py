@@ -2,7 +2,8 @@
 and, with routed experts, MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM on the same weights
 (routers spread so that no top-k choice is near a tie, biases away from zero, sinks spread: tests/hf_models.py),
 with heads wider than hidden / heads, Llama 3's RoPE scaling, and sliding windows shorter than the sequence
-(MistralForCausalLM, Qwen2's on some layers, GptOssForCausalLM's with sinks, YaRN and its clamped experts)."""
+(MistralForCausalLM, Qwen2's on some layers, GptOssForCausalLM's with sinks, YaRN and its clamped experts); YaRN's
+tables are transformers' own."""
 
 from __future__ import annotations
 
@@ -137,3 +138,27 @@ def test_position_ids_match_hf(name):
     with torch.no_grad():
         torch.testing.assert_close(model(tokens, position_ids=positions), hf(tokens, position_ids=positions).logits,
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("mscale", [None, (1.0, 0.707), (0.707, 0.707)])
+def test_yarn_frequencies_and_scale_are_transformers_own(truncate, mscale):
+    """YaRN's inverse frequencies bit for bit and its cos/sin scale (0.1 ln(factor) + 1, or the mscale ratio) as
+    transformers computes them, with the ramp's bounds truncated or not (gpt-oss: not)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megalite.config import ModelConfig
+    from megalite.model.rope import inverse_frequencies, yarn_magnitude
+
+    extra = {"mscale": mscale[0], "mscale_all_dim": mscale[1]} if mscale else {}
+    hf = transformers.GptOssConfig(
+        hidden_size=64, head_dim=64, num_attention_heads=4, max_position_embeddings=512 * 32,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": truncate, "original_max_position_embeddings": 512, **extra})
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](hf, torch.device("cpu"))
+    mscales = {"rope_mscale": mscale[0], "rope_mscale_all_dim": mscale[1]} if mscale else {}
+    cfg = ModelConfig(family="gpt_oss", hidden_size=64, head_dim=64, num_attention_heads=4, rope_theta=150000.0,
+                      rope_scaling="yarn", rope_scaling_factor=32.0, rope_original_max_positions=512,
+                      rope_truncate=truncate, **mscales)
+    assert torch.equal(inverse_frequencies(cfg, torch.device("cpu")), inv_freq)
+    assert yarn_magnitude(cfg) == scale
