@@ -55,6 +55,13 @@ RELEASED = {  # name -> (config.json, parameters)
         "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
         "tie_word_embeddings": False, "vocab_size": 32768
     }, 7_248_023_552),
+    "Mistral-7B-v0.1": ({  # its sliding window, 4096 of 32768 positions, in every layer
+        "model_type": "mistral", "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False, "use_cache": True,
+        "vocab_size": 32000
+    }, 7_241_732_096),
     "Qwen1.5-MoE-A2.7B": ({
         "model_type": "qwen2_moe", "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
         "decoder_sparse_step": 1, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,

@@ -139,6 +139,13 @@ def test_released_configs_convert_both_ways_at_their_published_size(name):
     assert network(model_config_from_hf(back.config, name)) == network(cfg)
     if name == "Llama-3.2-1B":
         assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_positions) == ("llama3", 32.0, 8192)
+    if name == "Mistral-7B-v0.1":
+        assert (cfg.sliding_window, cfg.sliding_window_layers) == (4096, None)
+        assert type(back).__name__ == "MistralForCausalLM"
+    if name.startswith("gpt-oss"):
+        assert (cfg.sliding_window, cfg.sliding_window_layers) == (128, list(range(0, cfg.num_layers, 2)))
+        assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_positions, cfg.rope_truncate) == (
+            "yarn", 32.0, 4096, False)
 
 
 @pytest.mark.parametrize("config, message", [
