@@ -1,8 +1,9 @@
 """Sliding windows and attention sinks (parallel/attention_masks.py, model/windowed_attention.py, context_parallel.py).
 
-- The kernel path (CPU's fused kernel with each block's mask; CUDA's in tests/test_cuda.py) equals a plain masked
-  softmax with the sink as one more column: output and the gradients of q, k, v and the sinks, with grouped-query
-  attention, windows of 1 position up to longer than the sequence, and new tokens after cached ones.
+- The kernel path (CPU's fused kernel with each block's mask; the full-score path CUDA takes in fp32; CUDA's flash
+  kernel in tests/test_cuda.py) equals a plain masked softmax with the sink as one more column: output and the
+  gradients of q, k, v and the sinks, with grouped-query attention, windows of 1 position up to longer than the
+  sequence, and new tokens after cached ones.
 - `visible` trims every block to rows that see a key and keys some row sees, and its band is the window's rule.
 - Generation through the windowed KV cache gives the tokens of generation without a cache; the cache of a windowed
   layer holds at most window - 1 tokens.
@@ -69,6 +70,24 @@ def test_windowed_kernel_equals_masked_softmax_with_a_sink_column(new, total, wi
     sink = 2 * torch.randn(4, generator=gen) if sinks else None
     got = grads(lambda *a: windowed_attention(*a[:3], window, a[3]), q, k, v, sink, dout)
     expected = grads(lambda *a: reference(*a[:3], window, a[3]), q, k, v, sink, dout)
+    for name, g, e in zip(("out", "dq", "dk", "dv", "dsinks"), got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_full_score_path_cuda_runs_in_fp32_equals_it_too(monkeypatch):
+    """CUDA's flash kernel takes no fp32; there the blocks' scores are computed in full (`_math_forward`), with
+    K/V handed over per group as on CUDA."""
+    from megalite.model import windowed_attention as module
+    from megalite.parallel import context_parallel
+
+    monkeypatch.setattr(module, "_kernels", lambda q: (module._math_forward, module._math_backward))
+    monkeypatch.setattr(context_parallel, "KERNELS_TAKING_GROUPS", {"cpu", "cuda"})
+    gen = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(2, 4, 5, 16, generator=gen), torch.randn(2, 4, 5, 16, generator=gen)
+    k, v = torch.randn(2, 2, 20, 16, generator=gen), torch.randn(2, 2, 20, 16, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    got = grads(lambda *a: windowed_attention(*a[:3], 6, a[3]), q, k, v, sinks, dout)
+    expected = grads(lambda *a: reference(*a[:3], 6, a[3]), q, k, v, sinks, dout)
     for name, g, e in zip(("out", "dq", "dk", "dv", "dsinks"), got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megalite.parallel.attention_masks import Band, add_sinks, additive_mask, sink_gradient, visible
-from megalite.parallel.context_parallel import _flash_backward, _flash_forward, _fold, _for_kernel
+from megalite.parallel.context_parallel import _flash_backward, _flash_forward, _fold
 from megalite.parallel.weight_grads import weight_grad
 
 
@@ -36,7 +36,7 @@ def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The block kernel's contract (output, fp32 log-sum-exp) computed from the block's full score matrix."""
     scores = _scores(q, k, band)
     lse = scores.logsumexp(-1)
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ _for_kernel(v, q.shape[1]).float()
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ _every_head(v, q.shape[1])
     return out.to(q.dtype), lse, ()
 
 
@@ -45,15 +45,20 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """dq, dk, dv (per KV group) given the final output and log-sum-exp, as the kernels' backward computes them."""
     groups, scale, dout = k.shape[1], q.shape[-1] ** -0.5, dout.float()
     probs = torch.exp(_scores(q, k, band) - lse.unsqueeze(-1))
-    dprobs = dout @ _for_kernel(v, q.shape[1]).float().transpose(-1, -2)
+    dprobs = dout @ _every_head(v, q.shape[1]).transpose(-1, -2)
     dscores = probs * (dprobs - (dout * out.float()).sum(-1, keepdim=True)) * scale
-    dq = dscores @ _for_kernel(k, q.shape[1]).float()
+    dq = dscores @ _every_head(k, q.shape[1])
     dk, dv = dscores.transpose(-1, -2) @ q.float(), probs.transpose(-1, -2) @ dout
     return dq.to(q.dtype), _fold(dk, groups).to(k.dtype), _fold(dv, groups).to(v.dtype)
 
 
+def _every_head(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V in fp32, one per query head (the matmuls here take no groups)."""
+    return kv.float().repeat_interleave(heads // kv.shape[1], dim=1)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, band: Band) -> torch.Tensor:
-    scores = q.float() @ _for_kernel(k, q.shape[1]).float().transpose(-1, -2) * q.shape[-1] ** -0.5
+    scores = q.float() @ _every_head(k, q.shape[1]).transpose(-1, -2) * q.shape[-1] ** -0.5
     mask = additive_mask(band, q.shape[2], k.shape[2], torch.float32, q.device)
     return scores if mask is None else scores + mask
 
