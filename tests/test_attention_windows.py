@@ -11,8 +11,8 @@
   outside the window skipped) equals one device's, values and gradients, and obeys NCCL's rules; and a tiny gpt-oss
   (sinks, windows of 6 on the even layers, shorter than the 32-token sequence and than a cp chunk at cp 2, experts
   with biases, a router bias) trained at tp 2 x pp 2, cp 2 (ring, and all-gather under pp 2), ZB-V with cp 2 and
-  selective recompute, and cp 2 x dp 2 under ZeRO-3 with full recompute equals the one-device run: losses and
-  every gradient.
+  selective recompute, cp 2 x dp 2 under ZeRO-3 with full recompute, and ep 2 x etp 2 (the experts' biases split
+  and partial) equals the one-device run: losses and every gradient.
 """
 
 from __future__ import annotations
@@ -150,6 +150,8 @@ LAYOUTS = [  # (name, parallel fields)
                                                 "recompute": "selective"}),
     ("cp 2 ring x dp 2, ZeRO-3, full recompute", {"cp": 2, "zero_stage": 3, "bucket_size": 20_000,
                                                   "recompute": "full"}),
+    # the experts' second bias added by etp rank 0 alone, its gradient partial over etp
+    ("tp 2 x dp 2, SP, ep 2 x etp 2", {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 2}),
 ]
 
 

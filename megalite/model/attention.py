@@ -59,16 +59,17 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias or cfg.features.qkv_bias)
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
         self.q_norm = self.k_norm = None
+        self.placements: dict[str, Placement] = {}
         if cfg.features.qk_norm:
             self.q_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device, ctx.split_backward)
             self.k_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device, ctx.split_backward)
             partial = Placement(partial=("tp",) if tp > 1 else ())  # every rank's heads add to the one weight
-            self.placements = {"q_norm.weight": partial, "k_norm.weight": partial}
+            self.placements |= {"q_norm.weight": partial, "k_norm.weight": partial}
         self.window = cfg.window(index)
         self.sinks = None
         if cfg.features.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(self.heads))
-            self.placements = getattr(self, "placements", {}) | {"sinks": Placement.split("tp", 0)}
+            self.placements["sinks"] = Placement.split("tp", 0)  # a logit per head: split with the heads
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
         self.ctx = ctx

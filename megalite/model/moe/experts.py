@@ -44,14 +44,15 @@ def _eager_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor)
     return torch._grouped_mm(x, weight, offs=offs)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows offsets[e-1]:offsets[e] of x [tokens, in] times weight[e] [out, in]^T (plus bias[e]), for every expert
-    e, in x's dtype (the weights are cast as autocast would cast a linear layer's). `offsets` [experts] int32 are
-    the cumulative token counts, on the device: no host read when the grouped kernel takes the operands; otherwise
-    a loop over the experts reads them once. The weight (and bias) gradient is handed to parallel/weight_grads.py
-    (in W under a zero-bubble schedule); both gradients are the grouped kernel's own backward, bit for bit."""
-    return _GroupedLinear.apply(x, weight, offsets, bias)
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None,
+                   adds_bias: bool = True) -> torch.Tensor:
+    """Rows offsets[e-1]:offsets[e] of x [tokens, in] times weight[e] [out, in]^T (plus bias[e] when `adds_bias`;
+    otherwise the bias's gradient here is zero), for every expert e, in x's dtype (the weights are cast as autocast
+    would cast a linear layer's). `offsets` [experts] int32 are the cumulative token counts, on the device: no host
+    read when the grouped kernel takes the operands; otherwise a loop over the experts reads them once. The weight
+    (and bias) gradient is handed to parallel/weight_grads.py (in W under a zero-bubble schedule); both gradients
+    are the grouped kernel's own backward, bit for bit."""
+    return _GroupedLinear.apply(x, weight, offsets, bias, adds_bias)
 
 
 def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -67,25 +68,25 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
+                adds_bias: bool) -> torch.Tensor:
         cast = weight.to(x.dtype)
-        ctx.grouped = grouped_kernel_takes(x, cast)
+        ctx.grouped, ctx.adds_bias = grouped_kernel_takes(x, cast), adds_bias
         ctx.save_for_backward(x, offsets)
         ctx.params = [weight] + ([] if bias is None else [bias])  # on ctx: a recompute would save copies
         if not ctx.grouped:
             y = torch.cat([F.linear(part, cast[e]) for e, part in enumerate(x.split(_sizes(offsets)))])
         else:
             y = _grouped_mm(x, cast.transpose(-2, -1), offsets)
-        return y if bias is None else y + bias.to(y.dtype)[_row_experts(offsets, len(x))]
+        return y if bias is None or not adds_bias else y + bias.to(y.dtype)[_row_experts(offsets, len(x))]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         x, offsets = ctx.saved_tensors
         weight, *bias = ctx.params
         grad_x = split_backward(_grouped_backward, [x, grad.contiguous(), weight, offsets, *bias], grouped=ctx.grouped,
-                                needs=(*ctx.needs_input_grad[:2], ctx.needs_input_grad[3]))
-        return (grad_x if ctx.needs_input_grad[0] else None), None, None, None
+                                adds_bias=ctx.adds_bias, needs=(*ctx.needs_input_grad[:2], ctx.needs_input_grad[3]))
+        return (grad_x if ctx.needs_input_grad[0] else None), None, None, None, None
 
 
 def _sizes(offsets: torch.Tensor) -> list[int]:
@@ -93,7 +94,7 @@ def _sizes(offsets: torch.Tensor) -> list[int]:
 
 
 def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                      bias: torch.Tensor | None = None, *, grouped: bool,
+                      bias: torch.Tensor | None = None, *, grouped: bool, adds_bias: bool,
                       needs: tuple[bool, bool, bool]) -> torch.Tensor:
     """dX, returned; dW (its rows grad_e^T x_e) and the bias's (each expert's rows of grad summed), handed to
     weight_grads."""
@@ -109,15 +110,21 @@ def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor,
     if needs[1]:
         weight_grad(weight, compute)
     if bias is not None and needs[2]:
-        weight_grad(bias, lambda: torch.zeros(bias.shape, dtype=torch.float32, device=grad.device).index_add_(
-            0, _row_experts(offsets, len(grad)), grad.float()).to(bias.dtype))
+        weight_grad(bias, lambda: _bias_grad(bias, grad, offsets, adds_bias))
     return grad_x
+
+
+def _bias_grad(bias: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, added: bool) -> torch.Tensor:
+    """Each expert's rows of grad summed (zeros where this rank did not add the bias)."""
+    summed = torch.zeros(bias.shape, dtype=torch.float32, device=grad.device)
+    return (summed.index_add_(0, _row_experts(offsets, len(grad)), grad.float()) if added else summed).to(bias.dtype)
 
 
 class ExpertLinear(nn.Module):
     """One projection of this rank's experts: weight [local experts, out, in], split over etp along `dim` (1:
     output features in `blocks` blocks, 2: input features); with `bias` a bias [local experts, out], split with the
-    output features (dim 1) or, when they are partial sums (dim 2), added by `ctx`'s etp rank 0 alone."""
+    output features (dim 1) or, when they are partial sums (dim 2), added by `ctx`'s etp rank 0 alone (the others
+    hand it a zero gradient, so that every rank's buckets fill as in any backward)."""
 
     def __init__(self, experts: int, in_features: int, out_features: int, dim: int, blocks: int = 1,
                  bias: bool = False, ctx: ParallelContext | None = None) -> None:
@@ -133,7 +140,7 @@ class ExpertLinear(nn.Module):
             self.placements["bias"] = Placement((("ep", ShardSpec(0)),), "expert", partial=("etp",) if etp else ())
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return grouped_linear(x, self.weight, offsets, self.bias if self.adds_bias else None)
+        return grouped_linear(x, self.weight, offsets, self.bias, self.adds_bias)
 
 
 class GroupedExperts(nn.Module):
