@@ -73,7 +73,7 @@ def _windows(hf, source: str) -> dict:
     types = getattr(hf, "layer_types", None)
     window = getattr(hf, "sliding_window", None)
     if types is not None:
-        unknown = sorted({kind for kind in types} - {"full_attention", "sliding_attention"})
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown:
             raise ValueError(f"{source}: layer_types has {unknown}; megalite computes full_attention and "
                              "sliding_attention only")
