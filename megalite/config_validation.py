@@ -72,13 +72,11 @@ def _check_windows_and_sinks(m: ModelConfig) -> list[str]:
     if m.sliding_window is not None and m.sliding_window < 1:
         errors.append(f"model.sliding_window={m.sliding_window} must be >= 1 (positions a query sees, itself "
                       "included), or unset for full causal attention")
-    outside = [i for i in m.sliding_window_layers or [] if not 0 <= i < m.num_layers]
-    if outside:
+    if outside := [i for i in m.sliding_window_layers or [] if not 0 <= i < m.num_layers]:
         errors.append(f"model.sliding_window_layers has {outside}, but layers are numbered 0..{m.num_layers - 1}")
     if m.sliding_window_layers is not None and m.sliding_window is None:
         errors.append("model.sliding_window_layers is set without model.sliding_window; set the window's size")
-    windowed = m.sliding_window is not None or m.features.attention_sinks
-    if windowed and m.attention_dropout:
+    if (m.sliding_window is not None or m.features.attention_sinks) and m.attention_dropout:
         errors.append(f"model.attention_dropout={m.attention_dropout} with a sliding window or attention sinks: "
                       "their attention kernels have no dropout; set model.attention_dropout=0")
     if m.features.glu_limit is not None and (m.features.glu_limit <= 0 or not m.features.gated_mlp):
