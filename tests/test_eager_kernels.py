@@ -13,6 +13,7 @@ from test_plan import one_device_model, saved_bytes
 from megalite.config_cli import parse_config
 from megalite.model.attention import SelfAttention, split_qkv
 from megalite.model.fused import apply_fusions, rope, swiglu
+from megalite.config import FAMILY_FEATURES
 from megalite.model.mlp import activate
 from megalite.model.norms import LayerNorm, RMSNorm, in_input_dtype
 from megalite.model.rope import apply_rope, rope_for, rope_tables
@@ -76,7 +77,7 @@ def test_fused_swiglu_is_eagers_bit_for_bit_uncompiled(dtype):
     h = torch.randn(16, 2, 2 * 24, dtype=dtype)
     grad = torch.randn(16, 2, 24, dtype=dtype)
     (eager, fused), (eager_grad, fused_grad) = _reference_and_fused(
-        lambda x: activate(x, "silu", True), swiglu, [h], grad)
+        lambda x: activate(x, FAMILY_FEATURES["llama"]), swiglu, [h], grad)
     assert fused.dtype == dtype and torch.equal(eager, fused) and torch.equal(eager_grad, fused_grad)
     assert "_SwiGLUBackward" in _graph(swiglu(h.requires_grad_()))
 

@@ -29,6 +29,8 @@ Steps, ranked (tools/gpu_check_plan.py; each PASS, FAIL or SKIP with its time; -
               (tools/gpu_check_shape.py).
   peers       megalite beside Megatron-Core (SDPA attention) and torchtitan (tools/gpu_check_peers.py).
   peers_local Megatron-Core with its own unfused attention, GPT-2 1.3B only.
+  attention   tools/benchmark_attention.py: a sliding window with sinks (FlashAttention's window) at 8k and 32k
+              tokens against causal flash and against SDPA with the window as a mask, time and peak memory.
 
 The markdown report (for docs/benchmarks.md) names the device and the torch/CUDA versions and sets the results
 against the goals: MFU >= 50% for GPT-2 1.3B and >= 45% for Llama-3.2-1B (against the device's peak in

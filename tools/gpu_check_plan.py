@@ -11,8 +11,9 @@ memory and the profile; a second the throughput and the peers.
 
 A new feature that needs a GPU figure (FP8 recipes against bf16, a DeepSeek-V3-shaped MoE step with latent
 attention and multi-token prediction, Muon against AdamW, windowed / sink attention at 8k) adds its step here: a
-function (Context) -> CheckResult, its dry-run lines, and one Step at the rank its figure deserves. None of those
-features exists in megalite yet, so none has a step.
+function (Context) -> CheckResult, its dry-run lines, and one Step at the rank its figure deserves. Windowed / sink
+attention has its step (attention, never run yet: its estimate is expected), ranked after the goals it does not
+block.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megalite.planning.plan import make_plan
+from tools.gpu_check_attention import COMMAND as ATTENTION_COMMAND
+from tools.gpu_check_attention import step_attention
 from tools.gpu_check_fusions import fusions_dry_run, step_fusions
 from tools.gpu_check_peers import local_attention_runs, peer_dry_run, peer_runs, run_peers
 from tools.gpu_check_profile import profile_dry_run, step_profile
@@ -82,6 +85,9 @@ RANKED = (
          step_train, _train_dry_run, estimate=65, need=NEEDS["train"]),
     Step("memory", "the train step's peak memory against the planner", step_memory, _memory_dry_run,
          estimate=0, need=0),
+    Step("attention", "tools/benchmark_attention.py: a sliding window with sinks at 8k and 32k tokens against causal "
+         "flash and SDPA with the window as a mask", step_attention,
+         lambda ctx: [f"$ {display(ATTENTION_COMMAND)}"], estimate=40, need=30),
     Step("profile", "where megalite's eager GPT-2 1.3B and Llama-3.2-1B steps lose their time (kernel families, "
          "launch gaps, host syncs)", step_profile, profile_dry_run, estimate=110, need=60),
     Step("throughput", "megalite against Hugging Face, eager and compiled", step_throughput, _throughput_dry_run,

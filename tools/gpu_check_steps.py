@@ -28,7 +28,6 @@ from tools.gpu_check_report import CheckResult, Goal
 from tools.gpu_check_shape import Shape, choose_shape
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "train", "throughput", "memory")
 SHAPES = {"gpt2": ("GPT-2 1.3B", "examples/gpt2_1.3b.yaml"), "llama": ("Llama-3.2-1B", "examples/llama_1b.yaml")}
 MFU_GOALS = {"gpt2": 0.50, "llama": 0.45}
 HF_GOALS = {"eager": 1.3, "compiled": 1.0}  # megalite tokens/s over HF's, in the benchmark mode of that name
@@ -43,7 +42,6 @@ LIMITS = {"tests": 150, "train": 150, "eager": 120, "compiled": 240}  # seconds 
 # Seconds a command needs at least to produce its figures (start-up, model build, compiling, a few steps): with
 # less of the budget left it is skipped, not started to be cut off. A step needs what its cheapest command needs.
 NEEDS = {"tests": 45, "train": 60, "eager": 60, "compiled": 150}
-STEP_NEEDS = {"tests": NEEDS["tests"], "train": NEEDS["train"], "throughput": NEEDS["eager"], "memory": 0}
 
 
 @dataclass
@@ -397,7 +395,5 @@ def step_memory(ctx: Context) -> CheckResult:
     return CheckResult("memory", status, "; ".join(f"{label} {diff:+.1%} vs the planner" for label, diff in off),
                        details)
 
-
-STEP_FUNCTIONS = {"tests": step_tests, "train": step_train, "throughput": step_throughput, "memory": step_memory}
 
 

@@ -20,6 +20,11 @@ core attention and recomputes it in backward.
 
 Under context parallelism (`cp`) a rank's q, k, v are those of its part of every sequence, and the
 core attention sees the other parts' keys and values through parallel/context_parallel.py.
+
+A layer with a sliding window (model.sliding_window in model.sliding_window_layers) attends to the window's keys
+only, and with attention sinks (gpt-oss) each head has a learned logit `sinks` that joins its softmax as a column
+with no value; both run through model/windowed_attention.py on one device (context_parallel.py under cp). The
+sinks are split over tp with the heads; a generation cache keeps only a windowed layer's window.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from megalite.config import ModelConfig
 from megalite.model.kv_cache import LayerCache
 from megalite.model.norms import build_norm
 from megalite.model.rope import apply_rope
+from megalite.model.windowed_attention import windowed_attention
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -42,8 +48,9 @@ from megalite.parallel.random import checkpoint_with_rng
 class SelfAttention(nn.Module):
     """Each tensor-parallel rank computes whole query groups: heads/tp query and groups/tp KV heads."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device: torch.device) -> None:
-        """`device`: where the model will live (which norm implementation runs)."""
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device: torch.device, index: int = 0) -> None:
+        """`device`: where the model will live (which norm implementation runs); `index`: the layer's global
+        index (whether it has the sliding window)."""
         super().__init__()
         tp = ctx.tp.size
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp, cfg.kv_heads // tp, cfg.head_size
@@ -52,11 +59,17 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias or cfg.features.qkv_bias)
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
         self.q_norm = self.k_norm = None
+        self.placements: dict[str, Placement] = {}
         if cfg.features.qk_norm:
             self.q_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
             self.k_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
             partial = Placement(partial=("tp",) if tp > 1 else ())  # every rank's heads add to the one weight
-            self.placements = {"q_norm.weight": partial, "k_norm.weight": partial}
+            self.placements |= {"q_norm.weight": partial, "k_norm.weight": partial}
+        self.window = cfg.window(index)
+        self.sinks = None
+        if cfg.features.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.heads))
+            self.placements["sinks"] = Placement.split("tp", 0)  # a logit per head: split with the heads
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
         self.fused = True  # train.fusions: RoPE as model/fused.py's one kernel each way
@@ -77,7 +90,7 @@ class SelfAttention(nn.Module):
             q, k = apply_rope(q, *rope, fused=self.fused), apply_rope(k, *rope, fused=self.fused)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if cache is not None:
-            k, v = cache.append(k, v)
+            k, v = cache.append(k, v, self.window)
         if self.recompute_core and self.training:
             out = checkpoint_with_rng(self._core, q, k, v, tracker=self.ctx.rng)
         else:
@@ -88,7 +101,9 @@ class SelfAttention(nn.Module):
         """q [batch, heads, new, d]; k, v [batch, groups, past + new, d]: new token i sees keys up to past + i.
         Under context parallelism the tokens are this rank's part of the sequence (context_parallel.py)."""
         if self.ctx.cp.size > 1:
-            return context_parallel_attention(q, k, v, self.ctx.cp.group, self.ctx.cp_comm)
+            return context_parallel_attention(q, k, v, self.ctx.cp.group, self.ctx.cp_comm, self.window, self.sinks)
+        if self.window is not None or self.sinks is not None:
+            return windowed_attention(q, k, v, self.window, self.sinks)
         dropout = self.dropout if self.training else 0.0
         past = k.shape[2] - q.shape[2]
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past) if past else None

@@ -9,8 +9,10 @@ which costs memory there.
 Each count also lists its ZeRO-3 gather units (GPTModel.chunk_modules): the embedding, each layer,
 the final norm and an untied LM head, each gathered whole around its use (parallel/zero/stage3.py).
 
+Attention sinks (model.attention_sinks) are one logit per head, split over tp with the heads.
 A mixture-of-experts layer (model/moe/) has, in the MLP's place, a router [experts, hidden] (dense grid,
-replicated), every expert's two projections stacked (the expert grid: each rank holds num_experts/ep of
+replicated; with model.moe_router_bias a bias [experts]), every expert's two projections stacked (with biases
+[experts, out] under model.bias) (the expert grid: each rank holds num_experts/ep of
 them, whole, as their placement says) and optionally a shared expert (a tensor-parallel MLP) with its gate
 [1, hidden]. The counts keep the two grids apart (`Parameters.by_grid`), as gradients are reduced and
 optimizer state sharded over each grid's own data axes (planning/memory.py).
@@ -66,8 +68,9 @@ def _mlp(m: ModelConfig, width: int) -> tuple[list[int], list[int]]:
 
 
 def expert_parameters(m: ModelConfig) -> int:
-    """One routed expert's weights (fc1, gate and up when gated, and fc2; no biases)."""
-    return (3 if m.features.gated_mlp else 2) * m.hidden_size * m.expert_ffn_size
+    """One routed expert's weights (fc1, gate and up when gated, and fc2) and biases (with model.bias)."""
+    h, fc1 = m.hidden_size, (2 if m.features.gated_mlp else 1) * m.expert_ffn_size
+    return fc1 * h + h * m.expert_ffn_size + ((fc1 + h) if m.features.bias else 0)
 
 
 def _moe(m: ModelConfig, ep: int) -> tuple[list[int], list[int], tuple[int, ...]]:
@@ -77,7 +80,9 @@ def _moe(m: ModelConfig, ep: int) -> tuple[list[int], list[int], tuple[int, ...]
     fc1 = (2 if m.features.gated_mlp else 1) * width
     sharded, replicated = _mlp(m, m.moe_shared_expert_size) if m.moe_shared_expert_size else ([], [])
     gate = [h] if m.moe_shared_expert_size and m.moe_shared_expert_gate else []
-    return sharded, [m.num_experts * h, *replicated, *gate], (local * fc1 * h, local * h * width)
+    router = [m.num_experts * h] + ([m.num_experts] if m.features.moe_router_bias else [])
+    biases = (local * fc1, local * h) if m.features.bias else ()
+    return sharded, [*router, *replicated, *gate], (local * fc1 * h, local * h * width, *biases)
 
 
 def layer_parameters(m: ModelConfig, tp: int = 1, index: int = 0, ep: int = 1) -> Parameters:
@@ -86,6 +91,7 @@ def layer_parameters(m: ModelConfig, tp: int = 1, index: int = 0, ep: int = 1) -
     qkv = (m.num_attention_heads + 2 * m.kv_heads) * d
     norm = _norm_parameters(m)
     sharded = [h * qkv, m.num_attention_heads * d * h] + ([qkv] if bias or m.features.qkv_bias else [])
+    sharded += [m.num_attention_heads] if m.features.attention_sinks else []
     replicated = [norm, norm] + ([h] if bias else []) + ([d, d] if m.features.qk_norm else [])
     expert: tuple[int, ...] = ()
     if index in m.moe_layers:

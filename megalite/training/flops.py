@@ -4,7 +4,8 @@ Training FLOPs per token = 6 * N + 12 * L * s * (heads * head_dim), where N coun
 weights of every matmul (QKV, attention output, MLP, LM head over the real vocabulary;
 not the embedding lookup nor norms) and the second term is the attention scores and
 weighted sum (2 matmuls, 2 FLOPs per multiply-add, x3 for forward + backward) counted
-over the full s x s square as Megatron-LM and the PaLM paper do. Recompute is not
+over the full s x s square as Megatron-LM and the PaLM paper do; a layer with a sliding window W counts the
+pairs its window keeps by the same measure (about 2W keys a token instead of s: `attended_keys`). Recompute is not
 counted: this is model FLOPs utilisation (MFU), comparable across recompute settings.
 
 Hardware FLOPs add the forward that activation recompute runs again in backward, as the Megatron-LM
@@ -88,9 +89,20 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     return _layer_matmul_parameters(cfg) + cfg.hidden_size * cfg.vocab_size
 
 
-def _core_attention_forward_flops(cfg: ModelConfig) -> int:
-    """QK^T and the weighted sum over the s x s square, per token, every layer: 2 matmuls x 2 FLOPs."""
-    return 4 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.head_size
+def attended_keys(cfg: ModelConfig, index: int) -> float:
+    """The keys each token's query is counted against in layer `index`: s (the s x s square, twice the causal
+    pairs) or, under a sliding window W < s, as many times the pairs the window keeps (sum over queries of
+    min(q + 1, W)) as the square counts the causal pairs, 2 pairs / (s + 1): about 2W at long s."""
+    s, window = cfg.seq_length, cfg.window(index)
+    if window is None or window >= s:
+        return s
+    return 2 * (window * s - window * (window - 1) / 2) / (s + 1)
+
+
+def _core_attention_forward_flops(cfg: ModelConfig) -> float:
+    """QK^T and the weighted sum over each layer's attended keys, per token: 2 matmuls x 2 FLOPs."""
+    keys = sum(attended_keys(cfg, index) for index in range(cfg.num_layers))
+    return 4 * keys * cfg.num_attention_heads * cfg.head_size
 
 
 def training_flops_per_token(cfg: ModelConfig) -> float:
