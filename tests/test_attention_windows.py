@@ -25,13 +25,14 @@ from distributed import cpu_topology, run_ranks
 from parity import assert_equals_one_device, train_and_gather
 
 from megalite.config import Config
+from megalite.dryrun.nccl_rules.record import CommRecorder
+from megalite.dryrun.nccl_rules.replay import replay
 from megalite.inference.generate import Sampling, generate
 from megalite.model.gpt import GPTModel
 from megalite.model.kv_cache import KVCache
 from megalite.model.windowed_attention import windowed_attention
 from megalite.parallel.attention_masks import additive_mask, visible
 from megalite.parallel.context_parallel import context_parallel_attention, local_positions
-from megalite.parallel.nccl_rules import CommRecorder, replay
 from megalite.parallel.topology import Topology, release_process_groups
 
 

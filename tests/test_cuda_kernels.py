@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import DeviceType
 
-from megalite.model.fused import rope, swiglu
 from megalite.config import FAMILY_FEATURES
+from megalite.model.fused import rope, swiglu
 from megalite.model.mlp import activate
 from megalite.model.norms import build_norm
 from megalite.model.rope import apply_rope
@@ -105,8 +105,8 @@ def _one_kernel_each_way(fused, eager, inputs: list[torch.Tensor], grad: torch.T
 
 def test_fused_swiglu_is_one_compiled_kernel_each_way_and_agrees_with_eager():
     h = torch.randn(2048, 2, 2 * 1024, device=DEVICE, dtype=BF16)
-    _one_kernel_each_way(swiglu, lambda x: activate(x, FAMILY_FEATURES["llama"]), [h], torch.randn(2048, 2, 1024, device=DEVICE,
-                                                                                        dtype=BF16))
+    grad = torch.randn(2048, 2, 1024, device=DEVICE, dtype=BF16)
+    _one_kernel_each_way(swiglu, lambda x: activate(x, FAMILY_FEATURES["llama"]), [h], grad)
 
 
 def test_fused_rope_is_one_compiled_kernel_each_way_and_agrees_with_eager():

@@ -10,10 +10,10 @@ import torch
 from conftest import tiny_config
 from test_plan import one_device_model, saved_bytes
 
+from megalite.config import FAMILY_FEATURES
 from megalite.config_cli import parse_config
 from megalite.model.attention import SelfAttention, split_qkv
 from megalite.model.fused import apply_fusions, rope, swiglu
-from megalite.config import FAMILY_FEATURES
 from megalite.model.mlp import activate
 from megalite.model.norms import LayerNorm, RMSNorm, in_input_dtype
 from megalite.model.rope import apply_rope, rope_for, rope_tables

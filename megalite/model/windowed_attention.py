@@ -20,7 +20,7 @@ import torch
 
 from megalite.parallel.attention_masks import Band, add_sinks, additive_mask, sink_gradient, visible
 from megalite.parallel.context_parallel import _flash_backward, _flash_forward, _fold
-from megalite.parallel.weight_grads import weight_grad
+from megalite.parallel.weight_grads import deliver
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
@@ -94,5 +94,5 @@ class _WindowedAttention(torch.autograd.Function):
         dk[:, :, cols], dv[:, :, cols] = dk_seen, dv_seen
         if ctx.sinks is not None:
             grad = sink_gradient(dout, out, lse, ctx.sinks)
-            weight_grad(ctx.sinks, lambda: grad)
+            deliver(ctx.sinks, lambda: grad)
         return dq, dk, dv, None, None

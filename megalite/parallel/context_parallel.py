@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from megalite.parallel.attention_masks import CAUSAL, FULL, Band, add_sinks, additive_mask, sink_gradient, visible
 from megalite.parallel.mappings import gather_from_cp
-from megalite.parallel.weight_grads import weight_grad
+from megalite.parallel.weight_grads import deliver
 
 Group = dist.ProcessGroup
 aten = torch.ops.aten
@@ -299,7 +299,7 @@ def _sinks_backward(ctx, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tenso
     """The sinks' gradient from this rank's rows, handed to weight_grads (in W under a zero-bubble schedule)."""
     if ctx.sinks is not None:
         grad = sink_gradient(dout, out, lse, ctx.sinks)
-        weight_grad(ctx.sinks, lambda: grad)
+        deliver(ctx.sinks, lambda: grad)
 
 
 class _RingAttention(torch.autograd.Function):
