@@ -75,6 +75,11 @@ def tiny_released(name: str, seed: int = 0) -> transformers.PreTrainedModel:
     """The random fp32 miniature (TINY_RELEASED) of released model `name`, in eval mode."""
     rope_scaling = RELEASED[name][0].get("rope_scaling")
     changes = {"rope_scaling": {**rope_scaling, "original_max_position_embeddings": 32}} if rope_scaling else {}
+    layer_types = RELEASED[name][0].get("layer_types")
+    if layer_types:  # one per layer: the first layers' types (gpt-oss: sliding, full)
+        changes["layer_types"] = layer_types[:TINY_RELEASED["num_hidden_layers"]]
+    if (RELEASED[name][0].get("pad_token_id") or 0) >= TINY_RELEASED["vocab_size"]:  # gpt-oss: 199999
+        changes["pad_token_id"] = None
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(released_config(name, **TINY_RELEASED, **changes)).eval()
     spread_routers_and_norms(model, seed)

@@ -1,10 +1,11 @@
 """The README's "Continue pretraining a Hugging Face model", end to end on miniatures of the models its examples
-continue: Llama-3.1-8B (Llama 3.1's RoPE scaling) and Qwen3-8B (128-wide heads, q/k norms), each saved by
+continue: Llama-3.1-8B (Llama 3.1's RoPE scaling), Qwen3-8B (128-wide heads, q/k norms) and gpt-oss-20b (sinks,
+windows, YaRN, biased experts, at ep 2 instead of 8), each saved by
 transformers with a tokenizer (tests/hf_models.py tiny_released, chat_tokenizer), converted by
 tools/convert_checkpoint.py --from-hf, then trained by pretrain_gpt.py's pretrain with its example's config
 (examples/llama_8b_continue.yaml, qwen3_8b_continue.yaml): the model's shape taken from the converted config, and
 the world (4 ranks: the examples' tp 2 with sequence parallelism and the distributed optimizer, dp 2), batch, steps
-and sample length made tiny, in fp32 so that losses compare exactly. Both runs share one spawned group.
+and sample length made tiny, in fp32 so that losses compare exactly. The runs share one spawned group.
 
 Every sample is the same 65 tokens (identical 64-token documents), so the first step's loss is the converted
 model's loss on them whatever the sample order: it equals transformers' loss on that sample within 1e-5. The
@@ -31,6 +32,8 @@ from megalite.config_cli import config_from_yaml_text, parse_config
 from megalite.data.indexed_dataset import IndexedDatasetWriter
 
 STEPS = 3
+# The examples' layouts made to fit the 4 ranks: gpt-oss-20b's ep 8 (its 8 GPUs) becomes ep 2
+FOUR_RANKS = {"gpt_oss_20b_continue": ["--parallel.ep=2"]}
 
 
 def _document(tokenizer: transformers.PreTrainedTokenizerFast) -> list[int]:
@@ -71,7 +74,7 @@ def continued(tmp_path_factory) -> Path:
                      "--model.seq_length=64", "--train.micro_batch_size=1", "--train.global_batch_size=4",
                      f"--train.train_iters={STEPS}", "--optim.warmup_iters=1", "--train.precision=fp32",
                      "--train.param_dtype=fp32", "--logging.log_interval=1", f"--logging.metrics_file={d / 'metrics'}",
-                     "--logging.progress_bar=false"])
+                     "--logging.progress_bar=false", *FOUR_RANKS.get(stem, [])])
     run_ranks(4, pretrain_each, runs)
     return root
 
