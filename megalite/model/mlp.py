@@ -4,6 +4,10 @@ GPT) or SiLU; the routed experts (model/moe/experts.py) apply it the same way.
 
 A gated MLP's gate and up projections are one fused matrix, gate rows first then up rows;
 tensor parallelism splits each half separately so every rank holds matching slices.
+
+Its costs (model/costs.py): fc1 keeps its input (this rank's rows under SP); the activation keeps fc1's output
+and what it makes, for every local token (column-parallel layers gather them under SP): gate|up, silu(gate)
+and the product (fc2's input) when gated, the GELU input and output otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.model.costs import MicroBatch, matmul_held, row_bias_held, weights_multiplied
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -41,3 +46,21 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(activate(self.linear_fc1(x), self.activation, self.gated))
+
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        return batch.rows * self.linear_fc1.weight.shape[1] * batch.compute + self.activation_bytes(batch)
+
+    def activation_bytes(self, batch: MicroBatch) -> int:
+        """What the MLP keeps past its input: fc1's output and the activation's tensors, fc2's input among them."""
+        width = self.linear_fc2.weight.shape[1]  # this rank's share of the hidden width
+        return (4 if self.gated else 2) * batch.tokens * width * batch.compute
+
+    def held_bytes(self, batch: MicroBatch) -> int:
+        return self.matmuls_held(batch.tokens, batch.compute) + row_bias_held(self.linear_fc2, batch)
+
+    def matmuls_held(self, tokens: int, width: int) -> int:
+        """fc1's and fc2's input and output gradient for `tokens` tokens, `width` bytes per element."""
+        return matmul_held(self.linear_fc1.weight, tokens, width) + matmul_held(self.linear_fc2.weight, tokens, width)
+
+    def matmul_parameters(self) -> int:
+        return weights_multiplied(self.linear_fc1, self.linear_fc2)

@@ -10,6 +10,11 @@ gives torch's norm modules whose forward runs through weight_grads.recomputed: i
 recomputes the norm in backward, for the input gradient in B and the weight's (and bias's) in W, with the
 kernels of the module's own backward (apex is not used there). They stay modules with the same parameter
 names, so checkpoints and module hooks (ZeRO-3's gathers) see nothing new.
+
+What each keeps for backward (model/costs.py), over the residual stream's rows: LayerNorm its input, mean and
+rstd; RMSNorm its input and rstd. How wide those are depends on the kernel: CUDA's fused kernels keep the input
+as it came (LayerNorm under autocast runs in fp32: an fp32 copy) and fp32 statistics; torch's composite RMSNorm
+(the CPU's) keeps an fp32 x and x * rstd. The split norms keep only their input, on any device.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.model.costs import MicroBatch
 from megalite.parallel.weight_grads import recomputed
 
 
@@ -44,19 +50,62 @@ def build_norm(kind: str, hidden_size: int, eps: float, device: torch.device,
         return SplitLayerNorm(hidden_size, eps=eps) if kind == "layernorm" else SplitRMSNorm(hidden_size, eps=eps)
     if kind == "layernorm":
         fused = _apex_norm("FusedLayerNorm") if device.type == "cuda" else None
-        return fused(hidden_size, eps=eps) if fused else nn.LayerNorm(hidden_size, eps=eps)
+        return fused(hidden_size, eps=eps) if fused else LayerNorm(hidden_size, eps=eps)
     fused = _apex_norm("FusedRMSNorm") if device.type == "cuda" else None
-    return fused(hidden_size, eps=eps) if fused else nn.RMSNorm(hidden_size, eps=eps)
+    return fused(hidden_size, eps=eps) if fused else RMSNorm(hidden_size, eps=eps)
 
 
-class SplitLayerNorm(nn.LayerNorm):
+def output_width(batch: MicroBatch) -> int:
+    """Bytes per element of a norm's output (and so of its gradient): fp32 from CUDA's kernels under autocast."""
+    return 4 if batch.device == "cuda" and batch.autocast else batch.residual
+
+
+def recomputed_held(elements: int, input_width: int, batch: MicroBatch) -> int:
+    """A norm recomputed in W (the split norms below): its input and its output gradient."""
+    return elements * (input_width + output_width(batch))
+
+
+class _Norm:
+    """Costs of a norm over the residual stream's rows (the final norm, a layer's two)."""
+
+    normalized_shape: tuple[int, ...]
+
+    def _elements(self, batch: MicroBatch) -> int:
+        return batch.rows * self.normalized_shape[-1]
+
+    def held_bytes(self, batch: MicroBatch) -> int:
+        return recomputed_held(self._elements(batch), batch.residual, batch)
+
+
+class LayerNorm(_Norm, nn.LayerNorm):
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """Input (fp32 under CUDA's autocast), mean and rstd (fp32 on CUDA)."""
+        stats = 4 if batch.device == "cuda" else batch.residual
+        return self._elements(batch) * output_width(batch) + 2 * batch.rows * stats
+
+
+class RMSNorm(_Norm, nn.RMSNorm):
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """CUDA's fused kernel: the input as it came and an fp32 rstd per row; torch's composite form (CPU): an
+        fp32 x and x * rstd, and rstd."""
+        width = batch.residual if batch.device == "cuda" else 2 * 4
+        return self._elements(batch) * width + batch.rows * 4
+
+
+class SplitLayerNorm(LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return recomputed(_layer_norm, x, self.weight, self.bias, shape=tuple(self.normalized_shape), eps=self.eps)
 
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        return self._elements(batch) * batch.residual
 
-class SplitRMSNorm(nn.RMSNorm):
+
+class SplitRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return recomputed(_rms_norm, x, self.weight, shape=tuple(self.normalized_shape), eps=self.eps)
+
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        return self._elements(batch) * batch.residual
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, shape: tuple[int, ...],

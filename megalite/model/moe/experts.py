@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.model.costs import matmul_held
 from megalite.model.mlp import activate
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.placement import Placement, ShardSpec
@@ -112,7 +113,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.gated, self.activation = cfg.features.gated_mlp, cfg.features.activation
-        self.local = cfg.num_experts // ctx.ep.size
+        self.local, self.topk = cfg.num_experts // ctx.ep.size, cfg.moe_topk
         width, blocks = cfg.expert_ffn_size // ctx.etp.size, 2 if self.gated else 1
         self.linear_fc1 = ExpertLinear(self.local, cfg.hidden_size, blocks * width, dim=1, blocks=blocks)
         self.linear_fc2 = ExpertLinear(self.local, width, cfg.hidden_size, dim=2)
@@ -130,3 +131,28 @@ class GroupedExperts(nn.Module):
 
     def _activation_and_fc2(self, h: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(activate(h, self.activation, self.gated), offsets)
+
+    def rows_saved(self, rows: int, compute: int) -> int:
+        """What the experts keep running `rows` rows, in the compute dtype (the grouped GEMM casts fp32 weights inside
+        its autograd function and keeps the parameter, as gemm.py does): the rows in, fc1's output and the
+        activation's tensors, as a dense MLP's (model/mlp.py)."""
+        width = self.linear_fc2.weight.shape[-1]
+        return rows * self.linear_fc1.weight.shape[-1] * compute + (4 if self.gated else 2) * rows * width * compute
+
+    def rows_held(self, rows: int, compute: int) -> int:
+        """Both grouped GEMMs' input and output gradient for `rows` rows."""
+        return matmul_held(self.linear_fc1.weight, rows, compute) + matmul_held(self.linear_fc2.weight, rows, compute)
+
+    def _per_expert(self, *linears: ExpertLinear) -> int:
+        return sum(linear.weight.numel() for linear in linears) // self.local
+
+    def matmul_parameters(self) -> int:
+        """A token runs through its top-k experts; those it skips cost nothing."""
+        return self.topk * self._per_expert(self.linear_fc1, self.linear_fc2)
+
+    def active_parameters(self) -> int:
+        return self.matmul_parameters()
+
+    def recomputed_flops(self, seq: int) -> int:
+        """Selective recompute reruns fc2 of the top-k experts."""
+        return 2 * self.topk * self._per_expert(self.linear_fc2) if self.recompute_activation else 0
