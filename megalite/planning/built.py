@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -69,11 +70,21 @@ def _one_device_model(model: tuple) -> GPTModel:
     return GPTModel(ModelConfig(*model), torch.device("meta"), seed=0)
 
 
+def _layers(cfg: Config) -> Iterator[tuple[int, nn.Module]]:
+    """(global index, layer) of every transformer layer of the rank models, stage by stage."""
+    for pp_rank in range(cfg.parallel.pp):
+        for index, layer in rank_model(cfg, pp_rank).layers.items():
+            yield int(index), layer
+
+
+def first_layer(cfg: Config) -> nn.Module:
+    """The model's first transformer layer, from the rank model of the stage that holds it."""
+    return next(layer for _, layer in _layers(cfg))
+
+
 def moe_block(cfg: Config) -> nn.Module:
     """The model's first mixture-of-experts block, from the rank model of the stage that holds it."""
-    for pp_rank in range(cfg.parallel.pp):
-        layers = rank_model(cfg, pp_rank).layers
-        for index in layers:
-            if cfg.model.is_moe_layer(int(index)):
-                return layers[index].mlp
-    raise ValueError("the model has no mixture-of-experts layer (model.num_experts = 0)")
+    block = next((layer.mlp for index, layer in _layers(cfg) if cfg.model.is_moe_layer(index)), None)
+    if block is None:
+        raise ValueError("the model has no mixture-of-experts layer (model.num_experts = 0)")
+    return block
