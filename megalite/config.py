@@ -1,6 +1,6 @@
 """One typed configuration for a training run.
 
-Every knob lives in a dataclass section below, with its default and a one-line doc
+Every knob lives in a dataclass section, here or in config_sections.py, with its default and a one-line doc
 (`pretrain_gpt.py --help` prints them). A run's config is built once from a YAML file
 plus `--section.field=value` overrides (see `megalite.config_cli`) and validated once
 by `config_validation.validate()`, which reports every problem together with the fix, so a bad
@@ -15,25 +15,34 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
+from megalite.config_sections import CheckpointConfig, DataConfig, LoggingConfig
+from megalite.config_sections import documented as _f
+from megalite.errors import InvalidInput
 
 
-class ConfigError(ValueError):
+class ConfigError(InvalidInput):
     """A configuration problem the user must fix; the message says which field and how."""
+
+    problems: list[str] = []  # each problem, when raised by raise_if
 
     @classmethod
     def raise_if(cls, errors: list[str]) -> None:
         """Raise one error listing every problem at once, if there is any."""
         if errors:
-            raise cls("invalid configuration:\n  - " + "\n  - ".join(errors))
+            error = cls("invalid configuration:\n  - " + "\n  - ".join(errors))
+            error.problems = errors
+            raise error
 
 
-# What train.precision, train.param_dtype and parallel.grad_reduce_dtype name.
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+def __getattr__(name: str) -> Any:
+    """TORCH_DTYPES, what train.precision, train.param_dtype and parallel.grad_reduce_dtype name, made on first
+    use: the config (and `pretrain_gpt.py --help`) need no torch, which takes seconds to import."""
+    if name == "TORCH_DTYPES":
+        import torch
 
-
-def _f(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
+        globals()[name] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # The MLP nonlinearities: GELU's tanh approximation (GPT-2), exact (erf) GELU (Megatron-LM's default), SiLU.
@@ -185,10 +194,14 @@ class ModelConfig:
     def expert_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_size
 
-    def is_moe_layer(self, index: int) -> bool:
-        """Whether layer `index` (global, from 0) has routed experts instead of a dense MLP."""
-        later = index - self.moe_first_dense_layers
-        return self.num_experts > 0 and later >= 0 and later % self.moe_layer_freq == 0
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers (global indices, from 0) with routed experts instead of a dense MLP: every moe_layer_freq-th
+        after the first moe_first_dense_layers."""
+        if not self.num_experts:
+            return ()
+        first, every = self.moe_first_dense_layers, self.moe_layer_freq
+        return tuple(i for i in range(first, self.num_layers) if i >= 0 and (i - first) % every == 0)
 
     @property
     def tied(self) -> bool:
@@ -221,10 +234,9 @@ class ParallelConfig:
         "alltoall", "how tokens reach their experts' ranks: alltoall (each token to the ranks of its experts, "
                     "uneven splits) or allgather (every rank sees all tokens of the expert-parallel group; small ep)")
     vp: int = _f(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)")
-    pipeline_schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-v"] = _f(
-        "1f1b", "1f1b (interleaved when vp > 1), gpipe (all forwards, then all backwards; vp = 1), or a zero-bubble "
-                "schedule, each backward split into B (input gradients) and W (weight gradients, in the bubbles): "
-                "zb-h1 (1F1B's memory; interleaved when vp > 1) or zb-v (vp = 2, chunks placed in a V)")
+    pipeline_schedule: str = _f(
+        "1f1b", "the pipeline schedule, by its registered name (--help lists them below; each is a ScheduleSpec "
+                "in parallel/pipeline/)")
     first_stage_layers: int | None = _f(
         None, "layers of the first pipeline chunk (it also holds the embedding); the rest are split evenly")
     last_stage_layers: int | None = _f(None, "layers of the last pipeline chunk (it also holds the head and loss)")
@@ -317,87 +329,6 @@ class OptimConfig:
 
 
 @dataclass
-class DataConfig:
-    mock: bool = _f(
-        False, "synthetic tokens, a deterministic function of train.seed and the global sample index "
-               "(no corpus needed)")
-    paths: list[str] | None = _f(
-        None, "blend of preprocessed prefixes: [0.7, /data/a_text_document, 0.3, /data/b_text_document] or one prefix")
-    split: str = _f("969,30,1", "train,valid,test weights over the documents of data.paths")
-    train_paths: list[str] | None = _f(None, "training blend, instead of splitting data.paths")
-    valid_paths: list[str] | None = _f(None, "validation blend, instead of splitting data.paths")
-    blend_rule: Literal["megalite", "megatron"] = _f(
-        "megalite", "how a blend is sized and ordered: megalite (every share provably within (1 + (D - 2) * w) / 2 "
-                    "samples of its weight; datasets sized never to run dry) or megatron (Megatron-Core's sizes and "
-                    "order exactly, to continue a Megatron-LM run on the batches it would have trained on)")
-    cache_dir: str | None = _f(
-        None, "where index files (.npy) are cached (default: a cache/ folder next to the first prefix)")
-    tokenizer_type: (Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]
-                     | None) = _f(
-        None, "tokenizer the corpus was preprocessed with; sets model.vocab_size")
-    vocab_file: str | None = _f(None, "GPT2BPETokenizer: vocab.json")
-    merge_file: str | None = _f(None, "GPT2BPETokenizer: merges.txt")
-    tokenizer_model: str | None = _f(
-        None, "SentencePiece .model file, or a Hugging Face tokenizer directory / tokenizer.json")
-    reset_position_ids: bool = _f(False, "restart position ids after every end-of-document token")
-    eod_mask_loss: bool = _f(False, "no loss on predictions made from an end-of-document token")
-    num_workers: int = _f(2, "background data-loading processes per rank (0 loads in the training process)")
-
-
-@dataclass
-class CheckpointConfig:
-    save: str | None = _f(None, "directory to save checkpoints into (iter_XXXXXXX/ and a latest file)")
-    load: str | None = _f(
-        None, "start from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory "
-              "(a converted model, another run); once checkpoint.save holds a checkpoint, a relaunch resumes there "
-              "instead (default: checkpoint.save, so a restarted job resumes)")
-    save_interval: int | None = _f(None, "save every this many steps (and at the end of training)")
-    async_save: bool = _f(
-        False, "write checkpoint files in a background thread; training stalls only to copy state to host memory")
-    keep_last: int | None = _f(
-        None, "keep only this many newest checkpoints (older ones deleted after a newer one is complete)")
-    fallback: bool = _f(
-        True, "if the latest checkpoint is damaged (missing, truncated or corrupt file), "
-              "resume from the previous complete one")
-    load_optimizer: bool = _f(
-        True, "false: resume the weights only and start Adam's moments and step afresh (Megatron-LM's --no-load-optim)")
-    load_timeout_minutes: float = _f(
-        60.0, "how long ranks that finished reading a checkpoint wait for the slowest one (through the store, "
-              "not a collective)")
-
-
-@dataclass
-class LoggingConfig:
-    log_interval: int = _f(10, "steps between metric lines")
-    metrics_file: str | None = _f(None, "append one JSON object per logged step to this file")
-    pipeline_trace: str | None = _f(
-        None, "write the first pipeline_trace_steps steps' schedule "
-              "(every forward/backward of every rank) to this Chrome-trace JSON")
-    pipeline_trace_steps: int = _f(2, "how many steps the pipeline trace records")
-    progress_bar: bool = _f(True, "show a progress bar on the logging rank")
-    peak_tflops: float | None = _f(
-        None, "per-device peak TFLOP/s for MFU (default: table lookup by device; n/a when unknown)")
-    wandb_project: str | None = _f(None, "Weights & Biases project; none disables W&B")
-    wandb_entity: str | None = _f(None, "W&B entity (team or user)")
-    wandb_name: str | None = _f(None, "W&B run name")
-    wandb_mode: Literal["online", "offline", "disabled"] = _f(
-        "online", "offline writes the run locally for a later `wandb sync`")
-    wandb_dir: str | None = _f(None, "where W&B writes its files (default: checkpoint.save, else ./wandb)")
-    wandb_timeout: float = _f(
-        30.0, "seconds W&B may hold up the run: an online start that takes longer falls back to offline, "
-              "and the end of training waits at most this long for W&B to finish")
-    profile_steps: list[int] | None = _f(
-        None, "[a, b]: record a torch.profiler trace of steps a..b (inclusive) on logging.profile_ranks")
-    profile_ranks: list[int] | None = _f(None, "global ranks that profile (default: [0])")
-    profile_dir: str = _f(
-        "profiles", "where profiler traces go: rank<R>_steps<a>-<b>.pt.trace.json (Chrome trace) and .txt "
-                    "(top operators)")
-    memory_snapshot: str | None = _f(
-        None, "CUDA only: record the allocator's history from start-up and dump it to this pickle after profile_steps "
-              "(default: step 2) or at exit; '{rank}' in the path is replaced by the rank")
-
-
-@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -421,20 +352,3 @@ class Config:
 
 
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
-
-
-def chunk_layer_counts(num_layers: int, chunks: int, first: int | None = None, last: int | None = None) -> list[int]:
-    """Layers per global chunk; raises ValueError (with the fix) when they cannot be split evenly.
-    A fact about the config (validate() checks it), which parallel/pipeline_layout.py turns into stage layouts."""
-    fixed = {0: first, chunks - 1: last} if chunks > 1 else {}
-    fixed = {i: n for i, n in fixed.items() if n is not None}
-    middle = chunks - len(fixed)
-    rest = num_layers - sum(fixed.values())
-    if any(n < 1 for n in fixed.values()) or rest < middle or (middle and rest % middle) or (not middle and rest):
-        raise ValueError(
-            f"cannot split {num_layers} layers into {chunks} pipeline chunks (pp * vp) with "
-            f"first_stage_layers={first}, last_stage_layers={last}: every chunk needs >= 1 layer and the remaining "
-            "chunks an equal share"
-        )
-    share = rest // middle if middle else 0
-    return [fixed.get(i, share) for i in range(chunks)]

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from megalite.config import SECTIONS, Config, ConfigError
+from megalite.parallel.pipeline.registry import SCHEDULES, training_schedules
 
 _NONE = {"none", "null", "~"}
 _TRUE = {"true", "1", "yes", "on"}
@@ -172,15 +173,23 @@ def _choices(tp: Any) -> tuple[str, ...]:
     return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
 
 
+def _registered() -> dict[str, dict[str, str]]:
+    """Fields whose values name a registered thing (validation checks them): {field: {name: what it is}}."""
+    return {"parallel.pipeline_schedule": {name: SCHEDULES[name].doc for name in training_schedules()}}
+
+
 def help_text(prog: str = "pretrain_gpt.py") -> str:
     lines = [f"usage: {prog} [--config FILE.yaml] [--section.field=value ...]", ""]
+    registered = _registered()
     for section, cls in SECTIONS.items():
         lines.append(f"{section}:")
         types = _field_types(section)
         for f in dataclasses.fields(cls):
-            kind = _choices(types[f.name])
+            names = registered.get(f"{section}.{f.name}", {})
+            kind = tuple(names) or _choices(types[f.name])
             choices = f" {{{'|'.join(kind)}}}" if kind else ""
             lines.append(f"  --{section}.{f.name}{choices} (default: {f.default})  {f.metadata['doc']}")
+            lines += [f"      {name}: {doc}" for name, doc in names.items()]
         lines.append("")
     return "\n".join(lines)
 

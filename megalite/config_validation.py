@@ -12,10 +12,12 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from megalite.config import Config, ConfigError, LoggingConfig, ModelConfig, chunk_layer_counts
+from megalite.config import Config, ConfigError, LoggingConfig, ModelConfig
 from megalite.data.blending import parse_blend
 from megalite.data.indexed_dataset import data_file_path, index_file_path
 from megalite.data.megatron_blending import MAX_DATASETS
+from megalite.parallel.pipeline.registry import SCHEDULES, training_schedules
+from megalite.parallel.pipeline.stage import chunk_layer_counts
 
 
 def validate(cfg: Config, world_size: int, data_files: bool = False) -> None:
@@ -100,7 +102,8 @@ def _check_moe(cfg: Config, world_size: int) -> list[str]:
                       "expert-parallel rank holds the same number of experts")
     if world_size % (p.etp * p.ep * p.pp):
         errors.append(f"world size {world_size} is not divisible by parallel.etp*parallel.ep*parallel.pp="
-                      f"{p.etp * p.ep * p.pp}: the expert grid is carved out of each pipeline stage's ranks")
+                      f"{p.etp * p.ep * p.pp}: the expert grid is carved out of each pipeline stage's ranks; "
+                      f"{_launch_hint(p.etp * p.ep * p.pp)}")
     if m.expert_ffn_size % p.etp:
         errors.append(f"the experts' width (model.moe_ffn_hidden_size) {m.expert_ffn_size} is not divisible by "
                       f"parallel.etp={p.etp}; pick an etp that divides it")
@@ -124,12 +127,12 @@ def _check_moe(cfg: Config, world_size: int) -> list[str]:
                       "own tokens before they travel)")
     if m.moe_pad_to_capacity and m.moe_capacity_factor is None:
         errors.append("model.moe_pad_to_capacity=true needs a model.moe_capacity_factor")
-    if m.moe_layer_freq < 1:
-        errors.append(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
     if m.moe_shared_expert_size % p.tp:
         errors.append(f"model.moe_shared_expert_size={m.moe_shared_expert_size} is not divisible by parallel.tp="
                       f"{p.tp}; the shared expert is a tensor-parallel MLP")
-    if not any(m.is_moe_layer(i) for i in range(m.num_layers)):
+    if m.moe_layer_freq < 1:
+        errors.append(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
+    elif not m.moe_layers:
         errors.append(f"model.num_experts={m.num_experts} but no layer is a mixture of experts: "
                       f"model.moe_first_dense_layers={m.moe_first_dense_layers} covers all {m.num_layers} layers")
     return errors
@@ -146,7 +149,8 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
         axes = ("tp", "cp", "pp") if p.cp > 1 else ("tp", "pp")
         product = "*".join(axes)
         errors.append(f"world size {world_size} is not divisible by {'*'.join('parallel.' + a for a in axes)}="
-                      f"{p.tp * p.cp * p.pp}; launch a multiple of {product} processes (dp = world/({product}))")
+                      f"{p.tp * p.cp * p.pp}; launch a multiple of {product} processes (dp = world/({product})), "
+                      f"{_launch_hint(p.tp * p.cp * p.pp)}")
     errors += _check_context_parallel(cfg)
     errors += _check_pipeline(cfg, world_size)
     m = cfg.model
@@ -173,6 +177,11 @@ def _check_parallel(cfg: Config, world_size: int) -> list[str]:
     return errors
 
 
+def _launch_hint(multiple: int) -> str:
+    return (f"e.g. torchrun --nproc-per-node={multiple} pretrain_gpt.py ARGS (pretrain_gpt.py --check "
+            "--nproc-per-node=N --nnodes=M ARGS checks a launch without starting it)")
+
+
 def _check_context_parallel(cfg: Config) -> list[str]:
     p, m, errors = cfg.parallel, cfg.model, []
     if p.cp == 1:
@@ -192,27 +201,17 @@ def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
     p, errors = cfg.parallel, []
     if p.vp > 1 and p.pp == 1:
         errors.append(f"parallel.vp={p.vp} needs pipeline parallelism (parallel.pp > 1)")
-    if p.vp > 1 and p.pipeline_schedule == "gpipe":
-        errors.append("parallel.pipeline_schedule=gpipe runs one chunk per rank; set parallel.vp=1 or use 1f1b")
-    if p.pipeline_schedule in ("zb-h1", "zb-v") and p.pp == 1:
-        errors.append(f"parallel.pipeline_schedule={p.pipeline_schedule} fills pipeline bubbles, and parallel.pp=1 "
-                      "has none: use 1f1b, or set parallel.pp > 1")
-    if p.pipeline_schedule == "zb-v" and p.vp != 2:
-        errors.append(f"parallel.pipeline_schedule=zb-v places two chunks per rank in a V: set parallel.vp=2 "
-                      f"(not {p.vp})")
     try:
         chunk_layer_counts(cfg.model.num_layers, p.pp * p.vp, p.first_stage_layers if p.pp > 1 else None,
                            p.last_stage_layers if p.pp > 1 else None)
     except ValueError as err:
         errors.append(f"model.num_layers / parallel.pp, vp, first_stage_layers, last_stage_layers: {err}")
-    interleaved = p.vp > 1 and p.pipeline_schedule != "zb-v"  # ZB-V takes any number of micro batches
-    if interleaved and world_size % (p.tp * p.cp * p.pp) == 0 and cfg.train.micro_batch_size > 0:
-        microbatches = cfg.num_microbatches(world_size)
-        if microbatches % p.pp:
-            errors.append(f"interleaved {p.pipeline_schedule} (parallel.vp={p.vp}) needs the number of micro batches "
-                          f"({microbatches} = global batch / (micro batch * dp)) to be a multiple of "
-                          f"parallel.pp={p.pp}; change train.global_batch_size")
-    return errors
+    spec = SCHEDULES.get(p.pipeline_schedule)
+    if spec is None or not spec.trains:
+        return errors + [f"parallel.pipeline_schedule={p.pipeline_schedule!r} is not a training schedule; use one of "
+                         f"{', '.join(training_schedules())}"]
+    known = world_size % (p.tp * p.cp * p.pp) == 0 and cfg.train.micro_batch_size > 0
+    return errors + spec.problems(p.pp, p.vp, cfg.num_microbatches(world_size) if known else None)
 
 
 def _check_train(cfg: Config, world_size: int) -> list[str]:

@@ -18,6 +18,14 @@ megalite_python() {
   fi
 }
 
+# torchrun through megalite's launcher (python -m megalite.launch, same arguments): after a SIGTERM or Ctrl-C
+# it exits 0 when the ranks saved a checkpoint, instead of torchrun's 1 with a traceback. SHUTDOWN_TIMEOUT
+# (default 180) is how long torchrun lets the ranks finish their step, save and exit before it SIGKILLs them.
+megalite_torchrun() {
+  PYTHONPATH="$MEGALITE_ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$(megalite_python)" -m megalite.launch \
+    --shutdown-timeout="${SHUTDOWN_TIMEOUT:-180}" "$@"
+}
+
 # Processes for this node: the visible GPUs (one process each), or $1 CPU processes when there is none.
 megalite_local_procs() {
   local gpus

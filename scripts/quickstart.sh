@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# Install megalite into .venv, fetch the real assets (GPT-2 tokenizer, Shakespeare), preprocess
+# Install megalite into .venv (what training needs, and matplotlib for the plot; the tests' extras
+# are scripts/test.sh's), fetch the real assets (GPT-2 tokenizer, Shakespeare), preprocess
 # the corpus into a Megatron .bin/.idx dataset, and pretrain a small GPT on it with torchrun:
-# every local GPU, or 2 data-parallel CPU processes (gloo) when there is none. Then convert the
-# checkpoint to a Hugging Face model, sample a continuation of a prompt with tools/generate.py,
-# and check that greedy decoding gives the same tokens in megalite and in transformers.
+# every local GPU, or 2 data-parallel CPU processes (gloo) when there is none. Then plot the
+# training curves, convert the checkpoint to a Hugging Face model, sample a continuation of a
+# prompt with tools/generate.py, and check that greedy decoding gives the same tokens in megalite
+# and in transformers. Each run replaces the previous one's runs/quickstart/ and says so first.
 set -euo pipefail
-. "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-bash scripts/get_assets.sh
+STARTED=$SECONDS
 OUT=runs/quickstart
-rm -rf "$OUT"
+echo "megalite quickstart: about 10 minutes on a 2-core CPU doing nothing else (longer when it is shared), plus"
+echo "about 5 the first time to install torch and megalite into .venv; everything it writes goes to $OUT/"
+. "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" plot
+bash scripts/get_assets.sh
+if [ -e "$OUT" ]; then
+  echo "removing the previous quickstart run in $OUT/ (its dataset, checkpoints, metrics and W&B run)"
+  rm -rf "$OUT"
+fi
 python tools/preprocess_data.py --input assets/shakespeare --output-prefix "$OUT/data/shakespeare" \
   --tokenizer-type GPT2BPETokenizer --vocab-file assets/gpt2/vocab.json --merge-file assets/gpt2/merges.txt \
   --append-eod --workers 2
@@ -19,6 +27,7 @@ torchrun --standalone --nproc_per_node="$NPROC" pretrain_gpt.py --config example
   --checkpoint.save="$OUT/checkpoints" --checkpoint.load="$OUT/checkpoints" --checkpoint.save_interval=100 \
   --logging.metrics_file="$OUT/metrics.jsonl" \
   --logging.wandb_project=megalite-quickstart --logging.wandb_mode=offline --logging.wandb_dir="$OUT"
+python tools/plot_metrics.py "$OUT/metrics.jsonl" --output "$OUT/metrics.png" --title "megalite quickstart"
 python tools/convert_checkpoint.py --to-hf --load "$OUT/checkpoints" --save "$OUT/hf"
 PROMPT="ROMEO:"
 echo
@@ -55,9 +64,10 @@ with torch.no_grad():
 print(f"logits on a line of verse ({verse.shape[1]} tokens): max |megalite - transformers| = {gap:.1e}")
 PY
 echo
-echo "quickstart done:"
+elapsed=$((SECONDS - STARTED))
+echo "quickstart done in $((elapsed / 60))m$(printf %02d $((elapsed % 60)))s:"
 echo "  dataset     $OUT/data/shakespeare_text_document.{bin,idx}"
-echo "  metrics     $OUT/metrics.jsonl ($(wc -l < "$OUT/metrics.jsonl") records)"
+echo "  metrics     $OUT/metrics.jsonl ($(wc -l < "$OUT/metrics.jsonl") records), curves in $OUT/metrics.png"
 echo "  checkpoint  $OUT/checkpoints/iter_$(printf %07d "$(cat "$OUT/checkpoints/latest")")"
 echo "  HF model    $OUT/hf  (transformers.AutoModelForCausalLM.from_pretrained)"
 echo "  W&B run     $(ls -d "$OUT"/wandb/offline-run-* | tail -1)  (upload with: wandb sync DIR)"

@@ -10,7 +10,7 @@
 # scripts/test.sh sets it up); the per-test outcomes of all of them end in a table on stdout, and
 # the failing runs' logs stay under $STRESS_DIR (default: a new temporary folder).
 set -euo pipefail
-. "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+. "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" dev
 bash scripts/get_assets.sh
 reps=20
 if [ "${1:-}" = "-n" ]; then reps="$2"; shift 2; fi

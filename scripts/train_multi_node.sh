@@ -14,7 +14,7 @@
 #   NPROC_PER_NODE  processes per node (default: the visible GPUs, or 2 without GPUs)
 #   MAX_RESTARTS    times torchrun restarts the workers after a failure (default 0); a restarted run
 #                   resumes from its latest checkpoint when checkpoint.save is set
-#   SHUTDOWN_TIMEOUT seconds torchrun waits, after forwarding SIGTERM, for ranks to save and exit (default 180)
+#   SHUTDOWN_TIMEOUT seconds the ranks get to save and exit after a SIGTERM or Ctrl-C (default 180)
 #   PYTHON          interpreter (default: .venv/bin/python when present, else python3)
 # Megalite orders ranks tensor-parallel first, so tp groups stay inside a node: keep tp <= NPROC_PER_NODE.
 set -euo pipefail
@@ -38,6 +38,5 @@ else
 fi
 nproc="${NPROC_PER_NODE:-$(megalite_local_procs 2)}"
 echo "megalite: $nproc processes on $(hostname) of $NNODES nodes ($where), config $config" >&2
-exec "$(megalite_python)" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$nproc" "${rendezvous[@]}" \
-  --max-restarts="${MAX_RESTARTS:-0}" --shutdown-timeout="${SHUTDOWN_TIMEOUT:-180}" \
-  "$MEGALITE_ROOT/pretrain_gpt.py" --config "$config" "$@"
+megalite_torchrun --nnodes="$NNODES" --nproc-per-node="$nproc" "${rendezvous[@]}" \
+  --max-restarts="${MAX_RESTARTS:-0}" "$MEGALITE_ROOT/pretrain_gpt.py" --config "$config" "$@"

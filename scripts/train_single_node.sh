@@ -5,6 +5,7 @@
 #
 # Extra arguments go to pretrain_gpt.py (they override the config). Environment:
 #   NPROC   processes to start (default: the number of visible GPUs, or 2 on a machine without one)
+#   SHUTDOWN_TIMEOUT  seconds the ranks get to save and exit after a SIGTERM or Ctrl-C (default 180)
 #   PYTHON  interpreter (default: .venv/bin/python when present, else python3)
 # On CPUs torchrun gives each process OMP_NUM_THREADS=1 unless you set it (cores / NPROC is a good value).
 set -euo pipefail
@@ -15,5 +16,4 @@ config="$1"
 shift
 nproc="${NPROC:-$(megalite_local_procs 2)}"
 echo "megalite: $nproc processes on $(hostname), config $config" >&2
-exec "$(megalite_python)" -m torch.distributed.run --standalone --nproc-per-node="$nproc" \
-  "$MEGALITE_ROOT/pretrain_gpt.py" --config "$config" "$@"
+megalite_torchrun --standalone --nproc-per-node="$nproc" "$MEGALITE_ROOT/pretrain_gpt.py" --config "$config" "$@"

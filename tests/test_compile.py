@@ -1,6 +1,7 @@
 """train.compile: each transformer layer compiled (regional compilation, as torchtitan does), composed with
 tensor and sequence parallelism, pipeline parallelism (ZB-V too: its split backward runs through an opaque
-op, parallel/weight_grads.py), activation recompute and the data-parallel hooks
+op, parallel/weight_grads.py; DualPipeV's F&B pairs and whole backwards beside split ones), activation
+recompute and the data-parallel hooks
 (the distributed optimizer's overlapped gathers wait in module pre-hooks; ZeRO-3 gathers and frees each
 layer around its forward). Inductor runs on the CPU, so the compiled losses are compared with eager ones."""
 
@@ -36,6 +37,9 @@ def _eager_and_compiled(rank: int, world_size: int, layout: list[str]) -> tuple[
      "--model.moe_aux_loss_coeff=0.01"],
     ["--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--parallel.pp=2",
      "--parallel.vp=2", "--parallel.pipeline_schedule=zb-v", "--train.recompute=full"],
+    ["--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--model.num_experts=4",
+     "--model.moe_ffn_hidden_size=32", "--parallel.pp=2", "--parallel.vp=2", "--parallel.pipeline_schedule=dualpipev",
+     "--train.recompute=full"],
 ])
 def test_compiled_layers_train_like_eager(layout):
     """Inductor fuses the layers' elementwise work and may reorder float sums, so compiled and eager steps

@@ -1,7 +1,7 @@
 """Context-parallel attention equals full causal attention: every cp rank's output and its slices of
 dq, dk, dv match one device's F.scaled_dot_product_attention over the global sequence, for both comms,
 multi-head and grouped-query attention, with K/V expanded to every head for the block kernel or handed to
-it per group (as on CUDA); and its communication obeys NCCL's rules (megalite/parallel/nccl_rules.py)."""
+it per group (as on CUDA); and its communication obeys NCCL's rules (megalite/dryrun/nccl_rules/)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 
+from megalite.dryrun.nccl_rules.record import CommRecorder
+from megalite.dryrun.nccl_rules.replay import replay
 from megalite.parallel import context_parallel
 from megalite.parallel.context_parallel import context_parallel_attention, local_positions
-from megalite.parallel.nccl_rules import CommRecorder, replay
 
 HEADS, BATCH, DIM = 4, 2, 16
 # (comm, KV groups, sequence length, dtype)

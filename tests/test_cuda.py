@@ -355,7 +355,7 @@ def test_context_parallel_hands_kv_per_group_to_the_flash_kernel(monkeypatch, ca
 def test_grouped_gemm_runs_the_cuda_kernel_in_bf16_and_equals_the_loop():
     """bf16 operands with 16-byte rows take torch._grouped_mm's CUDA kernel (uneven groups, one empty);
     fp32 ones fall back to the loop over experts. Both equal per-expert matmuls."""
-    from megalite.model.moe.experts import grouped_kernel_takes, grouped_linear
+    from megalite.parallel.gemm import grouped_kernel_takes, grouped_linear
 
     counts = torch.tensor([300, 0, 517, 9], device=DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -369,3 +369,22 @@ def test_grouped_gemm_runs_the_cuda_kernel_in_bf16_and_equals_the_loop():
         loop = torch.cat([part @ w.detach()[e].to(dtype).float().t() for e, part in enumerate(parts)])
         assert _relative_error(y.float(), loop) < 2e-2, dtype
         assert x.grad is not None and w.grad is not None
+
+
+def test_the_stop_vote_is_queued_without_waiting_for_the_device(topology):
+    """Each step's stop vote (Topology.max_over_ranks_later): the copy to the device, the all-reduce and the copy
+    back are queued behind a step's work without a synchronisation (sync debug mode raises on one), and the
+    read gives the maximum once the device got there. A topology of 2 ranks takes the collective path; the
+    all-reduce runs in the module's one-rank NCCL group."""
+    in_a_job = copy.copy(topology)
+    in_a_job.world_size = 2
+    in_a_job.max_over_ranks_later([0.0, 0.0])()  # the communicator's set-up may synchronise
+    work = torch.randn(2048, 2048, device=DEVICE)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            work = work @ work / work.norm()
+        read = in_a_job.max_over_ranks_later([15.0, 1.0])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert read() == [15.0, 1.0]

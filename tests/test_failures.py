@@ -5,7 +5,6 @@
   bit-exactly at its own layout;
 - a worker killed with SIGKILL under `torchrun --max-restarts=1`: the job restarts, resumes from
   the latest checkpoint and ends with the uninterrupted run's loss;
-- SIGTERM to one worker: every rank stops at the same step, saves, exits 0, and the run resumes;
 - a rank that hangs (SIGSTOP) makes the others fail after parallel.timeout_minutes, naming it;
 - SIGKILL in the middle of a save (sync or async, before a rank's listing or inside the publish)
   leaves the previous checkpoint intact and `latest` on it; the next run resumes from it and
@@ -19,12 +18,10 @@ point (restarts, signals to workers), a plain subprocess where the process must 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -32,6 +29,7 @@ import pytest
 import torch
 from distributed import metrics as read_metrics
 from distributed import run_ranks
+from held_job import Job
 from safetensors.torch import load_file
 
 from megalite.checkpoint.files import problem_with
@@ -111,64 +109,9 @@ def slow_reference() -> dict[int, float]:
     return _losses(SLOW)
 
 
-class Job:
-    """pretrain_gpt.py under torchrun on CPU processes, output in a file, every rank held after step
-    `hold_after` until `release` (tests/held_pretrain.py)."""
-
-    def __init__(self, tmp: Path, nproc: int, args: list[str], *launcher: str, hold_after: int) -> None:
-        self.log, self.nproc, self.holds = tmp / "torchrun.log", nproc, tmp / "holds"
-        self.holds.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
-               str(ROOT / "tests" / "held_pretrain.py"), *QUIET, *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HOLD_AFTER_STEP": str(hold_after), "HOLD_DIR": str(self.holds)}
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-
-    def wait_until_held(self) -> None:
-        """Every rank finished its step `hold_after` and waits for `release`."""
-        self.wait_until(lambda: all((self.holds / f"held_{rank}").exists() for rank in range(self.nproc)))
-
-    def release(self) -> None:
-        (self.holds / "go").touch()
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def wait_until(self, condition, timeout: float = 300) -> None:
-        """Poll until `condition()` holds; fail if the job ends first."""
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert self.proc.poll() is None, (f"the job ended (exit {self.proc.returncode}) before the test acted:\n"
-                                              f"{self.output()[-3000:]}")
-            assert time.monotonic() < deadline, f"condition not reached in {timeout} s:\n{self.output()[-3000:]}"
-            time.sleep(0.05)
-
-    def workers(self) -> dict[int, psutil.Process]:
-        """The worker processes torchrun started, by global rank."""
-        found = {}
-        for child in psutil.Process(self.proc.pid).children():
-            try:
-                env = child.environ()
-            except psutil.Error:
-                continue
-            if "RANK" in env:
-                found[int(env["RANK"])] = child
-        return found
-
-    def finish(self, timeout: float = 300) -> str:
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            pytest.fail(f"torchrun did not end in {timeout} s:\n{self.output()[-3000:]}")
-        return self.output()
-
-
-def _logged(metrics: Path) -> list[int]:
-    """Steps in the metrics file so far (only whole lines: the writer may be mid-line)."""
-    if not metrics.exists():
-        return []
-    return [json.loads(line)["step"] for line in metrics.read_text().splitlines(keepends=True) if line.endswith("\n")]
+def _job(tmp: Path, nproc: int, args: list[str], *launcher: str, hold_after: int) -> Job:
+    """pretrain_gpt.py under torchrun with this file's quiet arguments, held after step `hold_after`."""
+    return Job(tmp, nproc, [*QUIET, *args], *launcher, hold_after=hold_after)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +120,7 @@ def _logged(metrics: Path) -> list[int]:
 
 def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path, slow_reference):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    job = Job(tmp_path, 2, [*SLOW, f"--checkpoint.save={ckpt}", "--checkpoint.save_interval=2",
+    job = _job(tmp_path, 2, [*SLOW, f"--checkpoint.save={ckpt}", "--checkpoint.save_interval=2",
                             f"--logging.metrics_file={metrics}"],
               "--max-restarts=1", hold_after=3)
     job.wait_until_held()  # step 2's checkpoint is published, step 3 logged
@@ -199,35 +142,12 @@ def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path,
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. SIGTERM (preemption): every rank stops at the same step, saves, exits 0; the run resumes
-
-
-def test_sigterm_saves_where_the_run_stopped_and_exits_zero(tmp_path, slow_reference):
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    job = Job(tmp_path, 2, [*SLOW, f"--checkpoint.save={ckpt}",
-                            f"--logging.metrics_file={metrics}"], hold_after=2)  # no save_interval
-    job.wait_until_held()
-    job.workers()[0].send_signal(signal.SIGTERM)  # one rank gets it; all must agree to stop
-    job.release()
-    out = job.finish()
-    assert job.proc.returncode == 0, out[-3000:]
-    reached = _logged(metrics)[-1]
-    assert 2 <= reached < STEPS and f"SIGTERM received (preemption?): saved to resume later at step {reached}" in out
-    assert (ckpt / "latest").read_text().strip() == str(reached)
-    assert ([p.name for p in ckpt.glob("iter_*")] == [f"iter_{reached:07d}"]
-            and problem_with(ckpt / f"iter_{reached:07d}") is None)
-    rest = _losses([*SLOW, f"--checkpoint.load={ckpt}"])
-    assert sorted(rest) == list(range(reached + 1, STEPS + 1))
-    assert list(rest.values()) == pytest.approx([slow_reference[s] for s in rest], rel=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------
-# 4. A hanging rank: the others fail after parallel.timeout_minutes with megalite's message
+# 3. A hanging rank: the others fail after parallel.timeout_minutes with megalite's message
 
 
 def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    job = Job(tmp_path, 2, [*SLOW, "--train.train_iters=1000", "--parallel.timeout_minutes=0.2",
+    job = _job(tmp_path, 2, [*SLOW, "--train.train_iters=1000", "--parallel.timeout_minutes=0.2",
                             f"--logging.metrics_file={metrics}"], hold_after=2)
     job.wait_until_held()
     workers = job.workers()
@@ -245,7 +165,7 @@ def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. SIGKILL in the middle of a save leaves the previous checkpoint current
+# 4. SIGKILL in the middle of a save leaves the previous checkpoint current
 
 SMALL = ["--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=4", "--model.seq_length=32",
          "--model.vocab_size=300", "--train.micro_batch_size=1", "--train.global_batch_size=4", "--train.train_iters=6"]
@@ -306,7 +226,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path, small_referenc
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. Asynchronous saves write what synchronous ones write
+# 5. Asynchronous saves write what synchronous ones write
 
 
 def _iteration_files(root: Path) -> dict[str, object]:

@@ -134,6 +134,6 @@ def test_the_log_line_and_the_metrics_file_label_both(recompute, tmp_path, capsy
     for r in records:
         assert r["hardware_tflops_per_device"] / r["tflops_per_device"] == pytest.approx(ratio)
         assert r["mfu"] is None and r["hfu"] is None
-    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 2 |")][0]
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 2/2 |")][0]
     assert "| model TFLOP/s/device " in line and "| MFU n/a" in line
     assert ("| hardware TFLOP/s/device " in line and "| HFU n/a" in line) == (recompute == "full")

@@ -115,9 +115,31 @@ def test_dry_run_from_a_bare_copy_prints_every_step_and_writes_nothing(tmp_path)
     assert not out.exists() and not report.exists()
 
 
+def test_peers_dry_run_from_a_bare_copy_prints_the_wheels_and_every_command(tmp_path):
+    """`--peers --dry-run` where the wheels are not: the wheel list, what is missing and how to get it, and each
+    peer's command with the model it trains."""
+    copy = _bare_copy(tmp_path)
+    done = _run_bare(copy, copy, str(copy / "tools" / "gpu_check.py"), "--peers", "--dry-run", "--out",
+                     str(tmp_path / "out"), "--wheels", str(tmp_path / "none"))
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stdout.splitlines() if line.startswith("[")] == ["[peers]", "[peers_local]"]
+    for expected in ("    megatron-core==0.19.0\n", "    torchtitan==0.2.2 | torchtitan==0.2.1\n",
+                     "`bash scripts/gpu_peer_wheels.sh` fetches them", "here: 0 found, missing: megatron-core==0.19.0",
+                     "tools/peers/megatron_driver.py --attention sdpa -- --num-layers 24 --hidden-size 2048",
+                     "--vocab-size 50303 --make-vocab-size-divisible-by 128", "--bf16 --use-distributed-optimizer",
+                     "--num-query-groups 8 --untie-embeddings-and-output-weights",
+                     "tools/peers/torchtitan_driver.py --model-args '{\"dim\": 2048, \"n_layers\": 16",
+                     "--activation_checkpoint.mode none", "tools/peers/megatron_driver.py --attention local",
+                     "GPT-2 1.3B (mb 4 x 2048), torchtitan, fp32 parameters under bf16 autocast:",
+                     "Llama-3.2-1B shape, untied (mb 2 x 8192), Megatron-Core (SDPA attention), bf16 parameters"):
+        assert expected in done.stdout, expected
+    assert "pip install" not in done.stdout  # nothing to install without the wheels
+
+
 @pytest.mark.parametrize("command", [["pretrain_gpt.py", "--help"], ["tools/benchmark_throughput.py", "--help"],
                                      ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                      "tests/test_cuda.py"]])
+                                      "tests/test_cuda.py"], ["tools/peers/megatron_driver.py", "--help"],
+                                     ["tools/peers/torchtitan_driver.py", "--help"]])
 def test_the_commands_it_runs_import_from_a_bare_copy(tmp_path, command):
     """What gpu_check starts (from the checkout's root) imports there too, without PYTHONPATH."""
     copy = _bare_copy(tmp_path)
@@ -255,12 +277,15 @@ def test_a_whole_run_with_its_commands_faked(tmp_path, monkeypatch):
                "throughput_gpt2_compiled": (0, _benchmark_output(56_000, 50_000)),
                "throughput_llama_compiled": (1, "torch.OutOfMemoryError: CUDA out of memory.")}
 
-    def run(self, name: str, cmd: list[str], limit: float) -> tuple[int, str]:
+    def run(self, name: str, cmd: list[str], limit: float, path=()) -> tuple[int, str]:
+        if name.startswith(("peers_", "profile_")):  # their own tests fake them (tests/test_gpu_check_peers.py)
+            return 1, "not faked here"
         return training(name, cmd, limit) if name.startswith("train_") else outputs[name]
 
     monkeypatch.setattr(Context, "run", run)
     report = tmp_path / "report.md"
-    assert gpu_check.main(["--out", str(tmp_path / "out"), "--report", str(report), "--train-iters", "4"]) == 1
+    assert gpu_check.main(["--out", str(tmp_path / "out"), "--report", str(report), "--train-iters", "4",
+                           "--wheels", str(tmp_path / "no_wheels")]) == 1
     text = report.read_text()
     assert text.startswith("## GPU check: NVIDIA H100 80GB HBM3 (H100 SXM; bf16 peak 989.0 TFLOP/s)\n")
     for row in ("| tests | PASS |", "| train | PASS |", "| throughput | FAIL |", "| memory | PASS |",

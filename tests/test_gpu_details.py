@@ -203,25 +203,44 @@ def test_only_fp16_votes_on_overflow_each_step():
     assert [run_ranks(2, _overflow_votes, p)[0] for p in ("fp32", "bf16", "fp16")] == [0, 0, 2]
 
 
-def _stop_votes(rank: int, world_size: int) -> int:
+def _stop_votes(rank: int, world_size: int) -> tuple[list[int], list[tuple[int, int]], int]:
+    """When each step's stop vote is queued, when it is read (by step) and how many host-reading votes ran."""
     import os
 
     from conftest import tiny_config
 
-    from megalite.training.pretrain import pretrain
+    from megalite.training import pretrain as pretrain_module
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    votes = []
-    vote = Topology.max_over_ranks
-    Topology.max_over_ranks = lambda self, values: votes.append(values) or vote(self, values)
-    pretrain(tiny_config(train={"train_iters": 7}, logging={"log_interval": 3}))
-    return len(votes)
+    queued, reads, steps, host_votes = [], [], [0], [0]
+    step, later, vote = pretrain_module.train_step, Topology.max_over_ranks_later, Topology.max_over_ranks
+
+    def counted_step(*args):
+        steps[0] += 1
+        return step(*args)
+
+    def queued_vote(self, values):
+        issued, read = steps[0], later(self, values)
+        queued.append(issued)
+        return lambda: reads.append((issued, steps[0])) or read()
+
+    def host_vote(self, values):
+        host_votes[0] += 1
+        return vote(self, values)
+
+    pretrain_module.train_step = counted_step
+    Topology.max_over_ranks_later, Topology.max_over_ranks = queued_vote, host_vote
+    pretrain_module.pretrain(tiny_config(train={"train_iters": 7}, logging={"log_interval": 3}))
+    return queued, reads, host_votes[0]
 
 
-def test_ranks_agree_to_stop_only_at_log_steps():
-    """The SIGTERM / time-limit vote (a host-syncing collective) runs at log steps 3 and 6 and the last step,
-    not after each of the 7 steps."""
-    assert run_ranks(2, _stop_votes) == [3, 3]
+def test_ranks_vote_on_stopping_every_step_and_read_each_vote_a_step_later():
+    """The SIGTERM / time-limit vote is queued after every step (a stop never waits for a log step) and read
+    on the host after the next one, when a GPU has finished it: no step waits for its own vote."""
+    queued, reads, host_votes = run_ranks(2, _stop_votes)[0]
+    assert queued == list(range(1, 8))
+    assert reads == [(s, s + 1) for s in range(1, 7)]
+    assert host_votes == 0
 
 
 def _votes_per_step(rank: int, world_size: int, root: str) -> dict[int, int]:
@@ -385,7 +404,7 @@ def test_device_timings_come_from_cuda_events_on_a_gpu(monkeypatch):
     """On CUDA a wait for a collective or a pipeline operation is timed by events on the stream (the host
     returns from NCCL's wait at once); the trace places device intervals at the host time of its first mark."""
     from megalite.parallel import timing
-    from megalite.parallel.schedules import Trace
+    from megalite.parallel.pipeline.executor import Trace
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     _FakeEvent.script = [10.0, 10.25]

@@ -9,6 +9,7 @@ so one bucket closes at the size, one overshoots it (a parameter is never split)
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -19,8 +20,10 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.gpt import GPTModel
+from megalite.parallel import gemm, lookup
 from megalite.parallel.bucket_layout import BucketLayout
-from megalite.parallel.grad_buffer import GradBuffer
+from megalite.parallel.grad_buffer import GradBuffer, readers
+from megalite.parallel.weight_grads import WeightGradients, deferred
 
 SIZES = [1, 3, 5, 2, 4]
 BUCKET = 6
@@ -175,3 +178,32 @@ def test_reduction_sums_both_micro_batches_over_ranks(two_rank_steps, distribute
             assert torch.allclose(step["grads"][i][lo:hi], expected, rtol=1e-6, atol=0), f"param {i}"
         if not distributed:
             assert sorted(i for i, _, _ in step["owned"]) == list(range(len(SIZES)))
+
+
+@pytest.mark.parametrize("deferred_w", [False, True])
+def test_a_weight_read_by_three_modules_is_complete_after_its_last_readers_gradient(deferred_w):
+    """Any number of readers of one weight in one backward (a tied embedding's lookup and LM head, a
+    multi-token-prediction head next to them) follow one rule: each gradient but the last waits beside the
+    buffer, the last adds them into the main gradient, and only then does the bucket count the weight, once per
+    backward, whether the gradients come at once or in a zero-bubble W. The sum is autograd's."""
+    g = torch.Generator().manual_seed(0)
+    table, ids, x = torch.randn(10, 8, generator=g), torch.tensor([[1, 4], [4, 9]]), torch.randn(3, 8, generator=g)
+
+    def forward(weight: torch.Tensor) -> torch.Tensor:
+        looked_up = lookup.embedding(ids, weight)
+        return looked_up.sum() + gemm.linear(x, weight).square().sum() + gemm.linear(2 * x, weight).sum()
+
+    reference = table.clone().requires_grad_()
+    forward(reference).backward()
+    weight = nn.Parameter(table.clone())
+    buffer = GradBuffer([weight], BUCKET, None, 1, 0, 0, False, reads=readers([[(None, [weight])] * 3]))
+    complete = []
+    buffer.on_grads_in = complete.append
+    for micro_batch in range(2):
+        queue = WeightGradients()
+        with deferred(queue) if deferred_w else contextlib.nullcontext():
+            forward(weight).backward()
+        assert len(complete) == micro_batch + (not deferred_w)  # deferred: nothing before W
+        queue.run()
+        assert len(complete) == micro_batch + 1 and weight.grad is None
+    torch.testing.assert_close(weight.main_grad, 2 * reference.grad, rtol=1e-6, atol=1e-6)

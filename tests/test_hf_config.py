@@ -23,7 +23,7 @@ MOE = {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32}
 
 def network(m: ModelConfig) -> tuple:
     """What determines the function a model computes, routed experts (and a shared one) included."""
-    experts = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+    experts = list(m.moe_layers)
     moe = (m.num_experts, m.moe_topk, m.expert_ffn_size, m.moe_norm_topk_prob, experts, m.moe_shared_expert_size,
            m.moe_shared_expert_gate) if experts else ()
     dense_ffn = m.ffn_size if len(experts) < m.num_layers else None
@@ -66,10 +66,10 @@ def test_qwen3_moe_has_experts_in_megalites_expert_layers(layers, first_dense, f
                                       "moe_layer_freq": freq}).model
     with torch.device("meta"):
         hf = transformers.Qwen3MoeForCausalLM(hf_config(cfg))
-    ours = [i for i in range(layers) if cfg.is_moe_layer(i)]
+    ours = list(cfg.moe_layers)
     assert [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")] == ours
     back = model_config_from_hf(hf.config, "test")
-    assert [i for i in range(layers) if back.is_moe_layer(i)] == ours
+    assert list(back.moe_layers) == ours
 
 
 def test_a_sliding_window_covering_the_whole_context_is_full_attention():

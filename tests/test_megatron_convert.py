@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import io
 import json
 import pickle
 import shutil
@@ -30,8 +31,11 @@ from distributed import cpu_topology, metrics, pretrain_torchrun, run_ranks
 
 from megalite.checkpoint.local import load_checkpoint
 from megalite.checkpoint.megatron.args import activation, check_args
-from megalite.checkpoint.megatron.buffer_layout import flat_ranges
+from megalite.checkpoint.megatron.buffer_layout import Param, bucket_slots, coalesced
+from megalite.checkpoint.megatron.formats import read_megatron
+from megalite.checkpoint.megatron.names import BUFFER
 from megalite.checkpoint.megatron.safe_pickle import load_dcp_metadata, load_megatron_pickle
+from megalite.checkpoint.megatron.state import MAIN
 from megalite.config import DataConfig
 from megalite.config_cli import config_from_yaml_text
 from megalite.data.batches import Batch
@@ -43,7 +47,9 @@ from megalite.training.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/megatron"
-NAMES = ["gpt_torch", "gpt_torch_dist", "llama_torch", "llama_torch_dist", "qwen_torch", "qwen_torch_dist"]
+NAMES = ["gpt_torch", "gpt_torch_dist", "llama_torch", "llama_torch_dist", "qwen_torch", "qwen_torch_dist",
+         "llama_dp1_torch_dist", "gpt_vp_dp2_torch_dist", "moe_vp_torch", "moe_torch_dist"]
+DENSE = NAMES[:6]  # tp 2 x pp 2, 2 samples a step
 CLUSTER = "/lustre/megatron/data"  # where the Qwen fixtures' args say their corpora lie
 # The data section each fixture's args give (the others keep DataConfig's defaults); the Llama and GPT fixtures'
 # args name no data, and every fixture's NullTokenizer is Megatron-Core's (ids below vocab_size), not carried.
@@ -120,7 +126,7 @@ def test_q_k_layernorm_is_refused_where_megatrons_is_a_layernorm(megatron):
                    "ckpt")
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_config_and_state_come_from_megatrons_args(name, megatron, converted):
     iteration = converted[name] / "iter_0000003"
     cfg = config_from_yaml_text((iteration / "config.yaml").read_text(), "config.yaml")
@@ -152,18 +158,22 @@ def test_config_and_state_come_from_megatrons_args(name, megatron, converted):
 
 
 def _next_step(rank: int, world_size: int, checkpoint: Path, parallel: dict, batch: dict,
-               probe: torch.Tensor, vocab: int) -> tuple[float, torch.Tensor]:
+               probe: torch.Tensor, vocab: int) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
     """Resume `checkpoint` at layout `parallel` (Adam's state included), take one step on `batch` (this rank's
-    share of its samples), and return the step's loss and the logits of `probe` after it."""
+    share of its samples, in Megatron's micro batches where the share holds them: a mixture of experts'
+    balancing loss is one per micro batch), and return the step's loss, the logits of `probe` after it and the
+    routers' expert biases after it."""
     found = checkpoint / "iter_0000003"
     cfg = config_from_yaml_text((found / "config.yaml").read_text(), "config.yaml")
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.distributed_optimizer = 1, 1, False
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vp, cfg.parallel.distributed_optimizer = 1, 1, 1, False
+    cfg.parallel.ep = cfg.parallel.etp = 1
     for field, value in parallel.items():
         setattr(cfg.parallel, field, value)
     cfg.model.vocab_size = vocab
-    dp = world_size // cfg.parallel.tp
-    cfg.train.micro_batch_size = batch["tokens"].shape[0] // dp
-    mine = slice(rank % dp * cfg.train.micro_batch_size, (rank % dp + 1) * cfg.train.micro_batch_size)
+    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
+    share = batch["tokens"].shape[0] // dp
+    mine = slice(rank % dp * share, (rank % dp + 1) * share)
+    cfg.train.micro_batch_size = min(cfg.train.micro_batch_size, share)
     topology = cpu_topology(rank, world_size, cfg)
     with build_trainer(cfg, topology) as trainer:
         state, _, loaded_optimizer, _ = load_checkpoint(found, trainer.sharded_state(), topology)
@@ -171,32 +181,57 @@ def _next_step(rank: int, world_size: int, checkpoint: Path, parallel: dict, bat
         trainer.optimizer.gather_params()
         trainer.optimizer.set_lr(learning_rate(state.step + 1, cfg.optim, cfg.train.train_iters))
         tokens, labels = batch["tokens"][mine], batch["labels"][mine]
-        loss = train_step(trainer, [Batch(tokens, labels, torch.ones_like(labels, dtype=torch.float32))]).loss
+        micro = cfg.train.micro_batch_size
+        loss = train_step(trainer, [Batch(t, y, torch.ones_like(y, dtype=torch.float32))
+                                    for t, y in zip(tokens.split(micro), labels.split(micro))]).loss
         trainer.optimizer.wait_params()
         trainer.model.eval()
         with torch.no_grad():
             logits = trainer.model(probe)
-    return loss, logits
+        biases = {n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith(BUFFER)}
+    return loss, logits, biases
 
 
 LAYOUTS = [("gpt_torch", {"tp": 2}), ("gpt_torch_dist", {"distributed_optimizer": True}),
-           ("llama_torch", {"distributed_optimizer": True}), ("llama_torch_dist", {"tp": 2}), ("qwen_torch", {"tp": 2})]
+           ("llama_torch", {"distributed_optimizer": True}), ("llama_torch_dist", {"tp": 2}), ("qwen_torch", {"tp": 2}),
+           ("llama_dp1_torch_dist", {"tp": 2}), ("gpt_vp_dp2_torch_dist", {"distributed_optimizer": True}),
+           ("moe_vp_torch", {"ep": 2}), ("moe_torch_dist", {"ep": 2, "distributed_optimizer": True})]
 
 
 @pytest.mark.parametrize(("name", "parallel"), LAYOUTS)
 def test_the_next_step_is_megatrons(name, parallel, megatron, converted):
-    """Two ranks (tp 2, or dp 2 with the distributed optimizer) resume the converted checkpoint and take the step
-    Megatron took after saving it: the same loss and the same logits after the step, so the weights, Adam's
-    moments and step carried over. The GPT keeps its padded vocabulary rows scored as Megatron does
-    (model.vocab_size = the padded size); with its real size megalite leaves them out of the softmax."""
+    """Two ranks (tp 2, dp 2 with the distributed optimizer, or the MoE fixtures' experts over ep 2) resume the
+    converted checkpoint and take the step Megatron took after saving it: the same loss and the same logits
+    after the step, so the weights, Adam's moments and step, the experts, router and expert bias carried over,
+    and the step's gradients are Megatron's (the balancing loss's too: one per micro batch, counting the plain
+    top-k of the scores); the expert biases move as Megatron's did. The GPT keeps its padded vocabulary rows
+    scored as Megatron does (model.vocab_size = the padded size); with its real size megalite leaves them out of
+    the softmax."""
     want = expected(megatron, name)
     padded = 64
     batch = {"tokens": want["step_tokens"], "labels": want["step_labels"]}
     results = run_ranks(2, _next_step, converted[name], parallel, batch, want["tokens"], padded)
-    for loss, logits in results:
+    layers = want.get("expert_bias_layers", torch.empty(0)).tolist()
+    moved = dict(zip(layers, want.get("expert_bias_after_step", ())))  # by layer: Megatron's biases after the step
+    for loss, logits, biases in results:
         assert loss == pytest.approx(float(want["step_loss"]), abs=1e-6)
         torch.testing.assert_close(logits[..., : want["logits_after_step"].shape[-1]], want["logits_after_step"],
                                    atol=2e-6, rtol=0)
+        assert biases.keys() == {f"layers.{layer}{BUFFER}" for layer in moved}
+        for layer, bias in moved.items():
+            assert torch.equal(biases[f"layers.{layer}{BUFFER}"], bias), layer
+
+
+@pytest.mark.parametrize("name", ["llama_dp1_torch_dist", "gpt_vp_dp2_torch_dist", "moe_vp_torch", "moe_torch_dist"])
+def test_flat_state_main_weights_are_the_weights(name, megatron):
+    """The distributed optimizer's fp32 main weights, cut out of its flat buckets at the places megalite's
+    reading of Megatron's buffer layout gives, equal the saved weights (fp32 training) for every parameter: each
+    parameter's place (order, padding, buckets, dp groups, vp chunks, experts over ep) is right."""
+    state = read_megatron(megatron[name], lambda args: None)
+    assert state.optimizer.keys() >= {n for n in state.weights if not n.endswith(BUFFER)}
+    for n, weight in state.weights.items():
+        if not n.endswith(BUFFER):
+            assert torch.equal(state.optimizer[n][MAIN], weight), n
 
 
 def test_without_optimizer_state_only_the_weights_carry_over(megatron, tmp_path):
@@ -230,11 +265,12 @@ def test_unknown_keys_and_options_are_named(megatron, tmp_path, capsys):
     work = tmp_path / "gpt"
     shutil.copytree(megatron["gpt_torch"], work)
     rank_file = work / "iter_0000003/mp_rank_00_000/model_optim_rng.pt"
-    _rewrite_rank_file(rank_file, lambda s: s["model"].update({"decoder.layers.1.mlp.router.weight": torch.ones(2)}))
-    assert "tensor 'decoder.layers.1.mlp.router.weight' has no place in megalite's model" in _fails(
-        work, tmp_path / "a", capsys)
+    mla = "decoder.layers.1.self_attention.linear_q_down_proj.weight"
+    _rewrite_rank_file(rank_file, lambda s: s["model"].update({mla: torch.ones(2)}))
+    assert f"tensor '{mla}' has no place in megalite's model" in _fails(work, tmp_path / "a", capsys)
     _rewrite_rank_file(rank_file, lambda s: setattr(s["args"], "num_experts", 8))
-    assert "args.num_experts=8" in _fails(work, tmp_path / "b", capsys)
+    assert "args.add_bias_linear=True with experts (megalite's router and experts have no biases)" in _fails(
+        work, tmp_path / "b", capsys)
     torch.save({"args": NotMegatron()}, rank_file)
     assert "test_megatron_convert.NotMegatron" in _fails(work, tmp_path / "c", capsys)
     shutil.rmtree(work)
@@ -243,20 +279,32 @@ def test_unknown_keys_and_options_are_named(megatron, tmp_path, capsys):
     assert "mp_rank_01_001/model_optim_rng.pt is missing" in _fails(work, tmp_path / "d", capsys)
 
 
-def test_the_distributed_optimizers_flat_buckets_are_named(megatron, tmp_path, capsys):
-    """torch_dist's default distributed-optimizer state (flat buckets) is refused, naming the key and the fix."""
+def test_flat_buckets_that_do_not_add_up_are_named(megatron, tmp_path, capsys):
+    """The distributed optimizer's default torch_dist state (flat buckets) whose recorded bucket sizes do not fit
+    the parameters stops, naming the rank, the parameter and the numbers; --no-optimizer still carries the
+    weights (which never depend on the optimizer's layout)."""
     work = tmp_path / "llama"
-    shutil.copytree(megatron["llama_torch_dist"], work)
-    path = work / "iter_0000003/.metadata"
-    metadata = load_dcp_metadata(path)
-    bucket = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_0.bucket_idx_0.exp_avg"
-    entries = metadata.state_dict_metadata
-    entries[bucket] = entries.pop("optimizer.state.exp_avg.output_layer.weight")
-    path.write_bytes(pickle.dumps(metadata))
+    shutil.copytree(megatron["llama_dp1_torch_dist"], work)
+    found = work / "iter_0000003"
+    metadata = load_dcp_metadata(found / ".metadata")
+    key = "optimizer.distributed.dp_group_idx_1.per_bucket_numel_unpadded/shard_0_1"
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == key)
+    with open(found / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        sizes = load_megatron_pickle(f.read(info.length), key)
+    (dtype, [size]), = sizes[0][0].items()
+    buffer = io.BytesIO()
+    torch.save([[{dtype: [size - 64]}]], buffer)
+    (found / "__bad.distcp").write_bytes(buffer.getvalue())
+    metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == key)] = dataclasses.replace(
+        info, relative_path="__bad.distcp", offset=0, length=len(buffer.getvalue()))
+    (found / ".metadata").write_bytes(pickle.dumps(metadata))
     err = _fails(work, tmp_path / "out", capsys)
-    assert f"optimizer entry {bucket!r} is not one megalite understands" in err
-    assert "--dist-ckpt-optim-fully-reshardable" in err
+    assert (f"optimizer.distributed.dp_group_idx_1 buffer 0 (model chunk 0): embedding.word_embeddings.weight "
+            f"ends at element {size} of bucket 0, whose recorded size is {size - 64} (buckets [{size - 64}])") in err
     convert("--from-megatron", "--no-optimizer", "--load", str(work), "--save", str(tmp_path / "weights"))
+    index = json.loads((tmp_path / "weights/iter_0000003/index.json").read_text())
+    assert {piece["kind"] for piece in index["pieces"]} == {"model"}
 
 
 def test_pretrain_continues_the_megatron_run(converted, tmp_path):
@@ -290,6 +338,12 @@ def test_a_common_pt_file_holds_the_common_state_before_mid_2026(megatron, conve
     convert("--from-megatron", "--load", str(work), "--save", str(tmp_path / "out"))
     assert (tmp_path / "out/iter_0000003/index.json").read_text() == (
         converted["gpt_torch_dist"] / "iter_0000003/index.json").read_text()
+
+
+def flat_ranges(numels: list[tuple[str, int, bool]], size: int | None) -> tuple[dict[str, range], int]:
+    """Each parameter's elements in the legacy format's coalesced state, and its size."""
+    slots, sizes = bucket_slots([Param(*n) for n in numels], "buffer", bucket_size=size)
+    return coalesced(slots, sizes), sum(sizes)
 
 
 def test_the_flat_layout_follows_megatrons_buffer():

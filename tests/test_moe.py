@@ -14,7 +14,6 @@ from megalite.config import ConfigError, ModelConfig
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.model.moe.dispatch import Sorted
-from megalite.model.moe.experts import grouped_kernel_takes, grouped_linear
 from megalite.model.moe.layer import MoELayer
 from megalite.model.moe.router import (
     capacity,
@@ -27,6 +26,7 @@ from megalite.model.moe.router import (
 )
 from megalite.model.recompute import apply_recompute
 from megalite.parallel.context import AxisView, ParallelContext
+from megalite.parallel.gemm import grouped_kernel_takes, grouped_linear
 from megalite.planning.measure import saved_storages
 
 
@@ -206,6 +206,29 @@ def test_balancing_losses_reach_the_router_and_are_counted():
     layer(torch.randn(8, 2, cfg.hidden_size)).sum().backward()
     assert not torch.allclose(with_terms, layer.router.weight.grad)
 
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_balancing_losses_count_the_plain_top_k_not_the_biased_or_grouped_choice(router):
+    """The balancing losses' load f_e is the top-k of the scores alone (DeepSeek-V3's f_i, Megatron-Core's aux-loss
+    routing map): an expert bias that pulls every token to expert 3, and a group limit, change where tokens go,
+    not what the losses count."""
+    cfg = moe_config(moe_router=router, moe_expert_bias=True, moe_router_groups=2, moe_router_group_topk=1,
+                     moe_aux_loss_coeff=0.1, moe_seq_aux_loss_coeff=0.1)
+    router_ = GPTModel(cfg, torch.device("cpu"), seed=3).layers["1"].mlp.router
+    router_.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 50.0]))
+    router_.aux_losses.start_step(1.0, torch.device("cpu"))
+    x = torch.randn(8, 2, cfg.hidden_size)
+    routed = router_(x)
+    scores = route(F.linear(x.reshape(16, -1), router_.weight), cfg).scores
+    probs = scores / scores.sum(-1, keepdim=True) if router == "sigmoid" else scores
+    plain = probs.topk(2, dim=-1).indices
+    assert (routed.experts == 3).any(-1).all() and not (plain == 3).any(-1).all()
+    counts = expert_counts(plain, 4)
+    torch.testing.assert_close(router_.aux_losses.totals["moe_aux_loss"], 0.1 * switch_loss(probs, counts, 16, 2))
+    per_sequence = expert_counts(plain.view(8, 2, 2).transpose(0, 1), 4)
+    torch.testing.assert_close(router_.aux_losses.totals["moe_seq_aux_loss"],
+                               0.1 * sequence_loss(probs.view(8, 2, 4), per_sequence, 8, 2))
 
 def test_selective_recompute_drops_the_experts_activation_and_keeps_the_gradients():
     cfg = moe_config()

@@ -1,10 +1,11 @@
 """NCCL's ordering rules, checked without a GPU: every point-to-point call and collective that gloo
-ranks really make is recorded and replayed as NCCL would run it (megalite/parallel/nccl_rules.py).
+ranks really make is recorded and replayed as NCCL would run it (megalite/dryrun/nccl_rules/).
 
-The replay is first shown to catch each kind of NCCL-only failure on small hand-made programs;
-then it checks the pipeline executor for every schedule (the zero-bubble ones too), pp, vp and micro
-batch counts the validator allows, and whole training and evaluation steps with tp, SP, dp and the
-distributed optimizer.
+The replay is first shown to catch each kind of NCCL-only failure on small hand-made programs (pair
+exchanges posted out of one global order among them); then it checks the pipeline executor for every schedule
+(the zero-bubble ones and DualPipeV too), pp, vp and micro batch counts the validator allows, with the
+neighbour pairs' communicators side by side and one after another, and whole training and evaluation steps with
+tp, SP, dp and the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import torch.distributed as dist
 from distributed import cpu_topology, run_ranks
 
 from megalite.config_cli import parse_config
+from megalite.dryrun.nccl_rules.record import Call, CommRecorder, Message, RankRecord
+from megalite.dryrun.nccl_rules.replay import STREAMS, replay
 from megalite.dryrun.pipeline_plan import SHAPE, record_schedule
-from megalite.parallel.nccl_rules import Call, CommRecorder, Message, RankRecord, replay
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.pipeline_layout import PipelineStage, placement_of
+from megalite.parallel.pipeline.registry import schedule_spec
 from megalite.training.pretrain import pretrain
 
 
@@ -78,6 +80,36 @@ def test_replay_accepts_a_batched_exchange_and_counts_what_it_saw():
     assert report.calls == 6 and report.messages == 3
 
 
+def _pairs_in_order(rank: int, world_size: int, global_order: bool) -> RankRecord:
+    """A ring of three, each neighbour pair on a communicator of its own: each rank sends to the next and
+    receives from the previous, one batch per pair, posting the pairs in one global order (lower pair
+    first) or each its send first."""
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    out, inbox = torch.full((4,), float(rank)), torch.empty(4)
+    batches = {nxt: ("isend", out), prev: ("irecv", inbox)}
+    pairs = {pair: dist.new_group(list(pair)) for pair in ((0, 1), (1, 2), (0, 2))}  # every rank makes all, in order
+    groups = {peer: pairs[tuple(sorted((rank, peer)))] for peer in batches}
+    order = sorted(batches, key=lambda peer: sorted((rank, peer))) if global_order else [nxt, prev]
+    with CommRecorder(rank) as recorder:
+        works = [work for peer in order for work in dist.batch_isend_irecv(
+            [dist.P2POp(getattr(dist, batches[peer][0]), batches[peer][1], group=groups[peer],
+                        group_peer=dist.get_group_rank(groups[peer], peer))])]
+        for work in works:
+            work.wait()
+    return recorder.record
+
+
+def test_replay_rejects_pair_exchanges_posted_out_of_one_global_order():
+    """Each pair on its own communicator: side by side (a stream each) any order finishes; run one after another
+    (NCCL's caveat for concurrent communicators) only one global order does, and the replay says so."""
+    for global_order in (True, False):
+        records = run_ranks(3, _pairs_in_order, global_order)
+        assert replay(records, streams=STREAMS[:1]).ok
+        report = replay(records, streams=STREAMS)
+        assert report.ok == global_order, report.text()
+        assert global_order or "[pair communicators, one per rank stream] hang" in report.text(), report.text()
+
+
 def test_replay_catches_size_and_collective_mismatches():
     def call(rank: int, index: int, name: str, *messages: Message, nbytes: int | None = None) -> Call:
         return Call(rank, index, name, "0", (0, 1), list(messages), nbytes, "torch.float32" if nbytes else None)
@@ -98,6 +130,7 @@ def _schedule_cases(pp: int) -> list[tuple[str, int, int]]:
     cases += [("forward", vp, m) for vp in (1, 3) for m in (1, pp, 2 * pp + 1) if vp == 1 or m % pp == 0]
     cases += [("zb-h1", 1, m) for m in sorted({1, pp - 1, pp, 2 * pp + 1} - {0})]
     cases += [("zb-h1", 2, m) for m in (pp, 2 * pp)] + [("zb-v", 2, m) for m in (1, 2 * pp - 1, 2 * pp + 1)]
+    cases += [("dualpipev", 2, m) for m in (2 * pp, 3 * pp + 1)]
     return cases
 
 
@@ -105,8 +138,7 @@ def _executor_ranks(rank: int, world_size: int) -> list[tuple[tuple, RankRecord]
     """Run the executor with a toy model per case: each chunk scales its input by its own weight."""
     topology = cpu_topology(rank, world_size, pp=world_size)
     comm = PipelineComm(topology, SHAPE, torch.float32)
-    return [((name, vp, m), record_schedule(name, m, PipelineStage(world_size, vp, rank, placement=placement_of(name)),
-                                            comm))
+    return [((name, vp, m), record_schedule(name, m, schedule_spec(name).stage(world_size, vp, rank), comm))
             for name, vp, m in _schedule_cases(world_size)]
 
 
@@ -115,7 +147,7 @@ def test_pipeline_executor_obeys_nccl_rules(pp):
     per_rank = run_ranks(pp, _executor_ranks)
     failures = []
     for index, (case, _) in enumerate(per_rank[0]):
-        report = replay([results[index][1] for results in per_rank])
+        report = replay([results[index][1] for results in per_rank], streams=STREAMS)
         assert report.messages > 0 or case[2] == 0
         if not report.ok:
             failures.append(f"{case}: {report.text().splitlines()[0]}")
@@ -168,6 +200,11 @@ RUNS = {
         "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--parallel.cp=2",
         "--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true", "--train.recompute=selective",
         "--train.precision=bf16", "--train.param_dtype=bf16", "--train.global_batch_size=4"],
+    "llama MoE pp2 (DualPipeV) x dp4, ep4 (all-to-alls of F&B pairs interleaved), full recompute": [
+        "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--model.num_experts=8",
+        "--model.moe_topk=2", "--model.moe_ffn_hidden_size=16", "--parallel.ep=4", "--parallel.pp=2",
+        "--parallel.vp=2", "--parallel.pipeline_schedule=dualpipev", "--train.recompute=full",
+        "--train.global_batch_size=16"],
     "gpt2 cp4 x pp2, ring attention, distributed optimizer over dp x cp": [
         "--model.family=gpt2", "--model.num_layers=2", "--parallel.cp=4", "--parallel.pp=2",
         "--parallel.distributed_optimizer=true", "--train.global_batch_size=4"],
@@ -193,3 +230,18 @@ def test_training_runs_obey_nccl_rules(tmp_path):
         if "all-to-all" in layout:
             assert any(call.name == "all_to_all_single" and call.splits[0] != call.splits[1]
                        for records in per_rank for call in records[index].calls), "no uneven all-to-all replayed"
+        if "DualPipeV" in layout:
+            assert all(_travelled(records[index]) for records in per_rank), "no all-to-all travelled in a pair"
+
+
+def _travelled(record: RankRecord) -> bool:
+    """Some all-to-all had another call posted between its post and its wait: the other part of a paired
+    operation ran while it travelled."""
+    posted: dict[int, int] = {}
+    for position, (kind, item) in enumerate(record.events):
+        if kind == "post" and item.name == "all_to_all_single":
+            posted[item.index] = position
+        elif kind == "wait" and item in posted and any(k == "post" for k, _ in
+                                                         record.events[posted[item] + 1:position]):
+            return True
+    return False

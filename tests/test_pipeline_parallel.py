@@ -14,8 +14,9 @@ from conftest import tiny_config
 from distributed import cpu_topology, pretrain_torchrun, run_ranks, tiny_run
 from parity import assert_equals_one_device, train_and_gather
 
-from megalite.parallel.pipeline_layout import PipelineStage
-from megalite.parallel.schedules import communication_plan, needs, schedule_ops
+from megalite.parallel.pipeline.plan import communication_plan, needs
+from megalite.parallel.pipeline.registry import schedule_ops
+from megalite.parallel.pipeline.stage import PipelineStage
 from megalite.parallel.topology import Topology, release_process_groups
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from megalite.checkpoint.reader import CheckpointReader, Target
 from megalite.checkpoint.sharded_state import Piece
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context import AxisView, ParallelContext
-from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.placement import DATA_AXES, Placement, ShardSpec, unshard
 
 LAYOUTS = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"tp": 2, "pp": 2}, {"cp": 2},

@@ -23,6 +23,7 @@ from megalite.model.gpt import GPTModel
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.parallel.zero import unit_index
 from megalite.planning.context_parallel import comm_bytes
@@ -35,7 +36,7 @@ from megalite.planning.memory import (
     stage_memory,
     state_bytes,
 )
-from megalite.planning.parameters import rank_parameters, stage_layout
+from megalite.planning.parameters import rank_parameters
 from megalite.planning.plan import format_plan, make_plan, schedule_plans
 from megalite.training.build import build_model, build_trainer
 from megalite.training.flops import training_flops_per_token
@@ -216,12 +217,12 @@ def test_activations_match_saved_tensors(family, precision, param_dtype, recompu
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_zero_bubble_activations_and_weight_gradient_inputs(family, precision, param_dtype, recompute):
     """Under a zero-bubble schedule norms keep only their input (model/norms.py), and a B leaves its W the inputs
-    of every weight gradient (planning/held.py): both as the planner counts them, recompute or not (W's inputs
-    are the layer's, recomputed in B, so full recompute saves nothing between B and W)."""
+    of every weight gradient (each module's held_bytes, model/costs.py): both as the planner counts them, recompute
+    or not (W's inputs are the layer's, recomputed in B, so full recompute saves nothing between B and W)."""
     cfg = _model_config(family, train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute},
                         parallel={"pipeline_schedule": "zb-h1"})
     cfg.model.seq_length, cfg.model.num_query_groups = 64, 2 if family == "llama" else None
-    model = build_model(cfg, torch.device("cpu"), ParallelContext(split_backward=True), 0).train()
+    model = build_model(cfg, torch.device("cpu"), ParallelContext(), 0).train()
     assert saved_bytes(model, cfg) == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.01)
     shape, generator = (cfg.train.micro_batch_size, cfg.model.seq_length), torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=generator)
@@ -384,9 +385,11 @@ def test_the_plan_weighs_every_schedule_the_layout_allows():
     cfg = _model_config("gpt2", parallel={"pp": 4}, train={"global_batch_size": 16})
     cfg.model.num_layers = 8
     plans = {p.cfg.parallel.pipeline_schedule: p for p in schedule_plans(make_plan(cfg, 4))}
-    assert sorted(plans) == ["1f1b", "gpipe", "zb-h1", "zb-v"] and plans["zb-v"].cfg.parallel.vp == 2
+    assert sorted(plans) == ["1f1b", "dualpipev", "gpipe", "zb-h1", "zb-v"] and plans["zb-v"].cfg.parallel.vp == 2
     assert plans["1f1b"].bubble == pytest.approx(3 / 8) and plans["zb-h1"].bubble == pytest.approx(1 / 8)
     assert plans["zb-v"].bubble == pytest.approx(1 / 16)
+    assert plans["dualpipev"].bubble == pytest.approx(1 / 8) and plans["dualpipev"].cfg.parallel.vp == 2
+    assert all(plan.bubble == pytest.approx(plan.bubble_formula) for plan in plans.values())  # F = B = W
     assert plans["gpipe"].worst.in_flight == 8 and plans["1f1b"].worst.in_flight == 4
     text = format_plan(make_plan(cfg, 4))
     for name in plans:

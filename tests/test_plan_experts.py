@@ -14,7 +14,7 @@ from megalite.config import TORCH_DTYPES, Config
 from megalite.config_validation import validate
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context import AxisView, ParallelContext
-from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.zero import unit_index
 from megalite.planning.activations import Widths, moe_block_bytes, token_rows
 from megalite.planning.experts import comm_bytes

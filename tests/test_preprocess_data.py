@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from megalite.data import preprocess, preprocess_inputs
-from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.indexed_dataset import IndexedDataset, merge_datasets, token_stats
 from megalite.data.tokenizers import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +123,39 @@ def test_several_keys_give_aligned_datasets_and_megatron_names(tmp_path, gpt2_fl
     kept = [r for r in records if "title" in r]
     assert documents(tmp_path / "corpus_text_document") == [gpt2.encode(r["text"]) for r in kept]
     assert documents(tmp_path / "corpus_title_document") == [gpt2.encode(r["title"]) for r in kept]
+
+
+def test_a_key_no_record_has_fails_listing_the_keys_the_records_have(tmp_path, gpt2_flags, texts, capsys):
+    """A wrong --json-keys or Parquet column once wrote an empty dataset and exited 0; training on it then failed
+    with a misleading "data.split ... leaves no training documents"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = write_jsonl(tmp_path / "in.jsonl", [{"content": t, "id": i} for i, t in enumerate(texts)])
+    pq.write_table(pa.table({"body": texts, "url": ["u"] * len(texts)}), tmp_path / "in.parquet")
+    for source, keys in ((jsonl, "content, id"), (tmp_path / "in.parquet", "body, url")):
+        assert run_tool("--input", source, "--output-prefix", tmp_path / "out", *gpt2_flags, "--workers", 1) == 1
+        assert (f"preprocess_data.py: error: no record has text under --json-keys text (skipped: missing_key "
+                f"{len(texts)}); the records' keys are {keys}: pass the text field with --json-keys; no output "
+                "written") in capsys.readouterr().err
+        assert final_files(tmp_path) == [] and not list(tmp_path.glob("out*"))
+
+
+def test_the_largest_token_id_and_the_tokenizer_are_recorded_beside_the_idx(tmp_path, gpt2_flags, gpt2, texts):
+    """The .idx (Megatron's format, unchanged) has no field for it; training checks it against its vocabulary."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    assert run_tool("--input", source, "--output-prefix", tmp_path / "out", *gpt2_flags, "--workers", 1) == 0
+    prefix = str(tmp_path / "out_text_document")
+    stats = json.loads(Path(f"{prefix}.stats.json").read_text())
+    ids = [i for t in texts for i in gpt2.encode(t)]
+    assert stats == {"sequences": len(texts), "documents": len(texts) + 1, "tokens": len(ids),
+                     "max_token_id": max(ids), "tokenizer": {"type": "GPT2BPETokenizer", "vocab_size": 50257,
+                                                             "eod": 50256}}
+    assert token_stats(prefix) == stats
+    merge_datasets([prefix, prefix], str(tmp_path / "merged"))
+    assert token_stats(str(tmp_path / "merged"))["max_token_id"] == max(ids)
+    Path(f"{prefix}.bin").write_bytes(Path(f"{prefix}.bin").read_bytes()[:-2])  # another pair now: stale stats
+    assert token_stats(prefix) is None
 
 
 def test_inputs_expand_in_sorted_order_by_suffix(tmp_path):

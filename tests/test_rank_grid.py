@@ -109,7 +109,6 @@ def test_topology_groups_hold_the_grid_groups():
             "tensor-parallel": mine(grid.groups(("tp",)), rank),
             "data-parallel": mine(grid.groups(("dp",)), rank),
             "pipeline-parallel": mine(grid.groups(("pp",)), rank),
-            "model-parallel": mine(grid.groups(("tp", "pp")), rank),
             "embedding": mine(grid.groups(("pp",)), rank),  # pp = 2: first and last stage are the whole pipeline
         }
 
@@ -164,7 +163,7 @@ def test_topology_makes_the_expert_groups_over_the_same_ranks():
     for rank, result in enumerate(run_ranks(16, _expert_topology)):
         mine = {name: next(ranks for ranks in layout[grid][token] if rank in ranks) for name, grid, token in (
             ("tensor-parallel", "dense", "tp"), ("data-parallel", "dense", "dp"), ("pipeline-parallel", "dense", "pp"),
-            ("model-parallel", "dense", "tp-pp"), ("expert-tensor-parallel", "expert", "tp"),
+            ("expert-tensor-parallel", "expert", "tp"),
             ("expert-parallel", "expert", "ep"), ("expert-data-parallel", "expert", "dp"),
             ("expert-tensor-and-expert-parallel", "expert", "tp-ep"))}
         assert {name: result["groups"][name] for name in mine} == mine

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.parallel.schedules import schedule_ops
+from megalite.parallel.pipeline.registry import schedule_ops
 
 MEGATRON_ORDER = {
     (2, 2, 4): [

@@ -152,3 +152,20 @@ def test_clear_errors(gpt2_files, tmp_path):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=gpt2_files["merge_file"])
     with pytest.raises(ValueError, match="unknown tokenizer type 'GPT2'; valid types: " + ", ".join(TOKENIZER_TYPES)):
         build_tokenizer("GPT2")
+
+
+def test_a_file_that_is_not_the_tokenizer_named_is_named(gpt2_files, tmp_path):
+    """Swapped or wrong BPE files once raised the Rust tokenizer's "Error while reading BPE files: expected value at
+    line 1 column 1", naming no file."""
+    vocab, merges = gpt2_files["vocab_file"], gpt2_files["merge_file"]
+    with pytest.raises(ValueError, match=rf"^data\.vocab_file / --vocab-file: {merges} is not a GPT-2 BPE vocab\.json "
+                                         r"\(Error while reading BPE files: .*\); give the vocab\.json and merges"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=merges, merge_file=vocab)
+    with pytest.raises(ValueError, match=rf"^data\.merge_file / --merge-file: {vocab} is not a GPT-2 BPE merges\.txt"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=vocab)
+    with pytest.raises(ValueError, match=rf"^data\.tokenizer_model / --tokenizer-model: {vocab} is not a "
+                                         r"SentencePiece model \(.*could not parse ModelProto"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=vocab)
+    with pytest.raises(ValueError, match=rf"^data\.tokenizer_model / --tokenizer-model: {tmp_path} has no "
+                                         r"tokenizer\.json or tokenizer_config\.json"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))

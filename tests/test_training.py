@@ -97,7 +97,8 @@ def test_wandb_run_is_resumed_after_restart(tmp_path):
     first = pretrain(tiny_config(train={"exit_interval": 2}, checkpoint={"save": ckpt, "load": ckpt}, logging=wandb))
     second = pretrain(tiny_config(checkpoint={"save": ckpt, "load": ckpt}, logging=wandb))
     assert first.wandb_run_id and first.wandb_run_id == second.wandb_run_id
-    assert read_run(second.wandb_dir.rsplit("/files", 1)[0])["history"][0]["_step"] == 3
+    assert [r["_step"] for r in read_run(second.wandb_dir.rsplit("/files", 1)[0])["history"]] == [1, 2, 3, 4]
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1  # one directory for the whole run
     assert "hidden_size: 64" in (tmp_path / "ckpt" / "iter_0000004" / "config.yaml").read_text()
 
 

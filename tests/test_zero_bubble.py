@@ -1,4 +1,4 @@
-"""Zero-bubble schedules (parallel/zero_bubble.py) and the split backward they run (parallel/weight_grads.py).
+"""Zero-bubble schedules (parallel/pipeline/zero_bubble.py) and the split backward they run (parallel/weight_grads.py).
 
 - Each rank's list runs every F, B and W once, each after what it needs on the rank, and holds no more micro
   batches between forward and weight gradient than 1F1B's first rank (interleaved 1F1B's with vp > 1; ZB-V
@@ -6,18 +6,20 @@
 - Played out with free messages (planning/bubble.py), the lists idle as their formulas say: ZB-H1 exactly
   (pp-1)(T_F + T_B - T_W) for any times, ZB-V its formula at equal times and no more whenever neither F nor W
   takes longer than B; ZB-V and interleaved ZB-H1 under 0.6 of 1F1B's and interleaved 1F1B's bubble.
-- The lock-step communication plan exists for every micro batch count at pp 2, 4 and 8; the real executor runs
-  them on the fake process group at pp 16, and NCCL's rules hold (pp 2, 4 and 8 on real gloo ranks in
-  tests/test_nccl_rules.py).
+- The lock-step communication plan exists for every micro batch count at pp 2, 4 and 8, its exchanges (one
+  neighbour each) cost nothing over free messages; the real executor runs them on the fake process group at pp
+  16, and NCCL's rules hold with the neighbour pairs' communicators side by side or one after another (pp 2, 4
+  and 8 on real gloo ranks in tests/test_nccl_rules.py).
 - B followed by W gives every layer type's gradients bit for bit as the same model's fused backward (fp32):
   embeddings, learned positions, LayerNorm and RMSNorm (and Qwen3's q/k norms), biases, the tied LM head with
   its fused cross-entropy, mixture-of-experts router, grouped experts, shared expert and its gate; with full and
   selective recompute. Against the plain modules (what a non-splitting schedule runs) LayerNorm models are bit
   for bit equal too; RMSNorm's input gradient adds its parts in another order (fp32 rounding). A compiled
   layer defers them too.
-- Trained, ZB-H1 and ZB-V equal the one-device run (losses and every gradient, fp32) at pp 2 and 4 with tp 2 +
-  SP, dp 2 + the distributed optimizer, ZeRO-3, experts, full and selective recompute (torch.compile: in
-  tests/test_compile.py); checkpoints move between ZB-V and interleaved 1F1B; the trace shows the W operations.
+- Trained, ZB-H1, ZB-V and DualPipeV equal the one-device run (losses and every gradient, fp32) at pp 2 and 4
+  with tp 2 + SP, dp 2 + the distributed optimizer, ZeRO-3, experts (DualPipeV's pairs interleaved at the
+  expert all-to-all over ep 2), full and selective recompute (torch.compile: in tests/test_compile.py);
+  checkpoints move between ZB-V, DualPipeV and interleaved 1F1B; the trace shows the W operations and the pairs.
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ from megalite.config import Config
 from megalite.dryrun.pipeline_plan import check_pipeline
 from megalite.model.gpt import GPTModel
 from megalite.model.recompute import apply_recompute
+from megalite.model.split_backward import apply_split_backward
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.schedules import B, F, W, bubble_fraction, communication_plan, schedule_ops
+from megalite.parallel.pipeline.ops import B, F, W
+from megalite.parallel.pipeline.plan import communication_plan
+from megalite.parallel.pipeline.registry import bubble_fraction, schedule_ops
 from megalite.parallel.topology import Topology, release_process_groups
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.planning.bubble import simulated_bubble
+from megalite.training.build import is_logging_rank
 
 CASES = ([("zb-h1", pp, 1, m) for pp in (2, 4, 8) for m in (1, 2, pp - 1, pp, pp + 1, 2 * pp, 3 * pp + 1)]
          + [("zb-h1", pp, vp, m) for pp in (2, 4, 8) for vp in (2, 3) for m in (pp, 2 * pp, 3 * pp)]
@@ -94,26 +100,22 @@ def test_lists_idle_as_their_formulas_say(times):
             assert simulated_bubble("zb-h1", pp, 2, m, *times) < 0.6 * interleaved, (pp, m, times)
 
 
-def test_the_plans_batched_exchanges_cost_what_the_benchmark_measured():
-    """Played with the communication plan's batched rounds at the benchmark's stage times (docs/benchmarks.md: pp 4,
-    F : B : W = 20 : 31.3 : 9.6), 1F1B and interleaved 1F1B idle as with free messages, while ZB-H1 idles 0.342 and
-    0.256 at m = 8 and 16 (formula 0.257, 0.128; measured 0.363, 0.272) and ZB-V 0.159 and 0.080 (measured 0.187,
-    0.111): a round that sends to one neighbour and receives from the other completes only when both have posted
-    it, so the W a rank could run meanwhile waits. Where the zero-bubble schedules lose their time."""
-    times = (20.0, 31.3, 9.6)
-    for m in (8, 16):
-        for vp in (1, 2):
-            assert simulated_bubble("1f1b", 4, vp, m, *times, exchanges=True) == pytest.approx(
-                simulated_bubble("1f1b", 4, vp, m, *times))
-    got = [simulated_bubble(name, 4, vp, m, *times, exchanges=True) for name, vp in (("zb-h1", 1), ("zb-v", 2))
-           for m in (8, 16)]
-    assert got == pytest.approx([0.342, 0.256, 0.159, 0.080], abs=1e-3)
+@pytest.mark.parametrize("times", [(20.0, 31.3, 9.6), *TIMES])
+def test_exchanges_with_one_neighbour_each_cost_nothing(times):
+    """Played with the communication plan's exchanges, every schedule idles as with free messages: each exchange
+    holds one neighbour's messages, so a rank waiting for its input waits for nobody else. (When an exchange
+    held a whole round, with both neighbours, ZB-H1 idled 0.342 and 0.256 at the benchmark's times, pp 4, m = 8
+    and 16, against 0.257 and 0.128: docs/benchmarks.md.)"""
+    for name, vp in (("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("zb-h1", 2), ("zb-v", 2), ("dualpipev", 2)):
+        for pp, m in ((2, 8), (4, 8), (4, 16), (8, 16)):
+            assert simulated_bubble(name, pp, vp, m, *times, exchanges=True) == pytest.approx(
+                simulated_bubble(name, pp, vp, m, *times)), (name, vp, pp, m)
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
 def test_lock_step_plan_exists_for_every_micro_batch_count(pp):
-    """The plan is NCCL-safe by construction once it exists (schedules.py); it exists for every count allowed:
-    any for ZB-H1 and ZB-V, multiples of pp for interleaved ZB-H1."""
+    """The plan is NCCL-safe by construction once it exists (parallel/pipeline/plan.py); it exists for every count
+    allowed: any for ZB-H1 and ZB-V, multiples of pp for interleaved ZB-H1."""
     for m in range(1, 4 * pp + 2):
         for name, vp in [("zb-h1", 1), ("zb-v", 2)] + ([("zb-h1", 2), ("zb-h1", 3)] if m % pp == 0 else []):
             plans = communication_plan(name, pp, vp, m)
@@ -147,8 +149,10 @@ MODELS = {
 def _gradients(cfg: Config, split: bool, recompute: str, deferring: bool) -> dict[str, torch.Tensor]:
     """Two micro batches' gradients of a model built for a schedule that splits its backward (`split`), each
     backward run fused or, `deferring`, as a B (checked to leave every weight gradient for later) and its W."""
-    model = GPTModel(cfg.model, torch.device("cpu"), ParallelContext(split_backward=split), seed=3)
+    model = GPTModel(cfg.model, torch.device("cpu"), ParallelContext(), seed=3)
     apply_recompute(model, recompute)
+    if split:
+        apply_split_backward(model)
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, 100, (2, 16), generator=g) for _ in range(2))
     for microbatch in range(2):
@@ -202,6 +206,10 @@ PARITY = [  # on 4 ranks: pp 2 and 4 with tp 2 + SP, cp 2, dp 2 + the distribute
     ("llama MoE", 2, 2, "zb-v", {"ep": 2, "recompute": "selective"}),
     ("llama", 4, 2, "zb-v", {"recompute": "selective"}),
     ("gpt2", 4, 1, "zb-h1", {}),
+    # DualPipeV: its F&B pairs interleaved at the expert all-to-all (ep 2), recompute rerunning them inside B
+    ("llama MoE", 2, 2, "dualpipev", {"tp": 2, "ep": 2}),
+    ("llama MoE", 2, 2, "dualpipev", {"ep": 2, "distributed_optimizer": True, "recompute": "full"}),
+    ("llama MoE", 4, 2, "dualpipev", {"recompute": "selective"}),
 ]
 
 
@@ -210,9 +218,8 @@ def _parity_ranks(rank: int, world_size: int) -> list:
     for family, pp, vp, schedule, parallel in PARITY:
         cfg = _layout(family, pp, vp, schedule, **parallel)
         losses, grads = train_and_gather(cfg, cpu_topology(rank, world_size, cfg))
-        results.append((losses if Topology.from_config(
-            rank, world_size, torch.device("cpu"), cfg.parallel, cfg.model.num_experts > 0).is_logging_rank
-            else None, grads))
+        results.append((losses if is_logging_rank(cfg, Topology.from_config(
+            rank, world_size, torch.device("cpu"), cfg.parallel, cfg.model.num_experts > 0)) else None, grads))
     return results
 
 
@@ -245,7 +252,8 @@ def test_a_compiled_layer_defers_its_weight_gradients():
     grads = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = GPTModel(cfg.model, torch.device("cpu"), ParallelContext(split_backward=True), seed=3)
+        model = GPTModel(cfg.model, torch.device("cpu"), ParallelContext(), seed=3)
+        apply_split_backward(model)
         layer = model.layers["0"]
         if compiled:
             layer.compile()
@@ -267,22 +275,30 @@ TINY = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention
         "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0"]
 
 
-def test_checkpoints_move_between_zb_v_and_interleaved_1f1b_and_the_trace_shows_w(tmp_path):
-    """ZB-V places layers in a V, interleaved 1F1B in a loop; checkpoints name layers globally, so a run saved
-    under one resumes under the other, both ways, on the one-device run's losses. ZB-V's trace (Perfetto) has
-    a W box for every chunk and micro batch on every rank."""
+def test_checkpoints_move_between_v_schedules_and_interleaved_1f1b_and_the_trace_shows_w_and_pairs(tmp_path):
+    """ZB-V and DualPipeV place layers in a V, interleaved 1F1B in a loop; checkpoints name layers globally, so a
+    run saved under one resumes under the other, both ways, on the one-device run's losses. ZB-V's trace
+    (Perfetto) has a W box for every chunk and micro batch on every rank; DualPipeV's every F and B once, a W
+    for each B that left one, and each F&B pair's backward on the rank's second row beside its forward."""
     ckpt = [f"--checkpoint.save={tmp_path / 'ckpt'}", f"--checkpoint.load={tmp_path / 'ckpt'}"]
-    trace = tmp_path / "trace.json"
-    reference = [r["loss"] for r in tiny_run(tmp_path, 1, base=TINY, name="one")]
-    layout = ["--parallel.pp=2", "--parallel.vp=2", "--train.exit_interval=2", *ckpt]
+    traces = {"zb-v": tmp_path / "zb-v.json", "dualpipev": tmp_path / "dualpipev.json"}
+    reference = [r["loss"] for r in tiny_run(tmp_path, 1, "--train.train_iters=8", base=TINY, name="one")]
+    layout = ["--parallel.pp=2", "--parallel.vp=2", "--train.exit_interval=2", "--train.train_iters=8", *ckpt]
     losses = []
-    for step, schedule in enumerate(("zb-v", "1f1b", "zb-v")):
-        extra = [f"--logging.pipeline_trace={trace}", "--logging.pipeline_trace_steps=1"] if step == 0 else []
+    for step, schedule in enumerate(("zb-v", "1f1b", "dualpipev", "1f1b")):
+        extra = [f"--logging.pipeline_trace={traces[schedule]}", "--logging.pipeline_trace_steps=1"] if (
+            step in (0, 2)) else []
         records = tiny_run(tmp_path, 2, *layout, f"--parallel.pipeline_schedule={schedule}", *extra, base=TINY,
                            name=f"{schedule}{step}")
         losses += [r["loss"] for r in records]
     assert losses == pytest.approx(reference, rel=1e-5)
-    events = json.loads(trace.read_text())["traceEvents"]
-    for rank in (0, 1):
-        ops = Counter(e["name"] for e in events if e["pid"] == rank and e["ph"] == "X")
-        assert ops == Counter(f"{k} c{c} mb{m}" for k in "FBW" for c in range(2) for m in range(4)), rank
+    for schedule, path in traces.items():
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+        for rank in (0, 1):
+            ops = schedule_ops(schedule, 2, 2, rank, 4)
+            mine = [e for e in events if e["pid"] == rank]
+            assert Counter(e["name"] for e in mine) == Counter(part.label for op in ops for part in op.parts), rank
+            pairs = [e for e in mine if e["args"]["paired"]]
+            assert len(pairs) == 2 * sum(len(op.parts) == 2 for op in ops), rank
+            assert all(e["tid"] == (e["cat"] == "B") for e in pairs) and all(e["tid"] == 0 for e in mine
+                                                                             if not e["args"]["paired"])

@@ -2,7 +2,8 @@
 against a loop over the experts (one matmul each, the split sizes read on the host), in one process.
 
 Both run the same MoELayer (router, sort, experts, weighted combine) on the same tokens; only the experts'
-two projections differ. Times are medians over `--iters` steps after `--warmup`, per layer.
+two projections differ: the loop is a matmul recipe (parallel/gemm.py) applied to the layer. Times are medians
+over `--iters` steps after `--warmup`, per layer.
 
     python tools/benchmark_moe.py                         # 2048 tokens, hidden 512, 16 experts of 256, top-4
     python tools/benchmark_moe.py --precision bf16 --experts 64 --topk 8
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -22,18 +22,26 @@ import torch.nn.functional as F
 from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
 from megalite.model.init import init_parameters
-from megalite.model.moe import experts as experts_module
 from megalite.model.moe.layer import MoELayer
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.gemm import HighPrecision, RowGroups, apply_recipe
 from megalite.parallel.placement import parameter_placements
 from megalite.parallel.topology import synchronize
 from megalite.training.step import precision_context
 
 
-def loop_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The reference: one matmul per expert over its rows (sizes read on the host)."""
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
-    return torch.cat([F.linear(part, weight[e].to(x.dtype)) for e, part in enumerate(x.split(sizes))])
+class ExpertLoop(HighPrecision):
+    """The reference: one matmul per expert over its rows (sizes read on the host), both ways."""
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        return torch.cat([F.linear(part, weight[e].to(x.dtype)) for e, part in enumerate(x.split(groups.sizes))])
+
+    def grouped_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        return torch.cat([g.matmul(weight[e].to(g.dtype)) for e, g in enumerate(grad.split(groups.sizes))])
+
+    def grouped_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        pairs = zip(grad.split(groups.sizes), x.split(groups.sizes))
+        return torch.stack([g.t().matmul(part.to(g.dtype)) for g, part in pairs])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         init_parameters(layer, 0, cfg, parameter_placements(layer, False), ParallelContext().coord, {})
     x = torch.randn(args.tokens, 1, args.hidden, device=device, generator=torch.Generator(device).manual_seed(0))
     grouped = layer_seconds(layer, x, args)
-    with mock.patch.object(experts_module, "grouped_linear", loop_linear):
-        loop = layer_seconds(layer, x, args)
+    apply_recipe(layer.experts, ExpertLoop())
+    loop = layer_seconds(layer, x, args)
     print(f"MoE layer forward + backward: {args.tokens} tokens, hidden {args.hidden}, {args.experts} experts of "
           f"{args.ffn}, top-{args.topk}, {args.precision} on {args.device} ({torch.get_num_threads()} threads)")
     print("| implementation | ms per layer | speed-up |\n|---|---|---|")

@@ -7,16 +7,18 @@
    compute is a sleep: forward t_f / vp, B t_b / vp, W t_w / vp, in the measured ratios with t_f = --t-f ms (a
    schedule without W sleeps B and W together in its backward). Sleeping ranks need no CPU, so pp ranks on 2
    cores time like pp devices. Bubble = (step - ideal) / ideal, with ideal m (t_f + t_b + t_w), next to the
-   schedule's formula with the same times (parallel/schedules.py bubble_fraction), to its op lists played out
-   with free messages and with the communication plan's batched exchanges (planning/bubble.py); also against
-   the same rank's operations run back to back without a pipeline, which pay the same late wake-ups and
-   autograd, so that only the pipeline's costs remain.
+   schedule's formula with the same times (its ScheduleSpec's bubble; a paired F&B of DualPipeV sleeps its
+   forward and its whole backward, F&B = F + B), to its op lists played out with free messages and with the
+   communication plan's exchanges (planning/bubble.py); also against the same rank's operations run back to
+   back without a pipeline, which pay the same late wake-ups and autograd, so that only the pipeline's costs
+   remain. `--ratios` sleeps given ratios instead of measuring the stage, so that repeated runs compare alike.
 3. Memory: the benchmark model itself trains one step per schedule on pp gloo ranks; each rank's activation
    memory at the schedule's peak (what autograd saves, plus what B leaves for W: planning/measure_pipeline.py)
    next to the planner's (planning/memory.py peak_activations).
 
     python tools/benchmark_pipeline.py --realtime
-    python tools/benchmark_pipeline.py --pp 4 --microbatches 8 16 --schedules 1f1b:1 1f1b:2 zb-h1:1 zb-v:2
+    python tools/benchmark_pipeline.py --realtime --pp 4 --microbatches 8 16 \
+        --schedules 1f1b:1 1f1b:2 zb-h1:1 zb-v:2 dualpipev:2
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite.config import ParallelConfig
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.pipeline_layout import PipelineStage, placement_of
-from megalite.parallel.schedules import Trace, bubble_fraction, run_schedule, splits_backward
+from megalite.parallel.pipeline.executor import Trace, run_schedule
+from megalite.parallel.pipeline.registry import SCHEDULES, schedule_spec, training_schedules
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
-from megalite.parallel.weight_grads import weight_grad
+from megalite.parallel.weight_grads import deliver
 from megalite.planning.bubble import simulated_bubble
 from megalite.planning.measure import measurement_config, mock_batches
 from megalite.planning.measure_pipeline import activation_peak, stage_times
@@ -62,7 +65,7 @@ class Sleep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         time.sleep(ctx.times[1])
-        weight_grad(ctx.anchor, lambda: time.sleep(ctx.times[2]))
+        deliver(ctx.anchor, lambda: time.sleep(ctx.times[2]))
         return grad, None, None
 
 
@@ -75,14 +78,14 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"{'interleaved ' if self.vp > 1 and self.schedule == '1f1b' else ''}{self.schedule}"
+        return schedule_spec(self.schedule).label(self.vp)
 
 
 def chunk_times(case: Case, times: tuple[float, float, float]) -> tuple[float, float, float]:
     """Seconds one chunk sleeps: a rank's forward, B and W times over its vp chunks; B and W together when the
     schedule does not split them."""
     t_f, t_b, t_w = (t / 1e3 / case.vp for t in times)
-    return (t_f, t_b, t_w) if splits_backward(case.schedule) else (t_f, t_b + t_w, 0.0)
+    return (t_f, t_b, t_w) if schedule_spec(case.schedule).split_backward else (t_f, t_b + t_w, 0.0)
 
 
 def no_pipeline_step(case: Case, times: tuple[float, float, float]) -> float:
@@ -99,7 +102,7 @@ def time_case(rank: int, world_size: int, case: Case, times: tuple[float, float,
     peak of micro batches in flight."""
     if realtime:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-    stage = PipelineStage(case.pp, case.vp, rank, placement=placement_of(case.schedule))
+    stage = schedule_spec(case.schedule).stage(case.pp, case.vp, rank)
     comm = PipelineComm(Topology(rank, world_size, torch.device("cpu"), pp=case.pp), SHAPE, torch.float32)
     anchors = [torch.zeros(()) for _ in range(case.vp)]
 
@@ -112,7 +115,7 @@ def time_case(rank: int, world_size: int, case: Case, times: tuple[float, float,
     for i in range(iters + 1):
         dist.barrier()
         start = time.perf_counter()
-        run_schedule(case.schedule, case.m, forward_step, stage, comm, trace)
+        run_schedule(case.schedule, case.m, forward_step, stage, comm, [trace])
         step = time.perf_counter() - start
         dist.barrier()
         if i:
@@ -125,7 +128,7 @@ def bubble_row(case: Case, ranks: list[dict], times: tuple[float, float, float])
     """A step lasts until its slowest rank finishes; medians over steps."""
     step, no_pipeline = (statistics.median(map(max, zip(*(r[key] for r in ranks)))) for key in ("steps", "no_pipeline"))
     ideal = case.m * sum(times) / 1e3
-    formula = bubble_fraction(case.schedule, case.pp, case.vp, case.m, *times)
+    formula = schedule_spec(case.schedule).bubble(case.pp, case.vp, case.m, *times)
     lists = simulated_bubble(case.schedule, case.pp, case.vp, case.m, *times)
     exchanged = simulated_bubble(case.schedule, case.pp, case.vp, case.m, *times, exchanges=True)
     bubble, bubble_np = (step - ideal) / ideal, (step - no_pipeline) / no_pipeline
@@ -167,14 +170,21 @@ def cpu_line() -> str:
     return f"{model}, {os.cpu_count()} cores, avx512_bf16: {'yes' if 'avx512_bf16' in text else 'no'}"
 
 
+def _every_schedule() -> list[str]:
+    """SCHEDULE:VP for every registered training schedule at each vp of 1 and 2 it runs at."""
+    return [f"{name}:{vp}" for name in training_schedules() for vp in (1, 2) if SCHEDULES[name].vp in (None, vp)]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (one process each)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
-    p.add_argument("--schedules", nargs="+", default=["1f1b:1", "1f1b:2", "zb-h1:1", "zb-h1:2", "zb-v:2"],
-                   help="SCHEDULE:VP pairs")
+    p.add_argument("--schedules", nargs="+", default=_every_schedule(), help="SCHEDULE:VP pairs (default: every "
+                   "training schedule at vp 1 and 2, or at the vp it needs)")
     p.add_argument("--t-f", type=float, default=20.0, help="a stage's sleeping forward, ms (B and W in the ratios "
                                                            "measured)")
+    p.add_argument("--ratios", type=float, nargs=2, metavar=("B/F", "W/F"), help="the sleeping B and W as ratios of "
+                   "t_f, instead of measuring the stage (so that repeated runs sleep the same times)")
     p.add_argument("--layers", type=int, default=16, help="benchmark model layers (a stage holds layers / pp)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=256)
@@ -192,12 +202,17 @@ def main(argv: list[str] | None = None) -> None:
     cases = [Case(name, args.pp, int(vp), m) for m in args.microbatches
              for name, vp in (pair.split(":") for pair in args.schedules)]
     torch.set_num_threads(1)
-    t_f, t_b, t_w = stage_times(model_config(args, Case("zb-h1", args.pp, 1, args.pp)), 1)
-    times = (args.t_f, args.t_f * t_b / t_f, args.t_f * t_w / t_f)
-    print(f"CPU: {cpu_line()}; Python {platform.python_version()}, torch {torch.__version__}")
-    print(f"stage times (stage 1 of {args.pp}: {args.layers // args.pp} layers, hidden {args.hidden}, seq {args.seq}, "
-          f"micro batch {args.micro_batch_size}, fp32, 1 thread): T_F {1e3 * t_f:.2f} ms, T_B {1e3 * t_b:.2f} ms, "
-          f"T_W {1e3 * t_w:.2f} ms; T_B/T_F {t_b / t_f:.2f}, T_W/T_F {t_w / t_f:.2f}")
+    print(f"CPU: {cpu_line()}; Python {platform.python_version()}, torch {torch.__version__}; load average "
+          f"{' '.join(f'{load:.1f}' for load in os.getloadavg())}")
+    if args.ratios:
+        times = (args.t_f, args.t_f * args.ratios[0], args.t_f * args.ratios[1])
+    else:
+        t_f, t_b, t_w = stage_times(model_config(args, Case(ParallelConfig().pipeline_schedule, args.pp, 1, args.pp)),
+                                    1)
+        times = (args.t_f, args.t_f * t_b / t_f, args.t_f * t_w / t_f)
+        print(f"stage times (stage 1 of {args.pp}: {args.layers // args.pp} layers, hidden {args.hidden}, seq "
+              f"{args.seq}, micro batch {args.micro_batch_size}, fp32, 1 thread): T_F {1e3 * t_f:.2f} ms, T_B "
+              f"{1e3 * t_b:.2f} ms, T_W {1e3 * t_w:.2f} ms; T_B/T_F {t_b / t_f:.2f}, T_W/T_F {t_w / t_f:.2f}")
     print(f"sleeping stages: t_f {times[0]:.1f}, t_b {times[1]:.1f}, t_w {times[2]:.1f} ms per micro batch per rank; "
           f"median of {args.iters} steps{'; ranks at SCHED_FIFO 1' if args.realtime else ''}")
     print("| schedule | vp | m | step ms | ideal ms | no-pipeline ms | formula | op lists | plan's exchanges "

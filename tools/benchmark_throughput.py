@@ -40,8 +40,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
+import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,6 +64,7 @@ from megalite.planning.measure import measurement_config, mock_batches, model_fi
 from megalite.training.build import build_rank_model, build_trainer  # noqa: E402
 from megalite.training.flops import training_flops_per_token  # noqa: E402
 from megalite.training.step import precision_context, train_step  # noqa: E402
+from tools import profile_summary  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -102,7 +107,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile one more step of each side: its N ops with the most self time, and "
                         "the share of matmuls (which both sides run alike) in the step")
+    p.add_argument("--sides", nargs="+", choices=("megalite", "huggingface", "plain"), default=None,
+                   help="which sides to time (default: megalite and huggingface, and plain with --plain)")
+    p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="megalite's parameters (train.param_dtype; bf16 keeps fp32 main weights in the optimizer); "
+                        "Hugging Face's stay fp32 under autocast")
+    p.add_argument("--profile-json", type=Path, default=None, metavar="PATH",
+                   help="profile one more step of each side and write where its time goes (tools/profile_summary.py: "
+                        "kernel families, launch gaps, host syncs and where they come from) to PATH as JSON")
+    p.add_argument("--profile-trace", type=Path, default=None, metavar="PATH",
+                   help="with --profile-json, also each side's chrome trace of that step, gzipped: PATH with the "
+                        "side's name before its suffixes (trace.json.gz -> trace_megalite.json.gz)")
     args = p.parse_args(argv)
+    args.sides = args.sides or ["megalite", "huggingface", *(["plain"] if args.plain else [])]
+    if args.profile_trace and not args.profile_json:
+        p.error("--profile-trace needs --profile-json (the trace is of the step that one profiles)")
     if args.family == "gpt2" and (args.kv_heads is not None or args.rope_theta is not None):
         p.error("--kv-heads and --rope-theta are llama options: GPT2LMHeadModel has neither")
     if args.family == "gpt2" and args.experts:
@@ -115,7 +134,8 @@ def build_config(args: argparse.Namespace) -> Config:
     and the optimizer hyperparameters stay at their defaults."""
     return measurement_config(1, model={"family": args.family, **model_fields(args)},
                               train={"micro_batch_size": args.micro_batch, "precision": args.precision,
-                                     "compile": args.compile, "seed": args.seed, "device": args.device})
+                                     "param_dtype": args.param_dtype, "compile": args.compile, "seed": args.seed,
+                                     "device": args.device})
 
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, size: int = 4096, rounds: int = 5) -> float:
@@ -241,6 +261,46 @@ def profile_step(step: Callable[[], None], rows: int) -> tuple[str, float, float
     return (table, sum(self_us(e) for e in events if e.key in MATMULS) / 1e6, sum(self_us(e) for e in events) / 1e6)
 
 
+def trace_path(path: Path | None, side: str) -> Path | None:
+    """`path` with the side's name before its suffixes, or None."""
+    if path is None:
+        return None
+    stem = path.name.split(".")[0]
+    return path.with_name(f"{stem}_{side}{path.name[len(stem):]}")
+
+
+def summarize_step(step: Callable[[], None], device: torch.device, trace: Path | None) -> dict:
+    """Where one more call of `step` spends its time (tools/profile_summary.py), then where its host syncs come
+    from, from another call recorded with Python stacks (kept apart: recording stacks slows the host)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, *(
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+    synchronize(device)
+    with torch.profiler.profile(activities=activities) as timed:
+        step()
+        synchronize(device)
+    if trace is not None:
+        with tempfile.TemporaryDirectory() as folder:
+            raw = Path(folder) / "trace.json"
+            timed.export_chrome_trace(str(raw))
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            with raw.open("rb") as source, gzip.open(trace, "wb") as target:
+                shutil.copyfileobj(source, target)
+    with torch.profiler.profile(activities=activities, with_stack=True) as stacked:
+        step()
+        synchronize(device)
+    return profile_summary.summarize(profile_summary.records_of(timed.events()),
+                                     profile_summary.sync_sites_of(stacked.events()))
+
+
+def write_summaries(path: Path, args: argparse.Namespace, summaries: dict[str, dict]) -> None:
+    """The profiled sides' summaries and the benchmark's shape, rewritten after each side (a run cut off keeps
+    the sides it finished)."""
+    shape = {key: getattr(args, key) for key in ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq",
+                                                 "micro_batch", "vocab", "precision", "param_dtype", "compile")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": shape, "sides": summaries}, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     transformers.logging.set_verbosity_error()
@@ -278,26 +338,28 @@ def compare(args: argparse.Namespace, cfg: Config, topology: Topology) -> None:
 
     builders = {"megalite": lambda: megalite_step(cfg, topology, batch),
                 "huggingface": lambda: contextlib.nullcontext(
-                    hf_step(cfg, device, batch, args.hf_optimizer == "fused", args.hf_compile))}
-    if args.plain:
-        builders["plain"] = lambda: plain_step(cfg, topology, batch)
-    tokens_per_s = {}
-    for name, build in builders.items():
-        with build() as step:
+                    hf_step(cfg, device, batch, args.hf_optimizer == "fused", args.hf_compile)),
+                "plain": lambda: plain_step(cfg, topology, batch)}
+    tokens_per_s, summaries = {}, {}
+    for name in args.sides:
+        with builders[name]() as step:
             seconds = median_step_seconds(step, args.warmup, args.steps, device)
             if args.profile:
                 table, matmul, total = profile_step(step, args.profile)
                 print(f"{name} profile of one step:\n{table}\n{name} matmuls: {matmul * 1e3:.2f} ms of "
                       f"{total * 1e3:.2f} ms self time ({matmul / total:.0%})", flush=True)
+            if args.profile_json:
+                summaries[name] = summarize_step(step, device, trace_path(args.profile_trace, name))
+                write_summaries(args.profile_json, args, summaries)
         tokens_per_s[name] = tokens_per_step / seconds
         mfu = tokens_per_s[name] * flops_per_token / (peak * 1e12)
         print(f"{name:<12} {seconds * 1e3:8.1f} ms/step {tokens_per_s[name]:10.1f} tokens/s  MFU {mfu:6.1%}",
               flush=True)
         gc.collect()
         torch.cuda.empty_cache()  # the next model starts from a bare allocator, as in a process of its own
-    print(f"megalite / huggingface: {tokens_per_s['megalite'] / tokens_per_s['huggingface']:.3f}x")
-    if args.plain:
-        print(f"megalite / plain: {tokens_per_s['megalite'] / tokens_per_s['plain']:.3f}x")
+    for other in ("huggingface", "plain"):
+        if {"megalite", other} <= tokens_per_s.keys():
+            print(f"megalite / {other}: {tokens_per_s['megalite'] / tokens_per_s[other]:.3f}x")
 
 
 if __name__ == "__main__":

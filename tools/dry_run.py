@@ -2,15 +2,16 @@
 of each role, built and stepped on fake tensors under torch's fake process group.
 
     python tools/dry_run.py --config examples/llama_70b.yaml --world-size 64
-    python tools/dry_run.py --config examples/llama_405b.yaml --world-size 16384 --microbatches peak
+    python tools/dry_run.py --config examples/llama_405b.yaml --world-size 16384 --microbatches all
     python tools/dry_run.py --config my.yaml --world-size 1024 --gpu h200 --parallel.pp=8
 
 For the first, a middle and the last pipeline stage it prints the memory alive at the step's peak by kind
 (parameters, gradients, main weights, optimizer state, saved activations, the rest) beside the planner's,
 every collective and point-to-point call of the step with its bytes, and a verdict for the GPU; then the whole
 pipeline's messages replayed under NCCL's rules at the full pp x vp, and the time and memory of building one
-rank's groups at that world size. `--microbatches peak` simulates the fewest micro batches whose schedule
-reaches the same memory peak (fast); the default runs the config's whole step.
+rank's groups at that world size. By default (`--microbatches peak`) it simulates the fewest micro batches whose
+schedule reaches the same memory peak (a minute for the 405B example); `--microbatches all` runs the config's
+whole step (its every micro batch: much longer for a large global batch).
 Exit status: 0 when every simulated rank runs its step and fits and the pipeline passes, 1 otherwise, 2 for a
 config that is invalid or that the dry run cannot simulate. How it works: megalite/dryrun/.
 """
@@ -36,9 +37,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--config", required=True, help="YAML config, as pretrain_gpt.py takes")
     p.add_argument("--world-size", type=int, required=True, help="number of GPUs (processes) of the run")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="device type whose memory the verdict uses")
-    p.add_argument("--microbatches", default="all",
-                   help="micro batches per step to simulate: all (the config's), peak (the fewest with the same "
-                        "memory peak) or a number")
+    p.add_argument("--microbatches", default="peak",
+                   help="micro batches per step to simulate: peak (default: the fewest with the same memory peak), "
+                        "all (the config's) or a number")
     p.add_argument("--explain", type=int, default=0, metavar="N",
                    help="list the N largest tensors alive at each rank's peak and the line of megalite that made each")
     return p.parse_known_args(argv)

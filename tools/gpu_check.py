@@ -2,15 +2,22 @@
 
     python tools/gpu_check.py --out DIR              # every step; logs, metrics and DIR/report.md in DIR
     python tools/gpu_check.py --only train memory    # some steps (memory reads the train step's metrics)
+    python tools/gpu_check.py --peers                # megalite beside Megatron-Core and torchtitan only
     python tools/gpu_check.py --dry-run              # anywhere: every command and config built and validated
 
 It runs from a plain checkout (megalite need not be installed; the commands it starts import it from this
-checkout too) with torch, transformers and triton: without wandb, datasets, git or a package registry. The
+checkout too) with torch, transformers and triton: without wandb, datasets, git or a package registry; the peers
+steps install their wheels (bash scripts/gpu_peer_wheels.sh fetches them into peer_wheels/) with pip --target. The
 whole run keeps within --budget seconds (default 420, for machines that stop a command at 10 minutes): a
 step or command that would not fit in what is left is skipped with a line saying so. The report is rewritten
-after each step, so a run cut off from outside still leaves every finished step's figures in it.
+after each step, so a run cut off from outside still leaves every finished step's figures in it; the profiles,
+chrome traces and logs.tar.gz (every command's log and metrics) go to --artifacts (the report's folder).
 
-Steps, in order, each PASS, FAIL or SKIP with its time:
+Steps, ranked (tools/gpu_check_plan.py; each PASS, FAIL or SKIP with its time; --dry-run prints the estimates):
+  peers       megalite beside Megatron-Core (SDPA attention) and torchtitan (tools/gpu_check_peers.py).
+  profile     benchmark_throughput.py --profile-json: where megalite's eager step loses its time
+              (tools/gpu_check_profile.py).
+  peers_local Megatron-Core with its own unfused attention, GPT-2 1.3B only.
   tests       `pytest -m cuda tests/test_cuda.py`: what CPU CI cannot run.
   train       pretrain_gpt.py under torchrun, one GPU, mock data, bf16 parameters: a few steps of the GPT-2 1.3B
               and Llama-3.2-1B examples; losses, tokens/s, MFU and peak memory from the metrics file.
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tarfile
 import time
 import traceback
 from pathlib import Path
@@ -42,54 +50,27 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script, Python puts tools/ on the path, not the repository root
 from megalite.config import ConfigError  # noqa: E402
-from megalite.planning.plan import GPUS, make_plan  # noqa: E402
+from megalite.planning.plan import GPUS  # noqa: E402
 from megalite.training.flops import device_model, peak_tflops  # noqa: E402
+from tools.gpu_check_peers import peer_runs  # noqa: E402
+from tools.gpu_check_plan import BY_NAME, STEPS  # noqa: E402
+from tools.gpu_check_profile import profile_runs  # noqa: E402
 from tools.gpu_check_report import CheckResult, environment, write_report  # noqa: E402
-from tools.gpu_check_steps import (  # noqa: E402
-    SHAPES,
-    STEP_FUNCTIONS,
-    STEP_NEEDS,
-    STEPS,
-    Context,
-    benchmark_runs,
-    display,
-    flops_by_family,
-    predicted_gib,
-    pytest_command,
-    shape_lines,
-    tail,
-    train_runs,
-)
+from tools.gpu_check_steps import Context, benchmark_runs, display, tail, train_runs  # noqa: E402
 
-
-def dry_run_lines(ctx: Context, step: str) -> list[str]:
-    """What `step` would run, every config it would use built and validated (raises if one is invalid)."""
-    if step == "tests":
-        return [f"$ {display(pytest_command())}"]
-    if step == "train":
-        return [line for run in train_runs(ctx.out, ctx.train_iters) for line in (
-            f"$ {display(run.command)}", f"  valid; planner ({ctx.gpu}): {make_plan(run.cfg, 1, ctx.gpu).verdict()}")]
-    if step == "throughput":
-        runs = benchmark_runs(ctx.gpu)
-        flops = flops_by_family(runs)
-        return [*(f"$ {display(run.command)}" for run in runs),
-                *(f"  {label}: the model of {config}, {flops[family] / 1e9:.2f} GFLOP/token"
-                  for family, (label, config) in SHAPES.items()), *(f"  {line}" for line in shape_lines(runs))]
-    return [f"peak allocated in {display([str(run.metrics)])} against the planner's "
-            f"{predicted_gib(make_plan(run.cfg, 1, ctx.gpu)):.2f} GiB (within {ctx.memory_tolerance:.0%})"
-            for run in train_runs(ctx.out, ctx.train_iters)]
+KEEP_LOGS = "logs.tar.gz"  # every command's log and metrics file, packed into --artifacts after each step
 
 
 def run_step(ctx: Context, name: str) -> CheckResult:
     """One step, timed; an error inside it fails the step, and the other steps still run."""
     print(f"[{name}]", flush=True)
     start = time.monotonic()
-    skipped = ctx.skip(f"[{name}]", STEP_NEEDS[name])
+    skipped = ctx.skip(f"[{name}]", BY_NAME[name].need)
     if skipped:
         result = CheckResult(name, "SKIP", skipped)
     else:
         try:
-            result = STEP_FUNCTIONS[name](ctx)
+            result = BY_NAME[name].run(ctx)
         except Exception as error:  # noqa: BLE001 - reported in the step's row
             result = CheckResult(name, "FAIL", f"{type(error).__name__}: {error}", tail(traceback.format_exc(), 40))
     result.seconds = time.monotonic() - start
@@ -97,10 +78,24 @@ def run_step(ctx: Context, name: str) -> CheckResult:
     return result
 
 
+def pack_logs(out: Path, artifacts: Path) -> None:
+    """OUT's logs and metrics files as one archive in the artifacts folder (a machine that returns few files
+    returns them all this way)."""
+    artifacts.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(artifacts / KEEP_LOGS, "w:gz") as tar:
+        for path in sorted([*out.glob("*.log"), *out.glob("*.jsonl")]):
+            tar.add(path, arcname=path.name)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="build, validate and print everything; run nothing")
     p.add_argument("--only", nargs="+", choices=STEPS, help="run these steps only (in the usual order)")
+    p.add_argument("--peers", action="store_true", help="the peers steps only (--only peers peers_local)")
+    p.add_argument("--wheels", type=Path, default=ROOT / "peer_wheels",
+                   help="the peers' wheels (bash scripts/gpu_peer_wheels.sh downloads them there)")
+    p.add_argument("--artifacts", type=Path, default=None,
+                   help="where the profiles, traces and logs.tar.gz go (default: the report's folder)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check", help="metrics files, logs, the report")
     p.add_argument("--report", type=Path, default=None,
                    help="the markdown report, rewritten after each step (default: OUT/report.md)")
@@ -113,6 +108,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.budget <= 0:
         p.error(f"--budget {args.budget:g}: give the seconds the run may take, e.g. --budget 420")
+    if args.peers:
+        args.only = [*(args.only or []), "peers", "peers_local"]
     return args
 
 
@@ -130,16 +127,21 @@ def main(argv: list[str] | None = None) -> int:
         gpu = next((key for key, (_, row) in GPUS.items() if row == model), gpu)
         peak = peak_tflops(torch.device("cuda", 0), "bf16", args.peak_tflops)
     out, start = args.out.resolve(), time.monotonic()
-    ctx = Context(out, start + args.budget, gpu, peak, args.train_iters, args.memory_tolerance)
+    artifacts = (args.artifacts or report.parent).resolve()
+    ctx = Context(out, start + args.budget, gpu, peak, args.train_iters, args.memory_tolerance, artifacts,
+                  args.wheels.resolve())
     try:
         if args.dry_run:
-            print("dry run: nothing runs on a GPU. A real run takes these steps, in order:")
-            for step in steps:
-                print(f"\n[{step}]", *dry_run_lines(ctx, step), sep="\n  ")
-            print(f"\nwithin {args.budget:.0f} s (--budget), and writes its report to {display([str(report)])}")
+            print("dry run: nothing runs on a GPU. A real run takes these steps, in order (estimates: one H100):")
+            for step in (BY_NAME[name] for name in steps):
+                print(f"\n[{step.name}]", f"~{step.estimate:.0f} s: {step.about}", *step.dry_run(ctx), sep="\n  ")
+            print(f"\nthese steps take ~{sum(BY_NAME[name].estimate for name in steps):.0f} s on one H100 in all")
+            print(f"within {args.budget:.0f} s (--budget), and writes its report to {display([str(report)])}")
             return 0
         train_runs(out, args.train_iters)  # every config is valid before any GPU work starts
         benchmark_runs(gpu)
+        peer_runs(out)
+        profile_runs(gpu, artifacts)
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_step(ctx, step))
         write_report(report, env | {"total time": f"{time.monotonic() - start:.0f} s of {args.budget:.0f} s",
                                     "steps": f"{len(results)} of {len(steps)} done"}, results)
+        pack_logs(out, artifacts)
     print(f"report written to {report}")
     return 1 if any(r.status == "FAIL" for r in results) else 0
 

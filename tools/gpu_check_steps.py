@@ -70,6 +70,11 @@ class Context:
     peak: float | None  # bf16 TFLOP/s of the device, None when megalite does not know it
     train_iters: int
     memory_tolerance: float
+    artifacts: Path | None = None  # the folder that comes back from the GPU machine: the report's, profiles, logs
+    wheels: Path = ROOT / "peer_wheels"  # the peers' wheels (scripts/gpu_peer_wheels.sh)
+
+    def __post_init__(self) -> None:
+        self.artifacts = self.artifacts or self.out
 
     def left(self) -> float:
         """Seconds of the time budget (--budget) left."""
@@ -84,14 +89,15 @@ class Context:
         print(f"  {what} {reason}", flush=True)
         return reason
 
-    def run(self, name: str, cmd: list[str], limit: float) -> tuple[int | None, str]:
-        """Run `cmd` from the repository root, its output (stdout and stderr) kept in OUT/name.log; the exit
-        status is None when it ran out of time. Then it gets SIGTERM first: torchrun's agent passes it on to
-        its workers (which run in sessions of their own) and waits for them; SIGKILL a minute later."""
+    def run(self, name: str, cmd: list[str], limit: float, path: list[Path] = ()) -> tuple[int | None, str]:
+        """Run `cmd` from the repository root (`path` first on its PYTHONPATH), its output (stdout and stderr) kept
+        in OUT/name.log; the exit status is None when it ran out of time. Then it gets SIGTERM first: torchrun's
+        agent passes it on to its workers (which run in sessions of their own) and waits for them; SIGKILL a
+        minute later."""
         print(f"  $ {display(cmd)}", flush=True)
         timeout = max(1.0, min(limit, self.left()))
-        with subprocess.Popen(cmd, cwd=ROOT, env=child_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, errors="replace", start_new_session=True) as proc:
+        with subprocess.Popen(cmd, cwd=ROOT, env=child_environment(path), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True) as proc:
             try:
                 output, rc = proc.communicate(timeout=timeout)[0], proc.returncode
             except subprocess.TimeoutExpired:
@@ -109,11 +115,12 @@ class Context:
             return proc.communicate()[0]
 
 
-def child_environment() -> dict[str, str]:
-    """This environment with the repository root first on PYTHONPATH: every command imports megalite from this
-    checkout, installed or not, whichever directory Python puts first on its path (torchrun's workers too)."""
+def child_environment(first: list[Path] = ()) -> dict[str, str]:
+    """This environment with `first` and then the repository root first on PYTHONPATH: every command imports
+    megalite from this checkout, installed or not, whichever directory Python puts first on its path (torchrun's
+    workers too)."""
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *([path] if path else [])])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, first), str(ROOT), *([path] if path else [])])}
 
 
 def display(cmd: list[str]) -> str:
@@ -152,22 +159,30 @@ def step_tests(ctx: Context) -> CheckResult:
     return CheckResult("tests", status, summary, details + (tail(output) if status == "FAIL" else []))
 
 
+def pretrain_command(config: str, family: str, metrics: Path, iters: int,
+                     overrides: list[str] = ()) -> tuple[list[str], Config]:
+    """pretrain_gpt.py under torchrun on one GPU: example `config` with mock data, bf16 parameters (unless
+    `overrides` say otherwise), one micro batch per step, no checkpoints or evaluation, a metrics line every step;
+    and the validated config it trains. Raises ConfigError for an invalid config."""
+    argv = ["--config", config, f"--model.family={family}", "--data.mock=true", "--data.paths=null",
+            "--train.device=cuda", "--train.precision=bf16", "--train.param_dtype=bf16",
+            f"--train.train_iters={iters}", "--train.global_batch_size=null", "--train.eval_interval=null",
+            "--optim.warmup_iters=2", "--checkpoint.save=null", "--checkpoint.save_interval=null",
+            "--logging.wandb_project=null", "--logging.log_interval=1", "--logging.progress_bar=false",
+            f"--logging.metrics_file={metrics}", *overrides]
+    cfg = parse_config(["--config", str(ROOT / config), *argv[2:]])  # the commands run in ROOT; this, anywhere
+    validate(cfg, 1)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    return [*torchrun, "pretrain_gpt.py", *argv], cfg
+
+
 def train_runs(out: Path, iters: int) -> list[Run]:
-    """The train step's runs: each example config on one GPU with mock data, one micro batch per step, no
-    checkpoints or evaluation, a metrics line every step. Raises ConfigError for an invalid config."""
+    """The train step's runs: each example config as pretrain_command runs it. Raises ConfigError for an invalid
+    config."""
     runs = []
     for family, (_, config) in SHAPES.items():
         metrics = out / f"train_{family}.jsonl"
-        argv = ["--config", config, f"--model.family={family}", "--data.mock=true", "--data.paths=null",
-                "--train.device=cuda", "--train.precision=bf16", "--train.param_dtype=bf16",
-                f"--train.train_iters={iters}", "--train.global_batch_size=null", "--train.eval_interval=null",
-                "--optim.warmup_iters=2", "--checkpoint.save=null", "--checkpoint.save_interval=null",
-                "--logging.wandb_project=null", "--logging.log_interval=1", "--logging.progress_bar=false",
-                f"--logging.metrics_file={metrics}"]
-        cfg = parse_config(["--config", str(ROOT / config), *argv[2:]])  # the commands run in ROOT; this, anywhere
-        validate(cfg, 1)
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-        runs.append(Run(family, [*torchrun, "pretrain_gpt.py", *argv], cfg, metrics))
+        runs.append(Run(family, *pretrain_command(config, family, metrics, iters), metrics))
     return runs
 
 

@@ -6,8 +6,10 @@
 Prints parameters (total and per GPU of each pipeline stage), memory per GPU of the stage that
 needs most (weights, gradients, fp32 main weights, optimizer state, activations of the micro
 batches the schedule keeps in flight), under context parallelism the bytes its attention sends
-per rank, the pipeline bubble, with pp > 1 every schedule the layout allows (1F1B, GPipe, ZB-H1, ZB-V at
-vp 2) with its bubble, activations and verdict, FLOPs per step and the step time at an assumed MFU, then
+per rank, the pipeline bubble (the schedule's op lists played out at F = B = W, which the pipeline benchmark
+measures, and its formula beside it), with pp > 1 every schedule the layout allows (1F1B, GPipe, ZB-H1, ZB-V
+and DualPipeV at vp 2) with its bubble, activations and verdict, FLOPs per step and the step time at an
+assumed MFU, then
 "fits: X GiB of Y GiB" or "does not fit: X GiB needed, Y GiB available".
 Exit status: 0 when it fits, 1 when it does not, 2 for an invalid config. Extra `--section.field=value`
 arguments override the config as in pretrain_gpt.py. How the figures are computed:

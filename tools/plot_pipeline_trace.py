@@ -4,19 +4,23 @@ Why: the Chrome trace is best explored in Perfetto, but a README needs a still p
 picture from a real run shows the warm-up, the steady 1F1B phase and the bubbles as they were,
 not as a textbook draws them. One row per rank; forwards in blue, backwards in orange (under a zero-bubble
 schedule: input gradients, B), weight gradients (W) in green, a darker shade per model chunk, each box
-labelled with its micro batch.
+labelled with its micro batch; a paired F&B (DualPipeV) as half-height boxes, its forward above its backward.
 
     python tools/plot_pipeline_trace.py trace.json docs/images/interleaved_schedule.png [--step N] [--title TEXT]
 
-Needs matplotlib: pip install -e ".[docs]".
+Needs matplotlib: pip install -e ".[plot]".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script Python puts tools/ first, not the root
+from tools.plotting import pyplot  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,10 +52,7 @@ def load_step(trace: dict, step: int | None) -> tuple[dict[int, list[dict]], dic
 
 
 def draw(events: dict[int, list[dict]], names: dict[int, str], title: str, output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     origin = min(e["ts"] for evs in events.values() for e in evs)
@@ -63,13 +64,16 @@ def draw(events: dict[int, list[dict]], names: dict[int, str], title: str, outpu
     for row, rank in enumerate(ranks):
         for e in events[rank]:
             start, width = (e["ts"] - origin) / 1e3, e["dur"] / 1e3
-            ax.barh(row, width, left=start, height=0.8, color=shade(e["name"][0], e["args"]["chunk"]),
-                    edgecolor="black", linewidth=0.5)
-            ax.text(start + width / 2, row, str(e["args"]["microbatch"]), ha="center", va="center", fontsize=8)
+            paired = e["args"].get("paired", False)  # half a row: the forward above, the backward below
+            y = row + (0.2 if e["name"][0] == "B" else -0.2) * paired
+            ax.barh(y, width, left=start, height=0.4 if paired else 0.8,
+                    color=shade(e["name"][0], e["args"]["chunk"]), edgecolor="black", linewidth=0.5)
+            ax.text(start + width / 2, y, str(e["args"]["microbatch"]), ha="center", va="center",
+                    fontsize=6 if paired else 8)
     ax.set_yticks(range(len(ranks)), [names.get(r, f"rank {r}").split(";")[0] + ")" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds since the step's first operation; numbers: micro batch; "
-                  "a box includes waiting for its input")
+                  "a box includes waiting for its input; half boxes: a paired F&B")
     ax.set_title(title)
     kinds = [kind for kind in "FBW" if any(e["name"][0] == kind for evs in events.values() for e in evs)]
     label = {"F": "forward", "B": "backward" if "W" not in kinds else "B (input grad)", "W": "W (weight grad)"}

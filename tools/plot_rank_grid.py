@@ -7,15 +7,18 @@ rank and (pp, dp, tp) coordinates; colour = pipeline stage; a thick outline = on
 
     python tools/plot_rank_grid.py docs/images/rank_grid.png --tp 2 --pp 2 --dp 4 --gpus-per-node 8
 
-Needs matplotlib (pip install -e ".[docs]").
+Needs matplotlib (pip install -e ".[plot]").
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from megalite.parallel.topology import RankGrid
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script Python puts tools/ first, not the root
+from megalite.parallel.topology import RankGrid  # noqa: E402
+from tools.plotting import pyplot  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,10 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def draw(tp: int, pp: int, dp: int, per_node: int, output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Rectangle
 
     world = tp * pp * dp

@@ -46,8 +46,9 @@ from tqdm import tqdm
 
 from megalite.data.indexed_dataset import IndexedDatasetWriter, data_file_path, index_file_path, optimal_dtype
 from megalite.data.preprocess import Chunk, ChunkResult, Reject, WorkerConfig, encode_chunk, init_worker
-from megalite.data.preprocess_inputs import FORMATS, InputError, Source, expand_inputs, read_chunks
+from megalite.data.preprocess_inputs import FORMATS, InputError, Source, disk_bytes, expand_inputs, read_chunks
 from megalite.data.tokenizers import TOKENIZER_TYPES
+from megalite.training.metrics import format_duration
 
 
 class Terminated(BaseException):
@@ -103,12 +104,14 @@ class Stats:
     tokens: Counter = field(default_factory=Counter)
     bytes: int = 0
     skipped: Counter = field(default_factory=Counter)
+    keys_seen: set[str] = field(default_factory=set)
 
     def add(self, result: ChunkResult) -> None:
         self.documents += len(next(iter(result.lengths.values())))
         self.tokens.update({key: int(lengths.sum()) for key, lengths in result.lengths.items()})
         self.bytes += result.size
         self.skipped.update(reject.reason for reject in result.rejects)
+        self.keys_seen |= result.keys_seen
 
     def rates(self) -> str:
         seconds = max(time.perf_counter() - self.start, 1e-9)
@@ -119,22 +122,37 @@ class Stats:
 
 
 class Progress:
-    """A tqdm bar on a terminal; in logs (not a terminal) a plain line every `log_interval` documents."""
+    """A tqdm bar on a terminal; in logs (not a terminal) a plain line every `log_interval` documents with the
+    percentage of the input read, the time elapsed and an ETA. Progress is counted in on-disk bytes of the
+    inputs, whatever their format (preprocess_inputs.read_chunks)."""
 
-    def __init__(self, total_bytes: int | None, log_interval: int) -> None:
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", smoothing=0.1,
+    def __init__(self, total_bytes: int, log_interval: int) -> None:
+        self.total, self.read = total_bytes, 0
+        self.bar = tqdm(total=total_bytes or None, unit="B", unit_scale=True, desc="tokenizing", smoothing=0.1,
                         disable=not sys.stderr.isatty())
         self.log_interval, self.next_log = log_interval, log_interval
 
-    def update(self, stats: Stats, size: int) -> None:
-        self.bar.update(size)
+    def update(self, stats: Stats, read_to: int) -> None:
+        self.bar.update(read_to - self.read)
+        self.read = read_to
         if not self.bar.disable:
             seconds = max(time.perf_counter() - stats.start, 1e-9)
             self.bar.set_postfix_str(f"{stats.documents:,} docs ({stats.documents / seconds:,.0f}/s), "
                                      f"{sum(stats.tokens.values()):,} tokens", refresh=False)
         elif stats.documents >= self.next_log:
-            print(f"processed {stats.rates()}", file=sys.stderr, flush=True)
+            print(f"processed {self.line(stats)}", file=sys.stderr, flush=True)
             self.next_log = (stats.documents // self.log_interval + 1) * self.log_interval
+
+    def line(self, stats: Stats) -> str:
+        """`42.0% of 1,219.3 MB | <rates> | elapsed 1m02s | ETA 1m25s`; only the rates where the inputs' size
+        is unknown (a named pipe)."""
+        elapsed = time.perf_counter() - stats.start
+        if not self.total:
+            return f"{stats.rates()} | elapsed {format_duration(elapsed)}"
+        done = min(self.read / self.total, 1.0)
+        eta = format_duration(elapsed * (1 - done) / done) if done else "n/a"
+        return (f"{done:.1%} of {self.total / 1e6:,.1f} MB | {stats.rates()} | elapsed {format_duration(elapsed)} "
+                f"| ETA {eta}")
 
     def close(self) -> None:
         self.bar.close()
@@ -157,16 +175,19 @@ def worker_pool(workers: int, config: WorkerConfig) -> Iterator[ProcessPoolExecu
     executor.shutdown()
 
 
-def ordered_results(executor: ProcessPoolExecutor, chunks: Iterator[Chunk], in_flight: int) -> Iterator[ChunkResult]:
-    """Results in input order (so the output is deterministic), at most `in_flight` chunks
-    outstanding (so memory does not grow with the corpus)."""
+def ordered_results(executor: ProcessPoolExecutor, chunks: Iterator[Chunk],
+                    in_flight: int) -> Iterator[tuple[int, ChunkResult]]:
+    """(on-disk bytes read through the chunk, its result) in input order (so the output is deterministic),
+    at most `in_flight` chunks outstanding (so memory does not grow with the corpus)."""
     pending: deque = deque()
     for chunk in chunks:
-        pending.append(executor.submit(encode_chunk, chunk))
+        pending.append((chunk.read_to, executor.submit(encode_chunk, chunk)))
         if len(pending) >= in_flight:
-            yield pending.popleft().result()
+            read_to, result = pending.popleft()
+            yield read_to, result.result()
     while pending:
-        yield pending.popleft().result()
+        read_to, result = pending.popleft()
+        yield read_to, result.result()
 
 
 def describe(reject: Reject) -> str:
@@ -186,32 +207,44 @@ def write_result(result: ChunkResult, writers: dict[str, IndexedDatasetWriter], 
             writer.add_documents(np.split(result.tokens[key], np.cumsum(lengths)[:-1]))
 
 
-def known_size(sources: list[Source]) -> int | None:
-    """Total input bytes for the bar, when on-disk sizes are what the chunks count."""
-    plain = all(s.format == "text" or (s.format == "jsonl" and not s.path.lower().endswith(".gz")) for s in sources)
-    return sum(os.path.getsize(s.path) for s in sources) if plain else None
-
-
 def preprocess(args: argparse.Namespace, sources: list[Source], stats: Stats) -> Stats:
     """Tokenize every source into one writer per key; the outputs get their final names only if it all succeeds."""
     config = WorkerConfig(args.tokenizer_type, args.json_keys, args.append_eod, args.vocab_file,
                           args.merge_file, args.tokenizer_model, args.vocab_size)
-    dtype = optimal_dtype(config.build_tokenizer().vocab_size)  # in the parent too: a bad flag fails here, clearly
+    tokenizer = config.build_tokenizer()  # in the parent too: a bad flag fails here, clearly
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    recorded = {"type": args.tokenizer_type, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     with ExitStack() as stack:
-        writers = {key: stack.enter_context(IndexedDatasetWriter(f"{args.output_prefix}_{key}_document", dtype))
+        writers = {key: stack.enter_context(
+                       IndexedDatasetWriter(f"{args.output_prefix}_{key}_document", dtype, recorded))
                    for key in args.json_keys}
         rejects_file = stack.enter_context(open(args.rejects, "w", encoding="utf-8")) if args.rejects else None
-        progress = Progress(known_size(sources), args.log_interval)
+        progress = Progress(sum(disk_bytes(source) for source in sources), args.log_interval)
         stack.callback(progress.close)
         executor = stack.enter_context(worker_pool(args.workers, config))
         chunks = read_chunks(sources, args.json_keys, args.hf_split)
-        for result in ordered_results(executor, chunks, in_flight=2 * args.workers + 1):
+        for read_to, result in ordered_results(executor, chunks, in_flight=2 * args.workers + 1):
             write_result(result, writers, rejects_file, args.strict)
             stats.add(result)
-            progress.update(stats, result.size)
+            progress.update(stats, read_to)
+        if not stats.documents:
+            raise InputError(no_documents(stats, args.json_keys))
         finalize_all(list(writers.values()))
     return stats
+
+
+def no_documents(stats: Stats, keys: list[str]) -> str:
+    """Why nothing would be written, as Megatron-LM would write an empty dataset: usually a wrong --json-keys or
+    Parquet column, so the keys the records do have are listed."""
+    given = " ".join(keys)
+    if not sum(stats.skipped.values()):
+        return "the inputs hold no records"
+    skipped = ", ".join(f"{reason} {n:,}" for reason, n in sorted(stats.skipped.items()))
+    if stats.keys_seen:
+        return (f"no record has text under --json-keys {given} (skipped: {skipped}); the records' keys are "
+                f"{', '.join(sorted(stats.keys_seen))}: pass the text field with --json-keys")
+    return f"every record was skipped (skipped: {skipped}); --rejects FILE lists them with the reason"
 
 
 def finalize_all(writers: list[IndexedDatasetWriter]) -> None:

@@ -3,7 +3,8 @@ moment leaves the previous checkpoint intact and `latest` pointing at a complete
 
     root/latest                      the last complete iteration's number, replaced atomically
     root/iter_0000100/
-        config.yaml  state.json      the run's config; step, consumed samples, loss scaler, W&B id
+        config.yaml  state.json      the run's config as given; step, consumed samples, loss scaler, W&B id
+        resolved.yaml                the same config with every derived default filled in (config_resolved.py)
         index.json                   every piece (global name, kind, shard, range, file, key, CRC-32
                                      of each block of BLOCK_BYTES) and every file's size and CRC-32,
                                      written last
@@ -30,6 +31,8 @@ from safetensors.torch import save_file
 
 from megalite.checkpoint.reader import INDEX
 from megalite.checkpoint.sharded_state import Piece
+from megalite.config_cli import config_from_yaml_text
+from megalite.config_resolved import RESOLVED_HEADER, resolved_yaml
 
 FORMAT_VERSION = 2
 LATEST = "latest"
@@ -65,6 +68,7 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tenso
     if pieces:
         path = tmp / name
         save_file({str(i): t.contiguous() for i, (_, t) in enumerate(pieces)}, str(path))  # streams, releasing the GIL
+        readable_as_umask(path)
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         files[name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
@@ -77,9 +81,34 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[tuple[Piece, torch.Tenso
     atomic_write_text(tmp / f"rank_{rank:05d}.json", json.dumps({"files": files, "pieces": listed}))
 
 
+CONFIG_HEADER = ("# The run's config as given (null: derived at start-up; resolved.yaml beside it has the values).\n"
+                 "# Reuse it with --config.\n")
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux tells it (os.umask can only be read by
+    changing it, which races with a thread creating a file: an asynchronous save's writer)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def readable_as_umask(path: Path) -> None:
+    """Give `path` the mode a new file gets (0666 less the umask): safetensors 0.8 writes 0600, which a team
+    sharing a cluster's file system could not read."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def write_run_files(tmp: Path, config_yaml: str, state: dict[str, Any]) -> None:
-    """The run's config and training state (rank 0's share of a checkpoint)."""
-    (tmp / "config.yaml").write_text(config_yaml)
+    """The run's config as given, its resolved view and the training state (rank 0's share of a checkpoint)."""
+    (tmp / "config.yaml").write_text(CONFIG_HEADER + config_yaml)
+    resolved = resolved_yaml(config_from_yaml_text(config_yaml, str(tmp / "config.yaml")))
+    (tmp / "resolved.yaml").write_text(RESOLVED_HEADER + resolved)
     (tmp / "state.json").write_text(json.dumps({"format_version": FORMAT_VERSION, **state}, indent=2))
 
 

@@ -85,7 +85,7 @@ def _check_hf_experts(cfg: ModelConfig, architecture: str) -> None:
     groups = cfg.moe_router_groups
     if groups > 1 and (cfg.moe_router_group_topk or groups) < groups:
         raise _refuse("moe_router_group_topk", cfg.moe_router_group_topk, architecture, groups, cfg.family)
-    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    dense = [i for i in range(cfg.num_layers) if i not in cfg.moe_layers]
     if architecture == "MixtralForCausalLM" and dense:
         raise ValueError(f"layers {dense} have dense MLPs (model.moe_first_dense_layers={cfg.moe_first_dense_layers}"
                          f", model.moe_layer_freq={cfg.moe_layer_freq}), but MixtralForCausalLM (model.family=llama) "
@@ -98,7 +98,7 @@ def _sparse_step_layout(cfg: ModelConfig) -> tuple[int, list[int]]:
     layers: HF has experts in every step-th layer (counted from 1) not listed as dense."""
     first, freq = cfg.moe_first_dense_layers, cfg.moe_layer_freq
     step = freq if (first + 1) % freq == 0 else 1
-    return step, [i for i in range(cfg.num_layers) if (i + 1) % step == 0 and not cfg.is_moe_layer(i)]
+    return step, [i for i in range(cfg.num_layers) if (i + 1) % step == 0 and i not in cfg.moe_layers]
 
 
 def hf_rope_parameters(cfg: ModelConfig) -> dict:

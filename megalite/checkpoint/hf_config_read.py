@@ -134,7 +134,7 @@ def _experts(hf, source: str) -> dict:
     if hf.model_type == "qwen2_moe":  # its shared expert, scaled by a sigmoid gate
         fields |= {"moe_shared_expert_size": hf.shared_expert_intermediate_size, "moe_shared_expert_gate": True}
     placed = ModelConfig(num_layers=hf.num_hidden_layers, **fields)
-    if [i for i in range(hf.num_hidden_layers) if placed.is_moe_layer(i)] != layers:
+    if list(placed.moe_layers) != layers:
         raise ValueError(f"{source}: experts in layers {layers} (decoder_sparse_step={hf.decoder_sparse_step}, "
                          f"mlp_only_layers={hf.mlp_only_layers}); megalite puts experts in every moe_layer_freq-th "
                          "layer after the first moe_first_dense_layers and cannot place them there")

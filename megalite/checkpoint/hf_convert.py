@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from megalite.checkpoint.files import readable_as_umask
 from megalite.checkpoint.hf_config import hf_config
 from megalite.checkpoint.hf_config_read import model_config_from_hf
 from megalite.checkpoint.hf_mapping import from_hf, to_hf
@@ -49,6 +50,8 @@ def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2G
     tmp = save.with_name(save.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    for weights in tmp.glob("*.safetensors"):
+        readable_as_umask(weights)
     if tokenizer is not None:
         save_tokenizer(tokenizer, cfg.data, tmp)
     if save.exists():

@@ -65,7 +65,7 @@ def _llama_layer_names(i: int, cfg: ModelConfig) -> dict[str, str]:
     if cfg.features.qk_norm:
         names |= {f"{ml}attention.{p}_norm.weight": f"{hf}self_attn.{p}_norm.weight" for p in "qk"}
     names |= {f"{ours}linear_fc2.weight": f"{theirs}down_proj.weight" for ours, theirs in _gated_mlps(i, cfg)}
-    if not cfg.is_moe_layer(i):
+    if i not in cfg.moe_layers:
         return names
     if cfg.moe_shared_expert_gate:
         names[f"{ml}mlp.shared_expert_gate"] = f"{hf}mlp.shared_expert_gate.weight"
@@ -77,7 +77,7 @@ def _llama_layer_names(i: int, cfg: ModelConfig) -> dict[str, str]:
 def _gated_mlps(i: int, cfg: ModelConfig) -> list[tuple[str, str]]:
     """(megalite, HF) name prefixes of layer i's gated MLPs: the dense MLP, or a mixture of experts' shared one."""
     ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
-    if not cfg.is_moe_layer(i):
+    if i not in cfg.moe_layers:
         return [(ours, theirs)]
     return [(f"{ours}shared_expert.", f"{theirs}shared_expert.")] if cfg.moe_shared_expert_size else []
 

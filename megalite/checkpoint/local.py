@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.compatibility import check_fits
 from megalite.checkpoint.files import (
     LATEST,
     complete_iterations,
@@ -31,6 +32,8 @@ from megalite.checkpoint.files import (
 )
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.sharded_state import ShardedState
+from megalite.config import ModelConfig
+from megalite.errors import InvalidInput, MissingInput
 from megalite.parallel.random import RNGTracker
 from megalite.parallel.topology import Topology, synchronize
 
@@ -175,11 +178,11 @@ def _candidates(root: Path) -> list[Path]:
         return found
     text = pointer.read_text().strip()
     if not text.isdigit():
-        raise ValueError(f"{pointer}: expected an iteration number, found {text!r}; fix or delete the file")
+        raise InvalidInput(f"{pointer}: expected an iteration number, found {text!r}; fix or delete the file")
     latest = iteration_dir(root, int(text))
     if not latest.is_dir():
-        raise FileNotFoundError(f"{pointer} names iteration {text} but {latest} does not exist; "
-                                "point it at an existing iter_* directory")
+        raise MissingInput(f"{pointer} names iteration {text} but {latest} does not exist; "
+                           "point it at an existing iter_* directory")
     return [latest] + [p for p in found if int(p.name[5:]) < int(text)]
 
 
@@ -189,7 +192,7 @@ def checkpoint_candidates(load: str) -> tuple[list[Path], bool]:
     path = Path(load)
     if path.name.startswith("iter_") or (path / "state.json").exists():
         if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint.load={load} does not exist; fix the path")
+            raise MissingInput(f"checkpoint.load={load} does not exist; fix the path")
         return [path], True
     return (_candidates(path) if path.is_dir() else []), False
 
@@ -197,15 +200,15 @@ def checkpoint_candidates(load: str) -> tuple[list[Path], bool]:
 def give_up_unless_fallback(problems: list[str], exact: bool, fallback: bool) -> None:
     """After a damaged candidate: stop unless the next one may be tried."""
     if exact:
-        raise ValueError(f"{problems[-1]}; resume from another iter_* directory")
+        raise InvalidInput(f"{problems[-1]}; resume from another iter_* directory")
     if not fallback:
-        raise ValueError(f"{problems[-1]}; set checkpoint.fallback=true to resume from the previous complete "
-                         "checkpoint")
+        raise InvalidInput(f"{problems[-1]}; set checkpoint.fallback=true to resume from the previous complete "
+                           "checkpoint")
 
 
 def none_complete(load: str, problems: list[str]) -> None:
     if problems:
-        raise ValueError(f"no complete checkpoint in {load}: " + "; ".join(problems))
+        raise InvalidInput(f"no complete checkpoint in {load}: " + "; ".join(problems))
 
 
 def choose_checkpoint(load: str, fallback: bool, checksums: bool = True) -> tuple[Path | None, list[str]]:
@@ -223,19 +226,16 @@ def choose_checkpoint(load: str, fallback: bool, checksums: bool = True) -> tupl
     return None, []
 
 
-def load_checkpoint(path: Path, sharded: ShardedState, topology: Topology,
-                    load_optimizer: bool = True) -> tuple[TrainingState, dict[str, torch.Tensor] | None, bool, int]:
+def load_checkpoint(path: Path, sharded: ShardedState, topology: Topology, load_optimizer: bool = True,
+                    model: ModelConfig | None = None, model_names: set[str] | None = None,
+                    ) -> tuple[TrainingState, dict[str, torch.Tensor] | None, bool, int]:
     """Restore what this rank holds of the model and optimizer, whatever layout saved them; returns the
     training state, this rank's RNG streams (None in a weights-only checkpoint), whether optimizer
-    state was loaded and the bytes this rank read."""
+    state was loaded and the bytes this rank read. Refused before loading (compatibility.py) when the
+    checkpoint's model differs from `model` (the run's config) where the weights cannot follow, or holds
+    tensors of other shapes, fewer, or (given `model_names`, the whole model's) more."""
     reader = CheckpointReader(path)
-    saved, expected = reader.names("model"), sharded.shapes()
-    mismatched = [f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(v)}"
-                  for k, v in expected.items() if k in saved and saved[k] != v]
-    missing = sorted(expected.keys() - saved.keys())
-    if missing or mismatched:
-        raise ValueError(f"checkpoint {path} does not fit this model (was it saved with another model config?): "
-                         f"missing {missing}, shape mismatches {mismatched}")
+    check_fits(path, reader.names("model"), sharded.shapes(), model_names, model)
     loaded_optimizer = sharded.load(reader, load_optimizer)
     state = TrainingState.from_json((path / "state.json").read_text())
     return state, reader.rng(topology.rank), loaded_optimizer, reader.bytes_read

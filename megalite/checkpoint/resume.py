@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.files import problem_with
+from megalite.checkpoint.files import complete_iterations, problem_with
 from megalite.checkpoint.local import (
     TrainingState,
     checkpoint_candidates,
@@ -32,6 +32,8 @@ from megalite.checkpoint.local import (
 )
 from megalite.checkpoint.reader import DamagedCheckpoint
 from megalite.checkpoint.sharded_state import ShardedState
+from megalite.config import CheckpointConfig, ModelConfig
+from megalite.errors import MissingInput
 from megalite.parallel.topology import Topology
 
 
@@ -43,6 +45,19 @@ class Resumed:
     optimizer_loaded: bool
     bytes_read: int
     skipped: list[str]  # damaged checkpoints passed over on the way
+
+
+def where_to_resume(c: CheckpointConfig) -> tuple[str | None, str | None]:
+    """The directory a run resumes from (None: nowhere) and a note when it is not the obvious one: checkpoint.load,
+    by default checkpoint.save (so a restarted job continues), but checkpoint.save once it holds this run's own
+    checkpoints (a relaunch continues the run, not the checkpoint it started from)."""
+    if c.load and c.load != c.save and not Path(c.load).exists():
+        raise MissingInput(f"checkpoint.load={c.load} does not exist; "
+                           "fix the path or drop --checkpoint.load to start from scratch")
+    if c.load and c.save and c.load != c.save and complete_iterations(Path(c.save)):
+        return c.save, (f"resuming from checkpoint.save={c.save}, which holds this run's checkpoints "
+                        f"(checkpoint.load={c.load} is where it started)")
+    return c.load or c.save, None
 
 
 def _plan(load: str) -> tuple[list[tuple[str, str | None]], bool, str]:
@@ -65,18 +80,27 @@ def _agree(topology: Topology, key: str, problem: tuple[str, bool] | None,
     return value[1:], value[0] == "1"
 
 
-def _attempt(path: Path, sharded: ShardedState, topology: Topology,
-             load_optimizer: bool) -> tuple[tuple | None, Exception | None]:
+def _attempt(path: Path, sharded: ShardedState, topology: Topology, load_optimizer: bool, model: ModelConfig | None,
+             model_names: set[str]) -> tuple[tuple | None, Exception | None]:
     """Load one candidate: ((state, rng, optimizer loaded, bytes read), None) or (None, the error)."""
     try:
-        return load_checkpoint(path, sharded, topology, load_optimizer), None
+        return load_checkpoint(path, sharded, topology, load_optimizer, model, model_names), None
     except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
         return None, error
 
 
+def _model_names(sharded: ShardedState) -> set[str]:
+    """The stored names of the whole model's tensors, every pipeline stage's: a checkpoint holding more is refused
+    (each rank holds only its stage, so the ranks pool their names, once, before any reading starts)."""
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(sharded.shapes().keys() | sharded.buffers.keys()))
+    return {name for held in names for name in held}
+
+
 def resume(load: str, fallback: bool, sharded: ShardedState, topology: Topology, load_optimizer: bool = True,
-           timeout_minutes: float = 60.0) -> Resumed | None:
-    """Load the newest usable checkpoint under `load` on every rank (None: there is none yet)."""
+           timeout_minutes: float = 60.0, model: ModelConfig | None = None) -> Resumed | None:
+    """Load the newest usable checkpoint under `load` on every rank (None: there is none yet); with `model` (the
+    run's config), a checkpoint saved with a model the weights cannot follow is refused (compatibility.py)."""
     plan: list = [None]
     if topology.rank == 0:
         try:
@@ -87,11 +111,12 @@ def resume(load: str, fallback: bool, sharded: ShardedState, topology: Topology,
     if isinstance(plan[0], BaseException):
         raise plan[0]
     candidates, exact, nonce = plan[0]
+    model_names = _model_names(sharded) if candidates else set()
     skipped: list[str] = []
     for attempt, (path, problem) in enumerate(candidates):
         outcome, failure = None, (problem, True) if problem else None
         if failure is None:
-            outcome, error = _attempt(Path(path), sharded, topology, load_optimizer)
+            outcome, error = _attempt(Path(path), sharded, topology, load_optimizer, model, model_names)
             mine = None if error is None else (str(error), isinstance(error, (DamagedCheckpoint, OSError)))
             failure = _agree(topology, f"megalite/resume/{nonce}/{attempt}", mine, timedelta(minutes=timeout_minutes))
             if failure is not None:  # also where this rank's load succeeded: no state of a rejected checkpoint survives

@@ -9,17 +9,25 @@ all nodes see, as with Megatron-LM).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from megalite.config import Config, DataConfig
 from megalite.data.batches import BatchMaker
 from megalite.data.blending import BLEND_RULES, BlendedDataset, parse_blend
-from megalite.data.gpt_dataset import GPTDataset, split_documents
-from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.gpt_dataset import GPTDataset, Vocabulary, split_documents
+from megalite.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetError,
+    data_file_path,
+    stats_file_path,
+    token_stats,
+)
 from megalite.data.mock import VALIDATION_OFFSET, MockDataset
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -47,6 +55,34 @@ def training_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer | None:
     return None if cfg.mock else tokenizer_from_config(cfg, vocab_size)
 
 
+def vocabulary(cfg: Config) -> Vocabulary:
+    """The ids the model embeds (model.vocab_size, set by the tokenizer), named by the tokenizer's fields."""
+    d = cfg.data
+    files = [f"data.{name}={getattr(d, name)}" for name in ("tokenizer_model", "vocab_file") if getattr(d, name)]
+    return Vocabulary(cfg.model.vocab_size, " ".join([f"data.tokenizer_type={d.tokenizer_type}", *files]))
+
+
+def check_corpus(prefixes: list[str], vocab: Vocabulary) -> None:
+    """Before any sample is read: no dataset is empty, none holds ids beyond the vocabulary by the largest id
+    preprocessing recorded (when it did: Megatron-LM's datasets have no record, and their samples are checked as
+    they are read), and a blend does not mix tokenizers."""
+    recorded: dict[str, str] = {}
+    for prefix in prefixes:
+        if os.path.getsize(data_file_path(prefix)) == 0:
+            raise IndexedDatasetError(f"{data_file_path(prefix)} holds no tokens: re-run tools/preprocess_data.py "
+                                      "with the --json-keys field that holds the text")
+        stats = token_stats(prefix) or {}
+        largest = stats.get("max_token_id")
+        if largest is not None:
+            vocab.check(np.array([largest]), f"{prefix} (by {stats_file_path(prefix)}, written by preprocessing)")
+        if stats.get("tokenizer"):
+            recorded[json.dumps(stats["tokenizer"], sort_keys=True)] = prefix
+    if len(recorded) > 1:
+        (one, a), (other, b) = list(recorded.items())[:2]
+        raise IndexedDatasetError(f"the blend mixes tokenizers: {a} was tokenized with {one}, {b} with {other}; "
+                                  "preprocess every dataset with the same tokenizer")
+
+
 def _split_dataset(prefix: str, split: str, index: int, num_samples: int, cfg: Config, rank: int) -> GPTDataset | None:
     documents = IndexedDataset(prefix)
     ids = split_documents(len(documents), split)[index]
@@ -57,6 +93,7 @@ def _split_dataset(prefix: str, split: str, index: int, num_samples: int, cfg: C
         documents, ids, num_samples, cfg.model.seq_length, cfg.train.seed, cache_dir,
         description=f"{os.path.abspath(prefix)} split={split} part={index}", is_builder=rank == 0,
         barrier=dist.barrier if dist.is_initialized() else None,  # one process without a group: nothing to wait for
+        vocabulary=vocabulary(cfg),
     )
 
 
@@ -64,6 +101,7 @@ def _blend(paths: list[str], split: str, index: int, num_samples: int, cfg: Conf
     """The blend of `paths` for split part `index`, sized and ordered by data.blend_rule. Megatron-Core blends
     a weighted single prefix ("1.0 prefix") too, with its surplus, so blend_rule=megatron does the same."""
     weights, prefixes = parse_blend(paths)
+    check_corpus(prefixes, vocabulary(cfg))
     megatron = cfg.data.blend_rule == "megatron"
     if len(prefixes) == 1 and not (megatron and len(paths) > 1):
         return _split_dataset(prefixes[0], split, index, num_samples, cfg, rank)

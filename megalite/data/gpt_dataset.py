@@ -23,9 +23,12 @@ import json
 import os
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from megalite.errors import InvalidInput
 
 INDEX_FORMAT_VERSION = 1
 FINAL_EPOCH_THRESHOLD = 0.8  # Megatron's: a final epoch giving < 80% of an epoch's samples is shuffled alone
@@ -87,11 +90,12 @@ class GPTDataset:
 
     def __init__(self, documents: TokenDocuments, document_ids: np.ndarray, num_samples: int, seq_length: int,
                  seed: int, cache_dir: str | None, description: str, is_builder: bool = True,
-                 barrier: Callable[[], None] | None = None) -> None:
+                 barrier: Callable[[], None] | None = None, vocabulary: Vocabulary | None = None) -> None:
         if seq_length < 1 or num_samples < 0:
             raise ValueError(f"{description}: need seq_length >= 1 and num_samples >= 0, "
                              f"got {seq_length} and {num_samples}")
         self.documents, self.seq_length, self.description = documents, seq_length, description
+        self.vocabulary = vocabulary
         lengths = np.asarray(documents.sequence_lengths)
         ids = _check_document_ids(document_ids, len(lengths), description)
         build = lambda: _build_indices(lengths, ids, num_samples, seq_length, seed, description)  # noqa: E731
@@ -120,7 +124,34 @@ class GPTDataset:
             parts = [self.documents.get(doc(first), first_offset)]
             parts += [self.documents.get(doc(p)) for p in range(first + 1, last)]
             parts.append(self.documents.get(doc(last), 0, last_offset + 1))
-        return np.concatenate(parts, dtype=np.int64)
+        sample = np.concatenate(parts, dtype=np.int64)
+        if self.vocabulary is not None:
+            self.vocabulary.check(sample, f"{self.description}, sample {i}")
+        return sample
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The ids a model embeds, and the tokenizer they come from (for messages). Every sample is checked as it is
+    read (in the loader's worker, on the host: one max over a few thousand ids), so a corpus made with
+    another tokenizer stops the run with a line naming the dataset and the vocabulary instead of failing inside
+    the embedding (an IndexError on a CPU, a device-side assert on a GPU)."""
+
+    size: int
+    tokenizer: str
+
+    def check(self, tokens: np.ndarray, where: str) -> None:
+        """One pass over `tokens` (int64): viewed unsigned, a negative id is larger than any vocabulary."""
+        if tokens.size and tokens.view(np.uint64).max() >= self.size:
+            bad = int(tokens[(tokens < 0) | (tokens >= self.size)][0])
+            raise TokenOutOfVocabulary(
+                f"{where} holds token id {bad}, outside the vocabulary of {self.size} ids of {self.tokenizer}: "
+                "the corpus was tokenized with another tokenizer; preprocess it with this one, or train with the "
+                "one it was made with")
+
+
+class TokenOutOfVocabulary(InvalidInput):
+    """A corpus whose token ids the model's vocabulary does not hold."""
 
 
 def _check_document_ids(document_ids: np.ndarray, num_documents: int, description: str) -> np.ndarray:

@@ -10,6 +10,12 @@ unchanged, and ours train there. The `.idx` is little-endian and unpadded:
 [doc_indices[d], doc_indices[d+1]); our writer makes one sequence per document, and
 merging keeps other datasets' documents (e.g. sentence-split ones) as they are.
 
+The `.idx` has no field for the largest token id, and finding it means reading every token
+(terabytes, for a large corpus). So the writer, given the tokenizer, also writes
+`PREFIX.stats.json` beside the pair: the largest id, the tokenizer's type and vocabulary size,
+and the counts that tie it to this pair (a pair rewritten by another tool makes it stale, and
+it is then ignored). Training checks the largest id against its vocabulary at start-up.
+
 Unlike Megatron we validate everything on open (in vectorised chunks: 0.15 s for 20M
 sequences on 2 CPU cores, warm page cache), because a truncated or mismatched pair otherwise shows
 up as garbage tokens hours into a run; and writes go to temporaries renamed at the end,
@@ -18,6 +24,7 @@ so an interrupted preprocessing run never leaves a dataset that looks complete.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -26,6 +33,8 @@ from collections.abc import Iterator
 from types import TracebackType
 
 import numpy as np
+
+from megalite.errors import InvalidInput
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -39,7 +48,7 @@ _COPY_BYTES = 64 << 20
 _WRITE_BUFFER = 4 << 20
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(InvalidInput):
     """A .bin/.idx pair that is missing, corrupt, or inconsistent; the message names the file."""
 
 
@@ -54,6 +63,23 @@ def data_file_path(prefix: str) -> str:
 
 def index_file_path(prefix: str) -> str:
     return prefix + ".idx"
+
+
+def stats_file_path(prefix: str) -> str:
+    return prefix + ".stats.json"
+
+
+def token_stats(prefix: str) -> dict | None:
+    """The stats the writer recorded beside the pair (max_token_id, tokenizer, counts), or None when there are
+    none or they describe other files than the pair now at `prefix` (cheap: the headers and sizes only)."""
+    try:
+        with open(stats_file_path(prefix)) as f:
+            stats = json.load(f)
+        dtype, n, d = _read_header(index_file_path(prefix))
+        tokens = os.path.getsize(data_file_path(prefix)) // np.dtype(dtype).itemsize
+    except (OSError, ValueError):
+        return None
+    return stats if (stats.get("sequences"), stats.get("documents"), stats.get("tokens")) == (n, d, tokens) else None
 
 
 def _little_endian(dtype: type[np.number]) -> np.dtype:
@@ -94,10 +120,11 @@ class IndexedDatasetWriter:
     """Streams token arrays to `prefix.bin`; only the per-sequence lengths stay in memory.
 
     Use as a context manager: the pair appears under its final names only when the block
-    succeeds, and an exception deletes the temporaries.
+    succeeds, and an exception deletes the temporaries. Given `tokenizer` (its type and vocab_size), it also
+    writes PREFIX.stats.json with the largest token id (when known: every appended dataset had stats).
     """
 
-    def __init__(self, prefix: str, dtype: type[np.number]) -> None:
+    def __init__(self, prefix: str, dtype: type[np.number], tokenizer: dict | None = None) -> None:
         self.dtype = np.dtype(dtype).type
         if self.dtype not in _CODE_OF:
             raise ValueError(f"dtype {np.dtype(dtype)} has no Megatron code; use one of {list(_CODE_OF)}")
@@ -109,6 +136,7 @@ class IndexedDatasetWriter:
         self._lengths = array("i")  # C int: 4 bytes per sequence instead of ~36 in a list
         self._doc_indices = array("q", [0])
         self._finished = False
+        self.tokenizer, self.max_token_id, self._tokens = tokenizer, -1, 0  # max -1: none yet; None: unknown
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -138,6 +166,9 @@ class IndexedDatasetWriter:
         if lengths.max() > np.iinfo(np.int32).max:
             raise ValueError(f"a document of {lengths.max()} tokens exceeds the format's int32 sequence length")
         tokens = self._checked_cast(np.concatenate(arrays))
+        if tokens.size and self.max_token_id is not None:
+            self.max_token_id = max(self.max_token_id, int(tokens.max()))
+        self._tokens += tokens.size
         self._bin.write(np.ascontiguousarray(tokens, dtype=self._file_dtype).data)
         first = len(self._lengths)
         self._lengths.frombytes(lengths.astype(np.intc).tobytes())
@@ -167,6 +198,12 @@ class IndexedDatasetWriter:
                 f"{index_file_path(prefix)} holds {np.dtype(source.dtype)} tokens but {self.prefix} is being "
                 f"written as {np.dtype(self.dtype)}: datasets tokenized with different vocab sizes cannot be merged"
             )
+        recorded = token_stats(prefix)
+        if recorded is None and source.num_tokens:
+            self.max_token_id = None  # not known without reading every token
+        elif self.max_token_id is not None and recorded and recorded["max_token_id"] is not None:
+            self.max_token_id = max(self.max_token_id, recorded["max_token_id"])
+        self._tokens += source.num_tokens
         offset = len(self._lengths)
         self._lengths.frombytes(source.sequence_lengths.astype(np.intc).tobytes())
         self._doc_indices.frombytes((source.document_indices[1:] + offset).astype(np.longlong).tobytes())
@@ -184,10 +221,12 @@ class IndexedDatasetWriter:
             self._fsync(self._tmp_bin)
             self._write_index()
             final_idx = index_file_path(self.prefix)
-            if os.path.exists(final_idx):
-                os.remove(final_idx)
+            for stale in (final_idx, stats_file_path(self.prefix)):
+                if os.path.exists(stale):
+                    os.remove(stale)
             os.replace(self._tmp_bin, data_file_path(self.prefix))
             os.replace(self._tmp_idx, final_idx)
+            self._write_stats()
             self._fsync(os.path.dirname(os.path.abspath(final_idx)))
             self._finished = True
         except BaseException:
@@ -205,6 +244,16 @@ class IndexedDatasetWriter:
                 f.write(pointers.astype("<i8").data)
             f.write(doc_indices.astype("<i8").data)
         self._fsync(self._tmp_idx)
+
+    def _write_stats(self) -> None:
+        if self.tokenizer is None or self.max_token_id is None:
+            return
+        stats = {"sequences": len(self._lengths), "documents": len(self._doc_indices), "tokens": self._tokens,
+                 "max_token_id": self.max_token_id if self.max_token_id >= 0 else None, "tokenizer": self.tokenizer}
+        tmp = f"{stats_file_path(self.prefix)}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(stats, f, indent=2)
+        os.replace(tmp, stats_file_path(self.prefix))
 
     @staticmethod
     def _fsync(path: str) -> None:
@@ -313,6 +362,13 @@ def merge_datasets(prefixes: list[str], output_prefix: str) -> None:
                 f"{index_file_path(prefix)} holds {np.dtype(dtype)} tokens but {index_file_path(first)} holds "
                 f"{np.dtype(dtypes[first])}: datasets tokenized with different vocab sizes cannot be merged"
             )
-    with IndexedDatasetWriter(output_prefix, dtypes[first]) as writer:
+    stats = [token_stats(prefix) for prefix in prefixes]
+    tokenizers = {json.dumps(s["tokenizer"], sort_keys=True): p for p, s in zip(prefixes, stats) if s is not None}
+    if len(tokenizers) > 1:
+        (one, a), (other, b) = list(tokenizers.items())[:2]
+        raise IndexedDatasetError(f"{stats_file_path(a)} records tokenizer {one} but {stats_file_path(b)} {other}: "
+                                  "datasets tokenized with different tokenizers cannot be merged")
+    tokenizer = stats[0]["tokenizer"] if None not in stats and tokenizers else None
+    with IndexedDatasetWriter(output_prefix, dtypes[first], tokenizer) as writer:
         for prefix in prefixes:
             writer.add_index(prefix)

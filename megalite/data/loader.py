@@ -14,7 +14,9 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megalite.child_signals import children_start_deaf, ignore_stop_signals
 from megalite.data.batches import Batch, BatchMaker
+from megalite.errors import UserError
 
 
 class MicroBatchSampler:
@@ -38,13 +40,17 @@ class MicroBatches:
     from the traceback, leaves no worker behind."""
 
     def __init__(self, loader: DataLoader) -> None:
-        self._batches = iter(loader)
+        with children_start_deaf():  # the workers start here
+            self._batches = iter(loader)
 
     def __iter__(self) -> MicroBatches:
         return self
 
     def __next__(self) -> Batch:
-        return next(self._batches)
+        try:
+            return next(self._batches)
+        except UserError as error:
+            raise _as_raised(error) from None
 
     def close(self) -> None:
         shutdown = getattr(self._batches, "_shutdown_workers", None)  # only loaders with workers have them
@@ -58,11 +64,22 @@ class MicroBatches:
         self.close()
 
 
+def _as_raised(error: UserError) -> UserError:
+    """A user error raised in a worker process arrives re-raised by torch with the worker's whole traceback in its
+    message; what the user needs is the message the worker raised (its last line), once."""
+    text, marker = str(error).rstrip(), f"{type(error).__name__}: "
+    last = text.splitlines()[-1] if text else ""
+    if "Original Traceback" not in text or marker not in last:
+        return error
+    return type(error)(last.split(marker, 1)[1])
+
+
 def micro_batches(dataset: Dataset, maker: BatchMaker, first: int, end: int, micro_batch_size: int, dp: int,
                   dp_rank: int, num_workers: int, device: torch.device) -> MicroBatches:
     """This rank's micro batches over samples [first, end), prefetched by `num_workers` processes."""
     loader = DataLoader(
         dataset, batch_sampler=MicroBatchSampler(first, end, micro_batch_size, dp, dp_rank), collate_fn=maker,
         num_workers=num_workers, pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers else None,
+        worker_init_fn=ignore_stop_signals,  # the rank stops them (megalite/child_signals.py)
     )
     return MicroBatches(loader)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megalite.model.init import parameter_seed
+from megalite.parallel.random import named_seed
 
 VALIDATION_OFFSET = 2**40
 
@@ -24,7 +24,7 @@ class MockDataset:
 
     def __getitem__(self, index: int) -> np.ndarray:
         """seq_length + 1 token ids (inputs and shifted labels) as int64."""
-        generator = torch.Generator().manual_seed(parameter_seed(self.seed, f"mock/{index + self.offset}"))
+        generator = torch.Generator().manual_seed(named_seed(self.seed, f"mock/{index + self.offset}"))
         motif_length = int(torch.randint(4, 17, (1,), generator=generator))
         motif = torch.multinomial(self.zipf, motif_length, replacement=True, generator=generator)
         return motif.repeat(self.seq_length // motif_length + 2)[: self.seq_length + 1].numpy()

@@ -58,6 +58,8 @@ class Chunk:
     records: bytes | dict[str, list] | list[str]
     first: int = 0
     size: int = 0  # input bytes, for progress and throughput
+    columns: list[str] | None = None  # "columns": every column of the source, to name them when a key is missing
+    read_to: int = 0  # on-disk bytes of all inputs read once this chunk was cut (the percentage done)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class ChunkResult:
     lengths: dict[str, np.ndarray]
     rejects: list[Reject] = field(default_factory=list)
     size: int = 0
+    keys_seen: set[str] = field(default_factory=set)  # the keys of records that lack one of --json-keys
 
 
 @dataclass
@@ -133,8 +136,8 @@ def _process(worker: _Worker, chunk: Chunk) -> ChunkResult:
     """Records -> validated texts -> ids per key -> flat arrays; rejects in input order."""
     keys = worker.config.json_keys
     rejects: list[tuple[int, Reject]] = []
-    kept, texts = [], {key: [] for key in keys}
-    for position, record in enumerate(_records(chunk, keys)):
+    kept, texts, seen = [], {key: [] for key in keys}, set()
+    for position, record in enumerate(_records(chunk, keys, seen)):
         checked = record if isinstance(record, Reject) else _check(record, keys)
         if isinstance(checked, Reject):
             rejects.append((position, checked))
@@ -148,13 +151,17 @@ def _process(worker: _Worker, chunk: Chunk) -> ChunkResult:
     tokens, lengths = {}, {}
     for key in keys:
         tokens[key], lengths[key] = _flatten(ids[key], worker.dtype, eod)
-    return ChunkResult(tokens, lengths, [reject for _, reject in sorted(rejects, key=lambda r: r[0])], chunk.size)
+    if any(reject.reason == MISSING_KEY for _, reject in rejects) and chunk.columns is not None:
+        seen.update(chunk.columns)
+    return ChunkResult(tokens, lengths, [reject for _, reject in sorted(rejects, key=lambda r: r[0])], chunk.size,
+                       seen)
 
 
-def _records(chunk: Chunk, keys: list[str]) -> Iterator[tuple[str, int | None, list] | Reject]:
-    """(source, line, [value per key]) for each record, or a Reject if it does not parse."""
+def _records(chunk: Chunk, keys: list[str], seen: set[str]) -> Iterator[tuple[str, int | None, list] | Reject]:
+    """(source, line, [value per key]) for each record, or a Reject if it does not parse; the keys of JSON
+    records that lack one of `keys` are added to `seen`."""
     if chunk.kind == "jsonl":
-        yield from _jsonl_records(chunk, keys)
+        yield from _jsonl_records(chunk, keys, seen)
     elif chunk.kind == "columns":
         columns = [chunk.records[key] for key in keys]
         for row, values in enumerate(zip(*columns), start=chunk.first):
@@ -165,7 +172,7 @@ def _records(chunk: Chunk, keys: list[str]) -> Iterator[tuple[str, int | None, l
                 yield path, None, [f.read()]
 
 
-def _jsonl_records(chunk: Chunk, keys: list[str]) -> Iterator[tuple[str, int, list] | Reject]:
+def _jsonl_records(chunk: Chunk, keys: list[str], seen: set[str]) -> Iterator[tuple[str, int, list] | Reject]:
     """Decoding the whole chunk at once is the fast path; only a chunk holding invalid
     UTF-8 is decoded line by line, to find and skip exactly the bad lines."""
     try:
@@ -183,7 +190,10 @@ def _jsonl_records(chunk: Chunk, keys: list[str]) -> Iterator[tuple[str, int, li
             yield Reject(chunk.source, number, MALFORMED_JSON, str(error))
         else:
             if isinstance(record, dict):
-                yield chunk.source, number, [record.get(key, Missing.KEY) for key in keys]
+                values = [record.get(key, Missing.KEY) for key in keys]
+                if Missing.KEY in values:
+                    seen.update(record)
+                yield chunk.source, number, values
             else:
                 yield Reject(chunk.source, number, NOT_OBJECT, f"a JSON {type(record).__name__}, not an object")
 

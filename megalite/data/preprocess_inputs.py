@@ -90,44 +90,62 @@ def _expand_folder(folder: str, input_format: str, sources: list[Source], skippe
                 sources.append(Source(path, fmt))
 
 
+def disk_bytes(source: Source) -> int:
+    """What `source` takes on disk (a Hugging Face folder: all its files): the measure of progress, the same
+    for every format (0 for a named pipe)."""
+    if os.path.isdir(source.path):
+        return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(source.path)
+                   for name in names)
+    return os.path.getsize(source.path)
+
+
 def read_chunks(sources: list[Source], keys: list[str], hf_split: str | None = None) -> Iterator[Chunk]:
-    """Every source's records as chunks, in order; consecutive text files share chunks."""
+    """Every source's records as chunks, in order; consecutive text files share chunks. Each chunk's `read_to`
+    counts the on-disk bytes of the sources before its own plus how far into its own it reaches."""
     texts: list[str] = []
-    size = 0
+    size = done = 0
     for source in sources:
+        on_disk = disk_bytes(source)
         if source.format == "text":
             texts.append(source.path)
-            size += os.path.getsize(source.path)
+            size, done = size + on_disk, done + on_disk
             if size >= CHUNK_BYTES:
-                yield Chunk(texts[0], "text", texts, size=size)
+                yield Chunk(texts[0], "text", texts, size=size, read_to=done)
                 texts, size = [], 0
             continue
         if texts:
-            yield Chunk(texts[0], "text", texts, size=size)
+            yield Chunk(texts[0], "text", texts, size=size, read_to=done)
             texts, size = [], 0
         if source.format == "jsonl":
-            yield from _jsonl_chunks(source.path)
+            chunks = _jsonl_chunks(source.path)
         elif source.format == "parquet":
-            yield from _parquet_chunks(source.path, keys)
+            chunks = _parquet_chunks(source.path, keys, on_disk)
         else:
-            yield from _hf_chunks(source.path, keys, hf_split)
+            chunks = _hf_chunks(source.path, keys, hf_split, on_disk)
+        for chunk in chunks:
+            chunk.read_to = done + min(chunk.read_to, on_disk)
+            yield chunk
+        done += on_disk
     if texts:
-        yield Chunk(texts[0], "text", texts, size=size)
+        yield Chunk(texts[0], "text", texts, size=size, read_to=done)
 
 
 def _jsonl_chunks(path: str) -> Iterator[Chunk]:
-    """Raw bytes of whole lines, gunzipped on the fly for .gz; each chunk knows its first line."""
+    """Raw bytes of whole lines, gunzipped on the fly for .gz; each chunk knows its first line and how far into
+    the file on disk it reaches (for .gz, the compressed bytes read so far)."""
     opener = gzip.open if path.lower().endswith(".gz") else open
-    line = 1
+    line, read = 1, 0
     with opener(path, "rb") as f:
+        compressed = f.fileobj if isinstance(f, gzip.GzipFile) and f.fileobj.seekable() else None
         while data := f.read(CHUNK_BYTES):
             if not data.endswith(b"\n"):
                 data += f.readline()
-            yield Chunk(path, "jsonl", data, first=line, size=len(data))
+            read = compressed.tell() if compressed is not None else read + len(data)
+            yield Chunk(path, "jsonl", data, first=line, size=len(data), read_to=read)
             line += data.count(b"\n")
 
 
-def _columns_chunk(source: str, table, keys: list[str], first: int) -> Chunk:
+def _columns_chunk(source: str, table, keys: list[str], first: int, columns: list[str], read_to: int) -> Chunk:
     """An Arrow batch as plain lists per key. Strings travel as bytes (a zero-copy cast), so
     a row of invalid UTF-8 is rejected by the worker instead of failing the whole batch here."""
     import pyarrow as pa
@@ -143,15 +161,15 @@ def _columns_chunk(source: str, table, keys: list[str], first: int) -> Chunk:
         elif pa.types.is_large_string(column.type):
             column = column.cast(pa.large_binary())
         records[key] = column.to_pylist()
-    return Chunk(source, "columns", records, first=first, size=table.nbytes)
+    return Chunk(source, "columns", records, first=first, size=table.nbytes, columns=columns, read_to=read_to)
 
 
 def _rows_per_chunk(bytes_per_row: float) -> int:
     return max(1, int(CHUNK_BYTES / max(bytes_per_row, 1.0)))
 
 
-def _parquet_chunks(path: str, keys: list[str]) -> Iterator[Chunk]:
-    """Batches of the key columns only, sized from the footer's uncompressed column sizes."""
+def _parquet_chunks(path: str, keys: list[str], on_disk: int) -> Iterator[Chunk]:
+    """Batches of the key columns only, sized from the footer's uncompressed column sizes; progress by rows."""
     import pyarrow.parquet as pq
 
     file = pq.ParquetFile(path)
@@ -161,13 +179,15 @@ def _parquet_chunks(path: str, keys: list[str]) -> Iterator[Chunk]:
                for c in range(meta.num_columns) if meta.schema.column(c).path.split(".")[0] in present)
     first = 1
     for batch in file.iter_batches(batch_size=_rows_per_chunk(size / max(meta.num_rows, 1)), columns=present):
-        yield _columns_chunk(path, batch, keys, first)
+        yield _columns_chunk(path, batch, keys, first, file.schema_arrow.names,
+                             on_disk * (first - 1 + batch.num_rows) // max(meta.num_rows, 1))
         first += batch.num_rows
 
 
-def _hf_chunks(path: str, keys: list[str], split: str | None) -> Iterator[Chunk]:
+def _hf_chunks(path: str, keys: list[str], split: str | None, on_disk: int) -> Iterator[Chunk]:
     """A local Hugging Face dataset: a save_to_disk folder (memory-mapped Arrow), or any
-    folder `datasets.load_dataset` understands, streamed. Offline: never a hub lookup."""
+    folder `datasets.load_dataset` understands, streamed. Offline: never a hub lookup. Progress by
+    rows where the rows are counted (a saved dataset), else by the whole folder once it is read."""
     os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     import datasets  # slow to import: only when a Hugging Face input is given
 
@@ -178,13 +198,12 @@ def _hf_chunks(path: str, keys: list[str], split: str | None) -> Iterator[Chunk]
         dataset = datasets.load_dataset(path, streaming=True)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         dataset = _pick_split(dataset, split, path)
-    if isinstance(dataset, datasets.Dataset):
-        rows = _rows_per_chunk(dataset.data.nbytes / max(len(dataset), 1))
-    else:
-        rows = _STREAMING_ROWS
+    counted = isinstance(dataset, datasets.Dataset)
+    rows = _rows_per_chunk(dataset.data.nbytes / max(len(dataset), 1)) if counted else _STREAMING_ROWS
     first = 1
     for table in dataset.with_format("arrow").iter(batch_size=rows):
-        yield _columns_chunk(path, table, keys, first)
+        done = on_disk * (first - 1 + table.num_rows) // max(len(dataset), 1) if counted else 0
+        yield _columns_chunk(path, table, keys, first, table.column_names, done)
         first += table.num_rows
 
 

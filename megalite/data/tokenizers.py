@@ -9,12 +9,15 @@ documents by the caller (tools/preprocess_data.py), as Megatron-LM does.
 
 from __future__ import annotations
 
+import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
+
+from megalite.errors import InvalidInput, MissingInput
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
 
@@ -53,9 +56,9 @@ class Tokenizer(ABC):
 
 def _existing(path: str | None, arg: str, kind: str = "file") -> str:
     if path is None:
-        raise ValueError(f"{arg} is required for this tokenizer: set {_SOURCES[arg]}")
+        raise InvalidInput(f"{arg} is required for this tokenizer: set {_SOURCES[arg]}")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{_SOURCES[arg]}: {kind} {path} does not exist")
+        raise MissingInput(f"{_SOURCES[arg]}: {kind} {path} does not exist")
     return path
 
 
@@ -101,15 +104,30 @@ class GPT2BPETokenizer(_RustTokenizer):
     """
 
     def __init__(self, vocab_file: str | None, merge_file: str | None) -> None:
-        bpe = models.BPE.from_file(_existing(vocab_file, "vocab_file"), _existing(merge_file, "merge_file"))
-        backend = tokenizers.Tokenizer(bpe)
+        backend = tokenizers.Tokenizer(_bpe(_existing(vocab_file, "vocab_file"), _existing(merge_file, "merge_file")))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
         eod = backend.token_to_id("<|endoftext|>")
         if eod is None:
-            raise ValueError(f"{_SOURCES['vocab_file']}: {vocab_file} has no <|endoftext|> token, "
-                             "so it is not a GPT-2 vocabulary")
+            raise InvalidInput(f"{_SOURCES['vocab_file']}: {vocab_file} has no <|endoftext|> token, "
+                               "so it is not a GPT-2 vocabulary")
         super().__init__(backend, eod)
+
+
+def _bpe(vocab_file: str, merge_file: str) -> models.BPE:
+    """GPT-2's BPE model; a file that is not what it should be is named (the Rust error names none)."""
+    try:
+        return models.BPE.from_file(vocab_file, merge_file)
+    except Exception as error:  # noqa: BLE001 - the Rust side raises a bare Exception
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                vocab_ok = isinstance(json.load(f), dict)
+        except (ValueError, OSError):
+            vocab_ok = False
+        field, path, kind = (("merge_file", merge_file, "merges.txt") if vocab_ok else
+                             ("vocab_file", vocab_file, "vocab.json"))
+        raise InvalidInput(f"{_SOURCES[field]}: {path} is not a GPT-2 BPE {kind} ({error}); give the vocab.json and "
+                           "merges.txt of the tokenizer the corpus was preprocessed with") from None
 
 
 class HuggingFaceTokenizer(_RustTokenizer):
@@ -126,10 +144,10 @@ class HuggingFaceTokenizer(_RustTokenizer):
             try:
                 backend = tokenizers.Tokenizer.from_file(path)
             except Exception as e:  # the Rust side raises a bare Exception naming no file
-                raise ValueError(f"{_SOURCES['tokenizer_model']}: {path} is not a tokenizer.json ({e})") from e
+                raise InvalidInput(f"{_SOURCES['tokenizer_model']}: {path} is not a tokenizer.json ({e})") from e
             special = sorted(t.content for t in backend.get_added_tokens_decoder().values() if t.special)
             if len(special) != 1:
-                raise ValueError(
+                raise InvalidInput(
                     f"{_SOURCES['tokenizer_model']}: {path} has special tokens {special}, so which one ends a "
                     "document is ambiguous; pass a directory instead, saved with "
                     "transformers.PreTrainedTokenizerFast(tokenizer_file=..., eos_token=...).save_pretrained(dir)")
@@ -140,14 +158,18 @@ class HuggingFaceTokenizer(_RustTokenizer):
     def _from_directory(path: str) -> tuple[tokenizers.Tokenizer, int]:
         import transformers  # slow to import, and only this case needs it
 
+        expected = ("tokenizer.json", "tokenizer_config.json")
+        if not any(os.path.isfile(os.path.join(path, name)) for name in expected):
+            raise InvalidInput(f"{_SOURCES['tokenizer_model']}: {path} has no {' or '.join(expected)}, so it is not a "
+                               "Hugging Face tokenizer directory; give the directory save_pretrained wrote")
         loaded = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         if loaded.eos_token_id is None:
-            raise ValueError(f"{_SOURCES['tokenizer_model']}: the tokenizer in {path} has no eos token to end "
-                             "documents with; set eos_token in its tokenizer_config.json")
+            raise InvalidInput(f"{_SOURCES['tokenizer_model']}: the tokenizer in {path} has no eos token to end "
+                               "documents with; set eos_token in its tokenizer_config.json")
         backend = getattr(loaded, "backend_tokenizer", None)
         if backend is None:
-            raise ValueError(f"{_SOURCES['tokenizer_model']}: {path} loads as {type(loaded).__name__}, which has no "
-                             "fast (tokenizers) backend; save it with save_pretrained from a fast tokenizer")
+            raise InvalidInput(f"{_SOURCES['tokenizer_model']}: {path} loads as {type(loaded).__name__}, which has no "
+                               "fast (tokenizers) backend; save it with save_pretrained from a fast tokenizer")
         return backend, loaded.eos_token_id
 
 
@@ -158,10 +180,14 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece  # only this tokenizer needs it, and GPU images without it still train with the others
 
         path = _existing(model_file, "tokenizer_model", "SentencePiece model")
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as error:
+            raise InvalidInput(f"{_SOURCES['tokenizer_model']}: {path} is not a SentencePiece model ({error}); give "
+                               "the .model file the corpus was preprocessed with") from None
         if self._sp.eos_id() < 0:
-            raise ValueError(f"{_SOURCES['tokenizer_model']}: SentencePiece model {path} has no eos piece "
-                             "to end documents with")
+            raise InvalidInput(f"{_SOURCES['tokenizer_model']}: SentencePiece model {path} has no eos piece "
+                               "to end documents with")
 
     @property
     def vocab_size(self) -> int:
@@ -190,7 +216,7 @@ class NullTokenizer(Tokenizer):
 
     def __init__(self, vocab_size: int | None) -> None:
         if vocab_size is None:
-            raise ValueError(f"vocab_size is required for NullTokenizer: set {_SOURCES['vocab_size']}")
+            raise InvalidInput(f"vocab_size is required for NullTokenizer: set {_SOURCES['vocab_size']}")
         self._eod = int(vocab_size)
 
     @property
@@ -222,4 +248,4 @@ def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_fi
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
-    raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+    raise InvalidInput(f"unknown tokenizer type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")

@@ -6,8 +6,9 @@ build every group that rank joins. Fake tensors (torch._subclasses.FakeTensorMod
 storage sizes but allocate nothing, so the real model, buffers and optimizer of a 405B-parameter layout fit
 here. The device stays the CPU: the CPU code paths run (autocast, attention kernels), which CUDA cannot be
 made to on a machine without one. Where megalite picks a setting by device type for speed alone (the head's
-cross-entropy chunk: a few cached rows on CPUs, ~1 GiB on accelerators), the dry run picks the accelerator's
-(`as_accelerator`): it stands for a GPU, and a CPU's chunking would multiply its operations a thousandfold.
+cross-entropy chunk: a few cached rows on CPUs, ~1 GiB on accelerators), the dry run gives the built model the
+accelerator's (`as_accelerator`): it stands for a GPU, and a CPU's chunking would multiply its operations a
+thousandfold.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers the "fake" backend)
 
-from megalite.model import cross_entropy
+from megalite.model.cross_entropy import ACCELERATOR_CHUNK_BYTES
+from megalite.model.head import LMHead
 from megalite.parallel.topology import release_process_groups
 
 
@@ -42,12 +45,8 @@ def fake_tensors() -> Iterator[FakeTensorMode]:
         yield mode
 
 
-@contextlib.contextmanager
-def as_accelerator() -> Iterator[None]:
-    """Inside the block the CPU takes the accelerators' speed settings (the cross-entropy chunk)."""
-    saved = dict(cross_entropy._CHUNK_BYTES)
-    cross_entropy._CHUNK_BYTES.clear()
-    try:
-        yield
-    finally:
-        cross_entropy._CHUNK_BYTES.update(saved)
+def as_accelerator(model: nn.Module) -> None:
+    """`model`, built on the CPU, takes the accelerators' speed settings (the head's cross-entropy chunk)."""
+    for module in model.modules():
+        if isinstance(module, LMHead):
+            module.loss_chunk_bytes = ACCELERATOR_CHUNK_BYTES

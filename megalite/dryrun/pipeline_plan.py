@@ -1,8 +1,8 @@
 """The whole pipeline's messages for one step, every rank's, replayed under NCCL's rules at full size.
 
 A dry run simulates a few ranks in full, but a hang needs the whole pipeline: every pipeline rank runs the
-real executor (parallel/schedules.py run_schedule) with a toy model, on the fake process group, recorded
-(parallel/nccl_rules.py), and the records of all pp ranks are replayed together. Which messages travel, and
+real executor (parallel/pipeline/executor.py run_schedule) with a toy model, on the fake process group, recorded
+(nccl_rules/), and the records of all pp ranks are replayed together. Which messages travel, and
 when, depends only on the schedule, pp, vp and the micro batch count, so the toy model shows what the real
 one would send; the tests run the same toy model on real gloo ranks (tests/test_nccl_rules.py).
 """
@@ -12,10 +12,13 @@ from __future__ import annotations
 import torch
 
 from megalite.dryrun.fake_world import fake_rank, fake_tensors
-from megalite.parallel.nccl_rules import CommRecorder, RankRecord, Report, replay
+from megalite.dryrun.nccl_rules.record import CommRecorder, RankRecord
+from megalite.dryrun.nccl_rules.replay import STREAMS, Report, replay
 from megalite.parallel.p2p import PipelineComm
-from megalite.parallel.pipeline_layout import PipelineStage, placement_of
-from megalite.parallel.schedules import ForwardStep, run_schedule
+from megalite.parallel.pipeline.executor import ForwardStep, run_schedule
+from megalite.parallel.pipeline.registry import schedule_spec
+from megalite.parallel.pipeline.spec import ScheduleSpec
+from megalite.parallel.pipeline.stage import PipelineStage
 from megalite.parallel.topology import Topology
 from megalite.parallel.weight_grads import recomputed
 
@@ -40,19 +43,21 @@ def _scaled(x: torch.Tensor, weight: torch.Tensor, *, offset: float) -> torch.Te
     return x * weight + offset
 
 
-def record_schedule(name: str, microbatches: int, stage: PipelineStage, comm: PipelineComm) -> RankRecord:
-    """The calls this pipeline rank makes running schedule `name` on the toy model."""
-    with CommRecorder(stage.rank) as recorder, torch.set_grad_enabled(name != "forward"):
-        run_schedule(name, microbatches, toy_forward(stage), stage, comm)
+def record_schedule(schedule: str | ScheduleSpec, microbatches: int, stage: PipelineStage,
+                    comm: PipelineComm) -> RankRecord:
+    """The calls this pipeline rank makes running `schedule` on the toy model."""
+    spec = schedule_spec(schedule)
+    with CommRecorder(stage.rank) as recorder, torch.set_grad_enabled(spec.trains):
+        run_schedule(spec, microbatches, toy_forward(stage), stage, comm)
     return recorder.record
 
 
-def check_pipeline(name: str, pp: int, vp: int, microbatches: int) -> Report:
-    """Replay all `pp` ranks' calls of one step of schedule `name` under NCCL's rules."""
-    records = []
+def check_pipeline(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches: int) -> Report:
+    """Replay all `pp` ranks' calls of one step of `schedule` under NCCL's rules, with the pairs' communicators
+    side by side and one after another (nccl_rules/replay.py STREAMS)."""
+    spec, records = schedule_spec(schedule), []
     for rank in range(pp):
         with fake_rank(rank, pp), fake_tensors():
             comm = PipelineComm(Topology(rank, pp, torch.device("cpu"), pp=pp), SHAPE, torch.float32)
-            stage = PipelineStage(pp, vp, rank, placement=placement_of(name))
-            records.append(record_schedule(name, microbatches, stage, comm))
-    return replay(records)
+            records.append(record_schedule(spec, microbatches, spec.stage(pp, vp, rank), comm))
+    return replay(records, streams=STREAMS)

@@ -4,7 +4,7 @@ Everything a rank does runs: its groups are built at the full world size, its mo
 distributed optimizer and pipeline are built, and one step runs its whole schedule (every micro batch's forward
 and backward, the gradient reduction, clipping and the update). What it cannot do is read a value: nothing in
 a bf16 or fp32 step does (training/step.py), but the dropless all-to-all reads its split sizes, which balanced
-routing stands in for (routing.py).
+routing stands in for (model/moe/layer.py assume_balanced_routing).
 
 Memory is counted as an allocator sees it (live_bytes.py). One step is the first step, in which Adam creates its
 moments inside the update: in every later step they are alive throughout, so the steady-state peak is the larger
@@ -24,10 +24,10 @@ from megalite.config import Config
 from megalite.data.batches import Batch
 from megalite.dryrun.fake_world import as_accelerator, fake_rank, fake_tensors
 from megalite.dryrun.live_bytes import LiveBytes
+from megalite.dryrun.nccl_rules.record import Call, CommRecorder
 from megalite.dryrun.roles import Role
-from megalite.dryrun.routing import balanced_routing
 from megalite.model import init
-from megalite.parallel.nccl_rules import Call, CommRecorder
+from megalite.model.moe.layer import assume_balanced_routing
 from megalite.parallel.topology import Topology
 from megalite.planning.measure import kept_gradients
 from megalite.training.build import Trainer, build_trainer
@@ -112,10 +112,12 @@ def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int, s
                                         cfg.model.num_experts > 0)
         seconds["groups"] = time.perf_counter() - start
         live = LiveBytes(sites)
-        with fake_tensors(), live.counting(), balanced_routing(), as_accelerator():
+        with fake_tensors(), live.counting():
             start = time.perf_counter()
             with init.draws_inside(lambda: live.making("host")):
                 trainer = build_trainer(cfg, topology)
+            as_accelerator(trainer.model)
+            assume_balanced_routing(trainer.model)
             label_state(live, trainer)
             build = live.peak, live.host_peak
             live.reset_peak()

@@ -1,8 +1,8 @@
 """Which ranks a dry run simulates: one of each role, since ranks in the same role hold and do the same.
 
 Ranks differ by pipeline stage: the first embeds (and holds the word embeddings), the last holds the head and
-the loss (and, with tied embeddings over pp > 1, the embeddings' copy; under ZB-V's V placement the first stage
-holds both, pipeline_layout.py), the ones between hold layers only, and
+the loss (and, with tied embeddings over pp > 1, the embeddings' copy; under ZB-V's V chunk order the first stage
+holds both, parallel/pipeline/stage.py), the ones between hold layers only, and
 a stage's place in the schedule sets how many micro batches it keeps in flight (the first the most, though with
 fewer layers on the first chunk the second stage may hold more: the stage the planner expects to need the most
 memory is simulated too). Within a
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.topology import RankGrid
 from megalite.planning.memory import memory_per_stage
 

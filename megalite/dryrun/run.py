@@ -19,11 +19,12 @@ import torch
 from megalite.config import Config
 from megalite.config_validation import validate
 from megalite.dryrun.fake_world import fake_rank
+from megalite.dryrun.nccl_rules.replay import Report
 from megalite.dryrun.pipeline_plan import check_pipeline
 from megalite.dryrun.rank_step import RankRun, simulate_rank
 from megalite.dryrun.roles import roles
 from megalite.dryrun.routing import check_routing
-from megalite.parallel.nccl_rules import Report
+from megalite.parallel.pipeline.registry import schedule_spec
 from megalite.parallel.topology import Topology
 from megalite.planning.memory import StageMemory, peak_activations, stage_memory
 
@@ -59,7 +60,7 @@ def shortest_same_peak(cfg: Config, world_size: int, stages: list[int]) -> int:
     """The fewest micro batches (a multiple of pp when interleaved) whose schedule holds, on each of `stages`,
     the same activations at its peak as the config's whole step."""
     full, p = cfg.num_microbatches(world_size), cfg.parallel
-    step = p.pp if p.vp > 1 else 1
+    step = p.pp if schedule_spec(p.pipeline_schedule).interleaves(p.vp) else 1  # counts it can run
     target = [peak_activations(cfg, world_size, s, "cpu") for s in stages]
     for count in range(step, full, step):
         short = with_microbatches(cfg, world_size, count)

@@ -58,8 +58,8 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
         self.q_norm = self.k_norm = None
         if cfg.features.qk_norm:
-            self.q_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device, ctx.split_backward)
-            self.k_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device, ctx.split_backward)
+            self.q_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
+            self.k_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
             partial = Placement(partial=("tp",) if tp > 1 else ())  # every rank's heads add to the one weight
             self.placements = {"q_norm.weight": partial, "k_norm.weight": partial}
         self.dropout = cfg.attention_dropout

@@ -25,17 +25,23 @@ import torch
 
 from megalite.parallel import gemm
 from megalite.parallel.mappings import in_compute_dtype
-from megalite.parallel.weight_grads import split_backward, weight_grad
+from megalite.parallel.weight_grads import opaque_backward
 
-# Rows per chunk: on CPUs a chunk's fp32 log-softmax must stay in cache (a few MiB);
-# accelerators stream whole tensors quickly and pay per kernel launch instead.
-_CHUNK_BYTES = {"cpu": 4 * 2**20}
-_DEFAULT_CHUNK_BYTES = 2**30
+# The fp32 bytes of logits turned into their gradient at a time: on CPUs a chunk's log-softmax must stay in
+# cache (a few MiB); accelerators stream whole tensors quickly and pay per kernel launch instead.
+CPU_CHUNK_BYTES = 4 * 2**20
+ACCELERATOR_CHUNK_BYTES = 2**30
 
 
-def chunk_rows(padded_vocab: int, device_type: str) -> int:
-    """Rows of logits turned into their gradient at a time (the planner counts their fp32 copies too)."""
-    return max(1, _CHUNK_BYTES.get(device_type, _DEFAULT_CHUNK_BYTES) // (4 * padded_vocab))
+def chunk_bytes(device_type: str) -> int:
+    """The chunk a device of this type computes fastest with."""
+    return CPU_CHUNK_BYTES if device_type == "cpu" else ACCELERATOR_CHUNK_BYTES
+
+
+def chunk_rows(padded_vocab: int, nbytes: int) -> int:
+    """Rows of logits turned into their gradient at a time, `nbytes` of fp32 logits (the planner counts their
+    fp32 copies too)."""
+    return max(1, nbytes // (4 * padded_vocab))
 
 
 def _loss_and_grad(chunk: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -52,47 +58,47 @@ def _loss_and_grad(chunk: torch.Tensor, labels: torch.Tensor, vocab: int) -> tor
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int,
-                final: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int, recipe: gemm.Recipe,
+                nbytes: int) -> torch.Tensor:
         """x [n, h], weight [padded_vocab, h], labels [n] -> fp32 losses [n] over the first `vocab` rows."""
-        grad_logits = gemm.forward(x, weight, None)
+        grad_logits = recipe.linear(x, weight, None)
         losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        rows = chunk_rows(weight.shape[0], x.device.type)
+        rows = chunk_rows(weight.shape[0], nbytes)
         for start in range(0, x.shape[0], rows):
             losses[start : start + rows] = _loss_and_grad(grad_logits[start : start + rows],
                                                           labels[start : start + rows], vocab)
         ctx.save_for_backward(x, grad_logits)
-        ctx.weight, ctx.final = weight, final
+        ctx.weight, ctx.recipe = weight, recipe
         return losses
 
     @staticmethod
-    def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         x, grad_logits = ctx.saved_tensors
-        grad_x = split_backward(_backward, [x, grad_losses.contiguous(), ctx.weight, grad_logits], final=ctx.final,
+        grad_x = opaque_backward(_backward, [x, grad_losses.contiguous(), ctx.weight, grad_logits], recipe=ctx.recipe,
                                 needs_weight=ctx.needs_input_grad[1])
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 def _backward(x: torch.Tensor, grad_losses: torch.Tensor, weight: torch.Tensor, grad_logits: torch.Tensor, *,
-              final: bool, needs_weight: bool) -> torch.Tensor:
+              recipe: gemm.Recipe, needs_weight: bool) -> torch.Tensor:
     """The input gradient, returned; the weight's (the logits gradient, scaled per token, times x) handed to
     weight_grads: at once, or in W, which then keeps the logits gradient and the scaled x."""
     scale = grad_losses.unsqueeze(1)
-    grad_x = (gemm.input_grad(grad_logits, weight) * scale).to(x.dtype)
+    grad_x = (recipe.linear_input_grad(grad_logits, weight) * scale).to(x.dtype)
     if needs_weight:
-        scaled = (x * scale).to(x.dtype)
-        weight_grad(weight, lambda: gemm.weight_grad(weight, grad_logits, scaled, final), final)
+        gemm.weight_grad(weight, grad_logits, (x * scale).to(x.dtype), recipe)
     return grad_x
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int,
-                         final: bool = True) -> torch.Tensor:
+                         recipe: gemm.Recipe = gemm.HIGH_PRECISION, nbytes: int | None = None) -> torch.Tensor:
     """Per-token fp32 `cross_entropy(x @ weight[:vocab].T, labels)`, computed with the whole padded
-    `weight` and its padded columns masked; x [n, h], labels [n].
+    `weight` and its padded columns masked; x [n, h], labels [n]. `nbytes`: the chunk of logits turned into
+    their gradient at a time (default: the fastest for x's device type, `chunk_bytes`).
 
     Under autocast the matmuls run in the autocast dtype, as F.linear's would (the weight is cast inside,
     so the parameter itself reaches gemm.weight_grad). A non-finite per-token gradient scale (fp16 loss
     scaling overflowing in x * scale) shows up as non-finite gradients, which the loss scaler catches.
-    `final`: as in gemm.linear.
     """
-    return _LinearCrossEntropy.apply(in_compute_dtype(x), weight, labels, vocab, final)
+    nbytes = chunk_bytes(x.device.type) if nbytes is None else nbytes
+    return _LinearCrossEntropy.apply(in_compute_dtype(x), weight, labels, vocab, recipe, nbytes)

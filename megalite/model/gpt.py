@@ -23,9 +23,10 @@ from megalite.model.moe.layer import MoELayer
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.layers import Lookup, VocabParallelEmbedding
+from megalite.parallel.layers import VocabParallelEmbedding
+from megalite.parallel.lookup import Lookup
 from megalite.parallel.mappings import local_rows
-from megalite.parallel.pipeline_layout import StageLayout
+from megalite.parallel.pipeline.stage import StageLayout
 from megalite.parallel.placement import Placement, parameter_placements
 from megalite.parallel.random import checkpoint_with_rng
 
@@ -41,10 +42,10 @@ class TransformerLayer(nn.Module):
         super().__init__()
         norm = cfg.features.norm
         self.ctx, self.aux_losses = ctx, aux_losses or AuxLosses()  # the model's: terms the layer adds in forward
-        self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device, ctx.split_backward)
+        self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.attention = SelfAttention(cfg, ctx, device)
-        self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device, ctx.split_backward)
-        self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if cfg.is_moe_layer(index) else MLP(cfg, ctx)
+        self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
+        self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if index in cfg.moe_layers else MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 
@@ -140,7 +141,8 @@ class GPTModel(nn.Module):
     by all-reducing its gradient with the first stage's (parallel/ddp.py).
 
     The constructor reads only the architecture (`cfg`), the init `seed` and the parameters' `dtype`; how the model is
-    trained (activation recompute: model/recompute.py) is applied to it afterwards.
+    trained (activation recompute: model/recompute.py; the split backward: model/split_backward.py) is applied to it
+    afterwards.
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device, ctx: ParallelContext | None = None,
@@ -165,8 +167,7 @@ class GPTModel(nn.Module):
                                      for i in indices})
         self.final_norm = self.lm_head = None
         if stage.has_head:
-            self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device,
-                                         ctx.split_backward)
+            self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)
             own_weight = not (cfg.tied and stage.shares_embedding)
             self.lm_head = LMHead(cfg.hidden_size, cfg.padded_vocab_size, cfg.vocab_size, ctx, own_weight)
 

@@ -5,7 +5,10 @@ ranks (parallel/cross_entropy.py).
 It is a module that reads its weight inside its own forward, so a forward pre-hook sees every
 read: the distributed optimizer's overlapped parameter gather waits there for the head's bucket.
 With embeddings tied on the same stage it owns no weight and is handed the embedding's, which
-the same forward has already read through the embedding module.
+the same forward has already read through the embedding module (both readers' gradients meet in the
+gradient buffer: parallel/grad_buffer.py). Its matmuls run with its `recipe` (parallel/gemm.py), and the fused
+cross-entropy turns `loss_chunk_bytes` of logits into their gradient at a time (None: what suits the device it
+runs on; a dry run on the CPU standing for a GPU sets the accelerators').
 
 Every path multiplies by the whole padded weight (shard), never a `[:vocab_size]` slice of it:
 the padding keeps the GEMM's N a multiple of make_vocab_size_divisible_by, which is what gets
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 
 from megalite.model.costs import MicroBatch
-from megalite.model.cross_entropy import chunk_rows, linear_cross_entropy
+from megalite.model.cross_entropy import chunk_bytes, chunk_rows, linear_cross_entropy
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -42,21 +45,23 @@ class LMHead(nn.Module):
         self.rows = padded_vocab_size // ctx.tp.size  # this rank's rows of the (own or tied) weight
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size)) if owns_weight else None
         self.placements = {"weight": Placement.split("tp", 0)}
+        self.recipe = gemm.HIGH_PRECISION
+        self.loss_chunk_bytes: int | None = None
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x [seq (/tp under SP), batch, hidden] -> fp32 losses [batch, seq] given labels [batch, seq],
         else logits [batch, seq, vocab]; `weight` is the tied embedding when this head owns none."""
-        own = weight is None  # a borrowed (tied) weight also gets the embedding's gradient through autograd
-        weight = self.weight if own else weight
+        weight = self.weight if weight is None else weight
         tp = self.ctx.tp
         if tp.size == 1:
             if labels is None:
-                return gemm.linear(x, weight, final=own)[..., : self.vocab_size].transpose(0, 1)
-            losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.t().flatten(), self.vocab_size, own)
+                return gemm.linear(x, weight, recipe=self.recipe)[..., : self.vocab_size].transpose(0, 1)
+            losses = linear_cross_entropy(x.flatten(0, 1), weight, labels.t().flatten(), self.vocab_size, self.recipe,
+                                          self.loss_chunk_bytes)
             return losses.view(labels.shape[1], labels.shape[0]).t()
         x = in_compute_dtype(x)  # the final norm's fp32 output would otherwise cross the TP group in fp32
         x = gather_from_sp(x, tp.group) if self.ctx.sequence_parallel else copy_to_tp(x, tp.group)
-        logits = gemm.linear(x, weight, final=own)
+        logits = gemm.linear(x, weight, recipe=self.recipe)
         if labels is None:
             return gather_from_tp(logits, tp.group)[..., : self.vocab_size].transpose(0, 1)
         start = tp.rank * logits.shape[-1]
@@ -81,7 +86,7 @@ class LMHead(nn.Module):
         chunk size (a CPU's is a few MiB). Vocab-parallel cross-entropy holds the logits in the compute dtype
         beside their fp32 copy (saved), and in backward the gradient's cast back to the compute dtype."""
         if self.ctx.tp.size == 1:
-            rows = min(batch.tokens, chunk_rows(self.rows, "cuda"))
+            rows = min(batch.tokens, chunk_rows(self.rows, chunk_bytes("cuda")))
             return (1 if batch.compute == 4 else 2) * rows * self.rows * 4
         return batch.tokens * self.rows * batch.compute if batch.compute != 4 else 0
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import zlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
@@ -19,6 +18,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.parallel.placement import Coord, Placement
+from megalite.parallel.random import named_seed
 
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 # What each full-shape draw runs inside (`draws_inside`); none by default.
@@ -37,10 +37,6 @@ def draws_inside(context: Callable[[], contextlib.AbstractContextManager]) -> It
         _DRAW_CONTEXT.reset(token)
 
 
-def parameter_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
 def initial_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> torch.Tensor:
     """The fp32 initial value of parameter `name` at its full shape, on the CPU."""
     if name.endswith("bias"):
@@ -48,7 +44,7 @@ def initial_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> 
     if "norm" in name:
         return torch.ones(shape)
     std = cfg.init_std / math.sqrt(2 * cfg.num_layers) if name.endswith(_OUTPUT_PROJECTIONS) else cfg.init_std
-    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+    generator = torch.Generator().manual_seed(named_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 

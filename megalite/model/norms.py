@@ -5,16 +5,16 @@ and rstd, measured on an H100, see the planner). apex's are unmeasured: the GPU 
 Both compute the same function with the same parameters (`weight`, and `bias` for
 LayerNorm), so checkpoints do not depend on which implementation ran.
 
-When the schedule splits the backward into B and W (zero bubble), `build_norm(..., split_backward=True)`
-gives torch's norm modules whose forward runs through weight_grads.recomputed: it keeps only the input and
-recomputes the norm in backward, for the input gradient in B and the weight's (and bias's) in W, with the
-kernels of the module's own backward (apex is not used there). They stay modules with the same parameter
-names, so checkpoints and module hooks (ZeRO-3's gathers) see nothing new.
+When the schedule splits the backward into B and W (zero bubble), model/split_backward.py swaps each norm of a
+built model for its `recomputed_norm`: torch's norm module whose forward runs through weight_grads.recomputed. It
+keeps only the input and recomputes the norm in backward, for the input gradient in B and the weight's (and
+bias's) in W, with the kernels of the module's own backward (apex is not used there). It holds the same
+parameters under the same names, so checkpoints and module hooks (ZeRO-3's gathers) see nothing new.
 
 What each keeps for backward (model/costs.py), over the residual stream's rows: LayerNorm its input, mean and
 rstd; RMSNorm its input and rstd. How wide those are depends on the kernel: CUDA's fused kernels keep the input
 as it came (LayerNorm under autocast runs in fp32: an fp32 copy) and fp32 statistics; torch's composite RMSNorm
-(the CPU's) keeps an fp32 x and x * rstd. The split norms keep only their input, on any device.
+(the CPU's) keeps an fp32 x and x * rstd. The recomputed norms keep only their input, on any device.
 """
 
 from __future__ import annotations
@@ -42,12 +42,8 @@ def _apex_norm(name: str):
         return None
 
 
-def build_norm(kind: str, hidden_size: int, eps: float, device: torch.device,
-               split_backward: bool = False) -> nn.Module:
-    """A `kind` ("layernorm" or "rmsnorm", model.norm) norm over the last dimension; `split_backward`: its
-    weight gradients computed apart from its input's (in W)."""
-    if split_backward:
-        return SplitLayerNorm(hidden_size, eps=eps) if kind == "layernorm" else SplitRMSNorm(hidden_size, eps=eps)
+def build_norm(kind: str, hidden_size: int, eps: float, device: torch.device) -> nn.Module:
+    """A `kind` ("layernorm" or "rmsnorm", model.norm) norm over the last dimension."""
     if kind == "layernorm":
         fused = _apex_norm("FusedLayerNorm") if device.type == "cuda" else None
         return fused(hidden_size, eps=eps) if fused else LayerNorm(hidden_size, eps=eps)
@@ -61,7 +57,7 @@ def output_width(batch: MicroBatch) -> int:
 
 
 def recomputed_held(elements: int, input_width: int, batch: MicroBatch) -> int:
-    """A norm recomputed in W (the split norms below): its input and its output gradient."""
+    """A norm recomputed in W (the Recomputed* norms below): its input and its output gradient."""
     return elements * (input_width + output_width(batch))
 
 
@@ -92,7 +88,7 @@ class RMSNorm(_Norm, nn.RMSNorm):
         return self._elements(batch) * width + batch.rows * 4
 
 
-class SplitLayerNorm(LayerNorm):
+class RecomputedLayerNorm(LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return recomputed(_layer_norm, x, self.weight, self.bias, shape=tuple(self.normalized_shape), eps=self.eps)
 
@@ -100,12 +96,30 @@ class SplitLayerNorm(LayerNorm):
         return self._elements(batch) * batch.residual
 
 
-class SplitRMSNorm(RMSNorm):
+class RecomputedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return recomputed(_rms_norm, x, self.weight, shape=tuple(self.normalized_shape), eps=self.eps)
 
     def saved_bytes(self, batch: MicroBatch) -> int:
         return self._elements(batch) * batch.residual
+
+
+def recomputed_norm(norm: nn.Module) -> nn.Module | None:
+    """The norm `norm` (one of build_norm's) as a Recomputed* module holding the same parameters; None for a
+    module that is no such norm, or is one already."""
+    if isinstance(norm, RecomputedLayerNorm | RecomputedRMSNorm):
+        return None
+    layer_norms = (nn.LayerNorm, *filter(None, [_apex_norm("FusedLayerNorm")]))
+    rms_norms = (nn.RMSNorm, *filter(None, [_apex_norm("FusedRMSNorm")]))
+    if isinstance(norm, layer_norms):
+        recomputing = RecomputedLayerNorm(norm.normalized_shape, eps=norm.eps, device="meta")
+        recomputing.weight, recomputing.bias = norm.weight, norm.bias
+    elif isinstance(norm, rms_norms):
+        recomputing = RecomputedRMSNorm(norm.normalized_shape, eps=norm.eps, device="meta")
+        recomputing.weight = norm.weight
+    else:
+        return None
+    return recomputing.train(norm.training)
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, shape: tuple[int, ...],

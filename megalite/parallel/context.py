@@ -2,7 +2,7 @@
 
 The model is written once, for every layout: its layers ask this context for the group, rank and size of
 the axes they split along (tensor and context parallelism; expert and expert-tensor parallelism on the expert grid),
-the ranks that share one micro batch's tokens (a router's load counts span them), whether sequence
+the ranks that share each sequence of a micro batch (a router's load counts span them), whether sequence
 parallelism is on, and which RNG stream their dropout draws from. Nothing else of the topology reaches the
 model, and a model built without one (`ParallelContext()`) is the one-device model.
 """
@@ -37,30 +37,26 @@ class ParallelContext:
     ep: AxisView = field(default_factory=AxisView)  # expert parallelism (the expert grid's ep axis)
     etp: AxisView = field(default_factory=AxisView)  # expert tensor parallelism (its etp axis)
     ep_etp: AxisView = field(default_factory=AxisView)  # the etp x ep ranks that together hold every expert
-    tokens: AxisView = field(default_factory=AxisView)  # ranks holding parts of one micro batch (tp under SP, cp)
+    sequence_ranks: AxisView = field(default_factory=AxisView)  # ranks holding parts of each sequence (tp under SP, cp)
     expert_dispatcher: str = "alltoall"  # how tokens reach their experts' ranks (parallel.moe_dispatcher)
-    # The schedule splits each backward into B and W (zero bubble): layers whose weight gradient autograd would
-    # compute together with the input gradient (norms, biases after a reduction) recompute it apart, in W
-    # (weight_grads.recomputed); matmuls and lookups split their backward under every schedule.
-    split_backward: bool = False
 
     @classmethod
     def from_topology(cls, topology: Topology, sequence_parallel: bool, seed: int, cp_comm: str = "p2p",
-                      expert_dispatcher: str = "alltoall", split_backward: bool = False) -> ParallelContext:
+                      expert_dispatcher: str = "alltoall") -> ParallelContext:
         """`sequence_parallel`: ParallelConfig.sequence_parallel_active (asked for, and tp > 1)."""
         ep = etp = ep_etp = AxisView()
         if "expert" in topology.grids:
             ep, etp, ep_etp = (AxisView(topology.group(*axes, grid="expert"), topology.coord(*axes, grid="expert"),
                                         topology.size(*axes, grid="expert")) for axes in (("ep",), ("etp",),
                                                                                           ("etp", "ep")))
-        token_axes = (("tp",) if sequence_parallel else ()) + (("cp",) if topology.cp > 1 else ())
-        tokens = AxisView()
-        if token_axes:
-            tokens = AxisView(topology.group(*token_axes), topology.coord(*token_axes), topology.size(*token_axes))
+        axes = (("tp",) if sequence_parallel else ()) + (("cp",) if topology.cp > 1 else ())
+        sequence_ranks = AxisView()
+        if axes:
+            sequence_ranks = AxisView(topology.group(*axes), topology.coord(*axes), topology.size(*axes))
         return cls(AxisView(topology.tp_group, topology.tp_rank, topology.tp),
                    AxisView(topology.cp_group, topology.cp_rank, topology.cp), sequence_parallel, cp_comm,
                    model_parallel_tracker(seed, topology.tp_rank, topology.device), ep, etp, ep_etp,
-                   tokens, expert_dispatcher, split_backward)
+                   sequence_ranks, expert_dispatcher)
 
     @classmethod
     def tensor_parallel(cls, group: dist.ProcessGroup | None, rank: int, size: int,

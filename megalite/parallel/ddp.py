@@ -45,12 +45,13 @@ class DataParallelGrads:
     """`chunks`: the parameters of each model chunk, in the order its backward produces them; `placements`:
     where each lives (by name). `tied`: the names of this rank's parameters summed with another pipeline
     stage's (the word embeddings and their tied copy, when the model ties them and pp > 1). `units`: each
-    parameter's ZeRO-3 gather unit (zero/stage3.py unit_index), which buckets do not straddle. Each chunk gets one
+    parameter's ZeRO-3 gather unit (zero/stage3.py unit_index), which buckets do not straddle. `reads`: how many
+    modules read each parameter in one forward (grad_buffer.readers), where more than one. Each chunk gets one
     buffer per grid its parameters live on, reduced over that grid's data axes."""
 
     def __init__(self, model: nn.Module, chunks: list[list[nn.Parameter]], topology: Topology, cfg: ParallelConfig,
                  placements: dict[str, Placement], tied: set[str] = frozenset(),
-                 units: dict[int, int] | None = None) -> None:
+                 units: dict[int, int] | None = None, reads: dict[int, int] | None = None) -> None:
         self.topology = topology
         named = list(model.named_parameters())
         self.partial: dict[tuple[str, tuple[str, ...]], list[nn.Parameter]] = {}  # (grid, axes) -> parameters
@@ -68,7 +69,7 @@ class DataParallelGrads:
                 self.chunk_buffers[-1].append(GradBuffer(
                     [p for p in params if grid_of[id(p)] == grid], cfg.bucket_size, topology.group(*axes, grid=grid),
                     topology.size(*axes, grid=grid), topology.coord(*axes, grid=grid), cfg.zero,
-                    cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype], units))
+                    cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype], units, reads))
                 self.buffers.append(self.chunk_buffers[-1][-1])
         self.waits: list[tuple[Mark, Mark]] = []
 

@@ -1,14 +1,22 @@
-"""The one matmul hook: every linear layer's y = x W^T + b runs through `linear` here, and its backward
-through three named functions: `forward`, `input_grad` and `weight_grad`.
+"""The one matmul home: every linear layer's y = x W^T + b (`linear`) and every grouped expert matmul
+(`grouped_linear`) runs here, forward, input gradient and weight gradient, and a recipe decides how the
+operands of each are cast and multiplied.
 
-`weight_grad` adds dW straight into the parameter's main gradient when a gradient buffer holds it
-(the buffer gives the parameter an `accumulate_grad` sink, grad_buffer.py): Megatron-LM's gradient-
-accumulation fusion. No dW temporary is made and handed to autograd to add, and under bf16 autocast the
-product of bf16 operands is accumulated in fp32, not rounded to bf16 first (on CUDA by cuBLAS with an
-fp32 output; a CPU has no mixed-dtype GEMM, so there the operands are widened). Without a buffer (a bare
-model, a test) dW goes into `weight.grad`. The weight and bias gradients are handed to
-weight_grads.weight_grad, which computes them at once or, inside a zero-bubble schedule's B, in its W
-(weight_grads.py); FP8 matmuls plug in here too.
+A `Recipe` is the slot for number formats: `HighPrecision` (the default) multiplies in the compute dtype, the
+weights cast as autocast would cast them; an FP8 recipe would quantise the operands and multiply them scaled.
+The layers that own matmul weights (column/row-parallel linears, the experts, the LM head) each hold a recipe
+(`RecipeSlot`) and hand it over with their weights; `apply_recipe` changes it on a built model, as torchtitan's
+float8 converter does, so a new number format is a new recipe, not a branch in layers. The gradients'
+structure is the same under every recipe: dX = grad W, dW = grad^T x (per expert for grouped matmuls).
+
+The weight gradient is handed to weight_grads.deliver, which computes it at once or, inside a zero-bubble
+schedule's B, in its W, and deposits it into the gradient buffer the weight belongs to (its sink). A dense
+matmul adds dW straight into the main gradient there: Megatron-LM's gradient-accumulation fusion. No dW
+temporary is made, and under bf16 autocast the product of bf16 operands is accumulated in fp32, not rounded to
+bf16 first (on CUDA by cuBLAS with an fp32 output; a CPU has no mixed-dtype GEMM, so there the operands are
+widened). Without a buffer (a bare model, a test) dW goes into `weight.grad`. A weight read by several matmuls
+in one backward (the tied embedding and the LM head) is the buffer's business (grad_buffer.py), not the
+matmul's.
 
 Under sequence parallelism a column-parallel layer's input is all-gathered along the sequence; only the
 local shard is kept for backward and gathered again there, overlapped with the input gradient's matmul,
@@ -16,28 +24,73 @@ and the input gradient's reduce-scatter is launched before the weight gradient's
 it, so the two overlap: Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication (a deferred weight
 gradient keeps the gathered input until its W instead). On CUDA the overlap needs
 CUDA_DEVICE_MAX_CONNECTIONS=1 (cuda_env.py), which makes the GPU start kernels and collectives in the order
-they were queued. Under torch.compile the backward runs behind weight_grads.split_backward's opaque op, so
+they were queued. Under torch.compile the backward runs behind one opaque op (weight_grads.opaque_backward), so
 the sink and the split work there too.
 """
 
 from __future__ import annotations
 
+import functools
+from abc import ABC, abstractmethod
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from megalite.parallel.mappings import all_gather_single, gather_rows, in_compute_dtype, start_reduce_scatter_rows
-from megalite.parallel.weight_grads import split_backward
-from megalite.parallel.weight_grads import weight_grad as defer_weight_grad
+from megalite.parallel.weight_grads import deliver, opaque_backward
 
 
-def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b in x's dtype (the compute dtype under autocast: the weights are cast as autocast would)."""
-    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+class RowGroups:
+    """The rows of a grouped matmul, grouped by expert: `offsets` [experts] int32, the cumulative row counts, on
+    the device (all the grouped kernel needs), and their `sizes`, read on the host once, when first asked (a loop
+    over the experts needs them), for every matmul of one backward."""
+
+    def __init__(self, offsets: torch.Tensor) -> None:
+        self.offsets = offsets
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        return torch.diff(self.offsets, prepend=self.offsets.new_zeros(1)).tolist()
 
 
-def input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return grad.matmul(weight.to(grad.dtype))
+class Recipe(ABC):
+    """How a matmul's operands are cast and multiplied: dense x [n, in] by weight [out, in], or grouped, rows
+    offsets[e-1]:offsets[e] of x by weight[e] of weight [experts, out, in] (`RowGroups`). Outputs and input
+    gradients are in the compute dtype, x's and grad's; weight gradients as each method says. A compiled
+    backward knows a recipe by its repr: its class and settings (its attributes), which must not change."""
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{name}={value!r}" for name, value in sorted(vars(self).items()))
+        return f"{type(self).__qualname__}({settings})"
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b for x [..., in]."""
+
+    @abstractmethod
+    def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """grad W for grad [..., out]."""
+
+    @abstractmethod
+    def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        """grad^T x for [n, out] grad and [n, in] x: added into `out` (a main gradient, or what waits for one)
+        in out's dtype, and returned; without `out`, a new tensor in grad's dtype."""
+
+    @abstractmethod
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        """Each expert's rows of x times its weight^T."""
+
+    @abstractmethod
+    def grouped_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        """Each expert's rows of grad times its weight."""
+
+    @abstractmethod
+    def grouped_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        """[experts, out, in]: each expert's rows of grad^T times its rows of x, in grad's dtype."""
 
 
 _CPU_CAST_BYTES = 64 * 2**20  # the fp32 copies of grad and x rows a CPU makes at once (see _accumulate)
@@ -58,22 +111,102 @@ def _accumulate(main: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None
             main.addmm_(grad[start : start + rows].t().to(main.dtype), x[start : start + rows].to(main.dtype))
 
 
-def weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, final: bool = True) -> torch.Tensor | None:
-    """dW = grad^T x for [..., out] grad and [..., in] x: added into the main gradient when the parameter has a
-    sink and this is its `final` gradient of the backward (returns None), else returned in the weight's dtype.
-    A non-final one that the sink adds in later (the tied LM head's, waiting in `weight.grad`) is accumulated
-    in the weight's dtype as the sink would, not rounded to the compute dtype first. Reads the weight's shape
-    and dtype, never its values."""
+def grouped_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these operands, x [n, in] and weight [experts, out, in], forward and
+    backward. On CUDA it takes bf16 only, with every row a multiple of 16 bytes (8 elements: the hidden size and
+    the experts' width), as its checks in torch/_meta_registrations.py (`_meta_grouped_mm_common`, mirroring
+    aten/src/ATen/native/cuda/Blas.cpp) say; the group sizes need no alignment. On the CPU every float dtype runs
+    (bf16 with the same 16-byte rows)."""
+    return _kernel_takes(x, x.shape[-1], weight.shape[-2])
+
+
+def _kernel_takes(operand: torch.Tensor, in_features: int, out_features: int) -> bool:
+    rows_aligned = in_features % 8 == 0 and out_features % 8 == 0
+    if operand.is_cuda:
+        return operand.dtype == torch.bfloat16 and rows_aligned
+    return operand.dtype != torch.bfloat16 or rows_aligned
+
+
+@torch.compiler.disable
+def _eager_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Outside torch.compile: the compiler checks every grouped GEMM against the CUDA kernel's rules (bf16 only)."""
+    return torch._grouped_mm(x, weight, offs=offs)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    matmul = torch._grouped_mm if a.dtype == torch.bfloat16 else _eager_grouped_mm
+    return matmul(a, b, offs=offsets)
+
+
+class HighPrecision(Recipe):
+    """Operands in the compute dtype (the weights cast as autocast would cast them); dense weight gradients
+    accumulated in the main gradient's dtype. Grouped matmuls run torch._grouped_mm where it takes the operands
+    (no host read), else a loop over the experts, which reads the row counts once in forward and once in
+    backward; both gradients are the grouped kernel's own backward, bit for bit."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return grad.matmul(weight.to(grad.dtype))
+
+    def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return grad.t().matmul(x.to(grad.dtype))
+        _accumulate(out, grad, x)
+        return out
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        cast = weight.to(x.dtype)
+        if grouped_kernel_takes(x, cast):
+            return _grouped_mm(x, cast.transpose(-2, -1), groups.offsets)
+        return torch.cat([F.linear(part, cast[e]) for e, part in enumerate(x.split(groups.sizes))])
+
+    def grouped_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        cast = weight.to(grad.dtype)
+        if _kernel_takes(grad, weight.shape[-1], weight.shape[-2]):
+            return _grouped_mm(grad, cast, groups.offsets)
+        return torch.cat([g.matmul(cast[e]) for e, g in enumerate(grad.split(groups.sizes))])
+
+    def grouped_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        if _kernel_takes(x, x.shape[-1], grad.shape[-1]):
+            return _grouped_mm(grad.t(), x, groups.offsets)
+        sizes = groups.sizes
+        return torch.stack([g.t().matmul(part) for g, part in zip(grad.split(sizes), x.split(sizes))])
+
+
+HIGH_PRECISION = HighPrecision()
+
+
+@runtime_checkable
+class RecipeSlot(Protocol):
+    """A module whose matmuls run with its `recipe` (set by `apply_recipe`)."""
+
+    recipe: Recipe
+
+
+def apply_recipe(module: nn.Module, recipe: Recipe) -> None:
+    """Every matmul of `module` and its submodules that holds a recipe (`RecipeSlot`) runs with `recipe`: applied
+    to a built model (or a part of it: the transformer layers, not the head), as model/recompute.py applies
+    activation recompute."""
+    for child in module.modules():
+        if isinstance(child, RecipeSlot):
+            child.recipe = recipe
+
+
+def weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, recipe: Recipe,
+                groups: RowGroups | None = None) -> None:
+    """dW = grad^T x of [..., out] grad and [..., in] x (with `groups`: per expert), handed to
+    weight_grads.deliver: now or in W, into the weight's buffer (a dense dW added straight into the target the
+    buffer chooses) or, without one, into weight.grad in the weight's dtype. Reads the weight's shape and dtype,
+    never its values (ZeRO-3 may have freed them by W)."""
+    if groups is not None:
+        deliver(weight, lambda: recipe.grouped_weight_grad(grad, x, groups).to(weight.dtype))
+        return
     grad, x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-    sink = getattr(weight, "accumulate_grad", None)
-    if sink is None:
-        return grad.t().matmul(x.to(grad.dtype)).to(weight.dtype)
-    if not final:
-        waiting = torch.zeros(weight.shape, dtype=weight.dtype, device=grad.device)
-        _accumulate(waiting, grad, x)
-        return waiting
-    sink(lambda main: _accumulate(main.view(weight.shape), grad, x))
-    return None
+    deliver(weight, lambda: recipe.linear_weight_grad(grad, x).to(weight.dtype),
+            lambda target: recipe.linear_weight_grad(grad, x, target.view(weight.shape)))
 
 
 def bias_grad(bias: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -83,23 +216,23 @@ def bias_grad(bias: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: dist.ProcessGroup | None, final: bool) -> torch.Tensor:
+                group: dist.ProcessGroup | None, recipe: Recipe) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.params = (weight,) if bias is None else (weight, bias)  # on ctx: a checkpoint's recompute would save copies
-        ctx.group, ctx.final = group, final
-        return forward(x if group is None else gather_rows(x, group), weight, bias)
+        ctx.group, ctx.recipe = group, recipe
+        return recipe.linear(x if group is None else gather_rows(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         needs = tuple(ctx.needs_input_grad[:3])
         (x,) = ctx.saved_tensors
-        grad_input = split_backward(_linear_backward, [x, grad.contiguous(), *ctx.params], group=ctx.group,
-                                    final=ctx.final, needs=needs)
+        grad_input = opaque_backward(_linear_backward, [x, grad.contiguous(), *ctx.params], group=ctx.group,
+                                     recipe=ctx.recipe, needs=needs)
         return (grad_input if needs[0] else None), None, None, None, None
 
 
 def _linear_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     group: dist.ProcessGroup | None, final: bool, needs: tuple[bool, bool, bool]) -> torch.Tensor:
+                     group: dist.ProcessGroup | None, recipe: Recipe, needs: tuple[bool, bool, bool]) -> torch.Tensor:
     """The input gradient, returned; the weight and bias gradients, handed to weight_grads (at once, or in W).
     Under sequence parallelism x is this rank's rows: gathered again here, overlapped with the input gradient's
     matmul, whose reduce-scatter overlaps the weight gradient's when that runs now."""
@@ -107,7 +240,7 @@ def _linear_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, 
     if group is not None:
         whole = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         gathering = all_gather_single(whole, x.contiguous(), group, async_op=True)
-    grad_input = input_grad(grad, weight) if needs[0] else torch.empty_like(x)  # overlaps the gather
+    grad_input = recipe.linear_input_grad(grad, weight) if needs[0] else torch.empty_like(x)  # overlaps the gather
     if gathering is not None:
         gathering.wait()
         x = whole
@@ -115,20 +248,50 @@ def _linear_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, 
     if group is not None and needs[0]:  # launched first, so it overlaps the dW matmul
         grad_input, scattering = start_reduce_scatter_rows(grad_input, group)
     if needs[1]:
-        defer_weight_grad(weight, lambda: weight_grad(weight, grad, x, final), final)
+        weight_grad(weight, grad, x, recipe)
     if bias is not None and needs[2]:
-        defer_weight_grad(bias, lambda: bias_grad(bias, grad))
+        deliver(bias, lambda: bias_grad(bias, grad))
     if scattering is not None:
         scattering.wait()
     return grad_input
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gather_group: dist.ProcessGroup | None = None, final: bool = True) -> torch.Tensor:
+           gather_group: dist.ProcessGroup | None = None, recipe: Recipe = HIGH_PRECISION) -> torch.Tensor:
     """x W^T + b in the compute dtype; `gather_group`: all-gather x along its first (sequence) dimension over
-    it first (a column-parallel layer under sequence parallelism). `final=False` for a weight that gets more
-    gradient later in the same backward (the LM head reading the tied embedding in its chunk): the gradient
-    buffer must count each parameter once per backward, after all of its gradient is in."""
+    it first (a column-parallel layer under sequence parallelism)."""
     if gather_group is not None and dist.get_world_size(gather_group) == 1:
         gather_group = None
-    return _Linear.apply(in_compute_dtype(x), weight, bias, gather_group, final)
+    return _Linear.apply(in_compute_dtype(x), weight, bias, gather_group, recipe)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+        ctx.save_for_backward(x, offsets)
+        ctx.weight, ctx.recipe = weight, recipe  # the weight on ctx: a checkpoint's recompute would save a copy
+        return recipe.grouped(x, weight, RowGroups(offsets))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        x, offsets = ctx.saved_tensors
+        grad_x = opaque_backward(_grouped_backward, [x, grad.contiguous(), ctx.weight, offsets], recipe=ctx.recipe,
+                                needs=tuple(ctx.needs_input_grad[:2]))
+        return (grad_x if ctx.needs_input_grad[0] else None), None, None, None
+
+
+def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
+                      recipe: Recipe, needs: tuple[bool, bool]) -> torch.Tensor:
+    """dX, returned; dW (its rows grad_e^T x_e), handed to weight_grads."""
+    groups = RowGroups(offsets)
+    grad_x = recipe.grouped_input_grad(grad, weight, groups) if needs[0] else torch.empty_like(x)
+    if needs[1]:
+        weight_grad(weight, grad, x, recipe, groups)
+    return grad_x
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                   recipe: Recipe = HIGH_PRECISION) -> torch.Tensor:
+    """Rows offsets[e-1]:offsets[e] of x [tokens, in] times weight[e] [out, in]^T, for every expert e, in x's
+    dtype; `offsets` [experts] int32 are the cumulative token counts, on the device."""
+    return _GroupedLinear.apply(x, weight, offsets, recipe)

@@ -2,12 +2,16 @@
 
 Where each parameter's elements sit is the bucket layout's (bucket_layout.py); how the gradients are
 stored and reduced, and the parameters shared, is the ZeRO stage's strategy (zero/). This buffer moves
-each backward's gradients into the main gradients and decides when a bucket is complete: a hook after
-each gradient accumulation (or gemm.py's sink, which adds dW straight in) adds the gradient into
-`param.main_grad`; once all of a bucket's gradients of one backward are in, the bucket is reduced
-asynchronously while backward goes on: during the last micro batch's backward (`start_sync`) at stages
-0-1, after every backward at stages 2-3. Gradients are fp32 by default whatever the parameters' dtype
-(`parallel.grad_reduce_dtype`).
+each backward's gradients into the main gradients and decides when a bucket is complete. It is its
+parameters' gradient sink (weight_grads.py GradSink): the layers' backward deposits every gradient there
+(a matmul adds dW straight in), and so does a hook after autograd accumulated one (parameters whose
+gradient autograd computes), into `param.main_grad`. A parameter read by several modules in one forward (a
+tied embedding: its lookup and the LM head on the same stage; a multi-token-prediction head would be a
+third) gets one gradient per reader: all but the last to arrive wait beside the buffer, the last adds them in,
+and only then is the parameter's gradient of that backward complete. Once all of a bucket's gradients of one
+backward are in, the bucket is reduced asynchronously while backward goes on: during the last micro batch's
+backward (`start_sync`) at stages 0-1, after every backward at stages 2-3. Gradients are fp32 by default
+whatever the parameters' dtype (`parallel.grad_reduce_dtype`).
 
 Reduction sums over the replicas: every micro batch's loss is already divided by the token count of
 the whole global batch (training/step.py), so the sum is the global mean for any (dp, micro batch) split.
@@ -15,7 +19,7 @@ the whole global batch (training/step.py), so the sum is the global mean for any
 
 from __future__ import annotations
 
-import functools
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -24,20 +28,29 @@ from torch import nn
 
 from megalite.parallel.bucket_layout import Bucket, BucketLayout
 from megalite.parallel.timing import Mark
+from megalite.parallel.weight_grads import set_sink
 from megalite.parallel.zero import STAGES
+
+
+def readers(modules: list[list[tuple[nn.Module, list[nn.Parameter]]]]) -> dict[int, int]:
+    """How many modules read each parameter in one forward (so give it a gradient in one backward), by id, from
+    each model chunk's (module, parameters its forward reads) (GPTModel.chunk_modules)."""
+    return dict(Counter(id(p) for chunk in modules for _, params in chunk for p in params))
 
 
 class GradBuffer:
     """`params` in creation order; `replicas` ranks of `group` (this one is `rank`) hold the same parameters
     and reduce their gradients at ZeRO `stage`. `held` parameters' buckets are not reduced during backward
     but only in `finish`, after their gradients were combined with another stage's (tied embeddings, see
-    ddp.py). `units` maps each parameter to its ZeRO-3 gather unit, which buckets do not straddle.
+    ddp.py). `units` maps each parameter to its ZeRO-3 gather unit, which buckets do not straddle. `reads`:
+    how many modules read a parameter per forward (`readers`), by id, where more than one.
     `on_grads_in` is told of each bucket whose gradients of one backward are all in (ZeRO-3 frees its
     parameters then)."""
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, group: dist.ProcessGroup | None,
                  replicas: int, rank: int, stage: int, overlap: bool, held: frozenset[int] = frozenset(),
-                 grad_dtype: torch.dtype = torch.float32, units: dict[int, int] | None = None) -> None:
+                 grad_dtype: torch.dtype = torch.float32, units: dict[int, int] | None = None,
+                 reads: dict[int, int] | None = None) -> None:
         self.layout = BucketLayout(list(reversed(params)), bucket_size, replicas, units)
         stage = 2 if stage == 3 and replicas == 1 else stage  # one replica: nothing to shard the parameters over
         self.strategy = STAGES[stage](self.layout, group, rank, params, grad_dtype)
@@ -45,9 +58,12 @@ class GradBuffer:
         self.on_grads_in: Callable[[Bucket], None] | None = None
         self.pending = {b.index: {id(p) for p in b.params} for b in self.layout.buckets}
         self.held = {b.index for b in self.layout.buckets if any(id(p) in held for p in b.params)}
+        self.reads = {id(p): (reads or {}).get(id(p), 1) for p in params}
+        self.unread = dict(self.reads)  # readers whose gradient of this backward has not come yet
+        self.waiting: dict[int, torch.Tensor] = {}  # gradients of this backward's earlier readers, by parameter id
         for param in params:
             param.register_post_accumulate_grad_hook(self._on_grad)
-            param.accumulate_grad = functools.partial(self._accumulate, param)  # gemm.weight_grad's sink
+            set_sink(param, self)
         self.syncing = False
 
     @property
@@ -59,22 +75,31 @@ class GradBuffer:
         return self.layout.bucket_of
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        """After autograd accumulated a gradient into param.grad: move it into the main gradient. Autograd also
-        calls this when gemm.py returned no gradient, having added it through the sink already."""
+        """After autograd accumulated a gradient into param.grad: deposit it. Autograd also calls this when a
+        layer handed it no gradient, having deposited it itself (weight_grads.py)."""
         grad, param.grad = param.grad, None
         if grad is not None:
-            self._accumulate(param, lambda main: main.add_(grad))
+            self.deposit(param, lambda main: main.add_(grad))
 
-    def _accumulate(self, param: nn.Parameter, add: Callable[[torch.Tensor], None]) -> None:
-        """add(main_grad) adds one backward's gradient of `param` into its main gradient (gemm.py adds dW
-        there directly), with what waits in `param.grad` (the LM head's part of a tied embedding, parallel/
-        weight_grads.py); when the bucket's gradients of this backward are all in, it may be reduced."""
-        bucket = self.layout.bucket_of[id(param)]
+    def deposit(self, param: nn.Parameter, add: Callable[[torch.Tensor], None]) -> None:
+        """The sink (weight_grads.GradSink): add(target) adds one reader's gradient of `param` of this backward.
+        The rule for several readers: each but the last to come adds into what waits for the parameter (in its
+        dtype, so a matmul's dW is accumulated as the main gradient would be, never rounded to the compute dtype),
+        the last into the main gradient, which then takes what waited; only then is the parameter's gradient of
+        this backward in, and when its bucket's all are, the bucket may be reduced."""
+        key = id(param)
+        self.unread[key] -= 1
+        if self.unread[key]:
+            if key not in self.waiting:
+                self.waiting[key] = torch.zeros_like(param)
+            add(self.waiting[key])
+            return
+        self.unread[key] = self.reads[key]  # for the next backward
+        bucket = self.layout.bucket_of[key]
         self.strategy.grads(bucket)
         add(param.main_grad)
-        if param.grad is not None:
-            waiting, param.grad = param.grad, None
-            param.main_grad.add_(waiting)
+        if key in self.waiting:
+            param.main_grad.add_(self.waiting.pop(key))
         pending = self.pending[bucket.index]
         pending.discard(id(param))
         if pending:
@@ -113,6 +138,7 @@ class GradBuffer:
     def zero(self) -> None:
         self.strategy.zero()
         self.syncing = False
+        self.unread, self.waiting = dict(self.reads), {}
         for bucket in self.layout.buckets:
             self.pending[bucket.index] = {id(p) for p in bucket.params}
 

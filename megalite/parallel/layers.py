@@ -4,23 +4,24 @@ A ColumnParallelLinear splits its output features across the TP group, a RowPara
 its input features, a VocabParallelEmbedding the vocabulary rows. Each layer declares its split
 parameters' placements (parallel/placement.py), so initialisation, gradient reduction, the norm and
 checkpoints can move between full tensors and per-rank shards without knowing the model. Every
-matmul runs through gemm.py, every lookup through `embedding`, and each hands its weight gradient to
-weight_grads.py (in W under a zero-bubble schedule); so does the bias a row-parallel layer adds after its
-reduction, when the schedule splits the backward (`ParallelContext.split_backward`).
+matmul runs through gemm.py, with the layer's `recipe` (gemm.apply_recipe changes it), every lookup through
+lookup.py, and each hands its weight gradient to weight_grads.py (in W under a zero-bubble schedule); so does
+the bias a row-parallel layer adds after its reduction, when the schedule splits the backward
+(`recompute_bias`, set by model/split_backward.py).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.lookup import embedding
 from megalite.parallel.mappings import copy_to_tp, in_compute_dtype, reduce_from_tp, reduce_scatter_to_sp
 from megalite.parallel.placement import Placement
-from megalite.parallel.weight_grads import recomputed, weight_grad
+from megalite.parallel.weight_grads import recomputed
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -30,44 +31,13 @@ def _divide(total: int, parts: int, what: str) -> int:
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group: dist.ProcessGroup | None) -> torch.Tensor:
+                             group: dist.ProcessGroup | None, recipe: gemm.Recipe) -> torch.Tensor:
     """A column-parallel layer's matmul on a sequence-parallel input (gathered along the sequence)."""
-    return gemm.linear(x, weight, bias, gather_group=group)
+    return gemm.linear(x, weight, bias, gather_group=group, recipe=recipe)
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return y + bias
-
-
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.embedding(ids, weight), whose one gradient, the weight's, goes to weight_grads (in W under a zero-bubble
-    schedule): the same embedding_dense_backward autograd runs, bit for bit."""
-    return _Embedding.apply(ids, weight)
-
-
-class _Embedding(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.weight = weight  # on ctx: a checkpoint's recompute would save a copy, not the parameter
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
-        (ids,), weight = ctx.saved_tensors, ctx.weight
-        if ctx.needs_input_grad[1]:
-            rows = weight.shape[0]
-            weight_grad(weight, lambda: torch.ops.aten.embedding_dense_backward(grad, ids, rows, -1, False).to(
-                weight.dtype))
-        return None, None
-
-
-class Lookup(nn.Embedding):
-    """A whole (unsplit) embedding table looked up through `embedding` (learned positions): a module, so that
-    what waits for its parameter before a forward (the distributed optimizer's gathers) sees the read."""
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding(ids, self.weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -81,12 +51,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.empty(local)) if bias else None
         self.placements = {"weight": Placement.split("tp", 0, blocks), "bias": Placement.split("tp", 0, blocks)}
+        self.recipe = gemm.HIGH_PRECISION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, group = in_compute_dtype(x), self.ctx.tp.group
         if self.ctx.sequence_parallel:
-            return sequence_parallel_linear(x, self.weight, self.bias, group)
-        return gemm.linear(copy_to_tp(x, group), self.weight, self.bias)
+            return sequence_parallel_linear(x, self.weight, self.bias, group, self.recipe)
+        return gemm.linear(copy_to_tp(x, group), self.weight, self.bias, recipe=self.recipe)
 
 
 class RowParallelLinear(nn.Module):
@@ -99,16 +70,18 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, ctx.tp.size, "input features")))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.placements = {"weight": Placement.split("tp", 1)}
+        self.recompute_bias = False  # the bias after the reduction keeps nothing and hands its gradient to W
+        self.recipe = gemm.HIGH_PRECISION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.ctx.tp
         if tp.size == 1:
-            return gemm.linear(x, self.weight, self.bias)
-        y = gemm.linear(x, self.weight)
+            return gemm.linear(x, self.weight, self.bias, recipe=self.recipe)
+        y = gemm.linear(x, self.weight, recipe=self.recipe)
         y = reduce_scatter_to_sp(y, tp.group) if self.ctx.sequence_parallel else reduce_from_tp(y, tp.group)
         if self.bias is None:
             return y
-        return recomputed(add_bias, y, self.bias) if self.ctx.split_backward else add_bias(y, self.bias)
+        return recomputed(add_bias, y, self.bias) if self.recompute_bias else add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.parallel.pipeline.overlap import travel
+
 Group = dist.ProcessGroup
 
 
@@ -134,10 +136,13 @@ class _GatherRows(torch.autograd.Function):
         return reduce_scatter_rows(grad, ctx.group, ctx.what), None, None
 
 
-def all_to_all_rows(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    """Rows in_splits[r] of x go to rank r; rows out_splits[r] come from rank r, in rank order."""
+def all_to_all_rows(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int],
+                    forward: bool = True) -> torch.Tensor:
+    """Rows in_splits[r] of x go to rank r; rows out_splits[r] come from rank r, in rank order. While it travels,
+    the other part of a paired pipeline operation may run (pipeline/overlap.py `travel`; `forward`: called from
+    a forward)."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    travel(dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True), forward)
     return out
 
 
@@ -149,7 +154,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all_rows(grad, ctx.group, *ctx.splits), None, None, None
+        return all_to_all_rows(grad, ctx.group, *ctx.splits, forward=False), None, None, None
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,16 +1,22 @@
 """Point-to-point transfers between pipeline ranks, grouped so that NCCL cannot deadlock.
 
-Under NCCL a send or receive blocks its GPU stream until the peer's matching call runs, calls
-on a stream run in the order they were posted, only the calls of one group progress together,
-and messages match in post order (tags are ignored). So every transfer here is part of an
-`Exchange`: one `batch_isend_irecv` over the pipeline group holding all the sends and receives
-of one round of the schedule's communication plan (schedules.py), in an order both sides
-derive from the plan. Shapes come from the config (no handshake).
+Under NCCL a send or receive blocks its GPU stream until the peer's matching call runs, calls on one
+communicator run in the order they were posted, only the calls of one group progress together, and messages
+match in post order (tags are ignored). So every transfer here is part of an `Exchange`: one
+`batch_isend_irecv` holding all the messages of one round of the schedule's communication plan
+(pipeline/plan.py) between this rank and one neighbour, in an order both sides derive from the plan.
+
+Each pair of neighbouring pipeline ranks has a communicator of its own (a two-rank process group): on the
+pipeline group's one communicator, a batch to the next rank would queue behind a batch with the previous
+one, so a rank waiting for its input would wait for the other neighbour too. The plan posts the exchanges in
+one global order, so they cannot deadlock even where NCCL runs different communicators' calls one after
+another (the NCCL-rule replay checks both). Shapes come from the config (no handshake).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,10 +35,15 @@ class Message:
     src: int
     dst: int
 
+    @property
+    def pair(self) -> tuple[int, int]:
+        """The two pipeline ranks it travels between, lower first: whose communicator carries it."""
+        return min(self.src, self.dst), max(self.src, self.dst)
+
 
 @dataclass
 class Exchange:
-    """The in-flight batch of one round: wait() before reading what it received."""
+    """The in-flight batch of one round with one neighbour: wait() before reading what it received."""
 
     works: list[dist.Work]
     sent: dict[Message, torch.Tensor] = field(default_factory=dict)
@@ -47,25 +58,60 @@ class Exchange:
         return all(work.is_completed() for work in self.works)
 
 
+def neighbour_pairs(pp: int) -> list[tuple[int, int]]:
+    """The pipeline-rank pairs that exchange messages: each rank and the next, the last and the first (the
+    interleaved loop's turn), lower rank first, in ascending order."""
+    return sorted({(min(r, (r + 1) % pp), max(r, (r + 1) % pp)) for r in range(pp) if pp > 1})
+
+
+def pair_groups(topology: Topology) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """A two-rank process group for every neighbour pair of every pipeline (each rank makes all of them, in the
+    same order, as new_group needs); returns this rank's, by pipeline ranks."""
+    t = topology
+    timeout = timedelta(minutes=t.timeout_minutes) if t.timeout_minutes is not None else None
+    mine = {}
+    for ranks in t.grid.groups(("pp",)):
+        for low, high in neighbour_pairs(t.pp):
+            group = dist.new_group([ranks[low], ranks[high]], timeout=timeout, group_desc="pipeline-pair")
+            if t.rank in (ranks[low], ranks[high]):
+                mine[(low, high)] = group
+    return mine
+
+
 @dataclass
 class PipelineComm:
-    """The channel between this rank and the other pipeline ranks of its (dp, tp) position."""
+    """The channel between this rank and its neighbouring pipeline ranks of its (dp, tp) position."""
 
     topology: Topology
     shape: tuple[int, ...]
     dtype: torch.dtype
+    groups: dict[tuple[int, int], dist.ProcessGroup] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.groups = pair_groups(self.topology)
 
     def exchange(self, messages: list[Message], outbox: dict[Message, torch.Tensor]) -> Exchange:
-        """Post one round: send what `outbox` holds for the messages this rank sends, receive the
-        others into new buffers. Every rank lists a round's messages in the same order."""
+        """Post one round with one neighbour: send what `outbox` holds for the messages this rank sends,
+        receive the others into new buffers. Both sides list a round's messages in the same order."""
         t, ops, result = self.topology, [], Exchange([])
+        pairs = {message.pair for message in messages}
+        if len(pairs) != 1 or next(iter(pairs)) not in self.groups:
+            raise ValueError(f"an exchange travels between pipeline rank {t.pp_rank} and one neighbour, not "
+                             f"{sorted(pairs)}: the schedule's chunk order must put consecutive chunks on "
+                             "neighbouring ranks")
+        group = self.groups[next(iter(pairs))]
         for message in messages:
             if message.src == t.pp_rank:
                 result.sent[message] = tensor = outbox.pop(message).detach().contiguous()
-                ops.append(dist.P2POp(dist.isend, tensor, group=t.pp_group, group_peer=message.dst))
+                ops.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=_peer(message.pair, message.dst)))
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=t.device)
                 result.received[message] = buffer
-                ops.append(dist.P2POp(dist.irecv, buffer, group=t.pp_group, group_peer=message.src))
-        result.works = dist.batch_isend_irecv(ops) if ops else []
+                ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=_peer(message.pair, message.src)))
+        result.works = dist.batch_isend_irecv(ops)
         return result
+
+
+def _peer(pair: tuple[int, int], pp_rank: int) -> int:
+    """`pp_rank`'s rank in the two-rank group of `pair`."""
+    return pair.index(pp_rank)

@@ -10,6 +10,7 @@ on by then: `checkpoint_with_rng` restores them too.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,12 @@ from torch.utils.checkpoint import checkpoint
 
 TENSOR_PARALLEL = "tensor-parallel"
 _TP_SEED_OFFSET = 2718  # Megatron-LM's offset, so the TP stream never equals the default one
+
+
+def named_seed(seed: int, name: str) -> int:
+    """A generator seed drawn from the run's seed and a name (a parameter's global name, a mock sample's index),
+    the same on every rank and layout."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 @dataclass(frozen=True)

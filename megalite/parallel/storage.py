@@ -1,7 +1,7 @@
 """Freeing and re-growing a tensor's storage in place: how megalite gives back memory that views still point at.
 
 ZeRO-3 frees a bucket's gathered parameters between uses (zero/stage3.py) and the pipeline frees an activation
-once it is sent (schedules.py) by resizing the storage to zero bytes: the tensors viewing it (the parameters,
+once it is sent (pipeline/executor.py) by resizing the storage to zero bytes: the tensors viewing it (the parameters,
 what autograd saved) keep their shapes, and see memory again once it is re-grown. It goes through torch's
 operator for this (`inductor.resize_storage_bytes_`, which FSDP2 uses under torch.compile), not the storage's
 `resize_` method, so that it is an operation like any other for a dispatch mode: the dry run's byte counter

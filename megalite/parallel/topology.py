@@ -22,7 +22,6 @@ import torch.distributed as dist
 from megalite.config import ParallelConfig
 from megalite.parallel.cuda_env import prepare_cuda_environment
 from megalite.parallel.host_allocator import map_large_blocks
-from megalite.parallel.pipeline_layout import PipelineStage, placement_of
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
@@ -180,7 +179,6 @@ GROUPS: dict[tuple[str, tuple[str, ...]], str] = {
     ("dense", ("dp",)): "data-parallel",
     ("dense", ("cp", "dp")): "data-and-context-parallel",
     ("dense", ("pp",)): "pipeline-parallel",
-    ("dense", ("tp", "pp")): "model-parallel",
     ("dense", ("tp", "cp")): "tensor-and-context-parallel",
     ("expert", ("etp",)): "expert-tensor-parallel",
     ("expert", ("ep",)): "expert-parallel",
@@ -222,7 +220,6 @@ class Topology:
     etp: int = 1
     experts: bool = False  # the model has expert layers (their groups are made even at ep = etp = 1)
     timeout_minutes: float | None = None  # collective timeout of the groups (None: torch's default)
-    head_stage: int | None = None  # the pipeline stage holding the LM head (None: the last)
     grids: dict[str, RankGrid] = field(init=False, repr=False)
     groups: dict[tuple[str, tuple[str, ...]], dist.ProcessGroup] = field(init=False, repr=False)
     embedding_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
@@ -292,23 +289,14 @@ class Topology:
     pp_rank = property(lambda self: self.coord("pp"))
     dp_cp_rank = property(lambda self: self.coord("cp", "dp"))
     tp_group = property(lambda self: self.group("tp"))
-    dp_group = property(lambda self: self.group("dp"))
     dp_cp_group = property(lambda self: self.group("cp", "dp"))
     pp_group = property(lambda self: self.group("pp"))
-    mp_group = property(lambda self: self.group("tp", "pp"))
     cp_group = property(lambda self: self.group("cp") if self.cp > 1 else None)
 
     def named_groups(self) -> dict[str, dist.ProcessGroup]:
         """This rank's groups by the description they were created with."""
         groups = [*self.groups.values(), self.embedding_group]
         return {group.group_desc: group for group in groups if group is not None}
-
-    @property
-    def is_logging_rank(self) -> bool:
-        """The last rank of the pipeline stage holding the LM head, where the loss is known: the last rank,
-        unless ZB-V's V placement puts the head on the first stage (`head_stage`)."""
-        head = self.pp - 1 if self.head_stage is None else self.head_stage
-        return self.rank == max(ranks[head] for ranks in self.grid.groups(("pp",)))
 
     def max_over_ranks(self, values: list[float]) -> list[float]:
         """Element-wise maximum over every rank, in one collective: how ranks agree on flags (any rank's
@@ -319,14 +307,35 @@ class Topology:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags.tolist()
 
+    def max_over_ranks_later(self, values: list[float]) -> Callable[[], list[float]]:
+        """`max_over_ranks` without waiting for it: the host-to-device copy, the collective and the copy back
+        are queued now (pinned memory, no wait), and the returned function reads the result. Read one step
+        later, the GPU finished it while the next step was queued, so the host waits for nothing (unless it
+        ran more than a step ahead of its GPU). On the CPU the collective runs when queued."""
+        if self.world_size == 1:
+            return lambda: values
+        if self.device.type != "cuda":
+            flags = torch.tensor(values, dtype=torch.float32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            return flags.tolist
+        flags = torch.tensor(values, dtype=torch.float32).pin_memory().to(self.device, non_blocking=True)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True).copy_(flags, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> list[float]:
+            copied.synchronize()
+            return host.tolist()
+
+        return read
+
     @classmethod
     def from_config(cls, rank: int, world_size: int, device: torch.device, parallel: ParallelConfig,
                     experts: bool = False) -> Topology:
         """The topology `parallel` asks for, on a process group that already exists."""
-        head = PipelineStage(parallel.pp, parallel.vp, 0, placement=placement_of(parallel.pipeline_schedule))
         return cls(rank, world_size, device, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep,
-                   etp=parallel.etp, experts=experts, timeout_minutes=parallel.timeout_minutes,
-                   head_stage=head.holder(head.model_chunks - 1)[0])
+                   etp=parallel.etp, experts=experts, timeout_minutes=parallel.timeout_minutes)
 
     @classmethod
     def from_environment(cls, device_preference: str = "auto", parallel: ParallelConfig | None = None,
@@ -365,3 +374,11 @@ def peak_memory(device: torch.device) -> tuple[float, str]:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "RSS"
+
+
+def device_memory(device: torch.device) -> tuple[str, int] | None:
+    """(name, bytes) of a GPU's memory, for comparing the planner's estimate with it; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    properties = torch.cuda.get_device_properties(device)
+    return properties.name, properties.total_memory

@@ -1,23 +1,28 @@
-"""The pipeline bubble of a schedule: its formula (registered with the schedule, parallel/schedules.py) and its
-op lists played out with given operation times.
+"""The pipeline bubble of a schedule: its formula (its ScheduleSpec, parallel/pipeline/) and its op lists played
+out with given operation times.
 
 `simulated_step` runs every rank's list as the executor would with free, instant messages: an operation starts
-when its rank is free and its input exists (the previous chunk's forward, the next chunk's backward, its own
-B for a W). What the lists alone cost, before any communication: tests hold the formulas to it, and the
-pipeline benchmark (tools/benchmark_pipeline.py) compares measured steps with both.
+when its rank is free and its inputs exist (the previous chunk's forward, the next chunk's backward, its own
+B for a W; both parts' for a paired F&B, which takes its own time). What the lists alone cost, before any
+communication: tests hold the formulas to it, the planner shows it beside the formula (planning/plan.py), and
+the pipeline benchmark (tools/benchmark_pipeline.py) compares measured steps with both.
 
-With `exchanges=True` the messages travel as the executor sends them: in the communication plan's rounds, each
-round one batched exchange a rank posts before its next operation, complete only when every message in it was
-posted on both sides (NCCL progresses a batch's calls together; the executor waits on the whole batch). A rank
-that sends to one neighbour and receives from the other in one round cannot take its input before the other
-neighbour posts: the lock-step plan's cost, which 1F1B does not pay and the zero-bubble orders do.
+With `exchanges=True` the messages travel as the executor sends them: in the communication plan's exchanges,
+each one batched call with one neighbour that a rank posts before its next operation, complete only when every
+message in it was posted on both sides (NCCL progresses a batch's calls together; the executor waits on the
+whole batch). When an exchange held a whole round, with both neighbours, a rank waiting for its input from one
+waited for the other too: the zero-bubble orders lost 0.05-0.13 of their step to that (docs/benchmarks.md);
+with one neighbour per exchange the lists idle as with free messages.
 """
 
 from __future__ import annotations
 
 from megalite.parallel.p2p import Message
-from megalite.parallel.pipeline_layout import PipelineStage, placement_of
-from megalite.parallel.schedules import B, F, Op, communication_plan, is_local, needs, schedule_ops, splits_backward
+from megalite.parallel.pipeline.ops import FB, B, F, Op, W
+from megalite.parallel.pipeline.plan import communication_plan, is_local, needs
+from megalite.parallel.pipeline.registry import schedule_spec
+from megalite.parallel.pipeline.spec import ScheduleSpec
+from megalite.parallel.pipeline.stage import PipelineStage
 
 
 def _dependency(stage: PipelineStage, op: Op) -> tuple[str, int, int, int] | None:
@@ -35,8 +40,8 @@ class _Rounds:
     """When each rank posts each exchange of the communication plan, and when the exchange carrying a message
     completes on its receiver."""
 
-    def __init__(self, name: str, pp: int, vp: int, microbatches: int) -> None:
-        self.plans = communication_plan(name, pp, vp, microbatches)
+    def __init__(self, spec: ScheduleSpec, pp: int, vp: int, microbatches: int) -> None:
+        self.plans = communication_plan(spec, pp, vp, microbatches)
         self.posted: dict[tuple[int, Message], float] = {}
         self.carrier: dict[tuple[int, Message], list[Message]] = {}
 
@@ -52,19 +57,20 @@ class _Rounds:
         return None if None in times else max(times)
 
 
-def simulated_step(name: str, pp: int, vp: int, microbatches: int, t_f: float = 1.0, t_b: float = 1.0,
-                   t_w: float = 1.0, exchanges: bool = False) -> float:
-    """The step time of schedule `name` with a rank's forward, input-gradient and weight-gradient times t_f, t_b,
-    t_w (its whole stage: each chunk takes 1/vp of them); a schedule without W runs B and W as one backward.
-    `exchanges`: messages in the plan's batched rounds (module docstring), else free and instant."""
-    if not splits_backward(name):
-        t_b, t_w = t_b + t_w, 0.0
-    stages = [PipelineStage(pp, vp, r, placement=placement_of(name)) for r in range(pp)]
-    ops = [schedule_ops(name, pp, vp, r, microbatches) for r in range(pp)]
-    took = {F: t_f / vp, B: t_b / vp, "W": t_w / vp}
+def simulated_step(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches: int, t_f: float = 1.0,
+                   t_b: float = 1.0, t_w: float = 1.0, exchanges: bool = False, t_fb: float | None = None) -> float:
+    """The step time of `schedule` with a rank's forward, input-gradient and weight-gradient times t_f, t_b,
+    t_w and a paired forward and whole backward's t_fb (None: t_f + t_b + t_w; each its whole stage: each chunk
+    takes 1/vp of them); a B without a W in its rank's list runs B and W as one backward. `exchanges`:
+    messages in the plan's exchanges (module docstring), else free and instant."""
+    spec = schedule_spec(schedule)
+    stages = [spec.stage(pp, vp, r) for r in range(pp)]
+    ops = [spec.rank_ops(pp, vp, r, microbatches) for r in range(pp)]
+    took = {F: t_f / vp, W: t_w / vp, FB: (t_f + t_b + t_w if t_fb is None else t_fb) / vp}
     done: dict[tuple[str, int, int, int], float] = {}
-    rounds = _Rounds(name, pp, vp, microbatches) if exchanges and pp > 1 else None
+    rounds = _Rounds(spec, pp, vp, microbatches) if exchanges and pp > 1 else None
     position, clock = [0] * pp, [0.0] * pp
+    deferring = [{(op.chunk, op.microbatch) for op in rank_ops if op.kind == W} for rank_ops in ops]
     progress = True
     while progress:
         progress = False
@@ -73,22 +79,25 @@ def simulated_step(name: str, pp: int, vp: int, microbatches: int, t_f: float = 
                 op = ops[r][position[r]]
                 if rounds is not None:
                     rounds.post(r, position[r], clock[r])
-                ready = _ready(stage, op, done, rounds)
-                if ready is None:
+                ready = [_ready(stage, part, done, rounds) for part in op.parts]
+                if None in ready:
                     break
-                clock[r] = max(clock[r], ready) + took[op.kind]
-                done[(op.kind, r, op.chunk, op.microbatch)] = clock[r]
+                whole = op.kind == B and (op.chunk, op.microbatch) not in deferring[r]
+                clock[r] = max(clock[r], *ready) + took.get(op.kind, (t_b + whole * t_w) / vp)
+                for part in op.parts:
+                    done[(part.kind, r, part.chunk, part.microbatch)] = clock[r]
                 position[r], progress = position[r] + 1, True
             if rounds is not None and position[r] == len(ops[r]):
-                rounds.post(r, position[r], clock[r])  # the rounds after its last operation
+                rounds.post(r, position[r], clock[r])  # the exchanges after its last operation
     if position != [len(o) for o in ops]:
-        raise RuntimeError(f"schedule {name} (pp={pp}, vp={vp}, {microbatches} micro batches) cannot finish")
+        raise RuntimeError(f"schedule {spec.name} (pp={pp}, vp={vp}, {microbatches} micro batches) cannot finish")
     return max(clock)
 
 
 def _ready(stage: PipelineStage, op: Op, done: dict[tuple[str, int, int, int], float],
            rounds: _Rounds | None) -> float | None:
-    """When `op`'s input is there (its dependency done and, with rounds, its exchange complete); None: not yet."""
+    """When `op`'s input is there (its dependency done and, with exchanges, its exchange complete); None: not
+    yet."""
     needed = _dependency(stage, op)
     if needed is not None and needed not in done:
         return None
@@ -100,9 +109,9 @@ def _ready(stage: PipelineStage, op: Op, done: dict[tuple[str, int, int, int], f
     return None if arrival is None else max(ready, arrival)
 
 
-def simulated_bubble(name: str, pp: int, vp: int, microbatches: int, t_f: float = 1.0, t_b: float = 1.0,
-                     t_w: float = 1.0, exchanges: bool = False) -> float:
+def simulated_bubble(schedule: str | ScheduleSpec, pp: int, vp: int, microbatches: int, t_f: float = 1.0,
+                     t_b: float = 1.0, t_w: float = 1.0, exchanges: bool = False, t_fb: float | None = None) -> float:
     """`simulated_step`'s idle share of the ideal step m (t_f + t_b + t_w), as `bubble_fraction` gives it."""
     ideal = microbatches * (t_f + t_b + t_w)
-    return simulated_step(name, pp, vp, microbatches, t_f, t_b, t_w, exchanges) / ideal - 1
+    return simulated_step(schedule, pp, vp, microbatches, t_f, t_b, t_w, exchanges, t_fb) / ideal - 1
 

@@ -21,7 +21,6 @@ from megalite.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from megalite.model.costs import MicroBatch
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context import AxisView, ParallelContext
-from megalite.parallel.schedules import splits_backward
 from megalite.training.build import build_model
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # per element, by dtype name
@@ -55,8 +54,7 @@ def _rank_model(model: tuple, parallel: tuple, train: tuple, pp_rank: int) -> GP
     p = cfg.parallel
     ctx = ParallelContext(tp=AxisView(size=p.tp), cp=AxisView(size=p.cp), sequence_parallel=p.sequence_parallel_active,
                           cp_comm=p.cp_comm, ep=AxisView(size=p.ep), etp=AxisView(size=p.etp),
-                          ep_etp=AxisView(size=p.ep * p.etp), expert_dispatcher=p.moe_dispatcher,
-                          split_backward=splits_backward(p.pipeline_schedule))
+                          ep_etp=AxisView(size=p.ep * p.etp), expert_dispatcher=p.moe_dispatcher)
     return build_model(cfg, torch.device("meta"), ctx, pp_rank)
 
 
@@ -84,7 +82,7 @@ def first_layer(cfg: Config) -> nn.Module:
 
 def moe_block(cfg: Config) -> nn.Module:
     """The model's first mixture-of-experts block, from the rank model of the stage that holds it."""
-    block = next((layer.mlp for index, layer in _layers(cfg) if cfg.model.is_moe_layer(index)), None)
+    block = next((layer.mlp for index, layer in _layers(cfg) if index in cfg.model.moe_layers), None)
     if block is None:
         raise ValueError("the model has no mixture-of-experts layer (model.num_experts = 0)")
     return block

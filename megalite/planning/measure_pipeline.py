@@ -6,8 +6,9 @@ tests hold the planner to the same measurement (planning/measure.py says why mea
 
 Activation memory at a schedule's peak: after every operation of a real training step, the bytes of the
 distinct storages that autograd saved and that are still alive, plus those the queued weight gradients hold
-for their W (measure.held_for_w), parameters left out; the most at any operation's end. Inside an operation
-a backward also holds its own temporaries; the planner counts those as transient, apart.
+for their W (measure.held_for_w), parameters left out; the most at any operation's end (and at the end of
+either part of a paired F&B). Inside an operation a backward also holds its own temporaries; the planner
+counts those as transient, apart.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megalite.config import Config
-from megalite.parallel import schedules
+from megalite.model.split_backward import apply_split_backward
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.pipeline.executor import InFlight, ScheduleObserver
+from megalite.parallel.pipeline.ops import Op, ScheduleOp
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.planning.measure import held_for_w
 from megalite.training.build import Trainer, build_model
@@ -32,7 +35,8 @@ from megalite.training.step import precision_context
 def stage_times(cfg: Config, pp_rank: int, repeats: int = 7) -> tuple[float, float, float]:
     """Median seconds of pipeline rank `pp_rank`'s forward (all its chunks, one micro batch, from a random input),
     its B and its W, built as a zero-bubble schedule builds it, on this process's CPU threads."""
-    model = build_model(cfg, torch.device("cpu"), ParallelContext(split_backward=True), pp_rank).train()
+    model = build_model(cfg, torch.device("cpu"), ParallelContext(), pp_rank).train()
+    apply_split_backward(model)
     shape = (cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size)
     tokens = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.long)
     times: list[tuple[float, float, float]] = []
@@ -55,8 +59,9 @@ def stage_times(cfg: Config, pp_rank: int, repeats: int = 7) -> tuple[float, flo
     return tuple(statistics.median(t[kind] for t in times[1:]) for kind in range(3))
 
 
-class ActivationPeak:
-    """While `tracking()`: the bytes saved for backward and held for W, sampled after every schedule operation."""
+class ActivationPeak(ScheduleObserver):
+    """While `tracking(trainer)`: the bytes saved for backward and held for W, sampled after every schedule
+    operation of the trainer's steps."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.skip = {p.untyped_storage().data_ptr() for p in params}
@@ -81,26 +86,26 @@ class ActivationPeak:
             alive |= held_for_w(queue, [])
         self.peak = max(self.peak, sum(size for ptr, size in alive.items() if ptr not in self.skip))
 
+    def after(self, op: ScheduleOp, in_flight: InFlight) -> None:
+        self.sample(in_flight.weight_work)
+
+    def after_part(self, part: Op, in_flight: InFlight) -> None:
+        """A pair's forward part holds its activations before its backward part frees the other's."""
+        self.sample(in_flight.weight_work)
+
     @contextlib.contextmanager
-    def tracking(self) -> Iterator[ActivationPeak]:
-        run = schedules._Chunks.run
-
-        def sampled(chunks: schedules._Chunks, op: schedules.Op, received: torch.Tensor | None):
-            result = run(chunks, op, received)
-            self.sample(list(chunks.weights.values()))
-            return result
-
-        schedules._Chunks.run = sampled
+    def tracking(self, trainer: Trainer) -> Iterator[ActivationPeak]:
+        trainer.pipeline.observers.append(self)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield self
         finally:
-            schedules._Chunks.run = run
+            trainer.pipeline.observers.remove(self)
 
 
 def activation_peak(trainer: Trainer, step: Callable[[], object]) -> int:
     """The peak of `ActivationPeak` over `step()`, one training step of `trainer`."""
     peak = ActivationPeak(list(trainer.model.parameters()))
-    with peak.tracking():
+    with peak.tracking(trainer):
         step()
     return peak.peak

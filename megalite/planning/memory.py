@@ -27,9 +27,8 @@ from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.model import costs
-from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.pipeline.registry import schedule_spec, stage_layout
 from megalite.parallel.placement import DATA_AXES
-from megalite.parallel.schedules import schedule_ops, splits_backward
 from megalite.parallel.topology import RankGrid
 from megalite.planning.activations import chunk_costs
 from megalite.planning.built import BYTES, micro_batch, rank_model
@@ -143,25 +142,27 @@ def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> l
 def chunk_held_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
     """One micro batch's weight-gradient inputs, held from its B to its W, for each model chunk of pipeline stage
     `pp_rank`; none unless the schedule splits the backward."""
-    if not splits_backward(cfg.parallel.pipeline_schedule):
+    if not schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
         return [0] * stage_layout(cfg, pp_rank).vp
     return chunk_costs(cfg, pp_rank, device, costs.held_bytes)
 
 
 def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> tuple[int, int]:
     """(peak bytes, micro batches in flight then) over this stage's schedule: a forward stores its chunk's
-    activations until the matching backward frees them (parallel/schedules.py); under a zero-bubble schedule
-    that backward (B) leaves the chunk's weight-gradient inputs until its W."""
+    activations until the matching backward frees them (parallel/pipeline/executor.py); a backward (B) with a W
+    leaves the chunk's weight-gradient inputs until that W."""
     p = cfg.parallel
     sizes, held_inputs = chunk_activation_bytes(cfg, pp_rank, device), chunk_held_bytes(cfg, pp_rank, device)
-    ops = schedule_ops(p.pipeline_schedule, p.pp, p.vp, pp_rank, cfg.num_microbatches(world_size))
-    split = splits_backward(p.pipeline_schedule)
+    spec = schedule_spec(p.pipeline_schedule)
+    ops = spec.rank_ops(p.pp, p.vp, pp_rank, cfg.num_microbatches(world_size))
+    deferring = {(op.chunk, op.microbatch) for op in ops if op.kind == "W"}
     held, count, peak = 0, 0, (0, 0)
-    for kind, chunk, _ in ops:
+    for kind, chunk, mb in (part for op in ops for part in op.parts):  # a pair's forward before its backward frees
         if kind == "F":
             held, count = held + sizes[chunk], count + 1
         elif kind == "B":
-            held, count = held - sizes[chunk] + held_inputs[chunk], count - (not split)
+            split = (chunk, mb) in deferring
+            held, count = held - sizes[chunk] + split * held_inputs[chunk], count - (not split)
         else:
             held, count = held - held_inputs[chunk], count - 1
         peak = max(peak, (held, count))

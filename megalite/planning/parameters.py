@@ -15,12 +15,8 @@ from dataclasses import dataclass
 
 from megalite.config import Config, ModelConfig
 from megalite.model import costs
-from megalite.parallel.pipeline_layout import stage_layout
 from megalite.parallel.zero import unit_index
 from megalite.planning.built import one_device_model, rank_model
-
-__all__ = ["Parameters", "active_parameters", "layer_parameters", "model_parameters", "moe_layers", "rank_parameters",
-           "stage_layout", "vocabulary_padding"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +72,7 @@ def active_parameters(m: ModelConfig) -> int:
 
 def moe_layers(m: ModelConfig) -> int:
     """How many layers have routed experts."""
-    return sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    return len(m.moe_layers)
 
 
 def vocabulary_padding(m: ModelConfig) -> int:

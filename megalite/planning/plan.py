@@ -2,22 +2,27 @@
 bubble, FLOPs and the step time an assumed MFU gives. `tools/plan.py` prints it. With mixture-of-experts
 layers it also gives the parameters one token uses (what the FLOPs count), the experts' share of each
 GPU's model state and what the token dispatch sends (planning/experts.py). With pipeline parallelism it
-weighs every schedule the layout allows (ZB-V at vp 2) by its bubble and memory, each with its verdict.
+weighs every schedule the layout allows (ZB-V and DualPipeV at vp 2) by its bubble and memory, each with its
+verdict.
 
-The bubble is the schedule's formula (parallel/schedules.py, zero_bubble.py) with a stage's forward, input-
-gradient and weight-gradient times equal, as the zero-bubble paper assumes for transformer layers (the
-weight and input gradients are one matmul each per forward matmul); tools/benchmark_pipeline.py measures
-them and compares."""
+The bubble is the schedule's op lists played out (planning/bubble.py) with a stage's forward, input-gradient
+and weight-gradient times equal, as the zero-bubble paper assumes for transformer layers (the weight and
+input gradients are one matmul each per forward matmul): what tools/benchmark_pipeline.py measures the
+executor idling (docs/benchmarks.md), with the exchanges of the communication plan costing nothing over free
+messages. The schedule's formula (its ScheduleSpec, parallel/pipeline/) is shown beside it: the two agree at
+equal times but for the schedules whose formula is a bound (DualPipeV's)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from megalite.config import Config, ConfigError
 from megalite.config_validation import validate
-from megalite.parallel.schedules import BUBBLES, bubble_fraction
+from megalite.parallel.pipeline.registry import SCHEDULES, bubble_fraction, training_schedules
 from megalite.planning.activations import token_rows
+from megalite.planning.bubble import simulated_bubble
 from megalite.planning.context_parallel import describe as describe_cp
 from megalite.planning.experts import describe as describe_moe
 from megalite.planning.memory import StageMemory, gathered_bytes, grid_replicas, memory_per_stage
@@ -86,10 +91,16 @@ class Plan:
     def fits(self) -> bool:
         return self.needed_gib <= self.available_gib
 
-    @property
+    @functools.cached_property
     def bubble(self) -> float:
-        """Idle fraction of the pipeline under its schedule, F = B = W (Megatron-LM's (pp - 1) / (vp * m) for
-        1F1B)."""
+        """Idle fraction of the pipeline under its schedule, F = B = W: its op lists played out (module
+        docstring)."""
+        p = self.cfg.parallel
+        return simulated_bubble(p.pipeline_schedule, p.pp, p.vp, self.microbatches)
+
+    @property
+    def bubble_formula(self) -> float:
+        """The schedule's formula at F = B = W (Megatron-LM's (pp - 1) / (vp * m) for 1F1B)."""
         p = self.cfg.parallel
         return bubble_fraction(p.pipeline_schedule, p.pp, p.vp, self.microbatches)
 
@@ -117,13 +128,13 @@ class Plan:
 
 
 def schedule_plans(plan: Plan) -> list[Plan]:
-    """The plan under every training schedule its layout allows (ZB-V with vp = 2), for pp > 1."""
+    """The plan under every training schedule its layout allows, each at the vp it needs (ZB-V's 2), for pp > 1."""
     p = plan.cfg.parallel
     if p.pp == 1:
         return []
     plans = []
-    for name in sorted(BUBBLES):
-        parallel = dataclasses.replace(p, pipeline_schedule=name, vp=2 if name == "zb-v" else p.vp)
+    for name in training_schedules():
+        parallel = dataclasses.replace(p, pipeline_schedule=name, vp=SCHEDULES[name].vp or p.vp)
         cfg = dataclasses.replace(plan.cfg, parallel=parallel)
         try:
             validate(cfg, plan.world_size)
@@ -140,9 +151,10 @@ def _schedule_lines(plan: Plan) -> list[str]:
     for other in schedule_plans(plan):
         p, w = other.cfg.parallel, other.worst
         lines.append(f"  {p.pipeline_schedule + (f' (vp {p.vp})' if p.vp != plan.cfg.parallel.vp else ''):<13} "
-                     f"bubble {other.bubble:6.1%}, activations {_gib(w.activations)} (stage {w.pp_rank}, "
-                     f"{w.in_flight} in flight), {other.verdict()}")
-    return ["pipeline schedules (bubble at F = B = W; verdict):", *lines] if lines else []
+                     f"bubble {other.bubble:6.1%} (formula {other.bubble_formula:.1%}), activations "
+                     f"{_gib(w.activations)} (stage {w.pp_rank}, {w.in_flight} in flight), {other.verdict()}")
+    return ["pipeline schedules (bubble of the op lists at F = B = W, the formula's beside it; verdict):",
+            *lines] if lines else []
 
 
 def make_plan(cfg: Config, world_size: int, gpu: str = "h100", assumed_mfu: float = 0.4) -> Plan:
@@ -214,8 +226,8 @@ def format_plan(plan: Plan) -> str:
         f"  transient        {_gib(w.transient)}{_gathered(plan)}",
         f"  reserved         {RESERVED_GIB:.2f} GiB (CUDA context, NCCL, fragmentation)",
         f"  total            {plan.needed_gib:.2f} GiB",
-        f"pipeline bubble: {plan.bubble:.1%} ({p.pipeline_schedule}, pp {p.pp}, vp {p.vp}, {plan.microbatches} "
-        "micro batches, F = B = W)",
+        f"pipeline bubble: {plan.bubble:.1%} from the op lists played out, formula {plan.bubble_formula:.1%} "
+        f"({p.pipeline_schedule}, pp {p.pp}, vp {p.vp}, {plan.microbatches} micro batches, F = B = W)",
         *_schedule_lines(plan),
         f"FLOPs per step: {plan.flops_per_step:.3e} ({plan.tokens_per_step} tokens)",
     ]

@@ -10,12 +10,13 @@ from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config import TORCH_DTYPES, Config
 from megalite.model.gpt import TIED_COPY, GPTModel
 from megalite.model.recompute import apply_recompute
+from megalite.model.split_backward import apply_split_backward
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.distributed_optimizer import DistributedOptimizer
-from megalite.parallel.pipeline import Pipeline
-from megalite.parallel.pipeline_layout import stage_layout
-from megalite.parallel.schedules import splits_backward
+from megalite.parallel.grad_buffer import readers
+from megalite.parallel.pipeline.registry import pipeline_stage, schedule_spec, stage_layout
+from megalite.parallel.pipeline.runner import Pipeline
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero import GatherUnits, ShardedParameters, unit_index
 from megalite.training.loss_scaler import LossScaler
@@ -60,12 +61,14 @@ class Trainer:
 
 def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank: int) -> GPTModel:
     """Pipeline rank `pp_rank`'s model chunks, its shards (`ctx`), in train.param_dtype, with train.recompute
-    applied."""
+    applied, and the split backward where the schedule splits it (model/split_backward.py)."""
     # Each parameter is drawn in fp32 on every layout and rounded once into train.param_dtype as it is copied in
     # (model/init.py); its storage is made in that dtype, so no fp32 copy of the model is ever on the device.
     model = GPTModel(cfg.model, device, ctx, stage_layout(cfg, pp_rank), seed=cfg.train.seed,
                      dtype=TORCH_DTYPES[cfg.train.param_dtype])
     apply_recompute(model, cfg.train.recompute)
+    if schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
+        apply_split_backward(model)
     return model
 
 
@@ -74,7 +77,7 @@ def build_rank_model(cfg: Config, topology: Topology) -> GPTModel:
     build_trainer trains, and what a benchmark's bare loop runs without the trainer around it."""
     p = cfg.parallel
     ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm,
-                                        p.moe_dispatcher, splits_backward(p.pipeline_schedule))
+                                        p.moe_dispatcher)
     model = build_model(cfg, topology.device, ctx, topology.pp_rank)
     if cfg.train.compile:
         for layer in model.layers.values():
@@ -94,10 +97,17 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     placements = model.placements_by_name()
     modules = model.chunk_modules()
     units = unit_index(modules) if p.zero >= 3 else None
-    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, placements, tied, units)
+    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, placements, tied, units, readers(modules))
     stage3 = any(isinstance(buffer.strategy, ShardedParameters) for buffer in grads.buffers)
     sharded = GatherUnits(modules, grads.buffers) if stage3 else None
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
                                      p.overlap_param_gather, placements)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
     return Trainer(cfg, topology, model, model.ctx, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded)
+
+
+def is_logging_rank(cfg: Config, topology: Topology) -> bool:
+    """The last rank of the pipeline stage holding the LM head, where the loss is known: the last rank, unless the
+    schedule's chunk order puts the head elsewhere (ZB-V's V: on the first stage)."""
+    head = pipeline_stage(cfg.parallel, 0).head_rank
+    return topology.rank == max(ranks[head] for ranks in topology.grid.groups(("pp",)))

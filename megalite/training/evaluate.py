@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megalite.data.batches import Batch
 from megalite.data.build import TrainingData
 from megalite.data.loader import micro_batches
-from megalite.parallel.schedules import run_schedule
+from megalite.parallel.pipeline.executor import run_schedule
 from megalite.training.build import Trainer
 from megalite.training.step import local_batches, microbatch_forward
 
@@ -34,8 +34,8 @@ def evaluate(trainer: Trainer, data: TrainingData) -> tuple[float, float]:
         for _ in range(cfg.train.eval_iters):
             batches = local_batches(trainer, [next(stream) for _ in range(per_step)])
             pipeline = trainer.pipeline
-            run_schedule("forward", per_step, microbatch_forward(trainer, batches, add_losses), pipeline.stage,
-                         pipeline.comm)
+            run_schedule(pipeline.spec.forward_only(), per_step, microbatch_forward(trainer, batches, add_losses),
+                         pipeline.stage, pipeline.comm)
     dist.all_reduce(totals, group=topology.dp_cp_group)
     model.train()
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")

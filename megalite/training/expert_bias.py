@@ -17,7 +17,7 @@ from megalite.parallel.topology import Topology
 
 def update_expert_biases(model: GPTModel, topology: Topology) -> None:
     cfg = model.cfg
-    layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    layers = list(cfg.moe_layers)
     zero = torch.zeros(cfg.num_experts, device=topology.device)
     loads = torch.stack([model.aux_losses.loads.get(layer, zero) for layer in layers])
     if topology.world_size > 1:

@@ -6,41 +6,44 @@ import contextlib
 import copy
 import os
 import signal
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.files import complete_iterations
+from megalite.checkpoint.compatibility import model_changes, saved_model
 from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
-from megalite.checkpoint.resume import resume
+from megalite.checkpoint.resume import resume, where_to_resume
 from megalite.config import Config
 from megalite.config_cli import dump_yaml
+from megalite.config_resolved import resolved_yaml
 from megalite.config_validation import validate
 from megalite.data.build import build_training_data, training_tokenizer
 from megalite.data.loader import MicroBatches, micro_batches
-from megalite.parallel.schedules import Trace
+from megalite.errors import UserError
+from megalite.parallel.pipeline.executor import Trace
 from megalite.parallel.timeouts import collective_timeout_message
 from megalite.parallel.topology import Topology, peak_memory, release_process_groups, synchronize
-from megalite.training.build import build_trainer
+from megalite.training.build import build_trainer, is_logging_rank
 from megalite.training.evaluate import evaluate
 from megalite.training.flops import peak_tflops, throughput
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
+from megalite.training.report_once import ReportOnce
 from megalite.training.routing_metrics import RoutingMetrics
+from megalite.training.run_summary import Clock, end_summary, gpu_memory_line, parameters_line
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
+from megalite.training.stopping import StopSignals, StopVote, write_report
 from megalite.training.trace import write_chrome_trace
 from megalite.training.wandb_logger import new_run_id
 
 _CONSOLE = {"loss": "loss", "lr": "lr", "grad_norm": "grad norm", "loss_scale": "loss scale",
             "skipped_steps": "skipped", "tokens_per_sec": "tokens/s", "tflops_per_device": "model TFLOP/s/device",
             "mfu": "MFU", "hardware_tflops_per_device": "hardware TFLOP/s/device", "hfu": "HFU",
-            "peak_memory_gib": "peak mem GiB"}
+            "peak_memory_gib": "peak mem GiB", "s_per_step": "s/step", "elapsed_s": "elapsed", "eta_s": "ETA"}
 _HARDWARE = ("hardware_tflops_per_device", "hfu")  # equal to the model figures, so not printed, without recompute
 
 
@@ -52,11 +55,13 @@ class RunResult:
     checkpoint: Path | None = None
     wandb_dir: str | None = None
     wandb_run_id: str | None = None
+    stopped_by: signal.Signals | None = None  # a signal stopped the run before train.train_iters (saved if
+    # `checkpoint` is set)
 
 
 class Run:
-    def __init__(self, cfg: Config, topology: Topology) -> None:
-        self.cfg, self.topology = cfg, topology
+    def __init__(self, cfg: Config, topology: Topology, signals: StopSignals) -> None:
+        self.cfg, self.topology, self.signals = cfg, topology, signals
         # first: a memory snapshot then sees every allocation
         self.profiler = Profiler(cfg.logging, topology.rank, topology.device)
         self.gbs = cfg.batch_size(topology.world_size)
@@ -67,8 +72,9 @@ class Run:
         self.data = build_training_data(cfg, topology.rank, tokenizer, cfg.train.train_iters * self.gbs, valid_samples)
         self.trainer = build_trainer(cfg, topology)
         self.optimizer, self.pipeline = self.trainer.optimizer, self.trainer.pipeline
-        if cfg.logging.pipeline_trace:
-            self.pipeline.trace = Trace(topology.device)
+        self.trace = Trace(topology.device) if cfg.logging.pipeline_trace else None
+        if self.trace is not None:
+            self.pipeline.observers.append(self.trace)
         self.sharded = self.trainer.sharded_state()
         c = cfg.checkpoint
         self.checkpointer = Checkpointer(c.save, topology, c.async_save, c.keep_last) if c.save else None
@@ -80,7 +86,7 @@ class Run:
             chosen = [new_run_id()]
             dist.broadcast_object_list(chosen, src=0)
             self.state.wandb_run_id = chosen[0]
-        self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)
+        self.writer = MetricsWriter(cfg, is_logging_rank(cfg, topology), self.state.step, self.state.wandb_run_id)
         self.console = {key: label for key, label in _CONSOLE.items()
                         if cfg.train.recompute != "none" or key not in _HARDWARE}
         self.routing = RoutingMetrics(cfg.model, topology) if cfg.model.num_experts else None
@@ -94,19 +100,18 @@ class Run:
         """Resume from checkpoint.load (default: checkpoint.save, so a restarted job continues); every rank
         reads only what it holds (checkpoint/resume.py)."""
         c = self.cfg.checkpoint
-        load = c.load or c.save
+        load, note = where_to_resume(c)
         if not load:
             return None, []
-        if c.load and c.load != c.save and not Path(c.load).exists():
-            raise FileNotFoundError(f"checkpoint.load={c.load} does not exist; "
-                                    "fix the path or drop --checkpoint.load to start from scratch")
-        if c.load and c.save and c.load != c.save and complete_iterations(Path(c.save)):
-            load = c.save  # this run's own progress: a relaunch continues it, not the checkpoint it started from
-            self.notes.append(f"resuming from checkpoint.save={c.save}, which holds this run's checkpoints "
-                              f"(checkpoint.load={c.load} is where it started)")
-        resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes)
+        if note:
+            self.notes.append(note)
+        resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes,
+                         self.cfg.model)
         if resumed is None:
             return None, []
+        changes = model_changes(saved_model(resumed.path), self.cfg.model)[1]
+        if changes:
+            self.notes.append(f"model changed since {resumed.path} was saved: {', '.join(map(str, changes))}")
         self.optimizer.gather_params()  # the distributed optimizer's ranks loaded only their own slices
         self.state = resumed.state
         if resumed.rng is not None:
@@ -125,34 +130,36 @@ class Run:
                                              cfg.train.train_iters * self.gbs, cfg.train.micro_batch_size, t.dp,
                                              t.dp_rank, cfg.data.num_workers, t.device)
         per_step = cfg.num_microbatches(t.world_size)
+        self.clock = Clock(start, cfg.train.train_iters)
         self.interval = (time.perf_counter(), 0)
-        with _stop_flag_on(signal.SIGTERM) as sigterm:
-            while self.state.step < cfg.train.train_iters:
-                step = self.state.step + 1
-                self.optimizer.set_lr(learning_rate(step, cfg.optim, cfg.train.train_iters))
-                batches = [next(stream) for _ in range(per_step)]
-                self.profiler.step_started(step)
-                result = train_step(self.trainer, batches)
-                if self.routing is not None:
-                    self.routing.add_step(self.trainer.model.aux_losses)
-                self.profiler.step_finished(step)
-                self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
-                self.state.loss_scaler = self.trainer.scaler.state_dict()
-                self._after_step(step, start, result)
-                reason = self._stop_reason(step, sigterm)
-                wanted = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
-                if self.checkpointer and (reason or wanted):
-                    self._save()
-                if reason:
+        vote = StopVote(t, self.signals, cfg.train.exit_duration_mins, self.started)
+        while self.state.step < cfg.train.train_iters:
+            step = self.state.step + 1
+            self.optimizer.set_lr(learning_rate(step, cfg.optim, cfg.train.train_iters))
+            batches = [next(stream) for _ in range(per_step)]
+            self.profiler.step_started(step)
+            result = train_step(self.trainer, batches)
+            if self.routing is not None:
+                self.routing.add_step(self.trainer.model.aux_losses)
+            self.profiler.step_finished(step)
+            self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
+            self.state.loss_scaler = self.trainer.scaler.state_dict()
+            self._after_step(step, start, result)
+            reason = self._stop_reason(step, vote)
+            wanted = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
+            if self.checkpointer and (reason or wanted):
+                self._save()
+            if reason:
+                if not self.result.stopped_by:
                     self.writer.print(f"{reason} at step {step}; exiting cleanly")
-                    break
+                break
         return self._finish(start)
 
     def _after_step(self, step: int, start: int, result: StepResult) -> None:
         cfg = self.cfg
         self.unread.append((step, result))
         self.writer.advance()
-        if self.pipeline.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
+        if self.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
             self._write_trace(step - start)
         began, steps = self.interval
         self.interval = (began, steps + 1)
@@ -204,21 +211,18 @@ class Run:
                                      f"(last: step {step}): training diverged{where}. Lower optim.lr, "
                                      "raise optim.warmup_iters or check the data, then resume")
 
-    def _stop_reason(self, step: int, sigterm: threading.Event) -> str | None:
-        """Why every rank should stop now (they agree: one rank's SIGTERM or clock stops all). Agreeing is a
-        collective read on the host, which stalls a GPU pipeline, so it happens only at log steps, where the
-        host waits for the GPU anyway: a SIGTERM is acted on within logging.log_interval steps."""
+    def _stop_reason(self, step: int, vote: StopVote) -> str | None:
+        """Why every rank should stop now: they agree at every step (one rank's signal or clock stops all;
+        stopping.py), and on train.exit_interval."""
         train = self.cfg.train
+        stopped_by, late = vote.after_step()
+        if stopped_by:
+            self.result.stopped_by = stopped_by
+            return f"{stopped_by.name} received"
+        if late:
+            return f"train.exit_duration_mins={train.exit_duration_mins} passed"
         if train.exit_interval is not None and step % train.exit_interval == 0:
             return f"train.exit_interval={train.exit_interval} reached"
-        if step % self.cfg.logging.log_interval and step != train.train_iters:
-            return None
-        late = train.exit_duration_mins is not None and time.monotonic() - self.started >= 60 * train.exit_duration_mins
-        flags = self.topology.max_over_ranks([float(sigterm.is_set()), float(late)])
-        if flags[0]:
-            return "SIGTERM received (preemption?): saved to resume later" if self.checkpointer else "SIGTERM received"
-        if flags[1]:
-            return f"train.exit_duration_mins={train.exit_duration_mins} passed"
         return None
 
     def _finish(self, start_step: int) -> RunResult:
@@ -227,14 +231,25 @@ class Run:
         self.optimizer.wait_params()
         if step >= cfg.train.train_iters and cfg.train.eval_interval and step % cfg.train.eval_interval:
             self._evaluate()
-        if self.pipeline.trace is not None and step > start_step:
+        if self.trace is not None and step > start_step:
             self._write_trace(step - start_step)
         if self.checkpointer and step > start_step and self.saved_step != step:
             self._save()
         if self.checkpointer:
             self.checkpointer.wait()
         self.result.final_step = step
+        if self.result.stopped_by:
+            self._say_where_it_stopped()
         return self.result
+
+    def _say_where_it_stopped(self) -> None:
+        name, step, saved = self.result.stopped_by.name, self.state.step, self.result.checkpoint
+        if self.checkpointer:
+            self.writer.print(f"{name} received: stopped after step {step} and saved {saved}; "
+                              "run the same command to resume from it")
+        else:
+            self.writer.print(f"{name} received: stopped after step {step} without saving "
+                              "(set checkpoint.save to resume after a preemption)")
 
     def close(self, failed: bool = False) -> None:
         """Release what the run started, before the process group goes: data workers, the trainer's
@@ -253,17 +268,28 @@ class Run:
         self.profiler.close()
         self.writer.close(exit_code=1 if failed else 0)
         self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_dir, self.state.wandb_run_id
+        if not failed:
+            self._summarize()
+
+    def _summarize(self) -> None:
+        """The end-of-run summary, the last lines of the log."""
+        r, tokens_per_step = self.result, self.gbs * self.cfg.model.seq_length
+        wandb_run = str(Path(r.wandb_dir).parent) if r.wandb_dir else None
+        self.writer.print(end_summary(self.cfg, self.clock, r.final_step, tokens_per_step, r.losses.get(r.final_step),
+                                      r.val_loss, r.checkpoint and str(r.checkpoint), wandb_run))
 
     def _announce(self) -> None:
         t, cfg = self.topology, self.cfg
-        params = sum(torch.Size(shape).numel() for shape in self.sharded.shapes().values())
-        self.writer.print(f"megalite config:\n{dump_yaml(cfg)}")
+        self.writer.print(f"megalite config (resolved: derived defaults filled in):\n{resolved_yaml(cfg)}")
         self.writer.print(
             f"world {t.world_size} (tp {t.tp}, {f'cp {t.cp}, ' if t.cp > 1 else ''}pp {t.pp}, dp {t.dp}) "
-            f"on {t.device}; {params / 1e6:.2f}M parameters; "
-            f"global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x "
+            f"on {t.device}; global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x "
             f"{cfg.train.micro_batch_size} x dp {t.dp}"
         )
+        self.writer.print(parameters_line(cfg))
+        memory = gpu_memory_line(cfg, t.world_size, t.device)
+        if memory:
+            self.writer.print(memory)
         for problem in self.damaged:
             self.writer.print(f"skipped a damaged checkpoint: {problem}")
         for note in self.notes:
@@ -285,15 +311,16 @@ class Run:
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.topology.world_size,
             **throughput(tokens_per_sec / self.topology.world_size, self.cfg.model, self.cfg.train.recompute,
                          self.peak),
-            "peak_memory_gib": memory, "peak_memory_kind": what,
+            "peak_memory_gib": memory, "peak_memory_kind": what, **self.clock.figures(step, steps, seconds),
         }
         if self.routing is not None:
             record |= self.routing.read(self.cfg.num_microbatches(self.topology.world_size))
         self.writer.log(record, self.console)
 
     def _write_trace(self, steps: int) -> None:
-        write_chrome_trace(self.cfg.logging.pipeline_trace, self.pipeline.trace, self.topology, steps)
-        self.pipeline.trace = None
+        write_chrome_trace(self.cfg.logging.pipeline_trace, self.trace, self.topology, steps)
+        self.pipeline.observers.remove(self.trace)
+        self.trace = None
         self.writer.print(f"pipeline trace of {steps} steps written to {self.cfg.logging.pipeline_trace}")
 
     def _evaluate(self) -> None:
@@ -329,10 +356,12 @@ def pretrain(cfg: Config) -> RunResult:
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)), data_files=True)
     created = not dist.is_initialized()
     topology = Topology.from_environment(cfg.train.device, cfg.parallel, experts=cfg.model.num_experts > 0)
+    signals = StopSignals().install()  # before the data workers and W&B start: a signal then only asks to stop
     try:
+        report = ReportOnce()
         torch.manual_seed(cfg.train.seed)
         allow_tf32(cfg.train.allow_tf32)
-        run = Run(cfg, topology)
+        run = Run(cfg, topology, signals)
         try:
             result = run.train()
         except BaseException as error:
@@ -344,22 +373,15 @@ def pretrain(cfg: Config) -> RunResult:
             raise
         run.close()
         dist.barrier()
+        if result.stopped_by and result.checkpoint:
+            write_report(result.stopped_by, result.final_step, result.checkpoint)
         return result
+    except UserError as error:
+        report.claim(error)
+        raise
     finally:
+        signals.restore()
         if created:
             run = topology = None  # nothing of the run may hold a group once they are destroyed
             release_process_groups()
 
-
-@contextlib.contextmanager
-def _stop_flag_on(signum: int) -> Iterator[threading.Event]:
-    """An event set when `signum` arrives (Slurm sends SIGTERM before preemption), instead of dying mid-step."""
-    event = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield event
-        return
-    previous = signal.signal(signum, lambda *_: event.set())
-    try:
-        yield event
-    finally:
-        signal.signal(signum, previous)

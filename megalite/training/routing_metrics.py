@@ -21,7 +21,7 @@ from megalite.parallel.topology import Topology
 
 class RoutingMetrics:
     def __init__(self, cfg: ModelConfig, topology: Topology) -> None:
-        self.layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        self.layers = list(cfg.moe_layers)
         self.experts, self.topology = cfg.num_experts, topology
         self.capacity = cfg.moe_capacity_factor is not None
         self.sums: torch.Tensor | None = None

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megalite.config import TORCH_DTYPES
 from megalite.data.batches import Batch
 from megalite.parallel.context_parallel import local_positions
-from megalite.parallel.schedules import ForwardStep, run_schedule
+from megalite.parallel.pipeline.executor import ForwardStep, run_schedule
 from megalite.training.expert_bias import update_expert_biases
 
 if TYPE_CHECKING:
@@ -130,8 +130,8 @@ def train_step(trainer: Trainer, batches: list[Batch]) -> StepResult:
     pipeline = trainer.pipeline
     forward_step = microbatch_forward(trainer, batches, scaled_loss)
     sharded = trainer.sharded_params
-    run_schedule(pipeline.schedule, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.trace,
-                 grads.start_sync, sharded.backward_done if sharded is not None else None)
+    run_schedule(pipeline.spec, len(batches), forward_step, pipeline.stage, pipeline.comm, pipeline.observers,
+                 grads.start_sync, sharded.backward_done if sharded is not None else None, pipeline.pairs)
     if trainer.cfg.model.moe_expert_bias:
         update_expert_biases(trainer.model, t)
     grads.reduce(optimizer.grads_landed)

@@ -1,6 +1,7 @@
 """Write the pipeline schedule as a Chrome trace (open in Perfetto or chrome://tracing).
 
-One process row per rank, one box per forward (F) or backward (B) of a (chunk, micro batch);
+One process row per rank, one box per forward (F) or backward (B) of a (chunk, micro batch) (a paired F&B's
+two parts, DualPipeV's, one above the other: its backward on the rank's second row);
 the picture shows the warm-up, the 1F1B steady state and the bubbles at a glance. Times are
 the device's (CUDA events on a GPU, parallel/timing.py), placed on the host clock at the first
 operation's enqueue time, so the rows of different ranks line up.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megalite.parallel.schedules import Trace
+from megalite.parallel.pipeline.executor import Trace
 from megalite.parallel.topology import Topology
 
 
@@ -35,10 +36,10 @@ def write_chrome_trace(path: str, trace: Trace, topology: Topology, steps: int) 
         events.append({"name": "process_name", "ph": "M", "pid": r["rank"], "args": {"name": label}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": r["rank"],
                        "args": {"sort_index": r["pp"] * 10000 + r["rank"]}})
-        for kind, chunk, mb, start, end in r["events"]:
-            events.append({"name": f"{kind} c{chunk} mb{mb}", "cat": kind, "ph": "X", "pid": r["rank"], "tid": 0,
-                           "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6,
-                           "args": {"chunk": chunk, "microbatch": mb}})
+        for kind, chunk, mb, start, end, paired in r["events"]:  # a pair's backward part on a row of its own
+            events.append({"name": f"{kind} c{chunk} mb{mb}", "cat": kind, "ph": "X", "pid": r["rank"],
+                           "tid": int(paired and kind != "F"), "ts": (start - origin) * 1e6,
+                           "dur": (end - start) * 1e6, "args": {"chunk": chunk, "microbatch": mb, "paired": paired}})
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")

@@ -8,7 +8,8 @@ child: an online start that has not answered within `logging.wandb_timeout`, or 
 fails or dies later, is replaced by an offline run with the same id (resume="allow") that
 receives every record logged so far, with one warning naming the `wandb sync` command and a
 record of the fallback in the metrics file. Closing waits at most `logging.wandb_timeout` for
-W&B to finish; a restarted run passes the same id and continues the same W&B run.
+W&B to finish; a restarted run passes the same id and continues the same W&B run (offline: in one
+directory, wandb_offline.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import secrets
+import shutil
+import signal
 import string
 import threading
 import time
@@ -23,7 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megalite.child_signals import STOP_SIGNALS, children_start_deaf
+from megalite.training.wandb_offline import earlier_parts, history_until
+
 _RESTARTS = 3  # offline restarts after failures before W&B is given up for this run
+_PARENT_CHECK_SECONDS = 5.0  # how often a W&B process with nothing to log checks that training still runs
 
 
 def new_run_id() -> str:
@@ -32,42 +39,75 @@ def new_run_id() -> str:
 
 
 def _serve(settings: dict[str, Any], timeout: float, records: Any, status: Any) -> None:
-    """The child process: one W&B run, fed from `records` until ("finish", exit code)."""
+    """The child process: one W&B run, fed from `records` until ("finish", exit code), or until the training
+    process is gone (killed, aborted: the run is finished as failed). SIGTERM and SIGINT are left to the
+    training process, which finishes the run once it has stopped; but where a cluster signals every process
+    of the job, W&B's own service dies of it, and the failure reported then names the signal."""
+    signalled = _note_stop_signals()
     import wandb
+
+    def failed(error: Exception) -> None:
+        why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if signalled:
+            why = f"{signalled[0].name} reached every process of the job and stopped W&B's service"
+        status.put(("failed", why))
 
     try:
         run = wandb.init(**settings, settings=wandb.Settings(init_timeout=timeout))
     except Exception as error:  # noqa: BLE001 - whatever W&B raises, the parent falls back
-        status.put(("failed", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"))
+        failed(error)
         return
     status.put(("ready", run.dir))
     while True:
-        kind, payload, step = records.get()
-        if kind == "finish":
-            run.finish(exit_code=payload)
-            status.put(("finished", run.dir))
-            return
+        kind, payload, step = _next_record(records)
         try:
+            if kind == "finish":
+                run.finish(exit_code=payload)
+                status.put(("finished", run.dir))
+                return
             run.log(payload, step=step)
         except Exception as error:  # noqa: BLE001
-            status.put(("failed", f"{type(error).__name__}: {error}"))
+            failed(error)
             return
+
+
+def _note_stop_signals() -> list[signal.Signals]:
+    """The W&B process notes SIGTERM / SIGINT instead of dying of them (it started with them blocked:
+    megalite/child_signals.py)."""
+    received: list[signal.Signals] = []
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda number, _: received.append(signal.Signals(number)))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    return received
+
+
+def _next_record(records: Any) -> tuple[str, Any, int]:
+    """The next record for W&B; ("finish", 1, 0) once the training process is gone."""
+    while True:
+        try:
+            return records.get(timeout=_PARENT_CHECK_SECONDS)
+        except queue.Empty:
+            if not multiprocessing.parent_process().is_alive():
+                return "finish", 1, 0
 
 
 class WandbLogger:
     """The training process's side: `log` never blocks; `close` waits at most `timeout` seconds.
-    `say` prints a line for the user; `note` appends a record to the metrics file."""
+    `say` prints a line for the user; `note` appends a record to the metrics file. An offline run resumed at
+    `start_step` logs the history of its earlier offline directories again and removes them once finished."""
 
     def __init__(self, settings: dict[str, Any], mode: str, timeout: float, say: Callable[[str], None],
-                 note: Callable[[dict[str, Any]], None]) -> None:
+                 note: Callable[[dict[str, Any]], None], start_step: int = 0) -> None:
         self.settings, self.timeout, self.say, self.note = settings, timeout, say, note
         self.context = multiprocessing.get_context("spawn")
-        self.history: list[tuple[dict[str, Any], int]] = []
+        self.parts = earlier_parts(Path(settings["dir"]) / "wandb", self.run_id) if mode == "offline" else []
+        self.history: list[tuple[dict[str, Any], int]] = history_until(self.parts, start_step)
         self.lock = threading.Lock()
         self.closing, self.exit_code, self.finished = False, 0, threading.Event()
+        self.completed = False  # the W&B run finished with every record: its directory holds the whole run
         self.dir: str | None = None
         self.reason: str | None = None  # why the run fell back to offline, until the offline run is up
-        self.restarts = 0
+        self.restarts, self.settings_mode = 0, mode
         self._start(mode)
         self.supervisor = threading.Thread(target=self._supervise, name="wandb-supervisor", daemon=True)
         self.supervisor.start()
@@ -82,7 +122,10 @@ class WandbLogger:
         self.started = time.monotonic()
         self.process = self.context.Process(target=_serve, args=({**self.settings, "mode": mode}, self.timeout,
                                                                  self.records, self.status), daemon=True)
-        self.process.start()
+        with children_start_deaf():
+            self.process.start()
+        for record, step in self.history:  # what a replaced child or the earlier parts of the run logged
+            self.records.put(("log", record, step))
 
     def log(self, record: dict[str, Any], step: int) -> None:
         with self.lock:
@@ -99,7 +142,18 @@ class WandbLogger:
             where = f"`wandb sync {Path(self.dir).parent}` uploads it" if self.dir else "nothing was written"
             self.say(f"warning: W&B did not finish within logging.wandb_timeout={self.timeout:g} s; "
                      f"stopped it ({where})")
+        elif self.completed and self.parts:
+            self._remove_earlier_parts(Path(self.dir).parent)
         return self.dir
+
+    def _remove_earlier_parts(self, own: Path) -> None:
+        """The earlier offline directories of this run, now that `own` holds their history too."""
+        earlier = [part for part in self.parts if part != own]
+        for part in earlier:
+            shutil.rmtree(part, ignore_errors=True)
+        if earlier:
+            self.say(f"W&B: {own} holds the whole run; removed the {len(earlier)} offline "
+                     f"{'directory' if len(earlier) == 1 else 'directories'} of its earlier parts")
 
     def _supervise(self) -> None:
         while not self.finished.is_set():
@@ -112,7 +166,7 @@ class WandbLogger:
             if kind == "ready":
                 self._up(detail)
             elif kind == "finished":
-                self.dir = detail
+                self.dir, self.completed = detail, True
                 self.finished.set()
             else:
                 self._failed(detail)
@@ -134,7 +188,9 @@ class WandbLogger:
         if self.reason is None:
             return
         command = f"wandb sync {Path(directory).parent}"
-        self.say(f"warning: W&B went offline ({self.reason}); training continues and logs to {Path(directory).parent}; "
+        went = "went offline" if self.settings_mode == "online" else "restarted"
+        going_on = "the run is finished" if self.closing else "training continues and logs"
+        self.say(f"warning: W&B {went} ({self.reason}); {going_on} in {Path(directory).parent}; "
                  f"upload it later with `{command}`")
         self.note({"wandb_fallback": "offline", "reason": self.reason, "sync_command": command,
                    "step": self.history[-1][1] if self.history else 0})
@@ -152,7 +208,5 @@ class WandbLogger:
         self.reason = reason
         with self.lock:
             self._start("offline")
-            for record, step in self.history:
-                self.records.put(("log", record, step))
             if self.closing:
                 self.records.put(("finish", self.exit_code, 0))

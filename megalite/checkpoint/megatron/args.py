@@ -3,12 +3,13 @@ models megalite does not compute.
 
 Megatron's flag `--x-y` is `args.x_y`. The model section takes the network; train and optim take the batch,
 schedule and Adam settings so that the run continues as it was; the parallel layout (tensor, pipeline,
-sequence parallelism, distributed optimizer) is carried over as a default, to be overridden at launch
+sequence parallelism, distributed optimizer, virtual pipeline stages, expert parallelism) is carried over as a
+default, to be overridden at launch
 (a checkpoint loads at any layout). The vocabulary: Megatron pads it to a multiple of
 `make_vocab_size_divisible_by * tp` and, unlike megalite, scores the padded entries too; the converted
 config keeps the same padded size (megalite's divisor is Megatron's times its tp) and the real vocabulary size
 where the args know it (`--vocab-size`), else the padded size (then, as in Megatron, every row is scored).
-The data section (what the run reads next) is data_args.py's.
+The data section (what the run reads next) is data_args.py's; the mixture-of-experts fields moe_args.py's.
 
 Megatron-Core's q/k norms (`--qk-layernorm`) are built with the model's normalization over each head's
 `kv_channels` channels, one weight shared by the heads, as megalite's qk_norm, which is RMSNorm only; their
@@ -24,13 +25,13 @@ import argparse
 from typing import Any
 
 from megalite.checkpoint.megatron.data_args import DataCarry, data_from_args
+from megalite.checkpoint.megatron.moe_args import moe_fields, moe_parallel
 from megalite.checkpoint.megatron.state import arg
 from megalite.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 
 # args that change the network (or its optimizer) in ways megalite does not compute: the value that means
 # "off", and why megalite cannot continue the run otherwise.
 UNSUPPORTED = {
-    "num_experts": (None, "mixture-of-experts conversion is not implemented"),
     "multi_latent_attention": (False, "megalite has no multi-latent attention"),
     "mtp_num_layers": (None, "megalite has no multi-token prediction"),
     "squared_relu": (False, "megalite's activations are gelu, gelu_tanh and silu"),
@@ -45,8 +46,11 @@ UNSUPPORTED = {
     "no_rope_freq": (None, "megalite applies RoPE in every layer"),
     "use_mup": (False, "megalite does not scale by muP"),
     "apply_residual_connection_post_layernorm": (False, "megalite's residual adds the layer's input"),
-    "virtual_pipeline_model_parallel_size": (None, "virtual pipeline checkpoints are not read"),
-    "expert_model_parallel_size": (1, "mixture-of-experts conversion is not implemented"),
+    "decoder_first_pipeline_num_layers": (None, "megalite reads pipeline stages of equal layer counts"),
+    "decoder_last_pipeline_num_layers": (None, "megalite reads pipeline stages of equal layer counts"),
+    "pipeline_model_parallel_layout": (None, "megalite reads pipeline stages of equal layer counts"),
+    "account_for_embedding_in_pipeline_split": (False, "megalite reads pipeline stages of equal layer counts"),
+    "account_for_loss_in_pipeline_split": (False, "megalite reads pipeline stages of equal layer counts"),
 }
 DECAY_STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant", "WSD": "wsd"}
 
@@ -98,7 +102,7 @@ def _rope_scaling(args: argparse.Namespace) -> dict[str, Any]:
             "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_positions": 8192}
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
+def model_config(args: argparse.Namespace, where: str = "args") -> ModelConfig:
     rope = args.position_embedding_type == "rope"
     tp = args.tensor_model_parallel_size
     return ModelConfig(
@@ -114,7 +118,8 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         qk_norm=arg(args, "qk_layernorm", False), qkv_bias=arg(args, "add_qkv_bias", False),
         activation=activation(args), rope_theta=float(arg(args, "rotary_base", 10000)), **_rope_scaling(args),
         norm_epsilon=arg(args, "norm_epsilon") or arg(args, "layernorm_epsilon", 1e-5),  # renamed in 2025
-        init_std=args.init_method_std, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
+        init_std=args.init_method_std, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        **moe_fields(args, where))
 
 
 def config_from_args(args: argparse.Namespace, where: str) -> tuple[Config, DataCarry]:
@@ -137,6 +142,7 @@ def config_from_args(args: argparse.Namespace, where: str) -> tuple[Config, Data
                         precision=precision, param_dtype=precision)
     parallel = ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                               sequence_parallel=arg(args, "sequence_parallel", False),
-                              distributed_optimizer=arg(args, "use_distributed_optimizer", False))
+                              distributed_optimizer=arg(args, "use_distributed_optimizer", False),
+                              vp=arg(args, "virtual_pipeline_model_parallel_size") or 1, **moe_parallel(args))
     carry = data_from_args(args, train.train_iters * args.global_batch_size)
-    return Config(model=model_config(args), parallel=parallel, train=train, optim=optim, data=carry.data), carry
+    return Config(model=model_config(args, where), parallel=parallel, train=train, optim=optim, data=carry.data), carry

@@ -19,7 +19,7 @@ import torch
 from megalite.checkpoint.megatron.args import config_from_args
 from megalite.checkpoint.megatron.data_args import DataCarry
 from megalite.checkpoint.megatron.formats import read_megatron
-from megalite.checkpoint.megatron.names import megalite_name
+from megalite.checkpoint.megatron.names import BUFFER, megalite_name
 from megalite.checkpoint.megatron.state import MAIN, MOMENTS, MegatronState
 from megalite.checkpoint.model_io import fresh_target, write_model_checkpoint
 from megalite.config import Config, ModelConfig
@@ -29,9 +29,10 @@ Tensors = dict[str, torch.Tensor]
 
 
 def megalite_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The parameters megalite builds for `cfg`, with their one-device shapes (built on the meta device)."""
+    """The parameters (and checkpointed buffers: a router's expert bias) megalite builds for `cfg`, with their
+    one-device shapes (built on the meta device)."""
     model = GPTModel(cfg, torch.device("meta"), seed=0)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
 
 def _weights(state: MegatronState, cfg: Config) -> tuple[Tensors, dict[str, str]]:
@@ -63,6 +64,8 @@ def _adam_state(state: MegatronState, source: dict[str, str]) -> dict[str, Tenso
         raise ValueError(f"{state.path}: optimizer state without Adam's step; convert with --no-optimizer")
     out = {}
     for ours, theirs in source.items():
+        if theirs.endswith(BUFFER):
+            continue
         kinds = state.optimizer.get(theirs, {})
         missing = [kind for kind in MOMENTS if kind not in kinds]
         if missing:

@@ -37,6 +37,13 @@ LAYER_NAMES = {
     "mlp.linear_fc1.bias": "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias": "mlp.linear_fc2.bias",
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.expert_bias": "mlp.router.expert_bias",
+    "mlp.experts.linear_fc1.weight": "mlp.experts.linear_fc1.weight",  # [experts, out, in]: every expert stacked
+    "mlp.experts.linear_fc2.weight": "mlp.experts.linear_fc2.weight",
+    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.linear_fc1.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.linear_fc2.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate",
 }
 OTHER_NAMES = {
     "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
@@ -48,10 +55,20 @@ OTHER_NAMES = {
 # Which dimension tensor parallelism splits (legacy shards): rows of column-parallel layers and of the
 # vocabulary, columns of row-parallel layers; everything else (norms, q/k norms over one head's channels,
 # row-parallel biases, positions) is copied.
-COLUMN_PARALLEL = {"self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
-                   "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight"}
-ROW_PARALLEL = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}
-SWIGLU_FC1 = {"mlp.linear_fc1.weight", "mlp.linear_fc1.bias"}
+# (An expert's tensors split as a dense MLP's, over expert tensor parallelism, one expert at a time.)
+SWIGLU_FC1 = {"mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.experts.linear_fc1.weight",
+              "mlp.shared_experts.linear_fc1.weight"}
+COLUMN_PARALLEL = {"self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                   "embedding.word_embeddings.weight", "output_layer.weight", *SWIGLU_FC1}
+ROW_PARALLEL = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "mlp.experts.linear_fc2.weight",
+                "mlp.shared_experts.linear_fc2.weight"}
+# A layer's routed experts, stacked [experts, ...] under one name; the names Megatron saves them under, one
+# expert each: the local SequentialMLP's (legacy, experts numbered within the rank), Transformer Engine's
+# TEGroupedMLP's (legacy, `weight<e>`), and torch_dist's (both; experts on a dimension of their own).
+EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)")
+LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)")
+GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)(\d+)")
+BUFFER = ".mlp.router.expert_bias"  # state, not a parameter: no optimizer state
 IGNORED_SUFFIX = "._extra_state"  # Transformer Engine's FP8 metadata (None with the local spec): no weights
 
 
@@ -82,8 +99,14 @@ def megalite_name(name: str, tied: bool, where: str) -> str | None:
 
 
 def merge_tensor_parallel(name: str, shards: list[torch.Tensor], swiglu: bool, where: str) -> torch.Tensor:
-    """The whole tensor from its tensor-parallel shards (rank order)."""
+    """The whole tensor from its tensor-parallel shards (rank order); stacked experts expert by expert."""
     inner = known(name, where)
+    if EXPERT.fullmatch(inner):
+        return torch.stack([_merge(inner, list(expert), swiglu) for expert in zip(*(s.unbind() for s in shards))])
+    return _merge(inner, shards, swiglu)
+
+
+def _merge(inner: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
     if swiglu and inner in SWIGLU_FC1:
         gates, ups = zip(*(shard.chunk(2) for shard in shards))
         return torch.cat(gates + ups)
@@ -92,6 +115,25 @@ def merge_tensor_parallel(name: str, shards: list[torch.Tensor], swiglu: bool, w
     if inner in ROW_PARALLEL:
         return torch.cat(shards, dim=1)
     return shards[0]
+
+
+def split_tensor_parallel(name: str, tensor: torch.Tensor, size: int, swiglu: bool) -> list[torch.Tensor]:
+    """The tensor-parallel shards of a whole tensor (rank order): merge_tensor_parallel's inverse."""
+    inner = known(name, name)
+    if EXPERT.fullmatch(inner):
+        return [torch.stack(shards) for shards in zip(*(_split(inner, e, size, swiglu) for e in tensor.unbind()))]
+    return _split(inner, tensor, size, swiglu)
+
+
+def _split(inner: str, tensor: torch.Tensor, size: int, swiglu: bool) -> list[torch.Tensor]:
+    if swiglu and inner in SWIGLU_FC1:
+        gate, up = tensor.chunk(2)
+        return [torch.cat(pair) for pair in zip(gate.chunk(size), up.chunk(size))]
+    if inner in COLUMN_PARALLEL:
+        return list(tensor.chunk(size))
+    if inner in ROW_PARALLEL:
+        return list(tensor.chunk(size, dim=1))
+    return [tensor] * size
 
 
 def renumber(name: str, offset: int) -> str:

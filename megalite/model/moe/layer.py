@@ -18,11 +18,12 @@ from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
 from megalite.model.costs import MicroBatch, matmul_held, row_bias_held
 from megalite.model.mlp import MLP
-from megalite.model.moe.dispatch import DISPATCHERS
+from megalite.model.moe.dispatch import DISPATCHERS, AllToAll
 from megalite.model.moe.experts import GroupedExperts
 from megalite.model.moe.router import Router
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.expert_parallel import balanced_split_sizes
 from megalite.parallel.mappings import in_compute_dtype
 
 
@@ -79,3 +80,11 @@ class MoELayer(nn.Module):
         gate = self.shared_expert_gate.numel() if self.shared_expert_gate is not None else 0
         shared = self.shared_expert.matmul_parameters() if self.shared_expert is not None else 0
         return self.router.matmul_parameters() + self.experts.matmul_parameters() + shared + gate
+
+def assume_balanced_routing(model: nn.Module) -> None:
+    """Every all-to-all dispatcher in `model` takes the split sizes of balanced routing (the planner's assumption,
+    parallel/expert_parallel.py) instead of reading them from the device: for a run whose tensors hold no values,
+    the dry run's. Changes a built model, as model/recompute.py's apply_recompute does."""
+    for module in model.modules():
+        if isinstance(module, MoELayer) and isinstance(module.dispatcher, AllToAll):
+            module.dispatcher.travel.split_sizes = balanced_split_sizes

@@ -9,7 +9,7 @@ asked (a softmax over the k chosen logits, as Mixtral computes it, is exactly th
 
 The balancing losses need the whole micro batch's load, but under sequence or context parallelism each rank
 holds part of its tokens. Every rank therefore sums its expert counts over the ranks holding the rest
-(`ctx.tokens`; counts carry no gradient), and each adds only its own tokens' share of the probability sums:
+(`ctx.sequence_ranks`; counts carry no gradient), and each adds only its own tokens' share of the probability sums:
 the ranks' terms add up to the one-device loss, and their gradients meet where the router's do (its weight's
 gradient is partial over tp under SP, so summed over tp). Over cp the gradients are averaged with the data
 (each context-parallel rank's main loss is the mean over its own tokens), so there a term counts cp times.
@@ -21,7 +21,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megalite.config import ModelConfig
@@ -29,6 +28,7 @@ from megalite.model.aux_losses import AuxLosses
 from megalite.model.costs import MicroBatch, matmul_held
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.expert_parallel import sum_counts
 
 # The balancing terms a router attaches (model/aux_losses.py), by the name they are logged under.
 BALANCING_TERMS = ("moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss")
@@ -79,17 +79,23 @@ def balance_probabilities(routing: Routing, cfg: ModelConfig) -> torch.Tensor:
     return routing.scores / (routing.scores.sum(-1, keepdim=True) + 1e-20)
 
 
-def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many of the (token, choice) pairs went to each expert, along the last dim of ids [..., tokens, k]."""
+def balancing_choices(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """[tokens, k] the experts whose load the balancing losses count (their f_e): the plain top-k of the
+    balancing probabilities, without the expert bias and the group limit that decide where tokens go. This is
+    DeepSeek-V3's f_i (its report counts s_i,t in TopK(s), not in TopK(s + b)) and Megatron-Core's (its
+    aux-loss routing map is a top-k of the scores alone), so a converted Megatron run takes Megatron's step.
+    Without a bias or groups these are the routing's own choices."""
+    return probs.detach().topk(k, dim=-1).indices
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """How many of the (token, choice) pairs went to each expert: ids [..., tokens, k] -> [..., experts] counts in
+    `dtype` (default: the ids'; the balancing losses count in fp32). Not torch.bincount: its output's size depends
+    on the largest id, which CUDA reads on the host (a sync per MoE layer) and a fake tensor cannot know (the dry
+    run)."""
     flat = experts.flatten(-2)
-    counts = torch.zeros((*flat.shape[:-1], num_experts), dtype=torch.float32, device=experts.device)
-    return counts.scatter_add_(-1, flat, torch.ones_like(flat, dtype=torch.float32))
-
-
-def _summed(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
+    counts = flat.new_zeros((*flat.shape[:-1], num_experts), dtype=dtype)
+    return counts.scatter_add_(-1, flat, torch.ones_like(flat, dtype=counts.dtype))
 
 
 def switch_loss(probs: torch.Tensor, counts: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
@@ -139,7 +145,7 @@ class Router(nn.Module):
         routing = route(logits, self.cfg, self.expert_bias)
         if not self.training:
             return routing
-        counts = expert_counts(routing.experts, self.cfg.num_experts)
+        counts = expert_counts(routing.experts, self.cfg.num_experts, torch.float32)
         dropped = None
         if self.cfg.moe_capacity_factor is not None:
             dropped = (counts - counts.clamp(max=capacity(self.cfg, seq * batch))).sum()
@@ -151,19 +157,21 @@ class Router(nn.Module):
         return self.aux_losses.attach(name, weights, loss * self.ctx.cp.size)
 
     def _balancing(self, routing: Routing, logits: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
-        cfg, group, weights = self.cfg, self.ctx.tokens.group, routing.weights
-        sharers = self.ctx.tokens.size  # ranks holding parts of each sequence of this micro batch
-        tokens, k = seq * batch * sharers, cfg.moe_topk
+        cfg, weights = self.cfg, routing.weights
+        sharers = self.ctx.sequence_ranks  # ranks holding parts of each sequence of this micro batch
+        tokens, k = seq * batch * sharers.size, cfg.moe_topk
         if cfg.moe_aux_loss_coeff or cfg.moe_seq_aux_loss_coeff:
             probs = balance_probabilities(routing, cfg)
+            balanced = balancing_choices(probs, k)
         if cfg.moe_aux_loss_coeff:
-            counts = _summed(expert_counts(routing.experts.detach(), cfg.num_experts), group)
+            counts = sum_counts(expert_counts(balanced, cfg.num_experts, torch.float32), sharers)
             loss = cfg.moe_aux_loss_coeff * switch_loss(probs, counts, tokens, k)
             weights = self._attach(BALANCING_TERMS[0], weights, loss)
         if cfg.moe_seq_aux_loss_coeff:
-            per_sequence = routing.experts.detach().view(seq, batch, k).transpose(0, 1)
-            counts = _summed(expert_counts(per_sequence, cfg.num_experts), group)
-            loss = cfg.moe_seq_aux_loss_coeff * sequence_loss(probs.view(seq, batch, -1), counts, seq * sharers, k)
+            per_sequence = balanced.view(seq, batch, k).transpose(0, 1)
+            counts = sum_counts(expert_counts(per_sequence, cfg.num_experts, torch.float32), sharers)
+            loss = sequence_loss(probs.view(seq, batch, -1), counts, seq * sharers.size, k)
+            loss = cfg.moe_seq_aux_loss_coeff * loss
             weights = self._attach(BALANCING_TERMS[1], weights, loss)
         if cfg.moe_z_loss_coeff:
             weights = self._attach(BALANCING_TERMS[2], weights, cfg.moe_z_loss_coeff * z_loss(logits, tokens))

@@ -38,7 +38,6 @@ import torch
 
 from megalite.parallel.p2p import Exchange, Message, PipelineComm
 from megalite.parallel.pipeline_layout import PipelineStage, placement_of
-from megalite.parallel.storage import resize_storage
 from megalite.parallel.timing import Mark, mark, seconds
 from megalite.parallel.weight_grads import WeightGradients, deferred
 
@@ -290,7 +289,7 @@ def _released(exchange: Exchange, wait: bool) -> bool:
     exchange.wait()
     for message, tensor in exchange.sent.items():
         if message.kind == F:
-            resize_storage(tensor, 0)
+            tensor.untyped_storage().resize_(0)
     return True
 
 

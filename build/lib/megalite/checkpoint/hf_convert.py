@@ -1,0 +1,109 @@
+"""Whole-checkpoint conversion between megalite and Hugging Face model directories.
+
+`megalite_to_hf` turns a checkpoint saved at any parallel layout into a directory that
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load as they load a
+released model; `hf_to_megalite` turns such a directory (or a GGUF file transformers can read)
+into a weights-only checkpoint that `pretrain_gpt.py --checkpoint.load` resumes at any layout.
+Configs are hf_config.py's and hf_config_read.py's business, tensor names and layouts hf_mapping.py's; this
+module deals with files.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from megalite.checkpoint.files import readable_as_umask
+from megalite.checkpoint.hf_config import hf_config
+from megalite.checkpoint.hf_config_read import model_config_from_hf
+from megalite.checkpoint.hf_mapping import from_hf, to_hf
+from megalite.checkpoint.hf_tokenizer import has_tokenizer, hf_tokenizer, keep_tokenizer, save_tokenizer
+from megalite.checkpoint.model_io import fresh_target, read_model_tensors, write_model_checkpoint
+from megalite.config import Config, DataConfig
+
+
+def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2GB") -> Path:
+    """Write the HF directory of a megalite checkpoint (root or iter_* directory); returns `save`.
+
+    The model is built on the meta device and takes the checkpoint's tensors as they are, so
+    converting costs no random initialisation and no second copy of the weights. Files go to a
+    temporary sibling directory renamed at the end, so an interrupted conversion leaves nothing
+    that looks complete.
+    """
+    from transformers import AutoModelForCausalLM
+
+    save = fresh_target(save)
+    cfg, tensors = read_model_tensors(load)
+    tokenizer = hf_tokenizer(cfg.data, cfg.model.vocab_size, f"{load} (config.yaml)")
+    ids = {} if tokenizer is None else {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(cfg.model, **ids), dtype=torch.float32)
+    result = model.load_state_dict(to_hf(tensors, cfg.model), strict=False, assign=True)
+    tied = {"lm_head.weight"} if cfg.model.tied else set()
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise ValueError(f"{load}: the {type(model).__name__} built from its config does not match its tensors: "
+                         f"missing {sorted(set(result.missing_keys) - tied)}, "
+                         f"unexpected {sorted(result.unexpected_keys)}")
+    model.tie_weights()
+    tmp = save.with_name(save.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    for weights in tmp.glob("*.safetensors"):
+        readable_as_umask(weights)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, cfg.data, tmp)
+    if save.exists():
+        save.rmdir()  # empty, checked above
+    tmp.rename(save)
+    return save
+
+
+def load_hf(source: str | Path):
+    """(fp32 model, tokenizer or None) from an HF model directory or a .gguf file (dequantised by transformers)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"--load {source} does not exist; give a Hugging Face model directory or a .gguf file")
+    gguf = {"gguf_file": source.name} if source.suffix == ".gguf" else {}
+    directory = source.parent if gguf else source
+    if not gguf and not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True, **gguf)
+    tokenizer = (AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
+                 if gguf or has_tokenizer(directory) else None)
+    return model, tokenizer
+
+
+def hf_to_megalite(load: str | Path, save: str | Path, make_vocab_size_divisible_by: int = 128) -> Path:
+    """Write a weights-only megalite checkpoint of an HF model directory or .gguf file (see
+    hf_model_to_megalite); returns the iteration directory."""
+    fresh_target(save)  # before the (slow) load
+    model, tokenizer = load_hf(load)
+    directory = None if Path(load).suffix == ".gguf" else Path(load)
+    return hf_model_to_megalite(model, tokenizer, save, f"{load} (config.json)", make_vocab_size_divisible_by,
+                                directory)
+
+
+def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_vocab_size_divisible_by: int = 128,
+                         tokenizer_dir: Path | None = None) -> Path:
+    """Write a weights-only megalite checkpoint of a loaded transformers model (hf_config.ARCHITECTURES), with its
+    tokenizer (if any) under save/tokenizer (the files of HF directory `tokenizer_dir` unchanged, when given);
+    returns the iteration directory, whose config.yaml holds the derived model config and names the tokenizer.
+    `source` names the model in errors."""
+    save = fresh_target(save)
+    cfg = Config(model=model_config_from_hf(model.config, source))
+    cfg.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+    hf_state = model.state_dict()
+    tensors = from_hf(hf_state, cfg.model)
+    tied = {"lm_head.weight"} if cfg.model.tied else set()
+    unused = set(hf_state) - set(to_hf(tensors, cfg.model)) - tied
+    if unused:
+        raise ValueError(f"{source}: tensors {sorted(unused)} have no place in megalite's {cfg.model.family}; "
+                         "this model cannot be converted")
+    save.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        cfg.data = DataConfig(**keep_tokenizer(tokenizer, save, tokenizer_dir))
+    return write_model_checkpoint(save, cfg, tensors)

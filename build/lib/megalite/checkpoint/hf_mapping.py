@@ -1,0 +1,156 @@
+"""One-to-one weight mapping between megalite and the Hugging Face architectures of hf_config.py
+(GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
+Qwen3MoeForCausalLM; Mistral's tensors are Llama's).
+
+Works on full (unsharded) state dicts, in transformers v5's in-memory layout (its save_pretrained writes the
+hub's per-expert files from it). Two layout differences are handled here and nowhere else: megalite's fused
+QKV is ordered by query group (see model/attention.py) and its vocabulary is padded; GPT-2's HF Conv1D stores
+weights transposed. Routed experts need no reshaping: megalite stacks them as v5 does (fc1 = gate_up_proj
+[E, 2I, H], gate rows first; fc2 = down_proj [E, H, I]), and the router is HF's `mlp.gate`. Qwen2's q/k/v
+biases are ordered by query group as the weights are; Qwen2-MoE's shared expert is a gated MLP like a dense
+one, and its gate HF's `mlp.shared_expert_gate`. Whether a model
+may be converted at all (its features, its routing) is hf_config.py's check, made here before any tensor moves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.checkpoint.hf_config import check_hf_features
+from megalite.config import ModelConfig
+
+StateDict = dict[str, torch.Tensor]
+
+
+def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[all q][all k][all v] rows -> [g: q.. k v] rows (weights or biases)."""
+    rest = q.shape[1:]
+    q, k, v = q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)
+    return torch.cat((q, k, v), dim=1).reshape(-1, *rest)
+
+
+def _ungroup_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rest, d = w.shape[1:], cfg.head_size
+    per_group = cfg.num_attention_heads // cfg.kv_heads
+    w = w.reshape(cfg.kv_heads, (per_group + 2) * d, *rest)
+    q, k, v = w.split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _pad_vocab(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return torch.cat((w, w.new_zeros(cfg.padded_vocab_size - w.shape[0], *w.shape[1:])))
+
+
+def _gpt2_layer_names(i: int) -> dict[str, str]:
+    """megalite name -> HF name, for the tensors that map without reshaping (Conv1D ones are transposed)."""
+    hf, ml = f"transformer.h.{i}.", f"layers.{i}."
+    names = {f"{ml}input_norm.{p}": f"{hf}ln_1.{p}" for p in ("weight", "bias")}
+    names |= {f"{ml}pre_mlp_norm.{p}": f"{hf}ln_2.{p}" for p in ("weight", "bias")}
+    for ours, theirs in (("attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
+                         ("mlp.linear_fc2", "mlp.c_proj")):
+        names |= {f"{ml}{ours}.{p}": f"{hf}{theirs}.{p}" for p in ("weight", "bias")}
+    return names
+
+
+def _llama_layer_names(i: int, cfg: ModelConfig) -> dict[str, str]:
+    """Llama, Mixtral, Qwen2(-MoE) and Qwen3(-MoE) layers: the per-head q/k norms (qk_norm), the experts and the
+    shared expert's gate map as they are; the fused QKV and the gated MLPs' fused gate/up matrices are split in
+    to_hf (the MLPs' down projections are here)."""
+    hf, ml = f"model.layers.{i}.", f"layers.{i}."
+    names = {
+        f"{ml}input_norm.weight": f"{hf}input_layernorm.weight",
+        f"{ml}pre_mlp_norm.weight": f"{hf}post_attention_layernorm.weight",
+        f"{ml}attention.linear_proj.weight": f"{hf}self_attn.o_proj.weight",
+    }
+    if cfg.features.qk_norm:
+        names |= {f"{ml}attention.{p}_norm.weight": f"{hf}self_attn.{p}_norm.weight" for p in "qk"}
+    names |= {f"{ours}linear_fc2.weight": f"{theirs}down_proj.weight" for ours, theirs in _gated_mlps(i, cfg)}
+    if not cfg.is_moe_layer(i):
+        return names
+    if cfg.moe_shared_expert_gate:
+        names[f"{ml}mlp.shared_expert_gate"] = f"{hf}mlp.shared_expert_gate.weight"
+    return names | {f"{ml}mlp.router.weight": f"{hf}mlp.gate.weight",
+                    f"{ml}mlp.experts.linear_fc1.weight": f"{hf}mlp.experts.gate_up_proj",
+                    f"{ml}mlp.experts.linear_fc2.weight": f"{hf}mlp.experts.down_proj"}
+
+
+def _gated_mlps(i: int, cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(megalite, HF) name prefixes of layer i's gated MLPs: the dense MLP, or a mixture of experts' shared one."""
+    ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    if not cfg.is_moe_layer(i):
+        return [(ours, theirs)]
+    return [(f"{ours}shared_expert.", f"{theirs}shared_expert.")] if cfg.moe_shared_expert_size else []
+
+
+def _plain_names(cfg: ModelConfig) -> dict[str, str]:
+    if cfg.family == "gpt2":
+        names = {"embedding.position_embeddings.weight": "transformer.wpe.weight"}
+        names |= {f"final_norm.{p}": f"transformer.ln_f.{p}" for p in ("weight", "bias")}
+        for i in range(cfg.num_layers):
+            names |= _gpt2_layer_names(i)
+        return names
+    names = {"final_norm.weight": "model.norm.weight"}
+    for i in range(cfg.num_layers):
+        names |= _llama_layer_names(i, cfg)
+    return names
+
+
+def _embedding_name(cfg: ModelConfig) -> str:
+    return "transformer.wte.weight" if cfg.family == "gpt2" else "model.embed_tokens.weight"
+
+
+def _is_conv1d(hf_name: str) -> bool:
+    return hf_name.startswith("transformer.h.") and hf_name.endswith("weight") and ".ln_" not in hf_name
+
+
+def to_hf(state: StateDict, cfg: ModelConfig) -> StateDict:
+    """megalite full state dict -> HF state dict."""
+    check_hf_features(cfg)
+    out = {}
+    for ours, theirs in _plain_names(cfg).items():
+        out[theirs] = state[ours].t() if _is_conv1d(theirs) else state[ours]
+    out[_embedding_name(cfg)] = state["embedding.word_embeddings.weight"][: cfg.vocab_size]
+    if not cfg.tied:
+        out["lm_head.weight"] = state["lm_head.weight"][: cfg.vocab_size]
+    for i in range(cfg.num_layers):
+        qkv = f"layers.{i}.attention.linear_qkv."
+        q, k, v = _ungroup_qkv(state[f"{qkv}weight"], cfg)
+        if cfg.family == "gpt2":
+            qb, kb, vb = _ungroup_qkv(state[f"{qkv}bias"], cfg)
+            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat((q, k, v)).t()
+            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat((qb, kb, vb))
+            continue
+        attn = f"model.layers.{i}.self_attn."
+        out |= {f"{attn}q_proj.weight": q, f"{attn}k_proj.weight": k, f"{attn}v_proj.weight": v}
+        if cfg.features.qkv_bias:
+            out |= dict(zip((f"{attn}{p}_proj.bias" for p in "qkv"), _ungroup_qkv(state[f"{qkv}bias"], cfg)))
+        for ours, theirs in _gated_mlps(i, cfg):
+            gate, up = state[f"{ours}linear_fc1.weight"].chunk(2)
+            out |= {f"{theirs}gate_proj.weight": gate, f"{theirs}up_proj.weight": up}
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf(hf: StateDict, cfg: ModelConfig) -> StateDict:
+    """HF state dict -> megalite full state dict (padded vocabulary rows are zero)."""
+    check_hf_features(cfg)
+    out = {}
+    for ours, theirs in _plain_names(cfg).items():
+        out[ours] = hf[theirs].t() if _is_conv1d(theirs) else hf[theirs]
+    out["embedding.word_embeddings.weight"] = _pad_vocab(hf[_embedding_name(cfg)], cfg)
+    if not cfg.tied:
+        out["lm_head.weight"] = _pad_vocab(hf["lm_head.weight"], cfg)
+    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    for i in range(cfg.num_layers):
+        qkv = f"layers.{i}.attention.linear_qkv."
+        if cfg.family == "gpt2":
+            w, b = hf[f"transformer.h.{i}.attn.c_attn.weight"].t(), hf[f"transformer.h.{i}.attn.c_attn.bias"]
+            out[f"{qkv}weight"] = _group_qkv(*w.split([q, kv, kv]), cfg.kv_heads)
+            out[f"{qkv}bias"] = _group_qkv(*b.split([q, kv, kv]), cfg.kv_heads)
+            continue
+        attn = f"model.layers.{i}.self_attn."
+        out[f"{qkv}weight"] = _group_qkv(*(hf[f"{attn}{p}_proj.weight"] for p in "qkv"), cfg.kv_heads)
+        if cfg.features.qkv_bias:
+            out[f"{qkv}bias"] = _group_qkv(*(hf[f"{attn}{p}_proj.bias"] for p in "qkv"), cfg.kv_heads)
+        for ours, theirs in _gated_mlps(i, cfg):
+            out[f"{ours}linear_fc1.weight"] = torch.cat([hf[f"{theirs}{p}_proj.weight"] for p in ("gate", "up")])
+    return {k: v.contiguous() for k, v in out.items()}

@@ -1,0 +1,104 @@
+"""Megatron-LM's parameter names and tensor-parallel layouts, and how they map to megalite's.
+
+Megatron's fused QKV rows are ordered by query group ([q heads of the group, k, v] per group), as megalite's
+(model/attention.py), and its SwiGLU fc1 is [gate; up] as megalite's, so whole tensors map one-to-one: only
+names change. Two sources of names exist for the same norms: the local spec's `input_layernorm` /
+`pre_mlp_layernorm` and Transformer Engine's norms fused into the next linear layer
+(`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`; torch_dist always uses these). Sharded over
+tensor-parallel ranks (legacy format), column-parallel tensors split their rows, row-parallel ones their
+columns; a SwiGLU fc1 shard holds [gate rows of the rank; up rows of the rank].
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+# The tensors of one transformer layer: Megatron's name -> megalite's, within the layer.
+LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm.weight",
+    "input_layernorm.bias": "input_norm.bias",
+    "self_attention.linear_qkv.layer_norm_weight": "input_norm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_norm.bias",
+    "self_attention.linear_qkv.weight": "attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias": "attention.linear_qkv.bias",
+    "self_attention.linear_proj.weight": "attention.linear_proj.weight",
+    "self_attention.linear_proj.bias": "attention.linear_proj.bias",
+    "self_attention.q_layernorm.weight": "attention.q_norm.weight",
+    "self_attention.k_layernorm.weight": "attention.k_norm.weight",
+    "pre_mlp_layernorm.weight": "pre_mlp_norm.weight",
+    "pre_mlp_layernorm.bias": "pre_mlp_norm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_norm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_norm.bias",
+    "mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias": "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
+    "mlp.linear_fc2.bias": "mlp.linear_fc2.bias",
+}
+OTHER_NAMES = {
+    "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "decoder.final_layernorm.weight": "final_norm.weight",
+    "decoder.final_layernorm.bias": "final_norm.bias",
+    "output_layer.weight": "lm_head.weight",
+}
+# Which dimension tensor parallelism splits (legacy shards): rows of column-parallel layers and of the
+# vocabulary, columns of row-parallel layers; everything else (norms, q/k norms over one head's channels,
+# row-parallel biases, positions) is copied.
+COLUMN_PARALLEL = {"self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
+                   "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight"}
+ROW_PARALLEL = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}
+SWIGLU_FC1 = {"mlp.linear_fc1.weight", "mlp.linear_fc1.bias"}
+IGNORED_SUFFIX = "._extra_state"  # Transformer Engine's FP8 metadata (None with the local spec): no weights
+
+
+def known(name: str, where: str) -> str:
+    """The name within its layer (the name itself outside layers) of a tensor megalite has a place for."""
+    match = LAYER.fullmatch(name)
+    inner = match.group(2) if match else name
+    if inner not in LAYER_NAMES and inner not in OTHER_NAMES:
+        raise unknown(name, where)
+    return inner
+
+
+def unknown(name: str, where: str) -> ValueError:
+    return ValueError(f"{where}: tensor {name!r} has no place in megalite's model (a Megatron-LM feature megalite "
+                      "does not compute, e.g. experts, MLA or multi-token prediction); "
+                      "this checkpoint cannot be converted")
+
+
+def megalite_name(name: str, tied: bool, where: str) -> str | None:
+    """megalite's name of Megatron's (global-layer) `name`; None for the output layer of a tied model, whose
+    weight is the embedding's (Megatron keeps a copy on the last pipeline stage)."""
+    match = LAYER.fullmatch(name)
+    if match and match.group(2) in LAYER_NAMES:
+        return f"layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}"
+    if name in OTHER_NAMES:
+        return None if tied and name == "output_layer.weight" else OTHER_NAMES[name]
+    raise unknown(name, where)
+
+
+def merge_tensor_parallel(name: str, shards: list[torch.Tensor], swiglu: bool, where: str) -> torch.Tensor:
+    """The whole tensor from its tensor-parallel shards (rank order)."""
+    inner = known(name, where)
+    if swiglu and inner in SWIGLU_FC1:
+        gates, ups = zip(*(shard.chunk(2) for shard in shards))
+        return torch.cat(gates + ups)
+    if inner in COLUMN_PARALLEL:
+        return torch.cat(shards)
+    if inner in ROW_PARALLEL:
+        return torch.cat(shards, dim=1)
+    return shards[0]
+
+
+def renumber(name: str, offset: int) -> str:
+    """A layer tensor's name with its stage-local layer number made global (`offset` layers before the stage)."""
+    match = LAYER.fullmatch(name)
+    return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
+
+
+def layer_numbers(names: list[str]) -> set[int]:
+    return {int(m.group(1)) for m in map(LAYER.fullmatch, names) if m}

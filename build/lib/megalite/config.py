@@ -1,0 +1,445 @@
+"""One typed configuration for a training run.
+
+Every knob lives in a dataclass section below, with its default and a one-line doc
+(`pretrain_gpt.py --help` prints them). A run's config is built once from a YAML file
+plus `--section.field=value` overrides (see `megalite.config_cli`) and validated once
+by `config_validation.validate()`, which reports every problem together with the fix, so a bad
+job fails in the first second instead of after queueing on a cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message says which field and how."""
+
+    @classmethod
+    def raise_if(cls, errors: list[str]) -> None:
+        """Raise one error listing every problem at once, if there is any."""
+        if errors:
+            raise cls("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def __getattr__(name: str) -> Any:
+    """TORCH_DTYPES, what train.precision, train.param_dtype and parallel.grad_reduce_dtype name, made on first
+    use: the config (and `pretrain_gpt.py --help`) need no torch, which takes seconds to import."""
+    if name == "TORCH_DTYPES":
+        import torch
+
+        globals()[name] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _f(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+# The MLP nonlinearities: GELU's tanh approximation (GPT-2), exact (erf) GELU (Megatron-LM's default), SiLU.
+Activation = Literal["gelu_tanh", "gelu", "silu"]
+
+
+@dataclass(frozen=True)
+class Features:
+    """The architecture choices the model is built from. Model code reads these, never the family,
+    so a model that mixes features (a Llama with biases, a GPT-2 with RoPE) needs no new code path."""
+
+    bias: bool
+    gated_mlp: bool
+    norm: Literal["layernorm", "rmsnorm"]
+    position_embedding: Literal["learned", "rope"]
+    tie_embeddings: bool
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    qkv_bias: bool = False  # biases on the query/key/value projection even without `bias` (Qwen2)
+    activation: Activation = "silu"  # the MLP's nonlinearity; with gated_mlp applied to the gate (SwiGLU: silu)
+
+
+# Each family's features: the defaults of the ModelConfig fields of the same names.
+FAMILY_FEATURES: dict[str, Features] = {
+    "gpt2": Features(bias=True, gated_mlp=False, norm="layernorm", position_embedding="learned", tie_embeddings=True,
+                     activation="gelu_tanh"),
+    "llama": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False),
+    "qwen2": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False,
+                      qkv_bias=True),
+    "qwen3": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False,
+                      qk_norm=True),
+}
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["gpt2", "llama", "qwen2", "qwen3"] = _f(
+        "gpt2", "gpt2: learned positions, LayerNorm, GELU (tanh), biases, tied embeddings; "
+                "llama: RoPE, RMSNorm, SwiGLU, no biases; qwen2: llama's with q/k/v biases; qwen3: llama's with "
+                "qk_norm (the defaults of the feature fields below); with num_experts > 0 llama is Mixtral, qwen2 "
+                "Qwen2-MoE, qwen3 Qwen3-MoE")
+    num_layers: int = _f(2, "number of transformer layers")
+    hidden_size: int = _f(128, "model width")
+    num_attention_heads: int = _f(4, "query heads")
+    num_query_groups: int | None = _f(
+        None, "key/value heads for grouped-query attention (default: num_attention_heads)")
+    head_dim: int | None = _f(
+        None, "width of each query/key/value head (default: hidden_size / num_attention_heads; Qwen3 sets 128 "
+              "whatever its width)")
+    ffn_hidden_size: int | None = _f(
+        None, "MLP width (default: 4*hidden, or 8/3*hidden rounded up to 64 with a gated MLP)")
+    seq_length: int = _f(128, "tokens per sample")
+    max_position_embeddings: int | None = _f(
+        None, "positions the model covers: rows of the learned table or of RoPE's (default: seq_length)")
+    vocab_size: int = _f(50257, "vocabulary size, used with mock data (a tokenizer sets it otherwise)")
+    make_vocab_size_divisible_by: int = _f(
+        128, "pad the vocabulary to a multiple of this; padded entries never take probability mass")
+    bias: bool | None = _f(
+        None, "biases in the linear layers; LayerNorm keeps its own (default: gpt2 true, llama false)")
+    gated_mlp: bool | None = _f(
+        None, "gated MLP: activation(gate) * up, two input projections (SwiGLU with silu; default: gpt2 false, "
+              "llama true)")
+    activation: Activation | None = _f(
+        None, "the MLP's (and experts') nonlinearity: gelu_tanh (GELU's tanh approximation), gelu (exact, erf), "
+              "silu (default: gpt2 gelu_tanh, llama and qwen silu)")
+    norm: Literal["layernorm", "rmsnorm"] | None = _f(
+        None, "normalisation layers (default: gpt2 layernorm, llama rmsnorm)")
+    position_embedding: Literal["learned", "rope"] | None = _f(
+        None, "learned: a position table added to the embeddings; rope: rotary (default: gpt2 learned, llama rope)")
+    tie_embeddings: bool | None = _f(
+        None, "share input embedding and LM head (default: true for gpt2, false for llama)")
+    qk_norm: bool | None = _f(
+        None, "RMSNorm over each query and key head before RoPE (default: qwen3 true, the others false)")
+    qkv_bias: bool | None = _f(
+        None, "biases on the query/key/value projection only, as Qwen2 (model.bias puts them in every linear "
+              "layer; default: qwen2 true, the others false)")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (position_embedding=rope)")
+    rope_scaling: Literal["none", "llama3"] = _f(
+        "none", "RoPE frequency scaling: none, or llama3 (Llama-3.1/3.2: wavelengths longer than "
+                "rope_original_max_positions / rope_low_freq_factor slowed by rope_scaling_factor, those shorter "
+                "than rope_original_max_positions / rope_high_freq_factor kept, a smooth blend between)")
+    rope_scaling_factor: float = _f(8.0, "llama3 RoPE scaling: factor (Llama-3.1: 8, Llama-3.2: 32)")
+    rope_low_freq_factor: float = _f(1.0, "llama3 RoPE scaling: low_freq_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3 RoPE scaling: high_freq_factor")
+    rope_original_max_positions: int = _f(8192, "llama3 RoPE scaling: the context the model was first trained at")
+    norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm / RMSNorm")
+    init_std: float = _f(0.02, "std of the normal init; output projections use init_std/sqrt(2*num_layers)")
+    hidden_dropout: float = _f(0.0, "dropout after attention and MLP (and on embeddings)")
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    num_experts: int = _f(0, "routed experts per mixture-of-experts layer (0: every layer has a dense MLP)")
+    moe_topk: int = _f(2, "experts each token is routed to")
+    moe_ffn_hidden_size: int | None = _f(None, "width of each routed expert's MLP (default: the MLP width)")
+    moe_router: Literal["softmax", "sigmoid"] = _f(
+        "softmax", "expert scores: softmax over all experts (Mixtral, Qwen3-MoE) or a sigmoid each (DeepSeek-V3)")
+    moe_norm_topk_prob: bool = _f(
+        True, "renormalise the chosen experts' scores to sum to 1 (Mixtral's softmax over the k chosen logits; "
+              "Qwen3-MoE's norm_topk_prob; DeepSeek-V3's sigmoid normalisation)")
+    moe_scaling_factor: float = _f(1.0, "multiply the chosen experts' weights by this (DeepSeek-V3: 2.5)")
+    moe_router_groups: int = _f(
+        1, "group-limited routing: experts fall into this many equal groups (DeepSeek-V3: 8 nodes' worth)")
+    moe_router_group_topk: int | None = _f(
+        None, "group-limited routing: tokens choose experts only in this many best groups (default: all groups)")
+    moe_aux_loss_coeff: float = _f(0.0, "switch-transformer load-balancing loss per micro batch (0: off)")
+    moe_seq_aux_loss_coeff: float = _f(0.0, "sequence-level load-balancing loss (DeepSeek-V3; 0: off)")
+    moe_z_loss_coeff: float = _f(0.0, "router z-loss: mean squared logsumexp of the router logits (0: off)")
+    moe_expert_bias: bool = _f(
+        False, "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores to choose experts "
+               "(never to weigh them), moved after each step towards the experts that got fewer tokens")
+    moe_bias_update_rate: float = _f(1e-3, "how far each step moves the expert bias (DeepSeek-V3's gamma)")
+    moe_shared_expert_size: int = _f(0, "width of an always-on shared expert MLP next to the routed ones (0: none)")
+    moe_shared_expert_gate: bool = _f(False, "scale the shared expert's output by a sigmoid gate (Qwen2-MoE)")
+    moe_capacity_factor: float | None = _f(
+        None, "each expert takes at most factor * tokens * k / experts of a rank's (token, choice) pairs per micro "
+              "batch, the rest dropped (their weight lost; the residual and shared expert still carry the token); "
+              "none: dropless")
+    moe_drop_policy: Literal["probs", "position"] = _f(
+        "probs", "with a capacity, which pairs an expert keeps: the highest router weights, or the first tokens")
+    moe_pad_to_capacity: bool = _f(
+        False, "with a capacity, give every expert exactly its capacity (zero-weight padding): the all-to-all's "
+               "sizes are then known in advance, with no read of the device")
+    moe_first_dense_layers: int = _f(0, "the first this many layers keep a dense MLP (DeepSeek-V3: 3)")
+    moe_layer_freq: int = _f(1, "after the first dense layers, every this-many-th layer is a mixture of experts")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        """Each attention head's width: model.head_dim, or hidden_size / num_attention_heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def features(self) -> Features:
+        """The family's features with every set feature field in their place; derived on each read,
+        so a family changed after construction changes the defaults too."""
+        chosen = {f.name: getattr(self, f.name) for f in dataclasses.fields(Features)}
+        return dataclasses.replace(FAMILY_FEATURES[self.family], **{k: v for k, v in chosen.items() if v is not None})
+
+    @property
+    def ffn_size(self) -> int:
+        """A gated MLP's two input projections get 2/3 of the width each, keeping the parameters of 4*hidden."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.features.gated_mlp:
+            return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+        return 4 * self.hidden_size
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (global, from 0) has routed experts instead of a dense MLP."""
+        later = index - self.moe_first_dense_layers
+        return self.num_experts > 0 and later >= 0 and later % self.moe_layer_freq == 0
+
+    @property
+    def tied(self) -> bool:
+        return self.features.tie_embeddings
+
+    @property
+    def positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return m * math.ceil(self.vocab_size / m)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = _f(1, "tensor-parallel size")
+    pp: int = _f(1, "pipeline-parallel size")
+    cp: int = _f(1, "context-parallel size: every sample's sequence is split over cp ranks, each layer's "
+                    "attention runs over the whole sequence by passing keys and values around them")
+    cp_comm: Literal["p2p", "allgather"] = _f(
+        "p2p", "how context-parallel attention sees the other ranks' keys and values: p2p (ring attention, "
+               "overlapped with the blocks) or allgather (all of them gathered once per layer)")
+    ep: int = _f(1, "expert-parallel size: each rank holds num_experts/ep experts; carved out of the tp*cp*dp ranks "
+                    "of a pipeline stage (the expert grid folds over the dense one: ep may exceed dp)")
+    etp: int = _f(1, "expert-tensor-parallel size: each expert's MLP split over this many ranks, as tp splits the "
+                     "dense MLP (independent of tp; parallel.etp * parallel.ep ranks hold one copy of the experts)")
+    moe_dispatcher: Literal["alltoall", "allgather"] = _f(
+        "alltoall", "how tokens reach their experts' ranks: alltoall (each token to the ranks of its experts, "
+                    "uneven splits) or allgather (every rank sees all tokens of the expert-parallel group; small ep)")
+    vp: int = _f(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)")
+    pipeline_schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-v"] = _f(
+        "1f1b", "1f1b (interleaved when vp > 1), gpipe (all forwards, then all backwards; vp = 1), or a zero-bubble "
+                "schedule, each backward split into B (input gradients) and W (weight gradients, in the bubbles): "
+                "zb-h1 (1F1B's memory; interleaved when vp > 1) or zb-v (vp = 2, chunks placed in a V)")
+    first_stage_layers: int | None = _f(
+        None, "layers of the first pipeline chunk (it also holds the embedding); the rest are split evenly")
+    last_stage_layers: int | None = _f(None, "layers of the last pipeline chunk (it also holds the head and loss)")
+    sequence_parallel: bool = _f(
+        False, "shard norm/dropout activations along the sequence inside the tensor-parallel group")
+    distributed_optimizer: bool = _f(
+        False, "shard optimizer state and fp32 main weights across data-parallel ranks (ZeRO-1; "
+               "the same as parallel.zero_stage=1)")
+    zero_stage: int | None = _f(
+        None, "what data-parallel ranks shard (DeepSpeed's stages; Megatron-FSDP's strategies): 0 nothing; "
+              "1 optimizer state and fp32 main weights (optim); 2 also gradients (optim_grads); "
+              "3 also parameters, gathered per layer around its use (optim_grads_params) "
+              "(default: 1 with parallel.distributed_optimizer, else 0)")
+    bucket_size: int = _f(40_000_000, "gradient elements per data-parallel reduction bucket")
+    overlap_grad_reduce: bool = _f(True, "reduce each bucket as soon as its gradients are ready, during backward")
+    overlap_param_gather: bool = _f(
+        False, "zero stages 1-2: all-gather updated parameters in the background, each bucket awaited by "
+               "the next forward's first use (stage 3 always gathers ahead, one layer in advance)")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = _f(
+        "fp32", "dtype gradients accumulate and are reduced in (bf16 halves the traffic, loses precision)")
+    timeout_minutes: float = _f(
+        10.0, "collective timeout: a rank that died or hangs makes the "
+              "others fail after this long instead of waiting forever")
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage in force: zero_stage, or its alias distributed_optimizer (1), or 0."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 1 if self.distributed_optimizer else 0
+
+    @property
+    def sequence_parallel_active(self) -> bool:
+        """Sequence parallelism shards along the tensor-parallel group, so with tp = 1 it changes nothing."""
+        return self.sequence_parallel and self.tp > 1
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = _f(1, "samples per micro batch per data-parallel rank")
+    global_batch_size: int | None = _f(
+        None, "samples per optimizer step (default: micro_batch_size * dp); "
+              "must be a multiple of micro_batch_size * dp")
+    train_iters: int = _f(100, "optimizer steps to train for")
+    exit_interval: int | None = _f(
+        None, "stop cleanly when the step is a multiple of this (saving a checkpoint when checkpoint.save is set)")
+    exit_duration_mins: float | None = _f(
+        None, "stop cleanly (saving a checkpoint) once this many minutes have passed since start, "
+              "e.g. before a job's wall-clock limit")
+    max_skipped_steps: int = _f(
+        10, "stop (saving the last good state) after this many "
+            "consecutive steps skipped for a NaN/Inf loss or gradient norm")
+    seed: int = _f(1234, "seed of init, data order and dropout")
+    precision: Literal["fp32", "bf16", "fp16"] = _f(
+        "fp32", "fp32; bf16 autocast; fp16 autocast with dynamic loss scaling")
+    param_dtype: Literal["fp32", "bf16", "fp16"] = _f(
+        "fp32", "dtype of the model's parameters; bf16/fp16 "
+                "(= train.precision) keep fp32 main weights in the optimizer, as Megatron-LM's --bf16")
+    recompute: Literal["none", "selective", "full"] = _f(
+        "none", "activation recompute: selective = core attention, full = whole layers")
+    eval_interval: int | None = _f(
+        None, "evaluate on the validation set every this many steps (and at the end); none disables")
+    eval_iters: int = _f(10, "global batches per evaluation")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: cuda when available (one GPU per LOCAL_RANK), else cpu")
+    compile: bool = _f(False, "torch.compile each transformer layer")
+    allow_tf32: bool = _f(True, "fp32 matmuls and convolutions on CUDA may use TF32 tensor cores (10-bit mantissa "
+                                "inputs, fp32 accumulation; about 8x the fp32 rate on an H100); false for exact fp32")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(3e-5, "learning rate at the end of decay")
+    warmup_iters: int = _f(0, "linear warmup steps")
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = _f(
+        "cosine", "decay after warmup; wsd = constant then decay over optim.wsd_decay_iters")
+    decay_iters: int | None = _f(None, "steps from start to the end of decay (default: train.train_iters)")
+    wsd_decay_iters: int | None = _f(None, "length of the final decay phase of wsd (default: 20% of decay_iters)")
+    weight_decay: float = _f(0.1, "decoupled weight decay (not applied to biases and norms)")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.95, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    offload: Literal["none", "cpu"] = _f(
+        "none", "cpu: keep fp32 main weights and Adam's state in host memory and step there (ZeRO-Offload)")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this; 0 disables")
+    initial_loss_scale: float = _f(2.0**32, "fp16: starting loss scale")
+    min_loss_scale: float = _f(1.0, "fp16: the scale never drops below this")
+    loss_scale_window: int = _f(1000, "fp16: double the scale after this many steps without overflow")
+    hysteresis: int = _f(2, "fp16: overflows tolerated before the scale is halved")
+
+
+@dataclass
+class DataConfig:
+    mock: bool = _f(
+        False, "synthetic tokens, a deterministic function of train.seed and the global sample index "
+               "(no corpus needed)")
+    paths: list[str] | None = _f(
+        None, "blend of preprocessed prefixes: [0.7, /data/a_text_document, 0.3, /data/b_text_document] or one prefix")
+    split: str = _f("969,30,1", "train,valid,test weights over the documents of data.paths")
+    train_paths: list[str] | None = _f(None, "training blend, instead of splitting data.paths")
+    valid_paths: list[str] | None = _f(None, "validation blend, instead of splitting data.paths")
+    blend_rule: Literal["megalite", "megatron"] = _f(
+        "megalite", "how a blend is sized and ordered: megalite (every share provably within (1 + (D - 2) * w) / 2 "
+                    "samples of its weight; datasets sized never to run dry) or megatron (Megatron-Core's sizes and "
+                    "order exactly, to continue a Megatron-LM run on the batches it would have trained on)")
+    cache_dir: str | None = _f(
+        None, "where index files (.npy) are cached (default: a cache/ folder next to the first prefix)")
+    tokenizer_type: (Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]
+                     | None) = _f(
+        None, "tokenizer the corpus was preprocessed with; sets model.vocab_size")
+    vocab_file: str | None = _f(None, "GPT2BPETokenizer: vocab.json")
+    merge_file: str | None = _f(None, "GPT2BPETokenizer: merges.txt")
+    tokenizer_model: str | None = _f(
+        None, "SentencePiece .model file, or a Hugging Face tokenizer directory / tokenizer.json")
+    reset_position_ids: bool = _f(False, "restart position ids after every end-of-document token")
+    eod_mask_loss: bool = _f(False, "no loss on predictions made from an end-of-document token")
+    num_workers: int = _f(2, "background data-loading processes per rank (0 loads in the training process)")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = _f(None, "directory to save checkpoints into (iter_XXXXXXX/ and a latest file)")
+    load: str | None = _f(
+        None, "start from this directory's latest complete checkpoint, or from exactly this iter_XXXXXXX directory "
+              "(a converted model, another run); once checkpoint.save holds a checkpoint, a relaunch resumes there "
+              "instead (default: checkpoint.save, so a restarted job resumes)")
+    save_interval: int | None = _f(None, "save every this many steps (and at the end of training)")
+    async_save: bool = _f(
+        False, "write checkpoint files in a background thread; training stalls only to copy state to host memory")
+    keep_last: int | None = _f(
+        None, "keep only this many newest checkpoints (older ones deleted after a newer one is complete)")
+    fallback: bool = _f(
+        True, "if the latest checkpoint is damaged (missing, truncated or corrupt file), "
+              "resume from the previous complete one")
+    load_optimizer: bool = _f(
+        True, "false: resume the weights only and start Adam's moments and step afresh (Megatron-LM's --no-load-optim)")
+    load_timeout_minutes: float = _f(
+        60.0, "how long ranks that finished reading a checkpoint wait for the slowest one (through the store, "
+              "not a collective)")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = _f(10, "steps between metric lines")
+    metrics_file: str | None = _f(None, "append one JSON object per logged step to this file")
+    pipeline_trace: str | None = _f(
+        None, "write the first pipeline_trace_steps steps' schedule "
+              "(every forward/backward of every rank) to this Chrome-trace JSON")
+    pipeline_trace_steps: int = _f(2, "how many steps the pipeline trace records")
+    progress_bar: bool = _f(True, "show a progress bar on the logging rank")
+    peak_tflops: float | None = _f(
+        None, "per-device peak TFLOP/s for MFU (default: table lookup by device; n/a when unknown)")
+    wandb_project: str | None = _f(None, "Weights & Biases project; none disables W&B")
+    wandb_entity: str | None = _f(None, "W&B entity (team or user)")
+    wandb_name: str | None = _f(None, "W&B run name")
+    wandb_mode: Literal["online", "offline", "disabled"] = _f(
+        "online", "offline writes the run locally for a later `wandb sync`")
+    wandb_dir: str | None = _f(None, "where W&B writes its files (default: checkpoint.save, else ./wandb)")
+    wandb_timeout: float = _f(
+        30.0, "seconds W&B may hold up the run: an online start that takes longer falls back to offline, "
+              "and the end of training waits at most this long for W&B to finish")
+    profile_steps: list[int] | None = _f(
+        None, "[a, b]: record a torch.profiler trace of steps a..b (inclusive) on logging.profile_ranks")
+    profile_ranks: list[int] | None = _f(None, "global ranks that profile (default: [0])")
+    profile_dir: str = _f(
+        "profiles", "where profiler traces go: rank<R>_steps<a>-<b>.pt.trace.json (Chrome trace) and .txt "
+                    "(top operators)")
+    memory_snapshot: str | None = _f(
+        None, "CUDA only: record the allocator's history from start-up and dump it to this pickle after profile_steps "
+              "(default: step 2) or at exit; '{rank}' in the path is replaced by the rank")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.parallel.tp * self.parallel.cp * self.parallel.pp)
+
+    def batch_size(self, world_size: int) -> int:
+        return self.train.global_batch_size or self.train.micro_batch_size * self.data_parallel_size(world_size)
+
+    def num_microbatches(self, world_size: int) -> int:
+        return self.batch_size(world_size) // (self.train.micro_batch_size * self.data_parallel_size(world_size))
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def chunk_layer_counts(num_layers: int, chunks: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers per global chunk; raises ValueError (with the fix) when they cannot be split evenly.
+    A fact about the config (validate() checks it), which parallel/pipeline_layout.py turns into stage layouts."""
+    fixed = {0: first, chunks - 1: last} if chunks > 1 else {}
+    fixed = {i: n for i, n in fixed.items() if n is not None}
+    middle = chunks - len(fixed)
+    rest = num_layers - sum(fixed.values())
+    if any(n < 1 for n in fixed.values()) or rest < middle or (middle and rest % middle) or (not middle and rest):
+        raise ValueError(
+            f"cannot split {num_layers} layers into {chunks} pipeline chunks (pp * vp) with "
+            f"first_stage_layers={first}, last_stage_layers={last}: every chunk needs >= 1 layer and the remaining "
+            "chunks an equal share"
+        )
+    share = rest // middle if middle else 0
+    return [fixed.get(i, share) for i in range(chunks)]

@@ -1,0 +1,102 @@
+"""Build the training and validation datasets a config asks for: synthetic tokens, or
+preprocessed Megatron `.bin/.idx` prefixes, split by documents or given per split, blended
+by weight.
+
+Index files are built by global rank 0 into data.cache_dir while the other ranks wait at a
+barrier, then every rank memory-maps them (the cache directory must be on a filesystem
+all nodes see, as with Megatron-LM).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from megalite.config import Config, DataConfig
+from megalite.data.batches import BatchMaker
+from megalite.data.blending import BLEND_RULES, BlendedDataset, parse_blend
+from megalite.data.gpt_dataset import GPTDataset, split_documents
+from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.mock import VALIDATION_OFFSET, MockDataset
+from megalite.data.tokenizers import Tokenizer, build_tokenizer
+
+TRAIN, VALID = 0, 1
+
+
+@dataclass
+class TrainingData:
+    train: Dataset
+    valid: Dataset | None
+    maker: BatchMaker
+
+
+def tokenizer_from_config(cfg: DataConfig, vocab_size: int) -> Tokenizer | None:
+    if cfg.tokenizer_type is None:
+        return None
+    return build_tokenizer(cfg.tokenizer_type, vocab_file=cfg.vocab_file, merge_file=cfg.merge_file,
+                           tokenizer_model=cfg.tokenizer_model, vocab_size=vocab_size)
+
+
+def training_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer | None:
+    """The tokenizer a training run reads its corpus with; it sets model.vocab_size. Mock data has none: its
+    tokens are ids below model.vocab_size, so tokenizer files the config still names are never opened (they need
+    not exist)."""
+    return None if cfg.mock else tokenizer_from_config(cfg, vocab_size)
+
+
+def _split_dataset(prefix: str, split: str, index: int, num_samples: int, cfg: Config, rank: int) -> GPTDataset | None:
+    documents = IndexedDataset(prefix)
+    ids = split_documents(len(documents), split)[index]
+    if len(ids) == 0:
+        return None
+    cache_dir = cfg.data.cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+    return GPTDataset(
+        documents, ids, num_samples, cfg.model.seq_length, cfg.train.seed, cache_dir,
+        description=f"{os.path.abspath(prefix)} split={split} part={index}", is_builder=rank == 0,
+        barrier=dist.barrier if dist.is_initialized() else None,  # one process without a group: nothing to wait for
+    )
+
+
+def _blend(paths: list[str], split: str, index: int, num_samples: int, cfg: Config, rank: int) -> Dataset | None:
+    """The blend of `paths` for split part `index`, sized and ordered by data.blend_rule. Megatron-Core blends
+    a weighted single prefix ("1.0 prefix") too, with its surplus, so blend_rule=megatron does the same."""
+    weights, prefixes = parse_blend(paths)
+    megatron = cfg.data.blend_rule == "megatron"
+    if len(prefixes) == 1 and not (megatron and len(paths) > 1):
+        return _split_dataset(prefixes[0], split, index, num_samples, cfg, rank)
+    rule = BLEND_RULES[cfg.data.blend_rule]
+    sizes, length = rule.sizes(weights, num_samples)
+    parts = [_split_dataset(p, split, index, n, cfg, rank) for p, n in zip(prefixes, sizes)]
+    kept = [(w, d) for w, d in zip(weights, parts) if d is not None]
+    if not kept:
+        return None
+    if megatron and len(kept) < len(parts):
+        empty = [p for p, d in zip(prefixes, parts) if d is None]
+        raise ValueError(f"data.split={split} leaves no documents of {empty} in part {index} of the blend (0 train, "
+                         "1 valid), which Megatron-LM cannot blend either: give that part more weight, or use "
+                         "data.blend_rule=megalite, which leaves such a dataset out of the part")
+    return BlendedDataset([d for _, d in kept], [w for w, _ in kept], length, cfg.data.blend_rule)
+
+
+def build_training_data(cfg: Config, rank: int, tokenizer: Tokenizer | None, train_samples: int,
+                        valid_samples: int) -> TrainingData:
+    d, m = cfg.data, cfg.model
+    if d.mock:
+        maker = BatchMaker()
+        train = MockDataset(m.vocab_size, m.seq_length, cfg.train.seed)
+        return TrainingData(train, MockDataset(m.vocab_size, m.seq_length, cfg.train.seed, VALIDATION_OFFSET), maker)
+    maker = BatchMaker(tokenizer.eod, d.reset_position_ids, d.eod_mask_loss)
+    if d.paths:
+        train = _blend(d.paths, d.split, TRAIN, train_samples, cfg, rank)
+        valid = _blend(d.paths, d.split, VALID, valid_samples, cfg, rank) if valid_samples else None
+    else:
+        train = _blend(d.train_paths, "1,0,0", TRAIN, train_samples, cfg, rank)
+        valid = (_blend(d.valid_paths, "1,0,0", TRAIN, valid_samples, cfg, rank)
+                 if d.valid_paths and valid_samples else None)
+    if train is None:
+        raise ValueError(f"data.split={d.split} leaves no training documents in {d.paths}; "
+                         "give the train part a weight")
+    return TrainingData(train, valid, maker)

@@ -1,0 +1,53 @@
+"""One simulated rank of a world of any size, in this process: torch's fake process group and fake tensors.
+
+torch ships a fake process group for testing (torch.testing._internal.distributed.fake_pg): every collective
+and point-to-point call returns at once and moves no data, so one process can stand for rank r of 16,384 and
+build every group that rank joins. Fake tensors (torch._subclasses.FakeTensorMode) carry shapes, dtypes and
+storage sizes but allocate nothing, so the real model, buffers and optimizer of a 405B-parameter layout fit
+here. The device stays the CPU: the CPU code paths run (autocast, attention kernels), which CUDA cannot be
+made to on a machine without one. Where megalite picks a setting by device type for speed alone (the head's
+cross-entropy chunk: a few cached rows on CPUs, ~1 GiB on accelerators), the dry run picks the accelerator's
+(`as_accelerator`): it stands for a GPU, and a CPU's chunking would multiply its operations a thousandfold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers the "fake" backend)
+
+from megalite.model import cross_entropy
+from megalite.parallel.topology import release_process_groups
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world_size: int) -> Iterator[None]:
+    """This process is rank `rank` of `world_size` on the fake backend (CPU and meta tensors) inside the block."""
+    if dist.is_initialized():
+        raise RuntimeError("the dry run needs a process without a process group: it builds the fake one itself")
+    dist.init_process_group("cpu:fake,meta:fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        release_process_groups()
+
+
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[FakeTensorMode]:
+    """Every tensor made inside the block is fake: shapes and sizes, no memory, no values to read."""
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+@contextlib.contextmanager
+def as_accelerator() -> Iterator[None]:
+    """Inside the block the CPU takes the accelerators' speed settings (the cross-entropy chunk)."""
+    saved = dict(cross_entropy._CHUNK_BYTES)
+    cross_entropy._CHUNK_BYTES.clear()
+    try:
+        yield
+    finally:
+        cross_entropy._CHUNK_BYTES.update(saved)

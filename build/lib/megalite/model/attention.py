@@ -1,0 +1,97 @@
+"""Causal self-attention with a fused QKV projection and grouped-query attention.
+
+The QKV weight is laid out group by group, each group holding its query heads then its
+one key and one value head ([g0: q.. k v][g1: q.. k v]...). Splitting that matrix into
+contiguous row blocks hands every tensor-parallel rank whole groups, which is why the
+layout differs from Hugging Face's [all q][all k][all v] (the HF mapping reorders).
+
+During generation a KV cache (model/kv_cache.py) supplies the keys and values of earlier
+tokens; the new tokens' queries then attend to those plus their own causal prefix.
+
+With `qkv_bias` (Qwen2) the QKV projection has a bias even where `bias` gives the others none. Each head is
+model.head_dim wide, which need not be hidden / heads (Qwen3's released models).
+
+With `qk_norm` (Qwen3) every query and key head is RMS-normalised over its head_dim before RoPE, by one
+weight per projection shared by all heads. Each tensor-parallel rank applies it to its own heads, so its
+gradient there is a partial sum over tp, as the weights' placement says.
+
+Selective recompute (model/recompute.py sets `recompute_core`) keeps only the inputs of the
+core attention and recomputes it in backward.
+
+Under context parallelism (`cp`) a rank's q, k, v are those of its part of every sequence, and the
+core attention sees the other parts' keys and values through parallel/context_parallel.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.model.kv_cache import LayerCache
+from megalite.model.norms import build_norm
+from megalite.model.rope import apply_rope
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.context_parallel import context_parallel_attention
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.parallel.placement import Placement
+from megalite.parallel.random import checkpoint_with_rng
+
+
+class SelfAttention(nn.Module):
+    """Each tensor-parallel rank computes whole query groups: heads/tp query and groups/tp KV heads."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device: torch.device) -> None:
+        """`device`: where the model will live (which norm implementation runs)."""
+        super().__init__()
+        tp = ctx.tp.size
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp, cfg.kv_heads // tp, cfg.head_size
+        bias = cfg.features.bias
+        qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias or cfg.features.qkv_bias)
+        self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
+        self.q_norm = self.k_norm = None
+        if cfg.features.qk_norm:
+            self.q_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device, ctx.split_backward)
+            self.k_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device, ctx.split_backward)
+            partial = Placement(partial=("tp",) if tp > 1 else ())  # every rank's heads add to the one weight
+            self.placements = {"q_norm.weight": partial, "k_norm.weight": partial}
+        self.dropout = cfg.attention_dropout
+        self.recompute_core = False
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """x: [seq (/tp under SP), batch, hidden] -> the same shape; `cache` holds (and receives)
+        earlier tokens' k, v."""
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
+        per_group = self.heads // self.groups
+        qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if self.recompute_core and self.training:
+            out = checkpoint_with_rng(self._core, q, k, v, tracker=self.ctx.rng)
+        else:
+            out = self._core(q, k, v)
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [batch, heads, new, d]; k, v [batch, groups, past + new, d]: new token i sees keys up to past + i.
+        Under context parallelism the tokens are this rank's part of the sequence (context_parallel.py)."""
+        if self.ctx.cp.size > 1:
+            return context_parallel_attention(q, k, v, self.ctx.cp.group, self.ctx.cp_comm)
+        dropout = self.dropout if self.training else 0.0
+        past = k.shape[2] - q.shape[2]
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past) if past else None
+        with self.ctx.region_rng():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                                  enable_gqa=self.groups != self.heads)

@@ -1,0 +1,1 @@
+"""Mixture-of-experts layers: the router, the experts and how tokens travel between ranks to reach them."""

@@ -1,0 +1,82 @@
+"""What the model's layers know of the parallel layout, handed to them as one object.
+
+The model is written once, for every layout: its layers ask this context for the group, rank and size of
+the axes they split along (tensor and context parallelism; expert and expert-tensor parallelism on the expert grid),
+the ranks that share one micro batch's tokens (a router's load counts span them), whether sequence
+parallelism is on, and which RNG stream their dropout draws from. Nothing else of the topology reaches the
+model, and a model built without one (`ParallelContext()`) is the one-device model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from megalite.parallel.random import RNGTracker, model_parallel_tracker
+from megalite.parallel.topology import Topology
+
+
+@dataclass(frozen=True)
+class AxisView:
+    """One grid axis as a layer sees it: the group of ranks along it, this rank's index and the size."""
+
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass
+class ParallelContext:
+    tp: AxisView = field(default_factory=AxisView)
+    cp: AxisView = field(default_factory=AxisView)
+    sequence_parallel: bool = False  # norms, dropout and the residual stream split along the sequence over tp
+    cp_comm: str = "p2p"  # how context-parallel attention sees the other ranks' keys and values
+    rng: RNGTracker | None = None
+    ep: AxisView = field(default_factory=AxisView)  # expert parallelism (the expert grid's ep axis)
+    etp: AxisView = field(default_factory=AxisView)  # expert tensor parallelism (its etp axis)
+    ep_etp: AxisView = field(default_factory=AxisView)  # the etp x ep ranks that together hold every expert
+    tokens: AxisView = field(default_factory=AxisView)  # ranks holding parts of one micro batch (tp under SP, cp)
+    expert_dispatcher: str = "alltoall"  # how tokens reach their experts' ranks (parallel.moe_dispatcher)
+    # The schedule splits each backward into B and W (zero bubble): layers whose weight gradient autograd would
+    # compute together with the input gradient (norms, biases after a reduction) recompute it apart, in W
+    # (weight_grads.recomputed); matmuls and lookups split their backward under every schedule.
+    split_backward: bool = False
+
+    @classmethod
+    def from_topology(cls, topology: Topology, sequence_parallel: bool, seed: int, cp_comm: str = "p2p",
+                      expert_dispatcher: str = "alltoall", split_backward: bool = False) -> ParallelContext:
+        """`sequence_parallel`: ParallelConfig.sequence_parallel_active (asked for, and tp > 1)."""
+        ep = etp = ep_etp = AxisView()
+        if "expert" in topology.grids:
+            ep, etp, ep_etp = (AxisView(topology.group(*axes, grid="expert"), topology.coord(*axes, grid="expert"),
+                                        topology.size(*axes, grid="expert")) for axes in (("ep",), ("etp",),
+                                                                                          ("etp", "ep")))
+        token_axes = (("tp",) if sequence_parallel else ()) + (("cp",) if topology.cp > 1 else ())
+        tokens = AxisView()
+        if token_axes:
+            tokens = AxisView(topology.group(*token_axes), topology.coord(*token_axes), topology.size(*token_axes))
+        return cls(AxisView(topology.tp_group, topology.tp_rank, topology.tp),
+                   AxisView(topology.cp_group, topology.cp_rank, topology.cp), sequence_parallel, cp_comm,
+                   model_parallel_tracker(seed, topology.tp_rank, topology.device), ep, etp, ep_etp,
+                   tokens, expert_dispatcher, split_backward)
+
+    @classmethod
+    def tensor_parallel(cls, group: dist.ProcessGroup | None, rank: int, size: int,
+                        sequence_parallel: bool = False) -> ParallelContext:
+        """Tensor parallelism alone (tests and benchmarks of single layers)."""
+        return cls(AxisView(group, rank, size), sequence_parallel=sequence_parallel)
+
+    def coord(self, axis: str) -> tuple[int, int]:
+        """(this rank's index, the size) along a grid axis the model splits along."""
+        view = getattr(self, axis)
+        return view.rank, view.size
+
+    def region_rng(self) -> contextlib.AbstractContextManager:
+        """RNG for dropout on activations that differ across TP ranks (their own heads or sequence slice)."""
+        return self.rng.fork() if self.rng is not None and self.tp.size > 1 else contextlib.nullcontext()
+
+    def hidden_rng(self) -> contextlib.AbstractContextManager:
+        """RNG for dropout on the hidden stream: sharded (own stream) only under sequence parallelism."""
+        return self.region_rng() if self.sequence_parallel else contextlib.nullcontext()

@@ -1,0 +1,196 @@
+"""Memory per GPU: model state (weights, gradients, fp32 main weights, Adam) plus the activations
+of the micro batches the pipeline schedule keeps in flight, for the pipeline stage that needs most.
+
+Model state follows megalite/parallel/grad_buffer.py and ddp.py: parameters in
+train.param_dtype; gradients in parallel.grad_reduce_dtype; fp32 main weights only when the
+parameters are not fp32 (fp32 parameters are stepped in place); Adam's two fp32 moments. Each
+ZeRO stage shards one more of them over the ranks holding the same weights: dp x cp (context-
+parallel ranks are replicas too, parallel/topology.py dp_cp), written `dp` below and in the
+functions. For bf16 parameters with fp32 gradients, bytes per parameter are:
+  stage 0: 18 (2 + 4 + 4 + 8, Megatron-LM's accounting);
+  stage 1: 6 + 12/dp (main weights and moments sharded: the distributed optimizer);
+  stage 2: 2 + 16/dp (gradients too);
+  stage 3: 18/dp (parameters too), plus the gather units in flight, counted as transient.
+For fp32 parameters: 16, 8 + 8/dp, 4 + 12/dp, 16/dp. optim.offload=cpu takes the main weights
+and moments (12 or 8 of those bytes, before dividing) off the device.
+
+Experts' weights live on the expert grid (placement.py): their gradients are reduced, and ZeRO shards
+them, over that grid's data axes, the expert-data-parallel ranks (edp = world / (ep x pp)), not over
+dp x cp. `grid_replicas` reads which axes those are from placement.py DATA_AXES for each grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megalite.config import Config
+from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.placement import DATA_AXES
+from megalite.parallel.schedules import schedule_ops, splits_backward
+from megalite.parallel.topology import RankGrid
+from megalite.planning.activations import (
+    _BYTES,
+    Widths,
+    embedding_bytes,
+    head_bytes,
+    head_transient_bytes,
+    layer_bytes,
+)
+from megalite.planning.context_parallel import attention_transient_bytes
+from megalite.planning.held import embedding_held_bytes, head_held_bytes, layer_held_bytes
+from megalite.planning.parameters import Parameters, rank_parameters
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one GPU of pipeline stage `pp_rank` (every tp/dp rank of a stage holds the same)."""
+
+    pp_rank: int
+    parameters: Parameters
+    weights: float
+    gradients: float
+    main_weights: float
+    optimizer: float
+    activations: float  # at the schedule's peak (held weight-gradient inputs included)
+    in_flight: int  # (chunk, micro batch) forwards whose activations or weight-gradient inputs are held then
+    transient: float  # short-lived: see `transient_bytes`
+    expert_state: float = 0.0  # the experts' share of weights + gradients + main weights + optimizer state
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.gradients + self.main_weights + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.transient
+
+
+def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, float]:
+    """(weights, gradients, main weights, optimizer state) device bytes for `numel` parameters on one rank;
+    offloaded (optim.offload=cpu) main weights and optimizer state live in host memory instead."""
+    t, p = cfg.train, cfg.parallel
+    shards = dp if p.zero >= 1 else 1
+    grads = numel * _BYTES[p.grad_reduce_dtype] / (dp if p.zero >= 2 else 1)
+    weights = numel * _BYTES[t.param_dtype] / (dp if p.zero >= 3 else 1)
+    if cfg.optim.offload == "cpu":
+        return weights, grads, 0.0, 0.0
+    main = 0 if t.param_dtype == "fp32" else 4
+    return weights, grads, numel * main / shards, numel * 8 / shards
+
+
+def grid_replicas(cfg: Config, world_size: int) -> dict[str, int]:
+    """Per rank grid, how many ranks hold the same parameters and see different data: the sizes of the grid's
+    data axes (placement.py DATA_AXES) in this layout. Dense: dp x cp; expert: edp = world / (ep x pp)."""
+    p = cfg.parallel
+    grids = {"dense": RankGrid.for_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp),
+             "expert": RankGrid.experts_for_world(world_size, ep=p.ep, pp=p.pp)}
+    return {name: math.prod(grid.size(axis) for axis in DATA_AXES[name]) for name, grid in grids.items()}
+
+
+def grid_state_bytes(cfg: Config, params: Parameters, shards: dict[str, int]) -> dict[str, tuple[float, ...]]:
+    """`state_bytes` of each grid's parameters, sharded over that grid's replicas (`shards`)."""
+    return {grid: state_bytes(cfg, numel, shards[grid]) for grid, numel in params.by_grid.items()}
+
+
+def gathered_elements(params: Parameters) -> tuple[int, int]:
+    """ZeRO-3 (parallel/zero/stage3.py): (parameter, gradient) elements of whole gather units present at once,
+    at worst. Parameters: the unit running and the one prefetched (any two units stand in for adjacent
+    ones: an upper bound), plus the embedding unit when the LM head on this rank reads it (it stays
+    gathered from the head's backward to the embedding's). Gradients: one unit's bucket buffers fill
+    in backward until reduce-scattered (the next unit's first gradient comes after), the largest."""
+    units = params.units
+    if params.tied_head:
+        rest = sorted(units[1:], reverse=True)
+        return units[0] + sum(rest[:2]), max(units)
+    return sum(sorted(units, reverse=True)[:2]), max(units, default=0)
+
+
+def gathered_bytes(cfg: Config, params: Parameters, dp: int) -> tuple[float, float]:
+    """(parameter, gradient) bytes of `gathered_elements`; none below ZeRO-3 or at dp 1 (nothing sharded)."""
+    if cfg.parallel.zero < 3 or dp == 1:
+        return 0.0, 0.0
+    weights, grads = gathered_elements(params)
+    return weights * _BYTES[cfg.train.param_dtype], grads * _BYTES[cfg.parallel.grad_reduce_dtype]
+
+
+def transient_bytes(cfg: Config, params: Parameters, shards: dict[str, int], activations: float,
+                    device: str = "cuda", head: bool = False) -> float:
+    """Memory above state + activations at the worst moment: in backward, the largest parameter's
+    gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
+    activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`),
+    plus context-parallel attention's buffers (planning/context_parallel.py), less on the stage with the `head`
+    what the head saved (its backward runs first and frees it, before any layer is recomputed); there, as the
+    loss's forward ends with every activation held, its temporaries (`head_transient_bytes`) and the units
+    gathered then; in the optimizer step (activations and whole units freed), fp32 copies of bf16-reduced
+    gradient slices for the fp32 main weights (each grid's over its own `shards`, the replicas)."""
+    gathered_weights, gathered_grads = gathered_bytes(cfg, params, shards["dense"])
+    loss = head_transient_bytes(cfg, device) + gathered_weights if head else 0
+    backward = (params.largest * _BYTES[cfg.train.param_dtype] + gathered_weights + gathered_grads
+                + attention_transient_bytes(cfg, Widths.of(cfg, device).compute))
+    if cfg.train.recompute == "full":
+        kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
+        backward += max(layer_bytes(kept, device, index) for index in range(cfg.model.num_layers))
+        backward -= head_bytes(cfg, device) if head else 0
+    sharded = cfg.parallel.zero >= 1
+    step = sum(numel * 4 / (shards[grid] if sharded else 1) for grid, numel in params.by_grid.items())
+    return max(backward, loss, step - activations if cfg.parallel.grad_reduce_dtype != "fp32" else 0)
+
+
+def _per_chunk(cfg: Config, pp_rank: int, layer: Callable[[int], int], first: int, last: int) -> list[int]:
+    """For each model chunk of pipeline stage `pp_rank`: layer(global index) summed over its layers, plus `first`
+    on the model's first chunk (the embedding) and `last` on its last (the head)."""
+    stage = stage_layout(cfg, pp_rank)
+    return [sum(layer(index) for index in range(a, b)) + (first if stage.is_first_chunk(chunk) else 0)
+            + (last if stage.is_last_chunk(chunk) else 0) for chunk, (a, b) in enumerate(stage.chunks)]
+
+
+def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
+    """One micro batch's saved bytes for each model chunk of pipeline stage `pp_rank`."""
+    return _per_chunk(cfg, pp_rank, lambda index: layer_bytes(cfg, device, index), embedding_bytes(cfg),
+                      head_bytes(cfg, device))
+
+
+def chunk_held_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
+    """One micro batch's weight-gradient inputs, held from its B to its W, for each model chunk of pipeline stage
+    `pp_rank` (planning/held.py); none unless the schedule splits the backward."""
+    if not splits_backward(cfg.parallel.pipeline_schedule):
+        return [0] * stage_layout(cfg, pp_rank).vp
+    return _per_chunk(cfg, pp_rank, lambda index: layer_held_bytes(cfg, device, index), embedding_held_bytes(cfg),
+                      head_held_bytes(cfg, device))
+
+
+def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> tuple[int, int]:
+    """(peak bytes, micro batches in flight then) over this stage's schedule: a forward stores its chunk's
+    activations until the matching backward frees them (parallel/schedules.py); under a zero-bubble schedule
+    that backward (B) leaves the chunk's weight-gradient inputs until its W."""
+    p = cfg.parallel
+    sizes, held_inputs = chunk_activation_bytes(cfg, pp_rank, device), chunk_held_bytes(cfg, pp_rank, device)
+    ops = schedule_ops(p.pipeline_schedule, p.pp, p.vp, pp_rank, cfg.num_microbatches(world_size))
+    split = splits_backward(p.pipeline_schedule)
+    held, count, peak = 0, 0, (0, 0)
+    for kind, chunk, _ in ops:
+        if kind == "F":
+            held, count = held + sizes[chunk], count + 1
+        elif kind == "B":
+            held, count = held - sizes[chunk] + held_inputs[chunk], count - (not split)
+        else:
+            held, count = held - held_inputs[chunk], count - 1
+        peak = max(peak, (held, count))
+    return peak
+
+
+def stage_memory(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> StageMemory:
+    params = rank_parameters(cfg, pp_rank)
+    shards = grid_replicas(cfg, world_size)
+    grids = grid_state_bytes(cfg, params, shards)
+    state = [sum(parts) for parts in zip(*grids.values())]  # weights, gradients, main weights, optimizer
+    activations, in_flight = peak_activations(cfg, world_size, pp_rank, device)
+    transient = transient_bytes(cfg, params, shards, activations, device, stage_layout(cfg, pp_rank).has_head)
+    return StageMemory(pp_rank, params, *state, activations, in_flight, transient, sum(grids["expert"]))
+
+
+def memory_per_stage(cfg: Config, world_size: int, device: str = "cuda") -> list[StageMemory]:
+    return [stage_memory(cfg, world_size, rank, device) for rank in range(cfg.parallel.pp)]

@@ -1,0 +1,103 @@
+"""Build this rank's model and what trains it, from the config and the topology."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite.checkpoint.sharded_state import ShardedState
+from megalite.config import TORCH_DTYPES, Config
+from megalite.model.gpt import TIED_COPY, GPTModel
+from megalite.model.recompute import apply_recompute
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.ddp import DataParallelGrads
+from megalite.parallel.distributed_optimizer import DistributedOptimizer
+from megalite.parallel.pipeline import Pipeline
+from megalite.parallel.pipeline_layout import stage_layout
+from megalite.parallel.schedules import splits_backward
+from megalite.parallel.topology import Topology
+from megalite.parallel.zero import GatherUnits, ShardedParameters, unit_index
+from megalite.training.loss_scaler import LossScaler
+
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with: its model chunks and tensor-parallel context, the data-parallel
+    gradients, the optimizer, the loss scaler and the pipeline schedule with its channel."""
+
+    cfg: Config
+    topology: Topology
+    model: GPTModel
+    ctx: ParallelContext
+    grads: DataParallelGrads
+    optimizer: DistributedOptimizer
+    scaler: LossScaler
+    pipeline: Pipeline
+    sharded_params: GatherUnits | None = None  # ZeRO-3 where a grid has more than one data-parallel replica
+
+    def sharded_state(self) -> ShardedState:
+        """The checkpoint's view of the model and optimizer state this rank holds."""
+        return ShardedState(self.model, self.optimizer, self.model.placements_by_name(), self.topology)
+
+    def close(self) -> None:
+        """Land every collective the trainer left in flight: the overlapped parameter gathers a step leaves for
+        the next forward, ZeRO-3's prefetched gathers, gradient reductions of a step that was cut short.
+        Destroying the process group while one is in flight aborts the process on NCCL (and, on gloo, whenever
+        a background thread still touches the group), so whoever drives `train_step` closes the trainer
+        before the group goes: `with build_trainer(cfg, topology) as trainer: ...`. Safe to call twice."""
+        self.optimizer.wait_params()
+        self.grads.wait()
+        if self.sharded_params is not None:
+            self.sharded_params.wait_all()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank: int) -> GPTModel:
+    """Pipeline rank `pp_rank`'s model chunks, its shards (`ctx`), in train.param_dtype, with train.recompute
+    applied."""
+    # Each parameter is drawn in fp32 on every layout and rounded once into train.param_dtype as it is copied in
+    # (model/init.py); its storage is made in that dtype, so no fp32 copy of the model is ever on the device.
+    model = GPTModel(cfg.model, device, ctx, stage_layout(cfg, pp_rank), seed=cfg.train.seed,
+                     dtype=TORCH_DTYPES[cfg.train.param_dtype])
+    apply_recompute(model, cfg.train.recompute)
+    return model
+
+
+def build_rank_model(cfg: Config, topology: Topology) -> GPTModel:
+    """This rank's model in its parallel context, compiled layer by layer when train.compile asks: what
+    build_trainer trains, and what a benchmark's bare loop runs without the trainer around it."""
+    p = cfg.parallel
+    ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm,
+                                        p.moe_dispatcher, splits_backward(p.pipeline_schedule))
+    model = build_model(cfg, topology.device, ctx, topology.pp_rank)
+    if cfg.train.compile:
+        for layer in model.layers.values():
+            layer.compile()
+    return model
+
+
+def build_trainer(cfg: Config, topology: Topology) -> Trainer:
+    """The one place that assembles training: pretrain, the tools and the tests all start here."""
+    p = cfg.parallel
+    if cfg.model.num_experts and "expert" not in topology.grids:
+        raise ValueError("the model has experts (model.num_experts) but the topology has no expert grid: build it "
+                         "with experts=True (Topology.from_config(..., experts=cfg.model.num_experts > 0))")
+    model = build_rank_model(cfg, topology)
+    names = {name for name, _ in model.named_parameters()}
+    tied = set(TIED_COPY) & names if cfg.model.tied and topology.pp > 1 else set()
+    placements = model.placements_by_name()
+    modules = model.chunk_modules()
+    units = unit_index(modules) if p.zero >= 3 else None
+    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, placements, tied, units)
+    stage3 = any(isinstance(buffer.strategy, ShardedParameters) for buffer in grads.buffers)
+    sharded = GatherUnits(modules, grads.buffers) if stage3 else None
+    optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
+                                     p.overlap_param_gather, placements)
+    scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
+    return Trainer(cfg, topology, model, model.ctx, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded)

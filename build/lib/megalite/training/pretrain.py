@@ -1,0 +1,379 @@
+"""The training run: build everything from the config, resume, loop, log, evaluate, save."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint.files import complete_iterations
+from megalite.checkpoint.local import Checkpointer, TrainingState, rng_state, set_rng_state
+from megalite.checkpoint.resume import resume
+from megalite.config import Config
+from megalite.config_cli import dump_yaml
+from megalite.config_resolved import resolved_yaml
+from megalite.config_validation import validate
+from megalite.data.build import build_training_data, training_tokenizer
+from megalite.data.loader import MicroBatches, micro_batches
+from megalite.parallel.schedules import Trace
+from megalite.parallel.timeouts import collective_timeout_message
+from megalite.parallel.topology import Topology, peak_memory, release_process_groups, synchronize
+from megalite.training.build import build_trainer
+from megalite.training.evaluate import evaluate
+from megalite.training.flops import peak_tflops, throughput
+from megalite.training.lr_schedule import learning_rate
+from megalite.training.metrics import MetricsWriter, wandb_enabled
+from megalite.training.profiling import Profiler
+from megalite.training.routing_metrics import RoutingMetrics
+from megalite.training.run_summary import Clock, end_summary, gpu_memory_line, parameters_line
+from megalite.training.step import StepFigures, StepResult, read_steps, train_step
+from megalite.training.trace import write_chrome_trace
+from megalite.training.wandb_logger import new_run_id
+
+_CONSOLE = {"loss": "loss", "lr": "lr", "grad_norm": "grad norm", "loss_scale": "loss scale",
+            "skipped_steps": "skipped", "tokens_per_sec": "tokens/s", "tflops_per_device": "model TFLOP/s/device",
+            "mfu": "MFU", "hardware_tflops_per_device": "hardware TFLOP/s/device", "hfu": "HFU",
+            "peak_memory_gib": "peak mem GiB", "s_per_step": "s/step", "elapsed_s": "elapsed", "eta_s": "ETA"}
+_HARDWARE = ("hardware_tflops_per_device", "hfu")  # equal to the model figures, so not printed, without recompute
+
+
+@dataclass
+class RunResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    final_step: int = 0
+    val_loss: float | None = None
+    checkpoint: Path | None = None
+    wandb_dir: str | None = None
+    wandb_run_id: str | None = None
+
+
+class Run:
+    def __init__(self, cfg: Config, topology: Topology) -> None:
+        self.cfg, self.topology = cfg, topology
+        # first: a memory snapshot then sees every allocation
+        self.profiler = Profiler(cfg.logging, topology.rank, topology.device)
+        self.gbs = cfg.batch_size(topology.world_size)
+        tokenizer = training_tokenizer(cfg.data, cfg.model.vocab_size)
+        if tokenizer is not None:
+            cfg.model.vocab_size = tokenizer.vocab_size
+        valid_samples = cfg.train.eval_iters * self.gbs if cfg.train.eval_interval else 0
+        self.data = build_training_data(cfg, topology.rank, tokenizer, cfg.train.train_iters * self.gbs, valid_samples)
+        self.trainer = build_trainer(cfg, topology)
+        self.optimizer, self.pipeline = self.trainer.optimizer, self.trainer.pipeline
+        if cfg.logging.pipeline_trace:
+            self.pipeline.trace = Trace(topology.device)
+        self.sharded = self.trainer.sharded_state()
+        c = cfg.checkpoint
+        self.checkpointer = Checkpointer(c.save, topology, c.async_save, c.keep_last) if c.save else None
+        self.state = TrainingState(step=0, consumed_samples=0, loss_scaler=self.trainer.scaler.state_dict())
+        self.started = time.monotonic()
+        self.notes: list[str] = []
+        self.resumed_from, self.damaged = self._resume()
+        if wandb_enabled(cfg) and not self.state.wandb_run_id:  # chosen now, saved in every checkpoint
+            chosen = [new_run_id()]
+            dist.broadcast_object_list(chosen, src=0)
+            self.state.wandb_run_id = chosen[0]
+        self.writer = MetricsWriter(cfg, topology.is_logging_rank, self.state.step, self.state.wandb_run_id)
+        self.console = {key: label for key, label in _CONSOLE.items()
+                        if cfg.train.recompute != "none" or key not in _HARDWARE}
+        self.routing = RoutingMetrics(cfg.model, topology) if cfg.model.num_experts else None
+        self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
+        self.saved_step, self.diverged_in_a_row = -1, 0
+        self.unread: list[tuple[int, StepResult]] = []  # steps whose figures are still on the device
+        self.stream: MicroBatches | None = None
+        self.result = RunResult()
+
+    def _resume(self) -> tuple[Path | None, list[str]]:
+        """Resume from checkpoint.load (default: checkpoint.save, so a restarted job continues); every rank
+        reads only what it holds (checkpoint/resume.py)."""
+        c = self.cfg.checkpoint
+        load = c.load or c.save
+        if not load:
+            return None, []
+        if c.load and c.load != c.save and not Path(c.load).exists():
+            raise FileNotFoundError(f"checkpoint.load={c.load} does not exist; "
+                                    "fix the path or drop --checkpoint.load to start from scratch")
+        if c.load and c.save and c.load != c.save and complete_iterations(Path(c.save)):
+            load = c.save  # this run's own progress: a relaunch continues it, not the checkpoint it started from
+            self.notes.append(f"resuming from checkpoint.save={c.save}, which holds this run's checkpoints "
+                              f"(checkpoint.load={c.load} is where it started)")
+        resumed = resume(load, c.fallback, self.sharded, self.topology, c.load_optimizer, c.load_timeout_minutes)
+        if resumed is None:
+            return None, []
+        self.optimizer.gather_params()  # the distributed optimizer's ranks loaded only their own slices
+        self.state = resumed.state
+        if resumed.rng is not None:
+            set_rng_state(resumed.rng, self.topology.device, self.trainer.ctx.rng)
+        self.trainer.scaler.load_state_dict(self.state.loss_scaler)
+        if not resumed.optimizer_loaded:
+            why = "checkpoint.load_optimizer=false" if not c.load_optimizer else "the checkpoint holds weights only"
+            self.notes.append(f"optimizer state not loaded ({why}): Adam's moments and step start from zero")
+        return resumed.path, resumed.skipped
+
+    def train(self) -> RunResult:
+        cfg, start = self.cfg, self.state.step
+        self._announce()
+        t = self.topology
+        self.stream = stream = micro_batches(self.data.train, self.data.maker, self.state.consumed_samples,
+                                             cfg.train.train_iters * self.gbs, cfg.train.micro_batch_size, t.dp,
+                                             t.dp_rank, cfg.data.num_workers, t.device)
+        per_step = cfg.num_microbatches(t.world_size)
+        self.clock = Clock(start, cfg.train.train_iters)
+        self.interval = (time.perf_counter(), 0)
+        with _stop_flag_on(signal.SIGTERM) as sigterm:
+            while self.state.step < cfg.train.train_iters:
+                step = self.state.step + 1
+                self.optimizer.set_lr(learning_rate(step, cfg.optim, cfg.train.train_iters))
+                batches = [next(stream) for _ in range(per_step)]
+                self.profiler.step_started(step)
+                result = train_step(self.trainer, batches)
+                if self.routing is not None:
+                    self.routing.add_step(self.trainer.model.aux_losses)
+                self.profiler.step_finished(step)
+                self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
+                self.state.loss_scaler = self.trainer.scaler.state_dict()
+                self._after_step(step, start, result)
+                reason = self._stop_reason(step, sigterm)
+                wanted = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
+                if self.checkpointer and (reason or wanted):
+                    self._save()
+                if reason:
+                    self.writer.print(f"{reason} at step {step}; exiting cleanly")
+                    break
+        return self._finish(start)
+
+    def _after_step(self, step: int, start: int, result: StepResult) -> None:
+        cfg = self.cfg
+        self.unread.append((step, result))
+        self.writer.advance()
+        if self.pipeline.trace is not None and step - start == cfg.logging.pipeline_trace_steps:
+            self._write_trace(step - start)
+        began, steps = self.interval
+        self.interval = (began, steps + 1)
+        if step % cfg.logging.log_interval == 0 or step == cfg.train.train_iters:
+            synchronize(self.topology.device)
+            figures = self._read_steps()
+            self._log_step(step, figures, steps + 1, time.perf_counter() - began)
+            self._publish_finished_save()
+            self.interval = (time.perf_counter(), 0)
+        if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
+            self._evaluate()
+
+    def _publish_finished_save(self) -> None:
+        """Publish an asynchronous save every rank has finished writing. Asking is a collective read on the
+        host, so it happens at log steps only, where the host waits for the device anyway; nothing is lost
+        in between: the next save and the end of the run wait for the pending one and publish it."""
+        if self.checkpointer:
+            done = self.checkpointer.poll()
+            if done:
+                self.writer.print(f"checkpoint {done} complete")
+
+    def _read_steps(self) -> StepFigures | None:
+        """Read the steps since the last read on the host (one wait for the device) and account for them:
+        losses, skipped steps, diverged steps in a row (too many stop the run). Returns the last step's."""
+        unread, self.unread = self.unread, []
+        figures = read_steps([result for _, result in unread])
+        for (step, _), read in zip(unread, figures):
+            self.result.losses[step] = read.loss
+            self.state.skipped_steps += read.skipped
+            if read.diverged:
+                self._skip_diverged(step, read)
+            else:
+                self.diverged_in_a_row = 0
+        return figures[-1] if figures else None
+
+    def _skip_diverged(self, step: int, read: StepFigures) -> None:
+        """A NaN/Inf gradient norm: the update was skipped; too many in a row stop the run (noticed at the
+        log step that reads them)."""
+        self.diverged_in_a_row += 1
+        limit = self.cfg.train.max_skipped_steps
+        self.writer.print(f"step {step}: loss {read.loss} / gradient norm {read.grad_norm} is not finite; "
+                          f"update skipped ({self.diverged_in_a_row} in a row, train.max_skipped_steps={limit})")
+        if self.diverged_in_a_row >= limit:
+            where = ""
+            if self.checkpointer:
+                self._save()
+                where = f"; the last good weights are in {self.result.checkpoint}"
+            raise FloatingPointError(f"{limit} consecutive steps had a NaN/Inf loss or gradient norm "
+                                     f"(last: step {step}): training diverged{where}. Lower optim.lr, "
+                                     "raise optim.warmup_iters or check the data, then resume")
+
+    def _stop_reason(self, step: int, sigterm: threading.Event) -> str | None:
+        """Why every rank should stop now (they agree: one rank's SIGTERM or clock stops all). Agreeing is a
+        collective read on the host, which stalls a GPU pipeline, so it happens only at log steps, where the
+        host waits for the GPU anyway: a SIGTERM is acted on within logging.log_interval steps."""
+        train = self.cfg.train
+        if train.exit_interval is not None and step % train.exit_interval == 0:
+            return f"train.exit_interval={train.exit_interval} reached"
+        if step % self.cfg.logging.log_interval and step != train.train_iters:
+            return None
+        late = train.exit_duration_mins is not None and time.monotonic() - self.started >= 60 * train.exit_duration_mins
+        flags = self.topology.max_over_ranks([float(sigterm.is_set()), float(late)])
+        if flags[0]:
+            return "SIGTERM received (preemption?): saved to resume later" if self.checkpointer else "SIGTERM received"
+        if flags[1]:
+            return f"train.exit_duration_mins={train.exit_duration_mins} passed"
+        return None
+
+    def _finish(self, start_step: int) -> RunResult:
+        cfg, step = self.cfg, self.state.step
+        self._read_steps()
+        self.optimizer.wait_params()
+        if step >= cfg.train.train_iters and cfg.train.eval_interval and step % cfg.train.eval_interval:
+            self._evaluate()
+        if self.pipeline.trace is not None and step > start_step:
+            self._write_trace(step - start_step)
+        if self.checkpointer and step > start_step and self.saved_step != step:
+            self._save()
+        if self.checkpointer:
+            self.checkpointer.wait()
+        self.result.final_step = step
+        return self.result
+
+    def close(self, failed: bool = False) -> None:
+        """Release what the run started, before the process group goes: data workers, the trainer's
+        collectives in flight, a checkpoint write still running (`failed`: joined, not published), the
+        profiler and the metrics writer. On a failure the first error is what the user sees, so the
+        trainer's waits (which may fail too once a peer is gone) do not replace it."""
+        if self.stream is not None:
+            self.stream.close()
+        if self.checkpointer and failed:
+            self.checkpointer.abandon()
+        if failed:
+            with contextlib.suppress(Exception):
+                self.trainer.close()
+        else:
+            self.trainer.close()
+        self.profiler.close()
+        self.writer.close(exit_code=1 if failed else 0)
+        self.result.wandb_dir, self.result.wandb_run_id = self.writer.wandb_dir, self.state.wandb_run_id
+        if not failed:
+            self._summarize()
+
+    def _summarize(self) -> None:
+        """The end-of-run summary, the last lines of the log."""
+        r, tokens_per_step = self.result, self.gbs * self.cfg.model.seq_length
+        wandb_run = str(Path(r.wandb_dir).parent) if r.wandb_dir else None
+        self.writer.print(end_summary(self.cfg, self.clock, r.final_step, tokens_per_step, r.losses.get(r.final_step),
+                                      r.val_loss, r.checkpoint and str(r.checkpoint), wandb_run))
+
+    def _announce(self) -> None:
+        t, cfg = self.topology, self.cfg
+        self.writer.print(f"megalite config (resolved: derived defaults filled in):\n{resolved_yaml(cfg)}")
+        self.writer.print(
+            f"world {t.world_size} (tp {t.tp}, {f'cp {t.cp}, ' if t.cp > 1 else ''}pp {t.pp}, dp {t.dp}) "
+            f"on {t.device}; global batch {self.gbs} = {cfg.num_microbatches(t.world_size)} micro batches x "
+            f"{cfg.train.micro_batch_size} x dp {t.dp}"
+        )
+        self.writer.print(parameters_line(cfg))
+        memory = gpu_memory_line(cfg, t.world_size, t.device)
+        if memory:
+            self.writer.print(memory)
+        for problem in self.damaged:
+            self.writer.print(f"skipped a damaged checkpoint: {problem}")
+        for note in self.notes:
+            self.writer.print(note)
+        if self.resumed_from:
+            self.writer.print(f"resumed from {self.resumed_from} at step {self.state.step} "
+                              f"({self.state.consumed_samples} samples consumed)")
+        elif cfg.checkpoint.load or cfg.checkpoint.save:
+            self.writer.print(f"no checkpoint in {cfg.checkpoint.load or cfg.checkpoint.save} yet; "
+                              "starting from scratch")
+
+    def _log_step(self, step: int, result: StepFigures, steps: int, seconds: float) -> None:
+        tokens_per_sec = steps * self.gbs * self.cfg.model.seq_length / seconds
+        memory, what = peak_memory(self.topology.device)
+        record = {
+            "step": step, "loss": result.loss, "lr": self.optimizer.lr, "grad_norm": result.grad_norm,
+            "loss_scale": self.trainer.scaler.scale, "skipped_steps": self.state.skipped_steps,
+            "consumed_samples": self.state.consumed_samples,
+            "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.topology.world_size,
+            **throughput(tokens_per_sec / self.topology.world_size, self.cfg.model, self.cfg.train.recompute,
+                         self.peak),
+            "peak_memory_gib": memory, "peak_memory_kind": what, **self.clock.figures(step, steps, seconds),
+        }
+        if self.routing is not None:
+            record |= self.routing.read(self.cfg.num_microbatches(self.topology.world_size))
+        self.writer.log(record, self.console)
+
+    def _write_trace(self, steps: int) -> None:
+        write_chrome_trace(self.cfg.logging.pipeline_trace, self.pipeline.trace, self.topology, steps)
+        self.pipeline.trace = None
+        self.writer.print(f"pipeline trace of {steps} steps written to {self.cfg.logging.pipeline_trace}")
+
+    def _evaluate(self) -> None:
+        if self.data.valid is None:
+            return
+        loss, ppl = evaluate(self.trainer, self.data)
+        self.result.val_loss = loss
+        self.writer.log({"step": self.state.step, "val_loss": loss, "val_ppl": ppl},
+                        {"val_loss": "validation loss", "val_ppl": "ppl"})
+
+    def _save(self) -> None:
+        self._read_steps()  # the saved state counts the skipped steps
+        self.optimizer.wait_params()
+        rng = rng_state(self.topology.device, self.trainer.ctx.rng)
+        path = self.checkpointer.save(self.state, self.sharded, dump_yaml(self.cfg), rng)
+        self.saved_step = self.state.step
+        self.result.checkpoint = path
+        self.writer.print(f"{'writing' if self.cfg.checkpoint.async_save else 'saved'} checkpoint {path}")
+
+
+def allow_tf32(allowed: bool) -> None:
+    """TF32 for fp32 matmuls and cuDNN convolutions on CUDA (torch's default turns it off for matmuls);
+    no effect on CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allowed
+
+
+def pretrain(cfg: Config) -> RunResult:
+    """Train as configured; joins the torchrun job if there is one, else runs as one process.
+
+    Works on a copy of `cfg`: the tokenizer fills in model.vocab_size for this run only.
+    """
+    cfg = copy.deepcopy(cfg)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)), data_files=True)
+    created = not dist.is_initialized()
+    topology = Topology.from_environment(cfg.train.device, cfg.parallel, experts=cfg.model.num_experts > 0)
+    try:
+        torch.manual_seed(cfg.train.seed)
+        allow_tf32(cfg.train.allow_tf32)
+        run = Run(cfg, topology)
+        try:
+            result = run.train()
+        except BaseException as error:
+            run.close(failed=True)
+            message = collective_timeout_message(error, topology.rank, cfg.parallel.timeout_minutes,
+                                                 topology.named_groups())
+            if message:
+                raise RuntimeError(message) from error
+            raise
+        run.close()
+        dist.barrier()
+        return result
+    finally:
+        if created:
+            run = topology = None  # nothing of the run may hold a group once they are destroyed
+            release_process_groups()
+
+
+@contextlib.contextmanager
+def _stop_flag_on(signum: int) -> Iterator[threading.Event]:
+    """An event set when `signum` arrives (Slurm sends SIGTERM before preemption), instead of dying mid-step."""
+    event = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield event
+        return
+    previous = signal.signal(signum, lambda *_: event.set())
+    try:
+        yield event
+    finally:
+        signal.signal(signum, previous)

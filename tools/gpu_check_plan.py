@@ -1,0 +1,88 @@
+"""The GPU check's steps, ranked: what a GPU hour should measure first. tools/gpu_check.py runs them in this order
+and skips, with a line, each one the rest of its time budget (--budget) cannot hold, so a short call measures what
+matters most; `estimate` is what each took (or is expected to take, until it has run) on one H100, and
+`python tools/gpu_check.py --dry-run` prints the list with them.
+
+A new feature that needs a GPU figure (FP8 recipes against bf16, a DeepSeek-V3-shaped MoE step with latent
+attention and multi-token prediction, Muon against AdamW, windowed / sink attention at 8k) adds its step here: a
+function (Context) -> CheckResult, its dry-run lines, and one Step at the rank its figure deserves. None of those
+features exists in megalite yet, so none has a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megalite.planning.plan import make_plan
+from tools.gpu_check_peers import local_attention_runs, peer_dry_run, peer_runs, run_peers
+from tools.gpu_check_profile import profile_dry_run, step_profile
+from tools.gpu_check_report import CheckResult
+from tools.gpu_check_steps import (
+    NEEDS,
+    SHAPES,
+    Context,
+    benchmark_runs,
+    display,
+    flops_by_family,
+    predicted_gib,
+    pytest_command,
+    shape_lines,
+    step_memory,
+    step_tests,
+    step_throughput,
+    step_train,
+    train_runs,
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    about: str
+    run: Callable[[Context], CheckResult]
+    dry_run: Callable[[Context], list[str]]
+    estimate: float  # seconds on one H100
+    need: float  # seconds it needs at least to produce a figure; with less of the budget left it is skipped
+
+
+def _train_dry_run(ctx: Context) -> list[str]:
+    return [line for run in train_runs(ctx.out, ctx.train_iters) for line in (
+        f"$ {display(run.command)}", f"  valid; planner ({ctx.gpu}): {make_plan(run.cfg, 1, ctx.gpu).verdict()}")]
+
+
+def _throughput_dry_run(ctx: Context) -> list[str]:
+    runs = benchmark_runs(ctx.gpu)
+    flops = flops_by_family(runs)
+    return [*(f"$ {display(run.command)}" for run in runs),
+            *(f"  {label}: the model of {config}, {flops[family] / 1e9:.2f} GFLOP/token"
+              for family, (label, config) in SHAPES.items()), *(f"  {line}" for line in shape_lines(runs))]
+
+
+def _memory_dry_run(ctx: Context) -> list[str]:
+    return [f"peak allocated in {display([str(run.metrics)])} against the planner's "
+            f"{predicted_gib(make_plan(run.cfg, 1, ctx.gpu)):.2f} GiB (within {ctx.memory_tolerance:.0%})"
+            for run in train_runs(ctx.out, ctx.train_iters)]
+
+
+RANKED = (
+    Step("peers", "megalite beside Megatron-Core (SDPA attention) and torchtitan, GPT-2 1.3B and Llama-3.2-1B, "
+         "each peer in megalite's precision regime", lambda ctx: run_peers(ctx, "peers", peer_runs(ctx.out),
+                                                                            ctx.wheels),
+         lambda ctx: peer_dry_run(peer_runs(ctx.out), ctx.wheels), estimate=330, need=50),
+    Step("profile", "where megalite's eager GPT-2 1.3B and Llama-3.2-1B steps lose their time (kernel families, "
+         "launch gaps, host syncs)", step_profile, profile_dry_run, estimate=150, need=60),
+    Step("peers_local", "Megatron-Core with its own unfused attention at GPT-2 1.3B (its lower bound)",
+         lambda ctx: run_peers(ctx, "peers_local", local_attention_runs(ctx.out), ctx.wheels),
+         lambda ctx: peer_dry_run(local_attention_runs(ctx.out), ctx.wheels), estimate=60, need=50),
+    Step("tests", "pytest -m cuda tests/test_cuda.py: what CPU CI cannot run", step_tests,
+         lambda ctx: [f"$ {display(pytest_command())}"], estimate=20, need=NEEDS["tests"]),
+    Step("train", "pretrain_gpt.py, the GPT-2 1.3B and Llama-3.2-1B examples, bf16 parameters: MFU and memory",
+         step_train, _train_dry_run, estimate=65, need=NEEDS["train"]),
+    Step("throughput", "megalite against Hugging Face, eager and compiled", step_throughput, _throughput_dry_run,
+         estimate=330, need=NEEDS["eager"]),
+    Step("memory", "the train step's peak memory against the planner", step_memory, _memory_dry_run,
+         estimate=0, need=0),
+)
+STEPS = tuple(step.name for step in RANKED)
+BY_NAME = {step.name: step for step in RANKED}
