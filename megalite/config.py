@@ -45,8 +45,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# The MLP nonlinearities: GELU's tanh approximation (GPT-2), exact (erf) GELU (Megatron-LM's default), SiLU.
-Activation = Literal["gelu_tanh", "gelu", "silu"]
+# The MLP nonlinearities: GELU's tanh approximation (GPT-2), exact (erf) GELU (Megatron-LM's default), SiLU, and
+# x * sigmoid(1.702 x) (GELU's sigmoid approximation, "quick GELU": gpt-oss's gated experts).
+Activation = Literal["gelu_tanh", "gelu", "silu", "quick_gelu"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class Features:
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
     qkv_bias: bool = False  # biases on the query/key/value projection even without `bias` (Qwen2)
     activation: Activation = "silu"  # the MLP's nonlinearity; with gated_mlp applied to the gate (SwiGLU: silu)
+    attention_sinks: bool = False  # a learned logit per head as one more softmax column with no value (gpt-oss)
+    glu_limit: float | None = None  # a gated MLP clamps its gate above and its up projection both sides (gpt-oss: 7)
+    glu_linear_offset: float = 0.0  # a gated MLP multiplies by (up + this) (gpt-oss: 1)
+    moe_router_bias: bool = False  # the router's linear layer has a bias, added to the logits (gpt-oss)
 
 
 # Each family's features: the defaults of the ModelConfig fields of the same names.
@@ -73,15 +78,23 @@ FAMILY_FEATURES: dict[str, Features] = {
                       qkv_bias=True),
     "qwen3": Features(bias=False, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False,
                       qk_norm=True),
+    "gpt_oss": Features(bias=True, gated_mlp=True, norm="rmsnorm", position_embedding="rope", tie_embeddings=False,
+                        activation="quick_gelu", attention_sinks=True, glu_limit=7.0, glu_linear_offset=1.0,
+                        moe_router_bias=True),
 }
+
+# Per RoPE scaling type, the defaults of model.rope_scaling_factor and model.rope_original_max_positions:
+# Llama-3.1's, and gpt-oss's for YaRN.
+ROPE_SCALING_DEFAULTS = {"llama3": (8.0, 8192), "yarn": (32.0, 4096)}
 
 
 @dataclass
 class ModelConfig:
-    family: Literal["gpt2", "llama", "qwen2", "qwen3"] = _f(
+    family: Literal["gpt2", "llama", "qwen2", "qwen3", "gpt_oss"] = _f(
         "gpt2", "gpt2: learned positions, LayerNorm, GELU (tanh), biases, tied embeddings; "
                 "llama: RoPE, RMSNorm, SwiGLU, no biases; qwen2: llama's with q/k/v biases; qwen3: llama's with "
-                "qk_norm (the defaults of the feature fields below); with num_experts > 0 llama is Mixtral, qwen2 "
+                "qk_norm; gpt_oss: llama's with biases, attention sinks, a router bias and the clamped quick-GELU "
+                "GLU (the defaults of the feature fields below); with num_experts > 0 llama is Mixtral, qwen2 "
                 "Qwen2-MoE, qwen3 Qwen3-MoE")
     num_layers: int = _f(2, "number of transformer layers")
     hidden_size: int = _f(128, "model width")
@@ -100,13 +113,22 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = _f(
         128, "pad the vocabulary to a multiple of this; padded entries never take probability mass")
     bias: bool | None = _f(
-        None, "biases in the linear layers; LayerNorm keeps its own (default: gpt2 true, llama false)")
+        None, "biases in the linear layers, the routed experts' included; LayerNorm keeps its own (default: gpt2 "
+              "and gpt_oss true, llama false)")
     gated_mlp: bool | None = _f(
         None, "gated MLP: activation(gate) * up, two input projections (SwiGLU with silu; default: gpt2 false, "
               "llama true)")
     activation: Activation | None = _f(
         None, "the MLP's (and experts') nonlinearity: gelu_tanh (GELU's tanh approximation), gelu (exact, erf), "
-              "silu (default: gpt2 gelu_tanh, llama and qwen silu)")
+              "silu, quick_gelu (x * sigmoid(1.702 x)) (default: gpt2 gelu_tanh, llama and qwen silu, gpt_oss "
+              "quick_gelu)")
+    glu_limit: float | None = _f(
+        None, "a gated MLP's (and the experts') gate is clamped to at most this and its up projection to "
+              "[-limit, limit] before activation(gate) * (up + glu_linear_offset) (gpt-oss: 7; default: the "
+              "family's, none but gpt_oss)")
+    glu_linear_offset: float | None = _f(
+        None, "a gated MLP multiplies activation(gate) by (up + this) (gpt-oss: 1; default: the family's, 0 but "
+              "gpt_oss)")
     norm: Literal["layernorm", "rmsnorm"] | None = _f(
         None, "normalisation layers (default: gpt2 layernorm, llama rmsnorm)")
     position_embedding: Literal["learned", "rope"] | None = _f(
@@ -118,15 +140,39 @@ class ModelConfig:
     qkv_bias: bool | None = _f(
         None, "biases on the query/key/value projection only, as Qwen2 (model.bias puts them in every linear "
               "layer; default: qwen2 true, the others false)")
+    attention_sinks: bool | None = _f(
+        None, "a learned logit per head joins every query's softmax as a column with no value, so a head can attend "
+              "to nothing (gpt-oss; default: gpt_oss true, the others false)")
+    sliding_window: int | None = _f(
+        None, "the layers of sliding_window_layers attend only to the last this many positions, the query's own "
+              "included (a query at q sees keys at k with q - k < window: Hugging Face's rule); none: full causal")
+    sliding_window_layers: list[int] | None = _f(
+        None, "which layers (global indices from 0) have the sliding window (default: every layer, as Mistral; "
+              "gpt-oss: the even ones)")
     rope_theta: float = _f(10000.0, "RoPE base frequency (position_embedding=rope)")
-    rope_scaling: Literal["none", "llama3"] = _f(
-        "none", "RoPE frequency scaling: none, or llama3 (Llama-3.1/3.2: wavelengths longer than "
+    rope_scaling: Literal["none", "llama3", "yarn"] = _f(
+        "none", "RoPE frequency scaling: none; llama3 (Llama-3.1/3.2: wavelengths longer than "
                 "rope_original_max_positions / rope_low_freq_factor slowed by rope_scaling_factor, those shorter "
-                "than rope_original_max_positions / rope_high_freq_factor kept, a smooth blend between)")
-    rope_scaling_factor: float = _f(8.0, "llama3 RoPE scaling: factor (Llama-3.1: 8, Llama-3.2: 32)")
+                "than rope_original_max_positions / rope_high_freq_factor kept, a smooth blend between); or yarn "
+                "(YaRN, gpt-oss: frequencies interpolated by rope_scaling_factor below rope_beta_slow rotations over "
+                "the original context, kept above rope_beta_fast, a linear ramp between; cos and sin scaled)")
+    rope_scaling_factor: float | None = _f(
+        None, "RoPE scaling factor (default: llama3 8 as Llama-3.1, Llama-3.2 has 32; yarn 32 as gpt-oss)")
     rope_low_freq_factor: float = _f(1.0, "llama3 RoPE scaling: low_freq_factor")
     rope_high_freq_factor: float = _f(4.0, "llama3 RoPE scaling: high_freq_factor")
-    rope_original_max_positions: int = _f(8192, "llama3 RoPE scaling: the context the model was first trained at")
+    rope_original_max_positions: int | None = _f(
+        None, "RoPE scaling: the context the model was first trained at (default: llama3 8192, yarn 4096)")
+    rope_beta_fast: float = _f(32.0, "yarn RoPE scaling: rotations over the original context above which a "
+                                     "frequency is kept (beta_fast)")
+    rope_beta_slow: float = _f(1.0, "yarn RoPE scaling: rotations below which a frequency is interpolated (beta_slow)")
+    rope_mscale: float | None = _f(
+        None, "yarn RoPE scaling: cos and sin are scaled by mscale(factor, rope_mscale) / mscale(factor, "
+              "rope_mscale_all_dim), mscale(f, m) = 0.1 m ln f + 1, when both are set; by 0.1 ln(factor) + 1 "
+              "otherwise (gpt-oss)")
+    rope_mscale_all_dim: float | None = _f(None, "yarn RoPE scaling: see rope_mscale")
+    rope_truncate: bool = _f(
+        True, "yarn RoPE scaling: round the ramp's bounds outwards to whole dimensions (transformers' truncate; "
+              "gpt-oss false)")
     norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm / RMSNorm")
     init_std: float = _f(0.02, "std of the normal init; output projections use init_std/sqrt(2*num_layers)")
     hidden_dropout: float = _f(0.0, "dropout after attention and MLP (and on embeddings)")
@@ -162,8 +208,32 @@ class ModelConfig:
     moe_pad_to_capacity: bool = _f(
         False, "with a capacity, give every expert exactly its capacity (zero-weight padding): the all-to-all's "
                "sizes are then known in advance, with no read of the device")
+    moe_router_bias: bool | None = _f(
+        None, "a learned bias on the router's logits, in choosing and weighing experts (gpt-oss; default: gpt_oss "
+              "true, the others false)")
     moe_first_dense_layers: int = _f(0, "the first this many layers keep a dense MLP (DeepSeek-V3: 3)")
     moe_layer_freq: int = _f(1, "after the first dense layers, every this-many-th layer is a mixture of experts")
+
+    def window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (global, from 0): how many positions a query sees, or None (all)."""
+        if self.sliding_window is None or (self.sliding_window_layers is not None
+                                           and index not in self.sliding_window_layers):
+            return None
+        return self.sliding_window
+
+    @property
+    def rope_factor(self) -> float:
+        """model.rope_scaling_factor, or its default for the scaling type (1 without scaling)."""
+        if self.rope_scaling_factor is not None:
+            return self.rope_scaling_factor
+        return ROPE_SCALING_DEFAULTS.get(self.rope_scaling, (1.0, 0))[0]
+
+    @property
+    def rope_original_positions(self) -> int:
+        """model.rope_original_max_positions, or its default for the scaling type (the context without scaling)."""
+        if self.rope_original_max_positions is not None:
+            return self.rope_original_max_positions
+        return ROPE_SCALING_DEFAULTS.get(self.rope_scaling, (1.0, self.positions))[1]
 
     @property
     def kv_heads(self) -> int:
@@ -302,6 +372,8 @@ class TrainConfig:
     eval_iters: int = _f(10, "global batches per evaluation")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto: cuda when available (one GPU per LOCAL_RANK), else cpu")
     compile: bool = _f(False, "torch.compile each transformer layer")
+    fusions: bool = _f(True, "norms in their input's dtype under autocast; SwiGLU and RoPE as one compiled kernel "
+                             "each way on CUDA (model/fused.py); false: torch's eager forms")
     allow_tf32: bool = _f(True, "fp32 matmuls and convolutions on CUDA may use TF32 tensor cores (10-bit mantissa "
                                 "inputs, fp32 accumulation; about 8x the fp32 rate on an H100); false for exact fp32")
 

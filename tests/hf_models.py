@@ -35,8 +35,12 @@ CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_
 
 # The released families' features in miniature, 4 layers (two pipeline stages): Qwen2's q/k/v biases, Qwen2-MoE's
 # gated shared expert, Qwen3's heads wider than hidden / heads, Llama 3's RoPE scaling (wavelengths kept, blended
-# and slowed: see test_hf_parity.py's LLAMA3), Mistral, and GPT-2 with exact GELU (Megatron-LM's).
+# and slowed: see test_hf_parity.py's LLAMA3), Mistral (v0.3's full attention, v0.1's sliding window: here 6
+# positions), gpt-oss (sinks, windows of 6 on the even layers, YaRN without truncation over an original context of
+# 16, biased router and clamped experts), and GPT-2 with exact GELU (Megatron-LM's).
 LAYERS4 = {**TINY, "num_hidden_layers": 4, "intermediate_size": 96}
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 16}
 FAMILIES = {  # name -> (HF config, the class megalite exports it as)
     "qwen2": (transformers.Qwen2Config(**LAYERS4), "Qwen2ForCausalLM"),
     "qwen2_moe": (transformers.Qwen2MoeConfig(**LAYERS4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -48,6 +52,10 @@ FAMILIES = {  # name -> (HF config, the class megalite exports it as)
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}), "LlamaForCausalLM"),
     "mistral": (transformers.MistralConfig(**LAYERS4, sliding_window=None), "LlamaForCausalLM"),
+    "mistral_window": (transformers.MistralConfig(**LAYERS4, sliding_window=6), "MistralForCausalLM"),
+    "gpt_oss": (transformers.GptOssConfig(**{**LAYERS4, "intermediate_size": 32}, num_local_experts=4,
+                                          num_experts_per_tok=2, sliding_window=6, rope_parameters=GPT_OSS_YARN),
+                "GptOssForCausalLM"),
     "gpt2_exact_gelu": (transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=250, n_positions=64,
                                                 activation_function="gelu", bos_token_id=249, eos_token_id=249),
                         "GPT2LMHeadModel"),
@@ -75,8 +83,8 @@ def tiny_released(name: str, seed: int = 0) -> transformers.PreTrainedModel:
 
 @torch.no_grad()
 def spread_routers_and_norms(model: torch.nn.Module, seed: int = 0) -> None:
-    """Redraw router weights (HF `mlp.gate.weight`, megalite `mlp.router.weight`) with std 0.3, norm weights
-    uniformly in [0.5, 1.5) and biases with std 0.1, in place."""
+    """Redraw router weights (HF `mlp.gate.weight`, megalite and gpt-oss `mlp.router.weight`) with std 0.3, norm
+    weights uniformly in [0.5, 1.5), biases with std 0.1 and attention sinks with std 1, in place."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
@@ -85,6 +93,8 @@ def spread_routers_and_norms(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(0.5 + torch.rand(param.shape, generator=generator))
         elif name.endswith("bias"):
             param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+        elif name.endswith("sinks"):
+            param.copy_(torch.randn(param.shape, generator=generator))
 
 
 def random_hf(name: str, seed: int = 0) -> transformers.PreTrainedModel:

@@ -1,6 +1,6 @@
 """The config.json of released models (as their hub repositories hold them, in transformers 4.x's format:
 rope_theta and rope_scaling at the top level), for their shapes only: no weights. Each comes with its
-parameter count as transformers counts it (the model cards' figure)."""
+parameter count as transformers counts it (the model cards' figure: gpt-oss-20b 20.9B, gpt-oss-120b 116.8B)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,13 @@ RELEASED = {  # name -> (config.json, parameters)
         "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
         "tie_word_embeddings": False, "vocab_size": 32768
     }, 7_248_023_552),
+    "Mistral-7B-v0.1": ({  # its sliding window, 4096 of 32768 positions, in every layer
+        "model_type": "mistral", "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False, "use_cache": True,
+        "vocab_size": 32000
+    }, 7_241_732_096),
     "Qwen1.5-MoE-A2.7B": ({
         "model_type": "qwen2_moe", "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
         "decoder_sparse_step": 1, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
@@ -74,6 +81,25 @@ RELEASED = {  # name -> (config.json, parameters)
         "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936
     }, 30_532_122_624),
 }
+
+# OpenAI's gpt-oss (sinks, windows of 128 on the even layers, YaRN without truncation, MXFP4 experts on the hub).
+for _name, _layers, _experts, _count in (("gpt-oss-20b", 24, 32, 20_914_757_184),
+                                         ("gpt-oss-120b", 36, 128, 116_829_156_672)):
+    RELEASED[_name] = ({
+        "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+        "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * (_layers // 2), "max_position_embeddings": 131072,
+        "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": _layers, "num_key_value_heads": 8,
+        "num_local_experts": _experts, "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088
+    }, _count)
 
 
 def released_config(name: str, **changes) -> transformers.PretrainedConfig:

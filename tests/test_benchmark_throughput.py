@@ -75,3 +75,19 @@ def test_the_plain_loop_trains_the_same_model_as_megalites_step():
         patch.setattr(torch.Tensor, "backward", lambda loss: (losses.append(loss.detach()), backward(loss)))
         step()
     torch.testing.assert_close(losses[0].double(), expected.reshape(()), rtol=1e-6, atol=0)
+
+
+def test_unfused_is_megalite_without_its_fusions_as_another_side(monkeypatch, capsys):
+    """The fusions step's A/B in one process (tools/gpu_check_fusions.py): the same model, train.fusions off."""
+    monkeypatch.setattr(bench, "measure_peak_tflops", lambda device, dtype: 1.0)
+    built, step = [], bench.megalite_step
+
+    def megalite_step(cfg, *rest):
+        built.append(cfg.train.fusions)
+        return step(cfg, *rest)
+
+    monkeypatch.setattr(bench, "megalite_step", megalite_step)
+    bench.main([*TINY, "--family", "llama", "--kv-heads", "2", "--sides", "unfused", "megalite"])
+    out = capsys.readouterr().out
+    assert parse_benchmark(out, ("unfused", "megalite")).keys() == {"unfused", "megalite"} and built == [False, True]
+    assert re.search(r"^megalite / unfused: [\d.]+x$", out, re.M)

@@ -97,6 +97,18 @@ def test_missing_and_malformed_files(tmp_path):
          "need 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got 4.0 and 4.0"),
         ({"model.family": "llama", "model.rope_scaling": "llama3", "model.rope_original_max_positions": 0}, 1,
          "model.rope_original_max_positions=0 must be >= 1"),
+        ({"model.family": "llama", "model.rope_scaling": "yarn", "model.rope_beta_slow": 40}, 1,
+         r"need 0 < model.rope_beta_slow < model.rope_beta_fast, got 40.0 and 32.0 \(YaRN: 1 and 32\)"),
+        ({"model.sliding_window": 0}, 1, "model.sliding_window=0 must be >= 1 .* or unset for full causal attention"),
+        ({"model.sliding_window": 4, "model.sliding_window_layers": "[0, 2]"}, 1,
+         r"model.sliding_window_layers has \[2\], but layers are numbered 0..1"),
+        ({"model.sliding_window_layers": "[0]"}, 1, "model.sliding_window_layers is set without model.sliding_window"),
+        ({"model.sliding_window": 4, "model.attention_dropout": 0.1}, 1,
+         "model.attention_dropout=0.1 with a sliding window or attention sinks: their attention kernels have no "
+         "dropout"),
+        ({"model.attention_sinks": "true", "model.attention_dropout": 0.1}, 1, "with a sliding window or attention "
+                                                                                "sinks"),
+        ({"model.glu_limit": 7.0}, 1, "model.glu_limit=7.0 clamps a gated MLP's gate .* with model.gated_mlp=true"),
     ],
 )
 def test_validation_says_what_and_how(overrides, world, message):

@@ -5,8 +5,10 @@ CPU CI covers every code path that does not branch on the device; these cover th
 CUDA generator (also replayed by activation recompute), SDPA taking a fused kernel (flash or cuDNN) in bf16, torch's
 fused AdamW on the device, bf16 parameters stepped through fp32 main weights, the activations autograd saves there
 against the planner, the CUDA allocator's memory snapshot and peak, checkpoints of device tensors (also written in
-the background while training goes on), a NaN/Inf gradient norm skipping fused AdamW's update on the device, and
-context parallelism's CUDA flash block kernels (K/V handed to them per query group).
+the background while training goes on), a NaN/Inf gradient norm skipping fused AdamW's update on the device,
+context parallelism's CUDA flash block kernels (K/V handed to them per query group), and sliding windows with
+attention sinks through FlashAttention's window arguments (one device, generation-shaped blocks, context-parallel
+blocks), with no score matrix at 32k tokens.
 
 The tests share one process group of one process (NCCL on cuda:0, as pretrain forms it). Context parallelism's
 communication needs one GPU per rank under NCCL, so only its kernels are checked here: the all-gather variant's
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import tiny_config
+from test_attention_windows import grads, reference
 from test_context_parallel import assert_kv_per_group_gives_the_same
 from test_plan import saved_bytes
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -34,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megalite.checkpoint.local import Checkpointer, TrainingState, load_checkpoint, rng_state
 from megalite.config import Config, OptimConfig
 from megalite.config_cli import dump_yaml
+from megalite.model.windowed_attention import windowed_attention
 from megalite.parallel import context_parallel
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.distributed_optimizer import adamw, decay_groups
@@ -216,8 +220,9 @@ def test_a_non_finite_gradient_norm_skips_the_update_on_the_device(topology):
 @pytest.mark.parametrize("param_dtype", ["bf16", "fp32"])
 def test_saved_activations_match_the_planner_on_cuda(family, param_dtype):
     """The planner's CUDA figures against what autograd saves on the GPU under bf16 autocast: CUDA's fused
-    RMSNorm keeps its input and rstd (the CPU's composite form an fp32 x and x * rstd), LayerNorm an fp32 copy
-    of its input, flash attention its logsumexp. A norm 256 wide, so a wrong norm term misses by over 20%."""
+    RMSNorm keeps its input and rstd (the CPU's composite form an fp32 x and x * rstd), LayerNorm its input in
+    the residual stream's dtype (train.fusions: no fp32 copy), flash attention its logsumexp, fused SwiGLU its
+    input only. A norm 256 wide, so a wrong norm term misses by over 20%."""
     cfg = _config(family, param_dtype=param_dtype)
     cfg.model.hidden_size, cfg.model.seq_length = 256, 128
     model = build_model(cfg, DEVICE, ParallelContext(), 0).train()
@@ -350,6 +355,60 @@ def test_context_parallel_hands_kv_per_group_to_the_flash_kernel(monkeypatch, ca
     K/V per group, no per-head copy, with the result of K/V expanded to every head (bf16, 64-wide heads)."""
     assert context_parallel.KERNELS_TAKING_GROUPS == {"cuda"}
     assert_kv_per_group_gives_the_same(monkeypatch, DEVICE, torch.bfloat16, causal, seq=256, dim=64)
+
+
+def _bf16_against_fp32(fn, new: int, total: int, window: int, heads: int = 8, groups: int = 2) -> None:
+    """fn(q, k, v, window, sinks) in bf16 (64-wide heads, grouped-query attention) against the fp32 masked softmax
+    with the sink column: output and the gradients of q, k, v and the sinks, up to bf16 rounding."""
+    gen = torch.Generator(device=DEVICE).manual_seed(new + total)
+    q, dout = (torch.randn(2, heads, new, 64, device=DEVICE, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, groups, total, 64, device=DEVICE, generator=gen) for _ in range(2))
+    sinks = 2 * torch.randn(heads, device=DEVICE, generator=gen)
+    expected = grads(lambda *a: reference(*a[:3], window, a[3]), q, k, v, sinks, dout)
+    got = grads(lambda *a: fn(*(t.bfloat16() for t in a[:3]), window, a[3]), q, k, v, sinks, dout.bfloat16())
+    for name, g, e in zip(("out", "dq", "dk", "dv", "dsinks"), got, expected):
+        assert _relative_error(g, e) < 2e-2, (new, total, window, name, _relative_error(g, e))
+
+
+@pytest.mark.parametrize("new, total, window", [(1000, 1000, 128), (1000, 1000, 1), (1000, 1000, 5000),
+                                                (3, 300, 100), (1, 300, 100)])
+def test_windows_and_sinks_run_flash_attentions_window_in_bf16(new, total, window):
+    """One device: a window not a multiple of the kernel's tiles, of one position, longer than the sequence; new
+    tokens after cached ones (generation)."""
+    _bf16_against_fp32(windowed_attention, new, total, window)
+
+
+def test_context_parallel_windowed_blocks_and_sinks_on_cuda(monkeypatch):
+    """The all-gather variant's windowed blocks (cp 2, chunks of 100 positions, a window of 150: blocks banded,
+    full and skipped) with sinks, every cp rank played in turn: each rank's rows equal the fp32 reference."""
+    monkeypatch.setattr(context_parallel, "_Ring", _OneOfTheRing)
+    cp, seq, window = 2, 400, 150
+    positions = [context_parallel.local_positions(seq, cp, rank, DEVICE) for rank in range(cp)]
+
+    def attend(q, k, v, w, sinks):
+        gathered = torch.stack([torch.stack([k.index_select(2, p), v.index_select(2, p)]) for p in positions])
+        out = torch.empty_like(q)
+        for rank, p in enumerate(positions):
+            local = context_parallel._GatheredAttention.apply(q.index_select(2, p), gathered, (rank, cp), w, sinks)
+            out = out.index_copy(2, p, local)
+        return out
+
+    _bf16_against_fp32(attend, seq, seq, window)
+
+
+def test_windowed_attention_at_32k_tokens_keeps_no_score_matrix():
+    """Forward and backward over 32768 tokens, 8 heads, a window of 128, with sinks: the peak memory beyond the
+    inputs is a few of q's size, where one bf16 score matrix alone would be 16 GiB."""
+    q, k, v = (torch.randn(1, heads, 32768, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+               for heads in (8, 2, 2))
+    sinks = torch.nn.Parameter(torch.zeros(8, device=DEVICE))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    windowed_attention(q, k, v, 128, sinks).float().square().sum().backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 16 * q.numel() * q.element_size()
+    assert q.grad is not None and sinks.grad is not None
 
 
 def test_grouped_gemm_runs_the_cuda_kernel_in_bf16_and_equals_the_loop():

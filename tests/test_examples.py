@@ -25,7 +25,8 @@ PLAN_LINE = re.compile(r"^# plan: python tools/plan.py --config (\S+) --world-si
 
 
 # Continued-pretraining examples -> the released model (tests/released_configs.py) whose converted weights they load.
-CONTINUED = {"llama_8b_continue": "Llama-3.1-8B", "qwen3_8b_continue": "Qwen3-8B"}
+CONTINUED = {"llama_8b_continue": "Llama-3.1-8B", "qwen3_8b_continue": "Qwen3-8B",
+             "gpt_oss_20b_continue": "gpt-oss-20b"}
 
 
 def test_every_size_has_an_example():
@@ -63,8 +64,9 @@ def build_on_meta(path: Path) -> GPTModel:
 PUBLISHED = {"gpt2_125m": 124_439_808, "llama_1b": 1_235_814_400, "llama_8b": 8_030_261_248,
              "llama_8b_zero3": 8_030_261_248, "llama_8b_128k": 8_030_261_248, "mixtral_8x7b": 46_702_792_704,
              "qwen3_30b_a3b": 30_532_122_624} | {stem: RELEASED[name][1] for stem, name in CONTINUED.items()}
-# Parameters one token uses: Mixtral's 12.9B "active" (its two experts of eight, embeddings included).
-ACTIVE = {"mixtral_8x7b": 12_879_925_248}
+# Parameters one token uses: Mixtral's 12.9B "active" (its two experts of eight, embeddings included); gpt-oss-20b's
+# 4.19B (four experts of 32 with their biases; the model card's 3.6B leaves out the embedding table).
+ACTIVE = {"mixtral_8x7b": 12_879_925_248, "gpt_oss_20b_continue": 4_187_440_704}
 
 
 @pytest.mark.parametrize("path", PLANNED, ids=lambda p: p.stem)

@@ -30,6 +30,19 @@ def tiny_moe() -> ModelConfig:
                        moe_first_dense_layers=1)
 
 
+def test_a_sliding_window_counts_the_pairs_it_keeps():
+    """Layer 0 with a window of 3 of 32 positions: sum of min(q + 1, 3) = 93 pairs of the causal 528, so 32 * 93 /
+    528 keys a token, counted as the full square counts 528; layer 1 (no window) the square. A window as long as the
+    sequence is full attention."""
+    full, windowed = tiny_moe(), tiny_moe()
+    windowed.sliding_window, windowed.sliding_window_layers = 3, [0]
+    keys = Fraction(32 * 93, 528)
+    assert training_flops_per_token(full) - training_flops_per_token(windowed) == pytest.approx(
+        float(12 * (32 - keys) * 4 * 16))
+    windowed.sliding_window = 32
+    assert training_flops_per_token(windowed) == training_flops_per_token(full)
+
+
 def test_active_flops_of_a_tiny_moe_by_hand():
     attention = 2 * (64 * (4 + 2 * 2) * 16 + 4 * 16 * 64)  # QKV 8192 + projection 4096, two layers: 24576
     dense_mlp = 3 * 64 * 96  # 18432

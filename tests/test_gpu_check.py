@@ -137,6 +137,7 @@ def test_peers_dry_run_from_a_bare_copy_prints_the_wheels_and_every_command(tmp_
 
 
 @pytest.mark.parametrize("command", [["pretrain_gpt.py", "--help"], ["tools/benchmark_throughput.py", "--help"],
+                                     ["tools/benchmark_attention.py", "--help"],
                                      ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                       "tests/test_cuda.py"], ["tools/peers/megatron_driver.py", "--help"],
                                      ["tools/peers/torchtitan_driver.py", "--help"]])
@@ -240,6 +241,25 @@ def _benchmark_output(megalite: float, huggingface: float) -> str:
     return "\n".join([*lines, f"megalite / huggingface: {megalite / huggingface:.3f}x"])
 
 
+def test_attention_step_reads_the_benchmark(tmp_path):
+    """The windowed kernel's time and peak against causal flash at each length; SDPA with the window as a mask may
+    fail (out of memory at 32k) without failing the step; a windowed kernel that failed fails it."""
+    output = ("RESULT causal seq=8192 ms=4.000 peak_gib=0.500\nRESULT window+sinks seq=8192 ms=1.000 peak_gib=0.600\n"
+              "RESULT window mask seq=8192 ms=30.000 peak_gib=9.000\nRESULT causal seq=32768 ms=50.000 peak_gib=2.0\n"
+              "RESULT window+sinks seq=32768 ms=4.000 peak_gib=4.0\nRESULT window mask seq=32768 failed=OutOfMemory\n")
+    result = gpu_check.BY_NAME["attention"].run(_context(tmp_path, lambda name, cmd, limit: (0, output)))
+    assert result.status == "PASS" and "window mask seq 32768: OutOfMemory" in result.summary
+    assert [(g.name, g.met) for g in result.goals] == [
+        ("window+sinks peak memory <= 1.5x causal flash, seq 8192", True), ("window+sinks time <= causal flash, "
+                                                                             "seq 8192", True),
+        ("window+sinks peak memory <= 1.5x causal flash, seq 32768", False), ("window+sinks time <= causal flash, "
+                                                                              "seq 32768", True)]
+    failing = output.replace("RESULT window+sinks seq=8192 ms=1.000 peak_gib=0.600", "RESULT window+sinks seq=8192 "
+                                                                                      "failed=RuntimeError")
+    result = gpu_check.BY_NAME["attention"].run(_context(tmp_path, lambda name, cmd, limit: (0, failing)))
+    assert result.status == "FAIL"
+
+
 def test_throughput_step_sets_the_benchmark_against_the_goals(tmp_path):
     outputs = {"throughput_gpt2_eager": (0, _benchmark_output(50_000, 40_000)),
                "throughput_llama_eager": (0, _benchmark_output(45_000, 30_000)),
@@ -275,10 +295,13 @@ def test_a_whole_run_with_its_commands_faked(tmp_path, monkeypatch):
     outputs = {"tests": (0, "11 passed in 41.20s\n"), "throughput_gpt2_eager": (0, _benchmark_output(50_000, 40_000)),
                "throughput_llama_eager": (0, _benchmark_output(45_000, 30_000)),
                "throughput_gpt2_compiled": (0, _benchmark_output(56_000, 50_000)),
-               "throughput_llama_compiled": (1, "torch.OutOfMemoryError: CUDA out of memory.")}
+               "throughput_llama_compiled": (1, "torch.OutOfMemoryError: CUDA out of memory."),
+               "attention": (0, "RESULT causal seq=8192 ms=4.0 peak_gib=0.5\n"
+                                "RESULT window+sinks seq=8192 ms=1.0 peak_gib=0.5\n")}
 
     def run(self, name: str, cmd: list[str], limit: float, path=()) -> tuple[int, str]:
-        if name.startswith(("peers_", "profile_")):  # their own tests fake them (tests/test_gpu_check_peers.py)
+        if name.startswith(("peers_", "profile_", "fusions_")):  # their own tests fake them (test_gpu_check_peers.py,
+            # test_gpu_check_fusions.py)
             return 1, "not faked here"
         return training(name, cmd, limit) if name.startswith("train_") else outputs[name]
 

@@ -254,3 +254,24 @@ def test_the_summaries_records_come_from_torch_profiler_events():
     assert any(r.name == "aten::mul" and not r.on_device and r.self_us is not None for r in records)
     sites = profile_summary.sync_sites_of(prof.events(), roots=("test_gpu_check_peers.py",))
     assert [s["op"] for s in sites] == ["aten::_local_scalar_dense"] and "test_gpu_check_peers.py" in sites[0]["site"]
+
+
+def test_torchtitans_peak_is_the_steps_though_its_metrics_reset_it_inside_the_step():
+    """torchtitan resets the allocator's peak after each log, inside train_step: read after the step it was the
+    state held between steps (21.3 GiB for 1.42B parameters on the H200, against 42.2 GiB reserved in its own log).
+    The driver keeps the peak each reset is about to lose."""
+    from tools.peers.torchtitan_driver import PeakAcrossResets
+
+    allocator = {"peak": 5}  # GiB held between steps: parameters, gradients, Adam's moments
+
+    def reset():
+        allocator["peak"] = 5
+
+    peak = PeakAcrossResets(lambda: allocator["peak"])
+    reset_in_log = peak.wrap(reset)
+    assert peak.take() == 5
+    allocator["peak"] = 30  # the step's activations on top
+    reset_in_log()  # torchtitan's metrics log, before train_step returns
+    assert allocator["peak"] == 5 and peak.take() == 30
+    reset_in_log()
+    assert peak.take() == 5

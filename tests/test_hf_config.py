@@ -29,14 +29,20 @@ def network(m: ModelConfig) -> tuple:
     dense_ffn = m.ffn_size if len(experts) < m.num_layers else None
     rope = (m.rope_theta, m.rope_scaling) if m.features.position_embedding == "rope" else None
     if rope and m.rope_scaling == "llama3":
-        rope += (m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_positions)
+        rope += (m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_positions)
+    if rope and m.rope_scaling == "yarn":
+        rope += (m.rope_factor, m.rope_original_positions, m.rope_beta_fast, m.rope_beta_slow, m.rope_mscale,
+                 m.rope_mscale_all_dim, m.rope_truncate)
+    windows = [m.window(i) for i in range(m.num_layers)]
     return (m.family, m.features, m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_size,
-            dense_ffn, m.positions, m.vocab_size, rope, m.norm_epsilon, moe)
+            dense_ffn, m.positions, m.vocab_size, rope, m.norm_epsilon, moe, windows)
 
 
 SHARED = {**MOE, "moe_shared_expert_size": 48, "moe_shared_expert_gate": True}
 LLAMA3 = {"rope_scaling": "llama3", "rope_scaling_factor": 32.0, "rope_low_freq_factor": 2.0,
           "rope_high_freq_factor": 8.0, "rope_original_max_positions": 16}
+YARN = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_positions": 16, "rope_beta_fast": 16.0,
+        "rope_beta_slow": 2.0, "rope_truncate": False}
 
 
 @pytest.mark.parametrize("family, experts, architecture", [
@@ -49,6 +55,15 @@ LLAMA3 = {"rope_scaling": "llama3", "rope_scaling_factor": 32.0, "rope_low_freq_
     ("qwen2", {**SHARED, "moe_first_dense_layers": 1, "moe_norm_topk_prob": False}, "Qwen2MoeForCausalLM"),
     ("qwen3", {"head_dim": 32}, "Qwen3ForCausalLM"), ("qwen3", {**MOE, "head_dim": 8}, "Qwen3MoeForCausalLM"),
     ("llama", {"head_dim": 24, **LLAMA3}, "LlamaForCausalLM"), ("qwen2", LLAMA3, "Qwen2ForCausalLM"),
+    ("llama", {"sliding_window": 8}, "MistralForCausalLM"),
+    ("llama", {**MOE, "sliding_window": 8}, "MixtralForCausalLM"),
+    ("qwen2", {"sliding_window": 8, "sliding_window_layers": [1, 3]}, "Qwen2ForCausalLM"),
+    ("qwen3", {"sliding_window": 8, "sliding_window_layers": [2, 3], **YARN}, "Qwen3ForCausalLM"),
+    ("qwen3", {**MOE, "sliding_window": 8}, "Qwen3MoeForCausalLM"),
+    ("qwen2", {**SHARED, "sliding_window": 8, "sliding_window_layers": [0, 2]}, "Qwen2MoeForCausalLM"),
+    ("gpt_oss", {**MOE, "sliding_window": 8, "sliding_window_layers": [0, 2], **YARN}, "GptOssForCausalLM"),
+    ("gpt_oss", {**MOE, "activation": "silu", "glu_limit": 5.0, "tie_embeddings": True}, "GptOssForCausalLM"),
+    ("llama", {**YARN, "rope_mscale": 1.0, "rope_mscale_all_dim": 0.5}, "LlamaForCausalLM"),
 ])
 def test_a_config_survives_megalite_to_hf_and_back(family, experts, architecture):
     cfg = tiny_config(family, model={"num_layers": 4, "rope_theta": 5e5, "norm_epsilon": 1e-6, **experts}).model
@@ -81,6 +96,23 @@ def _hf(config_class, **fields):
     return config_class(**{**TINY, **fields})
 
 
+@pytest.mark.parametrize("config, window, layers", [
+    (_hf(transformers.MistralConfig, sliding_window=32), 32, None),  # Mistral-7B-v0.1: 4096 of 32768 positions
+    (_hf(transformers.MixtralConfig, sliding_window=16), 16, None),
+    (_hf(transformers.Qwen3Config, use_sliding_window=True, sliding_window=16, max_window_layers=1), 16, [1, 2]),
+    (_hf(transformers.Qwen2Config, use_sliding_window=True, sliding_window=16, max_window_layers=2), 16, [2]),
+    (_hf(transformers.Qwen2Config, use_sliding_window=False, sliding_window=16, max_window_layers=2), None, None),
+    (_hf(transformers.Qwen2MoeConfig, use_sliding_window=True, sliding_window=16, max_window_layers=2), 16, [0]),
+    (_hf(transformers.GptOssConfig, sliding_window=16), 16, [0, 2]),
+], ids=lambda x: x.model_type if hasattr(x, "model_type") else None)
+def test_hf_sliding_windows_come_in_on_their_layers(config, window, layers):
+    """HF's rule (a query sees q - k < sliding_window) on the layers each class puts it: every layer (Mistral,
+    Mixtral), layer_types (Qwen's from max_window_layers, gpt-oss's even layers)."""
+    cfg = model_config_from_hf(config, "t")
+    assert (cfg.sliding_window, cfg.sliding_window_layers) == (window, layers)
+    assert network(model_config_from_hf(hf_config(cfg), "t")) == network(cfg)
+
+
 def test_mistral_is_llama():
     """Mistral is the Llama architecture (with a sliding window, here none): it comes in as megalite's llama, which
     goes out as Llama, computing the same network."""
@@ -107,33 +139,38 @@ def test_released_configs_convert_both_ways_at_their_published_size(name):
     assert network(model_config_from_hf(back.config, name)) == network(cfg)
     if name == "Llama-3.2-1B":
         assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_positions) == ("llama3", 32.0, 8192)
+    if name == "Mistral-7B-v0.1":
+        assert (cfg.sliding_window, cfg.sliding_window_layers) == (4096, None)
+        assert type(back).__name__ == "MistralForCausalLM"
+    if name.startswith("gpt-oss"):
+        assert (cfg.sliding_window, cfg.sliding_window_layers) == (128, list(range(0, cfg.num_layers, 2)))
+        assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_positions, cfg.rope_truncate) == (
+            "yarn", 32.0, 4096, False)
 
 
 @pytest.mark.parametrize("config, message", [
-    (_hf(transformers.MixtralConfig, sliding_window=16),
-     r"layers \[0, 1, 2\] attend through a sliding window \(sliding_window=16"),
     (_hf(transformers.MixtralConfig, router_jitter_noise=0.1),
      "router_jitter_noise=0.1, but megalite's mixtral computes router_jitter_noise=0.0"),
-    (_hf(transformers.Qwen3Config, use_sliding_window=True, max_window_layers=1),
-     r"layers \[1, 2\] attend through a sliding window"),
     (_hf(transformers.Qwen3Config, attention_bias=True), "attention_bias=True, but megalite's qwen3 computes"),
     (_hf(transformers.Qwen3MoeConfig, num_hidden_layers=4, mlp_only_layers=[1], num_experts=4),
      r"experts in layers \[0, 2, 3\] \(decoder_sparse_step=1, mlp_only_layers=\[1\]\); megalite puts experts"),
-    (_hf(transformers.MistralConfig, sliding_window=32),  # Mistral-7B-v0.1: 4096 of 32768 positions
-     r"layers \[0, 1, 2\] attend through a sliding window \(sliding_window=32, layer_types=None, "
-     r"max_position_embeddings=64\); megalite computes full causal attention only"),
-    (_hf(transformers.Qwen2Config, use_sliding_window=True, sliding_window=16, max_window_layers=2),
-     r"layers \[2\] attend through a sliding window"),
     (_hf(transformers.Qwen2MoeConfig, qkv_bias=False), "qkv_bias=False, but megalite's qwen2_moe computes qkv_bias"),
     (_hf(transformers.LlamaConfig, attention_bias=True), "attention_bias=True, but megalite's llama computes"),
     (_hf(transformers.LlamaConfig, hidden_act="relu"), "hidden_act='relu', but megalite's llama computes hidden_act="),
-    (_hf(transformers.LlamaConfig, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
-     r"rope_parameters.rope_type='yarn'; megalite implements plain RoPE \(default\) and Llama 3's"),
+    (_hf(transformers.LlamaConfig, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0,
+                                                    "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}),
+     r"rope_parameters.rope_type='longrope'; megalite implements plain RoPE \(default\), Llama 3's"),
+    (_hf(transformers.LlamaConfig, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                    "attention_factor": 1.5, "original_max_position_embeddings": 16}),
+     "rope_parameters.attention_factor=1.5; megalite derives YaRN's scale of cos and sin from factor"),
+    (_hf(transformers.Qwen2Config, layer_types=["full_attention", "chunked_attention", "full_attention"]),
+     r"layer_types has \['chunked_attention'\]; megalite computes full_attention and sliding_attention only"),
+    (_hf(transformers.GptOssConfig, swiglu_alpha=2.0), "swiglu_alpha=2.0, but megalite's gpt_oss computes"),
+    (_hf(transformers.GptOssConfig, attention_bias=False), "attention_bias=False, but megalite's gpt_oss computes"),
     (_hf(transformers.LlamaConfig, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                     "partial_rotary_factor": 0.5}),
      "rope_parameters.partial_rotary_factor=0.5; megalite rotates the whole head"),
     (transformers.AutoConfig.for_model("deepseek_v3"), r"model_type='deepseek_v3' computes multi-head latent"),
-    (transformers.AutoConfig.for_model("gpt_oss"), "model_type='gpt_oss' computes attention sinks"),
     (transformers.AutoConfig.for_model("olmoe"), "model_type='olmoe' computes a q/k norm over all heads"),
 ], ids=lambda x: x.model_type if hasattr(x, "model_type") else None)
 def test_an_hf_network_megalite_does_not_compute_is_refused(config, message):
@@ -159,6 +196,15 @@ def test_an_hf_network_megalite_does_not_compute_is_refused(config, message):
     ("qwen3", {**MOE, "moe_expert_bias": True}, "model.moe_expert_bias=true, but Qwen3MoeForCausalLM"),
     ("qwen3", {**MOE, "moe_router_groups": 2, "moe_router_group_topk": 1},
      "model.moe_router_group_topk=1, but Qwen3MoeForCausalLM"),
+    ("llama", {"sliding_window": 8, "sliding_window_layers": [1]},
+     r"model.sliding_window_layers=\[1\], but MistralForCausalLM \(model.family=llama\) has its sliding window in "
+     "every layer"),
+    ("qwen3", {**MOE, "sliding_window": 8, "sliding_window_layers": [0]}, "but Qwen3MoeForCausalLM"),
+    ("gpt_oss", {}, "model.family=gpt_oss with model.num_experts=0 has no Hugging Face architecture"),
+    ("gpt_oss", {**MOE, "activation": "gelu"}, r"model.activation=gelu, but GptOssForCausalLM \(model.family="
+                                               r"gpt_oss\) computes activation=silu or quick_gelu"),
+    ("gpt_oss", {**MOE, "attention_sinks": False}, "model.attention_sinks=false, but GptOssForCausalLM"),
+    ("gpt_oss", {**MOE, "moe_first_dense_layers": 1}, r"but GptOssForCausalLM \(model.family=gpt_oss\) has experts"),
 ])
 def test_a_megalite_network_hf_does_not_compute_is_refused(family, fields, message):
     cfg = tiny_config(family, model={"num_layers": 2, **fields}).model

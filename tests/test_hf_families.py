@@ -1,6 +1,8 @@
 """Every family megalite converts, with the features its released models have (tests/hf_models.py FAMILIES: Qwen2's
 q/k/v biases, Qwen2-MoE's gated shared expert, Qwen3's heads wider than hidden / heads, Llama 3's RoPE scaling,
-Mistral, GPT-2 with exact GELU), through the whole path: a tiny random transformers model converts in
+Mistral with and without its sliding window, gpt-oss, GPT-2 with exact GELU), through the whole path (windows
+shorter than the 40 tokens compared and the 32 trained on; greedy generation through the windowed KV cache):
+a tiny random transformers model converts in
 (tools/convert_checkpoint.py --from-hf) with transformers' logits and back out bit-exact, trains three steps at
 tp 2 x pp 2 (sequence parallel; all families in one spawned group of four gloo ranks), and converts out to a model
 transformers loads with no missing or unexpected weights, megalite's logits and its greedy generations. A

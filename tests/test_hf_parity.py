@@ -1,7 +1,9 @@
 """megalite's GPT equals Hugging Face's GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
 and, with routed experts, MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM on the same weights
-(routers spread so that no top-k choice is near a tie, biases away from zero: tests/hf_models.py), with heads
-wider than hidden / heads and with Llama 3's RoPE scaling."""
+(routers spread so that no top-k choice is near a tie, biases away from zero, sinks spread: tests/hf_models.py),
+with heads wider than hidden / heads, Llama 3's RoPE scaling, and sliding windows shorter than the sequence
+(MistralForCausalLM, Qwen2's on some layers, GptOssForCausalLM's with sinks, YaRN and its clamped experts); YaRN's
+tables are transformers' own."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ MOE = {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32, "num_query_gr
 # 168 on (slowed: over 64 / 1) positions, so all three regimes are compared.
 LLAMA3 = {"rope_scaling": "llama3", "rope_theta": 5e5, "rope_scaling_factor": 8.0, "rope_original_max_positions": 64,
           "max_position_embeddings": 128}
+# gpt-oss's YaRN (no truncation) with the original context at 8 positions: its ramp spans channels 2 to 5 of 8.
+GPT_OSS_YARN = {"rope_scaling": "yarn", "rope_theta": 150000.0, "rope_scaling_factor": 32.0,
+                "rope_original_max_positions": 8, "rope_truncate": False, "max_position_embeddings": 64}
 FAMILIES = {  # name -> (family, model fields, HF class)
     "gpt2": ("gpt2", {}, transformers.GPT2LMHeadModel),
     "gpt2-exact-gelu": ("gpt2", {"activation": "gelu"}, transformers.GPT2LMHeadModel),  # Megatron-LM's GPT MLP
@@ -36,6 +41,12 @@ FAMILIES = {  # name -> (family, model fields, HF class)
                   transformers.Qwen3MoeForCausalLM),
     "qwen2-moe": ("qwen2", {**MOE, "moe_first_dense_layers": 1, "moe_shared_expert_size": 48,
                             "moe_shared_expert_gate": True, "head_dim": 8}, transformers.Qwen2MoeForCausalLM),
+    # sliding windows of 6 positions, shorter than every sequence compared (17 and 32 tokens)
+    "mistral-sliding-window": ("llama", {"num_query_groups": 2, "sliding_window": 6}, transformers.MistralForCausalLM),
+    "qwen2-window-layers": ("qwen2", {"num_query_groups": 2, "sliding_window": 6, "sliding_window_layers": [1]},
+                            transformers.Qwen2ForCausalLM),
+    "gpt-oss": ("gpt_oss", {**MOE, "sliding_window": 6, "sliding_window_layers": [0, 2], **GPT_OSS_YARN},
+                transformers.GptOssForCausalLM),
 }
 
 
@@ -127,3 +138,27 @@ def test_position_ids_match_hf(name):
     with torch.no_grad():
         torch.testing.assert_close(model(tokens, position_ids=positions), hf(tokens, position_ids=positions).logits,
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("mscale", [None, (1.0, 0.707), (0.707, 0.707)])
+def test_yarn_frequencies_and_scale_are_transformers_own(truncate, mscale):
+    """YaRN's inverse frequencies bit for bit and its cos/sin scale (0.1 ln(factor) + 1, or the mscale ratio) as
+    transformers computes them, with the ramp's bounds truncated or not (gpt-oss: not)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megalite.config import ModelConfig
+    from megalite.model.rope import inverse_frequencies, yarn_magnitude
+
+    extra = {"mscale": mscale[0], "mscale_all_dim": mscale[1]} if mscale else {}
+    hf = transformers.GptOssConfig(
+        hidden_size=64, head_dim=64, num_attention_heads=4, max_position_embeddings=512 * 32,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": truncate, "original_max_position_embeddings": 512, **extra})
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](hf, torch.device("cpu"))
+    mscales = {"rope_mscale": mscale[0], "rope_mscale_all_dim": mscale[1]} if mscale else {}
+    cfg = ModelConfig(family="gpt_oss", hidden_size=64, head_dim=64, num_attention_heads=4, rope_theta=150000.0,
+                      rope_scaling="yarn", rope_scaling_factor=32.0, rope_original_max_positions=512,
+                      rope_truncate=truncate, **mscales)
+    assert torch.equal(inverse_frequencies(cfg, torch.device("cpu")), inv_freq)
+    assert yarn_magnitude(cfg) == scale

@@ -12,7 +12,8 @@
   and 8 on real gloo ranks in tests/test_nccl_rules.py).
 - B followed by W gives every layer type's gradients bit for bit as the same model's fused backward (fp32):
   embeddings, learned positions, LayerNorm and RMSNorm (and Qwen3's q/k norms), biases, the tied LM head with
-  its fused cross-entropy, mixture-of-experts router, grouped experts, shared expert and its gate; with full and
+  its fused cross-entropy, mixture-of-experts router, grouped experts, shared expert and its gate, gpt-oss's sinks
+  (through windowed attention), expert and router biases; with full and
   selective recompute. Against the plain modules (what a non-splitting schedule runs) LayerNorm models are bit
   for bit equal too; RMSNorm's input gradient adds its parts in another order (fp32 rounding). A compiled
   layer defers them too.
@@ -143,6 +144,9 @@ MODELS = {
     "qwen3": {"num_query_groups": 2},  # RMSNorm, q/k norms, untied head
     "llama MoE": {"num_query_groups": 2, "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 16,
                   "moe_shared_expert_size": 16, "moe_shared_expert_gate": True, "moe_aux_loss_coeff": 0.01},
+    # attention sinks, a window of 5 (of 16) on layer 0, biased router and experts
+    "gpt_oss": {"num_query_groups": 2, "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 16,
+                "sliding_window": 5, "sliding_window_layers": [0]},
 }
 
 

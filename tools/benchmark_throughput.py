@@ -21,7 +21,9 @@ parameters; an HF model loaded in bf16 would train without fp32 main weights, an
 `--plain` adds a third side: megalite's own model in a bare PyTorch loop (forward, backward,
 clipping, fused AdamW), so the gap between it and megalite's side is the host work megalite's
 step adds (gradient buffers, hooks, the schedule, the step's bookkeeping), which a GPU pays for
-on small and medium models.
+on small and medium models. The side `unfused` is megalite with train.fusions=false (norms as
+autocast runs them, eager SwiGLU and RoPE; model/fused.py): `--sides megalite unfused` measures
+the fusions against the eager forms in one process, on the same batch.
 
 MFU is taken against a peak measured on the spot (a large matmul in the run's dtype on
 this device), not a datasheet figure, so it is meaningful on CPUs too.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import gzip
 import json
@@ -107,8 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile one more step of each side: its N ops with the most self time, and "
                         "the share of matmuls (which both sides run alike) in the step")
-    p.add_argument("--sides", nargs="+", choices=("megalite", "huggingface", "plain"), default=None,
-                   help="which sides to time (default: megalite and huggingface, and plain with --plain)")
+    p.add_argument("--sides", nargs="+", choices=("megalite", "huggingface", "plain", "unfused"), default=None,
+                   help="which sides to time (default: megalite and huggingface, and plain with --plain); unfused: "
+                        "megalite with train.fusions=false")
     p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="megalite's parameters (train.param_dtype; bf16 keeps fp32 main weights in the optimizer); "
                         "Hugging Face's stay fp32 under autocast")
@@ -336,7 +340,10 @@ def compare(args: argparse.Namespace, cfg: Config, topology: Topology) -> None:
           f"{'whole model' if args.hf_compile else 'no'}; HF attention sdpa, HF optimizer {args.hf_optimizer}")
     print(f"measured matmul peak: {peak:.3f} TFLOP/s ({args.precision}, {device.type})")
 
+    unfused = copy.deepcopy(cfg)
+    unfused.train.fusions = False
     builders = {"megalite": lambda: megalite_step(cfg, topology, batch),
+                "unfused": lambda: megalite_step(unfused, topology, batch),
                 "huggingface": lambda: contextlib.nullcontext(
                     hf_step(cfg, device, batch, args.hf_optimizer == "fused", args.hf_compile)),
                 "plain": lambda: plain_step(cfg, topology, batch)}
@@ -357,7 +364,7 @@ def compare(args: argparse.Namespace, cfg: Config, topology: Topology) -> None:
               flush=True)
         gc.collect()
         torch.cuda.empty_cache()  # the next model starts from a bare allocator, as in a process of its own
-    for other in ("huggingface", "plain"):
+    for other in ("huggingface", "plain", "unfused"):
         if {"megalite", other} <= tokens_per_s.keys():
             print(f"megalite / {other}: {tokens_per_s['megalite'] / tokens_per_s[other]:.3f}x")
 

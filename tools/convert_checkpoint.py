@@ -1,12 +1,13 @@
-"""Convert checkpoints: megalite <-> Hugging Face (GPT-2, Llama, Mixtral, Qwen3, Qwen3-MoE), Megatron-LM -> megalite.
+"""Convert checkpoints: megalite <-> Hugging Face (GPT-2, Llama, Mistral, Mixtral, Qwen2/3(-MoE), gpt-oss), Megatron-LM.
 
 --to-hf reads a megalite checkpoint saved at any parallel layout (its root, which means its
 latest iteration, or one iter_* directory) and writes a Hugging Face model directory: config.json,
 sharded model.safetensors with its index, generation_config.json and the tokenizer the run was
-trained with. --from-hf reads a Hugging Face model directory (or a .gguf file) and writes a
-weights-only megalite checkpoint that pretrain_gpt.py resumes at any tp/pp/vp/dp, with the
-model config derived from config.json saved in its config.yaml. Which architectures map, and what is
-refused because one side does not compute it, is megalite/checkpoint/hf_config.py's to say.
+trained with. --from-hf reads a Hugging Face model directory (or a .gguf file; gpt-oss's MXFP4 experts
+are dequantised as they come in) and writes a weights-only megalite checkpoint that pretrain_gpt.py resumes
+at any tp/pp/vp/dp, with the model config derived from config.json saved in its config.yaml. Which
+architectures map, and what is refused because one side does not compute it, is
+megalite/checkpoint/hf_config.py's to say.
 --from-megatron reads a Megatron-LM checkpoint (legacy `torch` or `torch_dist` format, any tensor/pipeline
 parallel size; its root or one iteration directory) without Megatron installed and writes a megalite checkpoint
 that continues the run: weights, Adam's state and step, the iteration and consumed samples, and the config from

@@ -14,19 +14,23 @@ after each step, so a run cut off from outside still leaves every finished step'
 chrome traces and logs.tar.gz (every command's log and metrics) go to --artifacts (the report's folder).
 
 Steps, ranked (tools/gpu_check_plan.py; each PASS, FAIL or SKIP with its time; --dry-run prints the estimates):
-  peers       megalite beside Megatron-Core (SDPA attention) and torchtitan (tools/gpu_check_peers.py).
-  profile     benchmark_throughput.py --profile-json: where megalite's eager step loses its time
-              (tools/gpu_check_profile.py).
-  peers_local Megatron-Core with its own unfused attention, GPT-2 1.3B only.
-  tests       `pytest -m cuda tests/test_cuda.py`: what CPU CI cannot run.
+  tests       `pytest -m cuda tests/test_cuda.py tests/test_cuda_kernels.py`: what CPU CI cannot run.
+  fusions     benchmark_throughput.py --sides unfused megalite: train.fusions off against on, one process per
+              model (tools/gpu_check_fusions.py).
   train       pretrain_gpt.py under torchrun, one GPU, mock data, bf16 parameters: a few steps of the GPT-2 1.3B
               and Llama-3.2-1B examples; losses, tokens/s, MFU and peak memory from the metrics file.
+  memory      each training run's peak allocated memory against the planner's prediction.
+  profile     benchmark_throughput.py --profile-json: where megalite's eager step loses its time
+              (tools/gpu_check_profile.py).
   throughput  tools/benchmark_throughput.py at the GPT-2 1.3B and Llama-3.2-1B examples' models against Hugging
               Face (SDPA, fused AdamW): eager against eager, then compiled against compiled (megalite's layers
               as train.compile does, HF's whole model as Trainer's torch_compile does); at the examples' micro
               batch and sequence, or smaller where a memory estimate says HF's side would not fit the GPU
               (tools/gpu_check_shape.py).
-  memory      each training run's peak allocated memory against the planner's prediction.
+  peers       megalite beside Megatron-Core (SDPA attention) and torchtitan (tools/gpu_check_peers.py).
+  peers_local Megatron-Core with its own unfused attention, GPT-2 1.3B only.
+  attention   tools/benchmark_attention.py: a sliding window with sinks (FlashAttention's window) at 8k and 32k
+              tokens against causal flash and against SDPA with the window as a mask, time and peak memory.
 
 The markdown report (for docs/benchmarks.md) names the device and the torch/CUDA versions and sets the results
 against the goals: MFU >= 50% for GPT-2 1.3B and >= 45% for Llama-3.2-1B (against the device's peak in
@@ -132,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                   args.wheels.resolve())
     try:
         if args.dry_run:
-            print("dry run: nothing runs on a GPU. A real run takes these steps, in order (estimates: one H100):")
+            print("dry run: nothing runs on a GPU. A real run takes these steps, in order (estimates: one H200):")
             for step in (BY_NAME[name] for name in steps):
                 print(f"\n[{step.name}]", f"~{step.estimate:.0f} s: {step.about}", *step.dry_run(ctx), sep="\n  ")
-            print(f"\nthese steps take ~{sum(BY_NAME[name].estimate for name in steps):.0f} s on one H100 in all")
+            print(f"\nthese steps take ~{sum(BY_NAME[name].estimate for name in steps):.0f} s on one H200 in all")
             print(f"within {args.budget:.0f} s (--budget), and writes its report to {display([str(report)])}")
             return 0
         train_runs(out, args.train_iters)  # every config is valid before any GPU work starts

@@ -28,7 +28,6 @@ from tools.gpu_check_report import CheckResult, Goal
 from tools.gpu_check_shape import Shape, choose_shape
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "train", "throughput", "memory")
 SHAPES = {"gpt2": ("GPT-2 1.3B", "examples/gpt2_1.3b.yaml"), "llama": ("Llama-3.2-1B", "examples/llama_1b.yaml")}
 MFU_GOALS = {"gpt2": 0.50, "llama": 0.45}
 HF_GOALS = {"eager": 1.3, "compiled": 1.0}  # megalite tokens/s over HF's, in the benchmark mode of that name
@@ -43,7 +42,6 @@ LIMITS = {"tests": 150, "train": 150, "eager": 120, "compiled": 240}  # seconds 
 # Seconds a command needs at least to produce its figures (start-up, model build, compiling, a few steps): with
 # less of the budget left it is skipped, not started to be cut off. A step needs what its cheapest command needs.
 NEEDS = {"tests": 45, "train": 60, "eager": 60, "compiled": 150}
-STEP_NEEDS = {"tests": NEEDS["tests"], "train": NEEDS["train"], "throughput": NEEDS["eager"], "memory": 0}
 
 
 @dataclass
@@ -141,7 +139,8 @@ def percent(value: float | None) -> str:
 
 
 def pytest_command() -> list[str]:
-    return [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q", "-rs", "-p", "no:cacheprovider"]
+    return [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "tests/test_cuda_kernels.py", "-q",
+            "-rs", "-p", "no:cacheprovider"]
 
 
 def step_tests(ctx: Context) -> CheckResult:
@@ -299,9 +298,9 @@ def flops_by_family(runs: list[Run]) -> dict[str, float]:
     return {run.name: training_flops_per_token(run.cfg.model) for run in runs}
 
 
-def parse_benchmark(output: str) -> dict[str, float]:
-    """tokens/s by side (megalite, huggingface) from the benchmark's result lines."""
-    found = re.findall(r"^(megalite|huggingface)\s+[\d.]+ ms/step\s+([\d.]+) tokens/s", output, re.M)
+def parse_benchmark(output: str, sides: tuple[str, ...] = ("megalite", "huggingface")) -> dict[str, float]:
+    """tokens/s by side from the benchmark's result lines, of `sides` only."""
+    found = re.findall(rf"^({'|'.join(sides)})\s+[\d.]+ ms/step\s+([\d.]+) tokens/s", output, re.M)
     return {side: float(tokens) for side, tokens in found}
 
 
@@ -396,7 +395,5 @@ def step_memory(ctx: Context) -> CheckResult:
     return CheckResult("memory", status, "; ".join(f"{label} {diff:+.1%} vs the planner" for label, diff in off),
                        details)
 
-
-STEP_FUNCTIONS = {"tests": step_tests, "train": step_train, "throughput": step_throughput, "memory": step_memory}
 
 

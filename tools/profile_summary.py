@@ -24,12 +24,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 KERNEL_FAMILIES = (  # (family, pattern on a kernel's name), the first that matches names its family
-    ("attention", r"flash|fmha|attention|sdpa"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn"),  # cuDNN's SDPA has helper kernels (cudnn::fusion::...)
     ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|splitk|sm90_|sm80_"),
-    ("norm", r"layer_?norm|rms_?norm"),
+    ("norm", r"layer_?norm|rms_?norm|gammabeta"),  # LayerNorm's weight and bias gradients: GammaBetaBackward
     ("softmax / cross-entropy", r"softmax|nll_loss|cross_entropy"),
-    ("optimizer", r"adam|multi_tensor_apply|foreach|lamb|muon"),
-    ("copy / cast", r"memcpy|memset|copy|cast|catarray|transpose|index_put|gather|scatter"),
+    ("optimizer", r"adam|multi_tensor_apply|foreach|lamb(?!da)|muon"),  # lamb, not the {lambda()#3} of any functor
+    ("copy / cast", r"memcpy|memset|copy|catarray|transpose|index_put|gather|scatter"),  # casts are copy kernels;
+    # `cast` would match every functor run through gpu_kernel_impl_nocast or LoadWithCast
     ("reduction", r"reduce"),
     ("triton", r"^triton_"),
     ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
@@ -121,11 +122,14 @@ def summarize(records: list[Record], sync_sites: list[dict] | None = None) -> di
 
 
 def records_of(events) -> list[Record]:
-    """Records of torch.profiler's FunctionEvents (`profile.events()`): kernels by their device type."""
+    """Records of torch.profiler's FunctionEvents (`profile.events()`): kernels by their device type. A
+    record_function's range on the device (`Optimizer.step#AdamW.step`) spans kernels and is none: it is left out,
+    as torch's own tables leave it out of device time."""
     from torch.autograd import DeviceType
 
     return [Record(e.name, e.device_type == DeviceType.CUDA, e.time_range.start, e.time_range.end,
-                   None if e.device_type == DeviceType.CUDA else e.self_cpu_time_total) for e in events]
+                   None if e.device_type == DeviceType.CUDA else e.self_cpu_time_total) for e in events
+            if not (e.device_type == DeviceType.CUDA and getattr(e, "is_user_annotation", False))]
 
 
 def sync_sites_of(events, roots: tuple[str, ...] = ("megalite/", "tools/")) -> list[dict]:

@@ -4,12 +4,16 @@
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load as they load a
 released model; `hf_to_megalite` turns such a directory (or a GGUF file transformers can read)
 into a weights-only checkpoint that `pretrain_gpt.py --checkpoint.load` resumes at any layout.
+gpt-oss's hub checkpoints hold their experts in MXFP4 (`*_blocks`: two E2M1 values a byte, low nibble first;
+`*_scales`: one UE8M0 exponent per 32 inputs): transformers' own MXFP4 reader dequantises them at import, exactly
+(every E2M1 value times a power of two is an fp32 number), whatever kernels the machine has.
 Configs are hf_config.py's and hf_config_read.py's business, tensor names and layouts hf_mapping.py's; this
 module deals with files.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -71,10 +75,27 @@ def load_hf(source: str | Path):
     directory = source.parent if gguf else source
     if not gguf and not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True, **gguf)
+    quantized = {} if gguf else _dequantized(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True, **gguf,
+                                                 **quantized)
     tokenizer = (AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
                  if gguf or has_tokenizer(directory) else None)
     return model, tokenizer
+
+
+def _dequantized(directory: Path) -> dict:
+    """from_pretrained's arguments that dequantise the checkpoint's quantized weights (MXFP4, gpt-oss's experts) to
+    the loading dtype; refuses other quantizations."""
+    from transformers import Mxfp4Config
+
+    quantization = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    if quantization is None:
+        return {}
+    if quantization.get("quant_method") != "mxfp4":
+        raise ValueError(f"{directory / 'config.json'}: quantization_config.quant_method="
+                         f"{quantization.get('quant_method')!r}; megalite imports MXFP4 weights (gpt-oss) and "
+                         "unquantized ones: dequantise the model first")
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def hf_to_megalite(load: str | Path, save: str | Path, make_vocab_size_divisible_by: int = 128) -> Path:

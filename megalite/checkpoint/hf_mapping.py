@@ -1,6 +1,6 @@
 """One-to-one weight mapping between megalite and the Hugging Face architectures of hf_config.py
 (GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
-Qwen3MoeForCausalLM; Mistral's tensors are Llama's).
+Qwen3MoeForCausalLM, GptOssForCausalLM; Mistral's tensors are Llama's).
 
 Works on full (unsharded) state dicts, in transformers v5's in-memory layout (its save_pretrained writes the
 hub's per-expert files from it). Two layout differences are handled here and nowhere else: megalite's fused
@@ -8,8 +8,11 @@ QKV is ordered by query group (see model/attention.py) and its vocabulary is pad
 weights transposed. Routed experts need no reshaping: megalite stacks them as v5 does (fc1 = gate_up_proj
 [E, 2I, H], gate rows first; fc2 = down_proj [E, H, I]), and the router is HF's `mlp.gate`. Qwen2's q/k/v
 biases are ordered by query group as the weights are; Qwen2-MoE's shared expert is a gated MLP like a dense
-one, and its gate HF's `mlp.shared_expert_gate`. Whether a model
-may be converted at all (its features, its routing) is hf_config.py's check, made here before any tensor moves.
+one, and its gate HF's `mlp.shared_expert_gate`. gpt-oss: q/k/v biases as Qwen2's, o_proj's bias, the sinks
+(`self_attn.sinks`), the router with its bias (`mlp.router`), and experts stored as their input multiplies them
+(gate_up_proj [E, H, 2I] with gate and up columns interleaved, gate first; down_proj [E, I, H]) with biases: fc1 =
+the even then the odd columns, transposed. Whether a model may be converted at all (its features, its routing) is
+hf_config.py's check, made here before any tensor moves.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ def _llama_layer_names(i: int, cfg: ModelConfig) -> dict[str, str]:
         f"{ml}pre_mlp_norm.weight": f"{hf}post_attention_layernorm.weight",
         f"{ml}attention.linear_proj.weight": f"{hf}self_attn.o_proj.weight",
     }
+    if cfg.features.bias:
+        names[f"{ml}attention.linear_proj.bias"] = f"{hf}self_attn.o_proj.bias"
+    if cfg.features.attention_sinks:
+        names[f"{ml}attention.sinks"] = f"{hf}self_attn.sinks"
     if cfg.features.qk_norm:
         names |= {f"{ml}attention.{p}_norm.weight": f"{hf}self_attn.{p}_norm.weight" for p in "qk"}
     names |= {f"{ours}linear_fc2.weight": f"{theirs}down_proj.weight" for ours, theirs in _gated_mlps(i, cfg)}
@@ -69,9 +76,31 @@ def _llama_layer_names(i: int, cfg: ModelConfig) -> dict[str, str]:
         return names
     if cfg.moe_shared_expert_gate:
         names[f"{ml}mlp.shared_expert_gate"] = f"{hf}mlp.shared_expert_gate.weight"
+    if cfg.family == "gpt_oss":  # its experts are reshaped in to_hf / from_hf
+        return names | {f"{ml}mlp.router.{p}": f"{hf}mlp.router.{p}" for p in ("weight", "bias")}
     return names | {f"{ml}mlp.router.weight": f"{hf}mlp.gate.weight",
                     f"{ml}mlp.experts.linear_fc1.weight": f"{hf}mlp.experts.gate_up_proj",
                     f"{ml}mlp.experts.linear_fc2.weight": f"{hf}mlp.experts.down_proj"}
+
+
+def _gpt_oss_experts_to_hf(state: StateDict, i: int) -> StateDict:
+    """megalite's stacked experts of layer i -> gpt-oss's: gate and up interleaved, stored [E, in, out]."""
+    ml, hf = f"layers.{i}.mlp.experts.", f"model.layers.{i}.mlp.experts."
+    gate, up = state[f"{ml}linear_fc1.weight"].chunk(2, dim=1)  # [E, I, H] each
+    gate_bias, up_bias = state[f"{ml}linear_fc1.bias"].chunk(2, dim=1)
+    return {f"{hf}gate_up_proj": torch.stack((gate, up), dim=2).flatten(1, 2).transpose(1, 2),
+            f"{hf}gate_up_proj_bias": torch.stack((gate_bias, up_bias), dim=2).flatten(1, 2),
+            f"{hf}down_proj": state[f"{ml}linear_fc2.weight"].transpose(1, 2),
+            f"{hf}down_proj_bias": state[f"{ml}linear_fc2.bias"]}
+
+
+def _gpt_oss_experts_from_hf(hf: StateDict, i: int) -> StateDict:
+    ml, theirs = f"layers.{i}.mlp.experts.", f"model.layers.{i}.mlp.experts."
+    gate_up, bias = hf[f"{theirs}gate_up_proj"], hf[f"{theirs}gate_up_proj_bias"]
+    return {f"{ml}linear_fc1.weight": torch.cat((gate_up[:, :, 0::2], gate_up[:, :, 1::2]), dim=2).transpose(1, 2),
+            f"{ml}linear_fc1.bias": torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1),
+            f"{ml}linear_fc2.weight": hf[f"{theirs}down_proj"].transpose(1, 2),
+            f"{ml}linear_fc2.bias": hf[f"{theirs}down_proj_bias"]}
 
 
 def _gated_mlps(i: int, cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -122,8 +151,10 @@ def to_hf(state: StateDict, cfg: ModelConfig) -> StateDict:
             continue
         attn = f"model.layers.{i}.self_attn."
         out |= {f"{attn}q_proj.weight": q, f"{attn}k_proj.weight": k, f"{attn}v_proj.weight": v}
-        if cfg.features.qkv_bias:
+        if cfg.features.qkv_bias or cfg.features.bias:
             out |= dict(zip((f"{attn}{p}_proj.bias" for p in "qkv"), _ungroup_qkv(state[f"{qkv}bias"], cfg)))
+        if cfg.family == "gpt_oss" and i in cfg.moe_layers:
+            out |= _gpt_oss_experts_to_hf(state, i)
         for ours, theirs in _gated_mlps(i, cfg):
             gate, up = state[f"{ours}linear_fc1.weight"].chunk(2)
             out |= {f"{theirs}gate_proj.weight": gate, f"{theirs}up_proj.weight": up}
@@ -149,8 +180,10 @@ def from_hf(hf: StateDict, cfg: ModelConfig) -> StateDict:
             continue
         attn = f"model.layers.{i}.self_attn."
         out[f"{qkv}weight"] = _group_qkv(*(hf[f"{attn}{p}_proj.weight"] for p in "qkv"), cfg.kv_heads)
-        if cfg.features.qkv_bias:
+        if cfg.features.qkv_bias or cfg.features.bias:
             out[f"{qkv}bias"] = _group_qkv(*(hf[f"{attn}{p}_proj.bias"] for p in "qkv"), cfg.kv_heads)
+        if cfg.family == "gpt_oss" and i in cfg.moe_layers:
+            out |= _gpt_oss_experts_from_hf(hf, i)
         for ours, theirs in _gated_mlps(i, cfg):
             out[f"{ours}linear_fc1.weight"] = torch.cat([hf[f"{theirs}{p}_proj.weight"] for p in ("gate", "up")])
     return {k: v.contiguous() for k, v in out.items()}

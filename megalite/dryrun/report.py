@@ -2,7 +2,8 @@
 step, the whole pipeline's replay, the cost of building the groups, and a verdict per rank.
 
 The planner is asked for the CPU's figures (planning/activations.py Widths: the kernels the dry run runs); its
-CUDA figure, which differs only in what CUDA's autocast keeps in fp32, is shown beside it. A rank fits when its
+CUDA figure, which differs only in what CUDA's kernels keep (its fused RMSNorm, a norm's fp32 statistics, the
+split-backward norms' fp32 outputs under autocast), is shown beside it. A rank fits when its
 measured peak plus the planner's reserve (CUDA context, NCCL, fragmentation) fits the GPU's memory.
 """
 

@@ -21,9 +21,15 @@ core attention and recomputes it in backward.
 Under context parallelism (`cp`) a rank's q, k, v are those of its part of every sequence, and the
 core attention sees the other parts' keys and values through parallel/context_parallel.py.
 
+A layer with a sliding window (model.sliding_window in model.sliding_window_layers) attends to the window's keys
+only, and with attention sinks (gpt-oss) each head has a learned logit `sinks` that joins its softmax as a column
+with no value; both run through model/windowed_attention.py on one device (context_parallel.py under cp). The
+sinks are split over tp with the heads; a generation cache keeps only a windowed layer's window.
+
 Its costs (model/costs.py): attention is SDPA (flash), so no s^2 scores are kept, and selective recompute
 keeps only q, k and v; q, k and v are views of the fused QKV output; per token it multiplies its two weights and
-computes the s x s square of scores and weighted sums over the full square (as Megatron-LM and PaLM count it).
+computes the s x s square of scores and weighted sums over the full square (as Megatron-LM and PaLM count it),
+or with a sliding window the pairs the window keeps by the same measure (`attended_keys`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from megalite.model.costs import MicroBatch, matmul_held, row_bias_held, weights
 from megalite.model.kv_cache import LayerCache
 from megalite.model.norms import build_norm, recomputed_held
 from megalite.model.rope import apply_rope
+from megalite.model.windowed_attention import windowed_attention
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -47,8 +54,9 @@ from megalite.parallel.random import checkpoint_with_rng
 class SelfAttention(nn.Module):
     """Each tensor-parallel rank computes whole query groups: heads/tp query and groups/tp KV heads."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device: torch.device) -> None:
-        """`device`: where the model will live (which norm implementation runs)."""
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device: torch.device, index: int = 0) -> None:
+        """`device`: where the model will live (which norm implementation runs); `index`: the layer's global
+        index (whether it has the sliding window)."""
         super().__init__()
         tp = ctx.tp.size
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads // tp, cfg.kv_heads // tp, cfg.head_size
@@ -57,13 +65,20 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias or cfg.features.qkv_bias)
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
         self.q_norm = self.k_norm = None
+        self.placements: dict[str, Placement] = {}
         if cfg.features.qk_norm:
             self.q_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
             self.k_norm = build_norm("rmsnorm", self.head_dim, cfg.norm_epsilon, device)
             partial = Placement(partial=("tp",) if tp > 1 else ())  # every rank's heads add to the one weight
-            self.placements = {"q_norm.weight": partial, "k_norm.weight": partial}
+            self.placements |= {"q_norm.weight": partial, "k_norm.weight": partial}
+        self.window = cfg.window(index)
+        self.sinks = None
+        if cfg.features.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.heads))
+            self.placements["sinks"] = Placement.split("tp", 0)  # a logit per head: split with the heads
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
+        self.fused = True  # train.fusions: RoPE as model/fused.py's one kernel each way
         self.ctx = ctx
         self.rope = cfg.features.position_embedding == "rope"
 
@@ -74,16 +89,15 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         per_group = self.heads // self.groups
-        qkv = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
-        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        q, k, v = split_qkv(qkv.view(s, b, self.groups, per_group + 2, self.head_dim))
+        q = q.reshape(s, b, self.heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, *rope, fused=self.fused), apply_rope(k, *rope, fused=self.fused)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if cache is not None:
-            k, v = cache.append(k, v)
+            k, v = cache.append(k, v, self.window)
         if self.recompute_core and self.training:
             out = checkpoint_with_rng(self._core, q, k, v, tracker=self.ctx.rng)
         else:
@@ -94,7 +108,9 @@ class SelfAttention(nn.Module):
         """q [batch, heads, new, d]; k, v [batch, groups, past + new, d]: new token i sees keys up to past + i.
         Under context parallelism the tokens are this rank's part of the sequence (context_parallel.py)."""
         if self.ctx.cp.size > 1:
-            return context_parallel_attention(q, k, v, self.ctx.cp.group, self.ctx.cp_comm)
+            return context_parallel_attention(q, k, v, self.ctx.cp.group, self.ctx.cp_comm, self.window, self.sinks)
+        if self.window is not None or self.sinks is not None:
+            return windowed_attention(q, k, v, self.window, self.sinks)
         dropout = self.dropout if self.training else 0.0
         past = k.shape[2] - q.shape[2]
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past) if past else None
@@ -153,10 +169,27 @@ class SelfAttention(nn.Module):
     def matmul_parameters(self) -> int:
         return weights_multiplied(self.linear_qkv, self.linear_proj)
 
-    def attention_flops(self, seq: int) -> int:
-        """QK^T and the weighted sum over the s x s square, per token: 2 matmuls x 2 FLOPs."""
-        return 4 * seq * self.heads * self.head_dim
+    def attention_flops(self, seq: int) -> float:
+        """QK^T and the weighted sum over the keys each query is counted against, per token: 2 matmuls x 2 FLOPs."""
+        return 4 * attended_keys(seq, self.window) * self.heads * self.head_dim
 
-    def recomputed_flops(self, seq: int) -> int:
+    def recomputed_flops(self, seq: int) -> float:
         return self.attention_flops(seq) if self.recompute_core else 0
 
+
+def split_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., groups, per_group + 2, d] -> q [..., groups, per_group, d], k and v [..., groups, d]: views whose
+    backward is one concatenation into the fused gradient. Indexing them out instead (a slice and two selects)
+    gave three backward nodes that each zero-filled a tensor of the fused size, copied their part in and were
+    added together: 17 ms of GPT-2 1.3B's 299 ms step on an H200."""
+    q, k, v = qkv.split([qkv.shape[-2] - 2, 1, 1], dim=-2)
+    return q, k.squeeze(-2), v.squeeze(-2)
+
+
+def attended_keys(seq: int, window: int | None) -> float:
+    """The keys each token's query is counted against: s (the s x s square, twice the causal pairs) or, under a
+    sliding window W < s, as many times the pairs the window keeps (sum over queries of min(q + 1, W)) as the square
+    counts the causal pairs, 2 pairs / (s + 1): about 2W at long s."""
+    if window is None or window >= seq:
+        return seq
+    return 2 * (window * seq - window * (window - 1) / 2) / (seq + 1)

@@ -8,7 +8,7 @@ add up to, parameters of its own aside):
 - `held_bytes(batch)`: what its weight gradients read in a zero-bubble schedule's W, held from the B that
   queued them until then (parallel/weight_grads.py): never a parameter;
 - `matmul_parameters()`: the weights one token multiplies (2 FLOPs each forward, 4 backward);
-- `attention_flops(seq)`: other forward FLOPs per token (attention's s x s square);
+- `attention_flops(seq)`: other forward FLOPs per token (attention's s x s square, or what a window keeps of it);
 - `recomputed_flops(seq)`: the forward FLOPs per token its backward runs again (activation recompute);
 - `active_parameters()`: the parameters one token uses (experts it is not routed to aside);
 - `transient_bytes(batch)`: what it holds for a moment beyond what it saves (the loss's temporaries).
@@ -42,7 +42,7 @@ class MicroBatch:
         return self.compute != 4
 
 
-def _walk(module: nn.Module, name: str, *args: object) -> int:
+def _walk(module: nn.Module, name: str, *args: object) -> float:
     """The module's own declaration `name`, else the sum of its children's."""
     declared = getattr(module, name, None)
     if declared is not None:
@@ -66,15 +66,15 @@ def matmul_parameters(module: nn.Module) -> int:
     return _walk(module, "matmul_parameters")
 
 
-def attention_flops(module: nn.Module, seq: int) -> int:
+def attention_flops(module: nn.Module, seq: int) -> float:
     return _walk(module, "attention_flops", seq)
 
 
-def recomputed_flops(module: nn.Module, seq: int) -> int:
+def recomputed_flops(module: nn.Module, seq: int) -> float:
     return _walk(module, "recomputed_flops", seq)
 
 
-def forward_flops(module: nn.Module, seq: int) -> int:
+def forward_flops(module: nn.Module, seq: int) -> float:
     """Forward FLOPs per token: every weight multiplied (2 FLOPs) and the attention square."""
     return 2 * matmul_parameters(module) + attention_flops(module, seq)
 

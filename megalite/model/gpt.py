@@ -43,7 +43,7 @@ class TransformerLayer(nn.Module):
         norm = cfg.features.norm
         self.ctx, self.aux_losses = ctx, aux_losses or AuxLosses()  # the model's: terms the layer adds in forward
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.attention = SelfAttention(cfg, ctx, device)
+        self.attention = SelfAttention(cfg, ctx, device, index)
         self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if index in cfg.moe_layers else MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)

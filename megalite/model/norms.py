@@ -5,6 +5,12 @@ and rstd, measured on an H100, see the planner). apex's are unmeasured: the GPU 
 Both compute the same function with the same parameters (`weight`, and `bias` for
 LayerNorm), so checkpoints do not depend on which implementation ran.
 
+With train.fusions (the default) torch's norms run in their input's dtype when their parameters share it,
+autocast or not (`in_input_dtype`): CUDA's autocast would run layer_norm in fp32 (rms_norm too, in releases
+whose autocast lists it; 2.11's does not: its fused RMSNorm kept bf16 inputs on the H100), copying a bf16 input
+and bf16 parameters to fp32 and casting every gradient back, where the kernels read bf16 and accumulate in fp32
+anyway. The recomputing norms of the split backward (below) are not changed (yet): they run as autocast has them.
+
 When the schedule splits the backward into B and W (zero bubble), model/split_backward.py swaps each norm of a
 built model for its `recomputed_norm`: torch's norm module whose forward runs through weight_grads.recomputed. It
 keeps only the input and recomputes the norm in backward, for the input gradient in B and the weight's (and
@@ -13,12 +19,14 @@ parameters under the same names, so checkpoints and module hooks (ZeRO-3's gathe
 
 What each keeps for backward (model/costs.py), over the residual stream's rows: LayerNorm its input, mean and
 rstd; RMSNorm its input and rstd. How wide those are depends on the kernel: CUDA's fused kernels keep the input
-as it came (LayerNorm under autocast runs in fp32: an fp32 copy) and fp32 statistics; torch's composite RMSNorm
-(the CPU's) keeps an fp32 x and x * rstd. The recomputed norms keep only their input, on any device.
+as it came (LayerNorm under autocast without train.fusions runs in fp32: an fp32 copy) and fp32 statistics;
+torch's composite RMSNorm (the CPU's) keeps an fp32 x and x * rstd. The recomputed norms keep only their input,
+on any device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import torch
@@ -51,6 +59,21 @@ def build_norm(kind: str, hidden_size: int, eps: float, device: torch.device) ->
     return fused(hidden_size, eps=eps) if fused else RMSNorm(hidden_size, eps=eps)
 
 
+def in_input_dtype(x: torch.Tensor, weight: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Autocast off around a norm whose input and weight share a dtype: the norm then runs in that dtype. On CUDA
+    under bf16 autocast with bf16 parameters, layer_norm ran in fp32: three copies in (input, weight, bias), an
+    fp32 output the next matmul cast back, and a cast of each gradient in backward (GPT-2 1.3B: 15 ms of a 299 ms
+    step on an H200), where torch's kernel reads bf16, computes in fp32 and rounds its result once, as the cast
+    after an fp32 norm did: the values are the same. fp32 parameters keep an fp32 residual stream, which autocast
+    leaves as it is; a bf16 input under fp32 weights (a q/k norm of a bf16 projection) stays under autocast, since
+    torch's CUDA norms take one dtype for input and weights. On a CPU autocast leaves norms alone: nothing
+    changes there."""
+    device = x.device.type
+    if x.dtype == weight.dtype and torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
+
+
 def output_width(batch: MicroBatch) -> int:
     """Bytes per element of a norm's output (and so of its gradient): fp32 from CUDA's kernels under autocast."""
     return 4 if batch.device == "cuda" and batch.autocast else batch.residual
@@ -74,13 +97,27 @@ class _Norm:
 
 
 class LayerNorm(_Norm, nn.LayerNorm):
+    fused = True  # train.fusions (model/fused.py apply_fusions): in the input's dtype, or as autocast has it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with in_input_dtype(x, self.weight) if self.fused else contextlib.nullcontext():
+            return super().forward(x)
+
     def saved_bytes(self, batch: MicroBatch) -> int:
-        """Input (fp32 under CUDA's autocast), mean and rstd (fp32 on CUDA)."""
+        """Input (in its own dtype when fused; fp32 under CUDA's autocast otherwise), mean and rstd (fp32 on
+        CUDA). The residual stream and the weights share the parameters' dtype, so a fused norm runs in it."""
         stats = 4 if batch.device == "cuda" else batch.residual
-        return self._elements(batch) * output_width(batch) + 2 * batch.rows * stats
+        width = batch.residual if self.fused else output_width(batch)
+        return self._elements(batch) * width + 2 * batch.rows * stats
 
 
 class RMSNorm(_Norm, nn.RMSNorm):
+    fused = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with in_input_dtype(x, self.weight) if self.fused else contextlib.nullcontext():
+            return super().forward(x)
+
     def saved_bytes(self, batch: MicroBatch) -> int:
         """CUDA's fused kernel: the input as it came and an fp32 rstd per row; torch's composite form (CPU): an
         fp32 x and x * rstd, and rstd."""

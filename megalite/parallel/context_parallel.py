@@ -29,6 +29,13 @@ attention needs the other ranks' keys and values. Two ways to bring them (`comm`
 K/V travel as their query groups (grouped-query attention) and reach CUDA's flash kernel so; only a
 kernel that needs every head's K/V (the CPU's, see KERNELS_TAKING_GROUPS) gets them expanded.
 The data pipeline slices tokens, labels, masks and position ids with `local_positions`.
+
+With a sliding window (`window`) each (local chunk, source chunk) pair is a block of its own, trimmed to what the
+window lets its queries see (attention_masks.py `visible`); pairs wholly outside the window are skipped, not
+computed (their K/V still travel: at step j every rank needs some other rank's block). CUDA runs a trimmed block
+through FlashAttention's own window arguments, the CPU kernel through a mask of that block. With attention sinks
+(`sinks`, one logit per local head) the sink joins each query's merged softmax once, after every block, and its
+gradient is handed to parallel/weight_grads.py (in W under a zero-bubble schedule) from each rank's own rows.
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite.parallel.attention_masks import CAUSAL, FULL, Band, add_sinks, additive_mask, sink_gradient, visible
 from megalite.parallel.mappings import gather_from_cp
+from megalite.parallel.weight_grads import deliver
 
 Group = dist.ProcessGroup
 aten = torch.ops.aten
@@ -57,8 +66,11 @@ def local_positions(seq_length: int, cp: int, cp_rank: int, device: torch.device
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
-                               comm: str = "p2p") -> torch.Tensor:
-    """Causal attention of the local queries over the whole sequence of the cp group, scale 1/sqrt(d).
+                               comm: str = "p2p", window: int | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the local queries over the whole sequence of the cp group, scale 1/sqrt(d), within
+    `window` positions (None: all earlier ones), with `sinks` (a logit per local head, a parameter: its gradient
+    goes to weight_grads).
 
     q [batch, heads, 2c, d]; k, v [batch, groups, 2c, d] (query head h uses KV group h // (heads // groups));
     all in the local token order of `local_positions`. Returns [batch, heads, 2c, d]."""
@@ -70,8 +82,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if comm == "allgather":
         cp = dist.get_world_size(group)
         gathered = gather_from_cp(torch.stack([k, v]), group)  # [cp * 2, ...] rank-major; backward reduce-scatters
-        return _GatheredAttention.apply(q, gathered.unflatten(0, (cp, 2)), group)
-    return _RingAttention.apply(q, k, v, group)
+        return _GatheredAttention.apply(q, gathered.unflatten(0, (cp, 2)), group, window, sinks)
+    return _RingAttention.apply(q, k, v, group, window, sinks)
 
 
 # ----------------------------------------------------------------------------------------------- ring
@@ -124,6 +136,30 @@ def _block(rank: int, source: int, c: int) -> tuple[slice, slice, bool]:
     return slice(c, None), slice(None), False
 
 
+Piece = tuple[slice, slice, Band]  # local query rows, the source's K/V rows, which of them each query sees
+
+
+def _pieces(ring: _Ring, step: int, c: int, window: int | None) -> list[Piece]:
+    """What this rank computes against the K/V block it holds at `step`: _block's rule without a window; with one,
+    each pair of a local chunk and a source chunk trimmed to the window (none where it sees nothing)."""
+    source = ring.source(step)
+    if window is None:
+        rows, cols, causal = _block(ring.rank, source, c)
+        return [(rows, cols, CAUSAL if causal else FULL)]
+    pieces = []
+    for q_half, q_chunk in enumerate((ring.rank, 2 * ring.size - 1 - ring.rank)):
+        for k_half, k_chunk in enumerate((source, 2 * ring.size - 1 - source)):
+            seen = visible(q_chunk * c, c, k_chunk * c, c, window)
+            if seen is not None:
+                rows, cols, band = seen
+                pieces.append((_shifted(rows, q_half * c), _shifted(cols, k_half * c), band))
+    return pieces
+
+
+def _shifted(rows: slice, by: int) -> slice:
+    return slice(rows.start + by, rows.stop + by)
+
+
 # Devices whose block kernel takes K/V per query group (fewer K/V heads than query heads): CUDA's flash kernel
 # (FlashAttention-2) reads each group's K/V for all of its heads and sums their dK/dV itself, as SDPA's
 # enable_gqa relies on. The CPU kernel gained groups only in recent torch releases (pytorch#157893; 2.13's has
@@ -144,35 +180,69 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad if grad.shape[1] == groups else grad.unflatten(1, (groups, -1)).sum(2)
 
 
+def _plain_causal(band: Band, rows: int, cols: int) -> bool | None:
+    """The is_causal flag of kernels without window arguments for `band` (None: the band needs the window)."""
+    if band == FULL:
+        return False
+    return True if band == CAUSAL and rows == cols else None
+
+
 def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+                   band: Band | bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """One block through the fused kernel: output, log-sum-exp [b, heads, rows] (fp32), and what the
-    CUDA backward wants back. CUDA's flash kernel takes fp16/bf16 only."""
+    CUDA backward wants back. `band`: which keys each query sees (True: causal, False: all). CUDA's flash kernel
+    takes fp16/bf16 only; a band other than causal or full goes through its window arguments."""
+    band = band if isinstance(band, Band) else CAUSAL if band else FULL
+    causal = _plain_causal(band, q.shape[2], k.shape[2])
     k, v, scale = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1]), q.shape[-1] ** -0.5
     if q.is_cuda:
         if q.dtype == torch.float32:
             raise ValueError("context-parallel attention runs CUDA's flash attention kernel, which takes bf16 or "
                              "fp16 only: train with --train.precision=bf16 (or fp16)")
+        if causal is None:
+            left, right = _window_sizes(band)
+            out, lse, rng, unused, _ = aten._flash_attention_forward(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, q.shape[2], k.shape[2], 0.0,
+                False, False, scale=scale, window_size_left=left, window_size_right=right)
+            return out.transpose(1, 2), lse, (rng, unused)
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    mask = None if causal is not None else additive_mask(band, q.shape[2], k.shape[2], q.dtype, q.device)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, bool(causal), attn_mask=mask,
+                                                               scale=scale)
     return out, lse, ()
 
 
+def _window_sizes(band: Band) -> tuple[int, int]:
+    """FlashAttention's window_size_left / right of a band (-1: unbounded)."""
+    return -1 if band.left is None else band.left, -1 if band.right is None else band.right
+
+
 def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, causal: bool, meta: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    lse: torch.Tensor, band: Band | bool,
+                    meta: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's dq, dk, dv (dk, dv per KV group). Given the final merged out and lse, the kernel's
-    softmax is the one over the whole sequence, so the block's gradients are exact."""
+    softmax is the one over the whole sequence (the sinks' column included), so the block's gradients are exact."""
+    band = band if isinstance(band, Band) else CAUSAL if band else FULL
+    causal = _plain_causal(band, q.shape[2], k.shape[2])
     groups, lse = k.shape[1], lse.contiguous()
     k, v, scale = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1]), q.shape[-1] ** -0.5
-    if q.is_cuda:
+    if q.is_cuda and causal is None:
+        left, right = _window_sizes(band)
+        dq, dk, dv = aten._flash_attention_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse,
+            None, None, q.shape[2], k.shape[2], 0.0, False, *meta, scale=scale, window_size_left=left,
+            window_size_right=right)
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    elif q.is_cuda:
         cum_q, cum_k, max_q, max_k, seed, offset = meta
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
     else:
+        mask = None if causal is not None else additive_mask(band, q.shape[2], k.shape[2], q.dtype, q.device)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse, 0.0, bool(causal), attn_mask=mask, scale=scale)
     return dq, _fold(dk, groups), _fold(dv, groups)
 
 
@@ -186,39 +256,58 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
     lse[:, :, rows] = new
 
 
-def _attend(q: torch.Tensor, ring: _Ring, blocks: Iterator[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list]:
+def _attend(q: torch.Tensor, ring: _Ring, blocks: Iterator[torch.Tensor], window: int | None,
+            sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Forward over the K/V blocks of every cp rank, in ring order (step j: cp rank i-j's [2, b, g, 2c, d]),
-    merged by log-sum-exp: the output in q's dtype, the fp32 log-sum-exp, and each block's kernel extras."""
-    c, out, lse, metas = q.shape[2] // 2, None, None, []
+    merged by log-sum-exp, then the sinks: the output in q's dtype, the fp32 log-sum-exp, and each step's pieces'
+    kernel extras."""
+    c, metas = q.shape[2] // 2, []
+    out = torch.zeros_like(q, dtype=torch.float32)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for step, kv in enumerate(blocks):
-        rows, cols, causal = _block(ring.rank, ring.source(step), c)
-        block_out, block_lse, meta = _flash_forward(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], causal)
-        metas.append(meta)
-        if out is None:
-            out, lse = block_out.float(), block_lse.float().contiguous()
-        else:
+        metas.append([])
+        for rows, cols, band in _pieces(ring, step, c, window):
+            block_out, block_lse, meta = _flash_forward(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], band)
+            metas[-1].append(meta)
             _merge(out, lse, rows, block_out, block_lse)
+    if sinks is not None:
+        lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse, metas
 
 
 def _block_grads(ctx, saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dout: torch.Tensor, dq: torch.Tensor,
-                 step: int, kv: torch.Tensor) -> tuple[slice, torch.Tensor, torch.Tensor]:
-    """Step `step`'s block backward: adds into dq, returns the block's columns and its dK, dV (per KV group).
+                 step: int, kv: torch.Tensor) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Step `step`'s block backward: adds into dq, returns each piece's columns and its dK, dV (per KV group).
     `saved`: q, out, lse (read from ctx.saved_tensors once: a recompute lets them be unpacked only once)."""
     q, out, lse = saved
-    ring, c = ctx.ring, q.shape[2] // 2
-    rows, cols, causal = _block(ring.rank, ring.source(step), c)
-    block_dq, dk, dv = _flash_backward(dout[:, :, rows], q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols],
-                                       out[:, :, rows], lse[:, :, rows], causal, ctx.metas[step])
-    dq[:, :, rows] += block_dq
-    return cols, dk, dv
+    grads = []
+    for (rows, cols, band), meta in zip(_pieces(ctx.ring, step, q.shape[2] // 2, ctx.window), ctx.metas[step]):
+        block_dq, dk, dv = _flash_backward(dout[:, :, rows], q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols],
+                                           out[:, :, rows], lse[:, :, rows], band, meta)
+        dq[:, :, rows] += block_dq
+        grads.append((cols, dk, dv))
+    return grads
+
+
+def _keep(ctx, ring: _Ring, window: int | None, sinks: torch.Tensor | None, metas: list) -> None:
+    """What backward reads besides the saved tensors; the sinks (a parameter) on ctx, not saved: a checkpoint's
+    recompute would save a copy, not the parameter its gradient belongs to."""
+    ctx.ring, ctx.window, ctx.sinks, ctx.metas = ring, window, sinks, metas
+
+
+def _sinks_backward(ctx, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The sinks' gradient from this rank's rows, handed to weight_grads (in W under a zero-bubble schedule)."""
+    if ctx.sinks is not None:
+        grad = sink_gradient(dout, out, lse, ctx.sinks)
+        deliver(ctx.sinks, lambda: grad)
 
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention; K/V (and dK/dV) travel as one [2, b, groups, 2c, d] tensor."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         ring = _Ring(group)
 
         def blocks() -> Iterator[torch.Tensor]:
@@ -229,13 +318,13 @@ class _RingAttention(torch.autograd.Function):
                 if pending is not None:
                     kv = pending.wait()[0]
 
-        out, lse, ctx.metas = _attend(q, ring, blocks())
+        out, lse, metas = _attend(q, ring, blocks(), window, sinks)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
+        _keep(ctx, ring, window, sinks, metas)
         return out
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         """Step j attends the same block as forward step j. The block's dK/dV accumulator arrives from the
         rank that used it one step earlier, while this rank computes its own part, and leaves with the
         next step's batch; after the last step one hop returns each accumulator to its owner."""
@@ -246,40 +335,44 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             last = step == ring.size - 1
             pending = ring.shift(*([] if last else [kv]), *([] if grads is None else [grads]))
-            cols, dk, dv = _block_grads(ctx, (q, out, lse), dout, dq, step, kv)
+            pieces = _block_grads(ctx, (q, out, lse), dout, dq, step, kv)
             incoming = pending.wait()
             next_kv = None if last else incoming.pop(0)
             grads = incoming.pop(0) if grads is not None else torch.zeros_like(kv, dtype=torch.float32)
-            grads[0, :, :, cols] += dk
-            grads[1, :, :, cols] += dv
+            for cols, dk, dv in pieces:
+                grads[0, :, :, cols] += dk
+                grads[1, :, :, cols] += dv
             kv = next_kv
         if ring.size > 1:
             grads = ring.shift(grads).wait()[0]
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
+        _sinks_backward(ctx, dout, out, lse)
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
 
 
 class _GatheredAttention(torch.autograd.Function):
     """The same blocks as the ring, over K/V already gathered from every cp rank ([cp, 2, b, g, 2c, d]):
-    no masks are materialised and the fused kernels run as in the ring; backward returns every rank's dK/dV,
-    which the all-gather's backward reduce-scatters to their owners."""
+    no whole-sequence mask is materialised and the fused kernels run as in the ring; backward returns every rank's
+    dK/dV, which the all-gather's backward reduce-scatters to their owners."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, gathered: torch.Tensor, group: Group) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, gathered: torch.Tensor, group: Group, window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         ring = _Ring(group)
-        out, lse, ctx.metas = _attend(q, ring, (gathered[ring.source(step)] for step in range(ring.size)))
+        out, lse, metas = _attend(q, ring, (gathered[ring.source(step)] for step in range(ring.size)), window, sinks)
         ctx.save_for_backward(q, gathered, out, lse)
-        ctx.ring = ring
+        _keep(ctx, ring, window, sinks, metas)
         return out
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
         q, gathered, out, lse = ctx.saved_tensors
         dout, ring = dout.contiguous(), ctx.ring
         dq = torch.zeros_like(q, dtype=torch.float32)
         grads = torch.zeros_like(gathered, dtype=torch.float32)
         for step in range(ring.size):
             source = ring.source(step)
-            cols, dk, dv = _block_grads(ctx, (q, out, lse), dout, dq, step, gathered[source])
-            grads[source, 0, :, :, cols] += dk
-            grads[source, 1, :, :, cols] += dv
-        return dq.to(q.dtype), grads.to(gathered.dtype), None
+            for cols, dk, dv in _block_grads(ctx, (q, out, lse), dout, dq, step, gathered[source]):
+                grads[source, 0, :, :, cols] += dk
+                grads[source, 1, :, :, cols] += dv
+        _sinks_backward(ctx, dout, out, lse)
+        return dq.to(q.dtype), grads.to(gathered.dtype), None, None, None

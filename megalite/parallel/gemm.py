@@ -55,6 +55,12 @@ class RowGroups:
     def sizes(self) -> list[int]:
         return torch.diff(self.offsets, prepend=self.offsets.new_zeros(1)).tolist()
 
+    def expert_of_rows(self, rows: int) -> torch.Tensor:
+        """The local expert of each of the `rows` rows (no host read: the output size is given)."""
+        counts = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1)).long()
+        experts = torch.arange(len(self.offsets), device=self.offsets.device)
+        return torch.repeat_interleave(experts, counts, output_size=rows)
+
 
 class Recipe(ABC):
     """How a matmul's operands are cast and multiplied: dense x [n, in] by weight [out, in], or grouped, rows
@@ -267,31 +273,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, recipe: Recipe,
+                bias: torch.Tensor | None, adds_bias: bool) -> torch.Tensor:
         ctx.save_for_backward(x, offsets)
-        ctx.weight, ctx.recipe = weight, recipe  # the weight on ctx: a checkpoint's recompute would save a copy
-        return recipe.grouped(x, weight, RowGroups(offsets))
+        ctx.params = (weight,) if bias is None else (weight, bias)  # on ctx: a checkpoint's recompute would save copies
+        ctx.recipe, ctx.adds_bias = recipe, adds_bias
+        groups = RowGroups(offsets)
+        y = recipe.grouped(x, weight, groups)
+        return y if bias is None or not adds_bias else y + bias.to(y.dtype)[groups.expert_of_rows(len(x))]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         x, offsets = ctx.saved_tensors
-        grad_x = opaque_backward(_grouped_backward, [x, grad.contiguous(), ctx.weight, offsets], recipe=ctx.recipe,
-                                needs=tuple(ctx.needs_input_grad[:2]))
-        return (grad_x if ctx.needs_input_grad[0] else None), None, None, None
+        weight, *bias = ctx.params
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4])
+        grad_x = opaque_backward(_grouped_backward, [x, grad.contiguous(), weight, offsets, *bias], recipe=ctx.recipe,
+                                 adds_bias=ctx.adds_bias, needs=needs)
+        return (grad_x if needs[0] else None), None, None, None, None, None
 
 
-def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
-                      recipe: Recipe, needs: tuple[bool, bool]) -> torch.Tensor:
-    """dX, returned; dW (its rows grad_e^T x_e), handed to weight_grads."""
+def _grouped_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                      bias: torch.Tensor | None = None, *, recipe: Recipe, adds_bias: bool,
+                      needs: tuple[bool, bool, bool]) -> torch.Tensor:
+    """dX, returned; dW (its rows grad_e^T x_e) and the bias's (each expert's rows of grad summed; zeros where
+    this rank did not add the bias), handed to weight_grads."""
     groups = RowGroups(offsets)
     grad_x = recipe.grouped_input_grad(grad, weight, groups) if needs[0] else torch.empty_like(x)
     if needs[1]:
         weight_grad(weight, grad, x, recipe, groups)
+    if bias is not None and needs[2]:
+        deliver(bias, lambda: _expert_bias_grad(bias, grad, groups, adds_bias))
     return grad_x
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                   recipe: Recipe = HIGH_PRECISION) -> torch.Tensor:
+def _expert_bias_grad(bias: torch.Tensor, grad: torch.Tensor, groups: RowGroups, added: bool) -> torch.Tensor:
+    summed = torch.zeros(bias.shape, dtype=torch.float32, device=grad.device)
+    if added:
+        summed.index_add_(0, groups.expert_of_rows(len(grad)), grad.float())
+    return summed.to(bias.dtype)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, recipe: Recipe = HIGH_PRECISION,
+                   bias: torch.Tensor | None = None, adds_bias: bool = True) -> torch.Tensor:
     """Rows offsets[e-1]:offsets[e] of x [tokens, in] times weight[e] [out, in]^T, for every expert e, in x's
-    dtype; `offsets` [experts] int32 are the cumulative token counts, on the device."""
-    return _GroupedLinear.apply(x, weight, offsets, recipe)
+    dtype, plus bias[e] [experts, out] when given and `adds_bias` (otherwise the bias's gradient here is zero:
+    a bias added to partial sums is added by one rank only); `offsets` [experts] int32 are the cumulative token
+    counts, on the device."""
+    return _GroupedLinear.apply(x, weight, offsets, recipe, bias, adds_bias)

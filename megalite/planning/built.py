@@ -38,14 +38,16 @@ def micro_batch(cfg: Config, device: str = "cuda") -> MicroBatch:
     return MicroBatch(tokens, rows, BYTES[cfg.train.precision], BYTES[cfg.train.param_dtype], device)
 
 
-def _values(section: object) -> tuple:
-    return tuple(getattr(section, field.name) for field in dataclasses.fields(section))
+def section_values(section: object) -> tuple:
+    """A config section's field values in order, lists as tuples: a cache key that builds the section again."""
+    values = (getattr(section, field.name) for field in dataclasses.fields(section))
+    return tuple(tuple(value) if isinstance(value, list) else value for value in values)
 
 
 def rank_model(cfg: Config, pp_rank: int = 0) -> GPTModel:
     """Pipeline rank `pp_rank`'s model on one rank of its tensor-, context- and expert-parallel groups, on the meta
     device."""
-    return _rank_model(_values(cfg.model), _values(cfg.parallel), _values(cfg.train), pp_rank)
+    return _rank_model(section_values(cfg.model), section_values(cfg.parallel), section_values(cfg.train), pp_rank)
 
 
 @functools.lru_cache(maxsize=64)
@@ -60,7 +62,7 @@ def _rank_model(model: tuple, parallel: tuple, train: tuple, pp_rank: int) -> GP
 
 def one_device_model(m: ModelConfig) -> GPTModel:
     """The whole model on one device (tp = pp = 1), on the meta device."""
-    return _one_device_model(_values(m))
+    return _one_device_model(section_values(m))
 
 
 @functools.lru_cache(maxsize=16)

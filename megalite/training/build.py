@@ -8,6 +8,7 @@ import torch
 
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config import TORCH_DTYPES, Config
+from megalite.model.fused import apply_fusions
 from megalite.model.gpt import TIED_COPY, GPTModel
 from megalite.model.recompute import apply_recompute
 from megalite.model.split_backward import apply_split_backward
@@ -67,6 +68,7 @@ def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank
     model = GPTModel(cfg.model, device, ctx, stage_layout(cfg, pp_rank), seed=cfg.train.seed,
                      dtype=TORCH_DTYPES[cfg.train.param_dtype])
     apply_recompute(model, cfg.train.recompute)
+    apply_fusions(model, cfg.train.fusions)
     if schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
         apply_split_backward(model)
     return model

@@ -4,8 +4,10 @@ Training FLOPs per token = 6 * N + 12 * L * s * (heads * head_dim), where N coun
 weights of every matmul (QKV, attention output, MLP, LM head over the real vocabulary;
 not the embedding lookup nor norms) and the second term is the attention scores and
 weighted sum (2 matmuls, 2 FLOPs per multiply-add, x3 for forward + backward) counted
-over the full s x s square as Megatron-LM and the PaLM paper do. Recompute is not
-counted: this is model FLOPs utilisation (MFU), comparable across recompute settings.
+over the full s x s square as Megatron-LM and the PaLM paper do; a layer with a sliding window W counts the
+pairs its window keeps by the same measure (about 2W keys a token instead of s: model/attention.py
+`attended_keys`). Recompute is not counted: this is model FLOPs utilisation (MFU), comparable across recompute
+settings.
 Each module declares its part (model/costs.py: the weights one token multiplies, the square), read from the
 one-device model built on the meta device: a new layer type counts by declaring it, nothing here names it.
 
@@ -25,7 +27,6 @@ experts it skips, which a token costs nothing (as Megatron-LM and torchtitan cou
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -35,6 +36,7 @@ from megalite.config import ModelConfig
 from megalite.model import costs
 from megalite.model.gpt import GPTModel
 from megalite.model.recompute import apply_recompute
+from megalite.planning.built import section_values
 
 # Dense peak TFLOP/s per device model (no sparsity), by precision; fp32 is the non-tensor-core rate.
 # Variants of one chip differ (an H100 PCIe has 76% of an SXM's tensor throughput), so MFU keys on the
@@ -66,7 +68,7 @@ DEVICE_MODELS = (
 
 
 @functools.lru_cache(maxsize=32)
-def _per_token(model: tuple, recompute: str) -> tuple[int, int, int]:
+def _per_token(model: tuple, recompute: str) -> tuple[int, float, float]:
     """(weights multiplied, attention forward FLOPs, recomputed forward FLOPs) per token of the one-device model of
     ModelConfig(*model) under `recompute`, built on the meta device."""
     cfg = ModelConfig(*model)
@@ -76,8 +78,8 @@ def _per_token(model: tuple, recompute: str) -> tuple[int, int, int]:
     return costs.matmul_parameters(built), costs.attention_flops(built, seq), costs.recomputed_flops(built, seq)
 
 
-def _figures(cfg: ModelConfig, recompute: str = "none") -> tuple[int, int, int]:
-    return _per_token(tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg)), recompute)
+def _figures(cfg: ModelConfig, recompute: str = "none") -> tuple[int, float, float]:
+    return _per_token(section_values(cfg), recompute)
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
@@ -85,18 +87,18 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     return _figures(cfg)[0]
 
 
-def training_flops_per_token(cfg: ModelConfig) -> int:
+def training_flops_per_token(cfg: ModelConfig) -> float:
     """Model FLOPs: forward and backward (twice the forward) of every matmul, nothing recomputed."""
     weights, attention, _ = _figures(cfg)
     return 6 * weights + 3 * attention
 
 
-def recomputed_flops_per_token(cfg: ModelConfig, recompute: str) -> int:
+def recomputed_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
     """The forward FLOPs that train.recompute runs again in backward (model/recompute.py says what reruns)."""
     return _figures(cfg, recompute)[2]
 
 
-def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> int:
+def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
     """Hardware FLOPs: the model FLOPs plus the recomputed forward (the Megatron-LM papers' TFLOP/s count)."""
     return training_flops_per_token(cfg) + recomputed_flops_per_token(cfg, recompute)
 

@@ -1,11 +1,12 @@
 """Token-choice routing: which k experts each token goes to, with what weight, and the load-balancing losses.
 
-The router's linear layer and everything after it run in fp32 (a bf16 softmax over many experts ties and
-flips choices between layouts). Scores are a softmax over all experts (Mixtral, Qwen3-MoE) or a sigmoid per
-expert (DeepSeek-V3). The k best scores are chosen, optionally only inside the best groups of experts
-(group-limited routing: a group's score is the sum of its best k/group_topk experts' scores, as DeepSeek-V3
-and Megatron-Core do), and the chosen scores become the combine weights: renormalised to sum to one when
-asked (a softmax over the k chosen logits, as Mixtral computes it, is exactly this) and scaled.
+The router's linear layer (with a bias under model.moe_router_bias, gpt-oss) and everything after it run in
+fp32 (a bf16 softmax over many experts ties and flips choices between layouts). Scores are a softmax over all
+experts (Mixtral, Qwen3-MoE, gpt-oss) or a sigmoid per expert (DeepSeek-V3). The k best scores are chosen,
+optionally only inside the best groups of experts (group-limited routing: a group's score is the sum of its best
+k/group_topk experts' scores, as DeepSeek-V3 and Megatron-Core do), and the chosen scores become the combine
+weights: renormalised to sum to one when asked (a softmax over the k chosen logits, as Mixtral and gpt-oss
+compute it, is exactly this) and scaled.
 
 The balancing losses need the whole micro batch's load, but under sequence or context parallelism each rank
 holds part of its tokens. Every rank therefore sums its expert counts over the ranks holding the rest
@@ -128,6 +129,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg, self.ctx, self.aux_losses, self.layer = cfg, ctx, aux_losses, layer
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.features.moe_router_bias else None
         # State, not a parameter: no gradient, moved by `adjust_bias`; checkpointed; starts at zero (model/init.py).
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts) if cfg.moe_expert_bias else None)
 
@@ -141,7 +143,7 @@ class Router(nn.Module):
         """x [seq (local), batch, hidden] -> the routing of its tokens, flattened seq-major."""
         seq, batch, _ = x.shape
         with torch.autocast(x.device.type, enabled=False):
-            logits = gemm.linear(x.reshape(-1, x.shape[-1]).float(), self.weight)
+            logits = gemm.linear(x.reshape(-1, x.shape[-1]).float(), self.weight, self.bias)
         routing = route(logits, self.cfg, self.expert_bias)
         if not self.training:
             return routing
