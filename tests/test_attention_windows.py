@@ -34,6 +34,7 @@ from megalite.model.windowed_attention import windowed_attention
 from megalite.parallel.attention_masks import additive_mask, visible
 from megalite.parallel.context_parallel import context_parallel_attention, local_positions
 from megalite.parallel.topology import Topology, release_process_groups
+from megalite.training.build import is_logging_rank
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
@@ -184,7 +185,7 @@ def _four_ranks(rank: int, world_size: int) -> tuple[list, list]:
     for _, parallel in LAYOUTS:
         cfg = _gpt_oss(**dict(parallel))
         losses, gradients = train_and_gather(cfg, cpu_topology(rank, world_size, cfg))
-        logging = Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel, True).is_logging_rank
+        logging = is_logging_rank(cfg, Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel, True))
         layouts.append((losses if logging else None, gradients))
     return attention, layouts
 
