@@ -78,11 +78,14 @@ class GroupedExperts(nn.Module):
 
     def rows_saved(self, rows: int, compute: int) -> int:
         """What the experts keep running `rows` rows, in the compute dtype (the grouped GEMM casts fp32 weights inside
-        its autograd function and keeps the parameter, as gemm.py does): the rows in, fc1's output and the
-        activation's tensors, as a dense MLP's (model/mlp.py)."""
-        width = self.linear_fc2.weight.shape[-1]
-        return rows * self.linear_fc1.weight.shape[-1] * compute + activation_bytes(self.features, False, rows, width,
-                                                                                     compute)
+        its autograd function and keeps the parameter, as gemm.py does): the rows in, the offsets (int32 per local
+        expert), and fc1's output and the activation's tensors, as a dense MLP's (model/mlp.py); under selective
+        recompute fc1's output alone, the checkpoint's input."""
+        width, fc1 = self.linear_fc2.weight.shape[-1], self.linear_fc1.weight.shape[-2]
+        kept = rows * self.linear_fc1.weight.shape[-1] * compute + self.local * 4
+        if self.recompute_activation:
+            return kept + rows * fc1 * compute
+        return kept + activation_bytes(self.features, False, rows, width, compute)
 
     def rows_held(self, rows: int, compute: int) -> int:
         """Both grouped GEMMs' input and output gradient for `rows` rows."""
