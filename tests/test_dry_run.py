@@ -25,6 +25,7 @@ from megalite.dryrun.rank_step import simulate_rank
 from megalite.dryrun.report import TOLERANCE, difference, exit_status, fits, format_dry_run
 from megalite.dryrun.roles import Role, roles
 from megalite.dryrun.run import dry_run
+from megalite.parallel.storage import resize_storage
 from megalite.planning.measure import MEASUREMENT, measurement_config, rank_memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,9 +40,9 @@ def test_live_bytes_follow_storages_until_they_die_or_shrink():
         assert live.live == 5000 and live.totals["weights"] == 1000 and live.totals["transient"] == 4000
         del a
         assert live.live == 5000  # the view keeps the storage alive
-        view.untyped_storage().resize_(0)
+        resize_storage(view, 0)  # how megalite frees storage (parallel/storage.py)
         assert live.live == 1000 and live.peak == 5000
-        view.untyped_storage().resize_(400)
+        resize_storage(view, 400)
         assert live.live == 1400
         del view, b
         assert live.live == 0 and live.at_peak == {"transient": 4000, "weights": 1000}

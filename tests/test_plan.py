@@ -12,13 +12,17 @@ import pytest
 import torch
 from conftest import tiny_config
 from distributed import cpu_topology, run_ranks
+from torch import nn
 
-from megalite.config import Config
+from megalite.config import Config, ModelConfig
 from megalite.config_cli import parse_config
 from megalite.config_validation import validate
+from megalite.model import gpt
+from megalite.model.costs import MicroBatch
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import local_positions
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.parallel.zero import unit_index
@@ -35,6 +39,7 @@ from megalite.planning.memory import (
 from megalite.planning.parameters import rank_parameters
 from megalite.planning.plan import format_plan, make_plan, schedule_plans
 from megalite.training.build import build_model, build_trainer
+from megalite.training.flops import training_flops_per_token
 from megalite.training.step import precision_context
 from tools import plan as plan_tool
 
@@ -212,8 +217,8 @@ def test_activations_match_saved_tensors(family, precision, param_dtype, recompu
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_zero_bubble_activations_and_weight_gradient_inputs(family, precision, param_dtype, recompute):
     """Under a zero-bubble schedule norms keep only their input (model/norms.py), and a B leaves its W the inputs
-    of every weight gradient (planning/held.py): both as the planner counts them, recompute or not (W's inputs
-    are the layer's, recomputed in B, so full recompute saves nothing between B and W)."""
+    of every weight gradient (each module's held_bytes, model/costs.py): both as the planner counts them, recompute
+    or not (W's inputs are the layer's, recomputed in B, so full recompute saves nothing between B and W)."""
     cfg = _model_config(family, train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute},
                         parallel={"pipeline_schedule": "zb-h1"})
     cfg.model.seq_length, cfg.model.num_query_groups = 64, 2 if family == "llama" else None
@@ -390,3 +395,37 @@ def test_the_plan_weighs_every_schedule_the_layout_allows():
     for name in plans:
         assert any(line.strip().startswith(name) and ("fits: " in line or "does not fit" in line)
                    for line in text.splitlines()), name
+
+
+class SquaredReLU(nn.Module):
+    """A feed-forward layer type megalite does not have (Primer's squared ReLU, twice the MLP's width), declared
+    only here: the planner and the FLOPs count read its declarations (model/costs.py), nothing in planning/."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.ffn_size, ctx, cfg.features.bias)
+        self.linear_fc2 = RowParallelLinear(2 * cfg.ffn_size, cfg.hidden_size, ctx, cfg.features.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(torch.relu(self.linear_fc1(x)).square())
+
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """fc1's input; relu's output (also square's input); fc2's input."""
+        width = self.linear_fc2.weight.shape[1]
+        return (batch.rows * self.linear_fc1.weight.shape[1] + 2 * batch.tokens * width) * batch.compute
+
+    def matmul_parameters(self) -> int:
+        return self.linear_fc1.weight.numel() + self.linear_fc2.weight.numel()
+
+
+def test_a_layer_type_declared_only_in_a_test_is_planned(monkeypatch):
+    """Every dense layer's MLP swapped for SquaredReLU: the planned activations are the bytes autograd saves, to the
+    byte (the stock MLP's declaration would miss them by a quarter), and the FLOPs per token count its weights."""
+    cfg = _model_config("gpt2", train={"precision": "bf16"})
+    cfg.model.seq_length, cfg.model.hidden_size = 44, 48  # a shape no other test plans: the models built are cached
+    monkeypatch.setattr(gpt, "MLP", SquaredReLU)
+    assert saved_bytes(one_device_model(cfg), cfg) == chunk_activation_bytes(cfg, 0, "cpu")[0]
+    m = cfg.model
+    h, layers, s = m.hidden_size, m.num_layers, m.seq_length
+    weights = layers * (4 * h * h + 2 * h * 2 * m.ffn_size) + h * m.vocab_size
+    assert training_flops_per_token(m) == 6 * weights + 3 * layers * 4 * s * h

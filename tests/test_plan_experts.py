@@ -147,6 +147,24 @@ def test_moe_block_activations_to_the_byte(precision, param_dtype, features):
     assert block_saved_bytes(model, cfg) == pytest.approx(planned_block_bytes(cfg), abs=16 * 8)
 
 
+GPT_OSS_EXPERTS = {"activation": "quick_gelu", "glu_limit": 7.0, "glu_linear_offset": 1.0, "bias": True}
+
+
+@pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
+@pytest.mark.parametrize("model,recompute", [({}, "selective"), (GPT_OSS_EXPERTS, "none"),
+                                             (GPT_OSS_EXPERTS, "selective")],
+                         ids=["selective", "gpt-oss", "gpt-oss,selective"])
+def test_expert_activations_under_selective_recompute_and_clamped_quick_gelu(precision, param_dtype, model, recompute):
+    """As above, where the experts' declaration reads its features and recompute flag (model/moe/experts.py):
+    selective recompute keeps only fc1's output of the activation's tensors; gpt-oss's clamped quick-GELU GLU with
+    an offset keeps the clamped gate, the offset up and the sigmoid besides, and its biases add nothing."""
+    cfg = block_config(precision, param_dtype, model)
+    cfg.train.recompute = recompute
+    validate(cfg, 1)
+    built = build_model(cfg, torch.device("cpu"), ParallelContext(), 0).train()
+    assert block_saved_bytes(built, cfg) == pytest.approx(planned_block_bytes(cfg), abs=16 * 8)
+
+
 def test_moe_model_activations_match_saved_tensors():
     """The whole chunk (a dense first layer, three MoE layers, embedding and head), as the dense tests measure it."""
     cfg = moe_config(train={"precision": "bf16", "param_dtype": "bf16"})

@@ -56,7 +56,7 @@ def hf_training_bytes(m: ModelConfig, micro_batch: int, seq: int) -> dict[str, f
         raise ValueError(f"model.family={m.family}: no Hugging Face memory estimate for it (known: "
                          f"{', '.join(LAYER_BYTES)}); measure its constants as tests/test_gpu_check.py checks them")
     params, tokens = model_parameters(m), micro_batch * seq
-    layer_params = sum(layer_parameters(m, index=i).total for i in range(m.num_layers))
+    layer_params = layer_parameters(m)
     hidden, ffn, kv = LAYER_BYTES[m.family]
     layer = hidden * m.hidden_size + ffn * m.ffn_size + kv * m.kv_heads * m.head_size
     return {**{name: size * params for name, size in STATE_BYTES.items()},

@@ -3,7 +3,8 @@
 Fake tensors allocate nothing, but each still has a storage with a size, so the dry run counts memory as an
 allocator would see it: every storage an operation creates is counted from the operation that made it until
 its last tensor dies (a weak reference to the storage) or it is resized (ZeRO-3 frees a gathered bucket, the
-pipeline frees a sent activation, by resizing the storage to 0 bytes). A view counts nothing of its own.
+pipeline frees a sent activation, by resizing the storage to 0 bytes through parallel/storage.py's operator,
+which this mode sees). A view counts nothing of its own.
 
 Why not torch.distributed._tools.MemTracker: it sorts memory by module and by torch's own categories (a
 parameter, its .grad, an optimizer state), while megalite keeps gradients in flat bucket buffers and main
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from megalite.parallel.storage import RESIZE
 
 
 def _maker() -> str:
@@ -67,6 +70,11 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func is RESIZE:  # ZeRO-3 frees or re-grows a gathered bucket, the pipeline frees a sent activation
+            key = id(args[0].untyped_storage())
+            if key in self.entries:
+                self._resize(key, args[0].untyped_storage().nbytes())
+            return out
         for value in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
                 self._track(value.untyped_storage())
@@ -141,24 +149,13 @@ class LiveBytes(TorchDispatchMode):
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[LiveBytes]:
-        """Activate the mode, follow storage resizes and mark what autograd saves as activations."""
-        resize = torch.UntypedStorage.resize_
-        tracker = self
-
-        def resized(storage: torch.UntypedStorage, size: int) -> Any:
-            result = resize(storage, size)
-            if id(storage) in tracker.entries:
-                tracker._resize(id(storage), storage.nbytes())
-            return result
+        """Activate the mode (which follows storage resizes, parallel/storage.py) and mark what autograd saves as
+        activations."""
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            if tracker.kind_of(tensor) == "transient":
-                tracker.relabel(tensor.untyped_storage(), "activations")
+            if self.kind_of(tensor) == "transient":
+                self.relabel(tensor.untyped_storage(), "activations")
             return tensor
 
-        torch.UntypedStorage.resize_ = resized
-        try:
-            with self, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                yield self
-        finally:
-            torch.UntypedStorage.resize_ = resize
+        with self, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield self

@@ -76,41 +76,23 @@ Phase = tuple[dict[str, int], list]  # a phase's peak: bytes by kind, and its la
 
 
 @contextlib.contextmanager
-def host_draws(live: LiveBytes) -> Iterator[None]:
-    """Initialisation draws every parameter at full shape on the host (model/init.py): count those as host memory."""
-    original = init.initial_value
-
-    def drawn(*args, **kwargs) -> torch.Tensor:
-        with live.making("host"):
-            return original(*args, **kwargs)
-
-    init.initial_value = drawn
-    try:
-        yield
-    finally:
-        init.initial_value = original
-
-
-@contextlib.contextmanager
 def update_phase(trainer: Trainer, live: LiveBytes) -> Iterator[dict[str, Phase]]:
     """Split the step's peak at the optimizer's update: {"backward": the peak before it, "update": during and
-    after it}; what the update makes counts as optimizer state (host, offloaded)."""
-    optimizer = trainer.optimizer.optimizer
-    original, phases = optimizer.step, {}
+    after it}; what the update makes counts as optimizer state (host, offloaded). torch's optimizer hooks
+    mark the update's start and end."""
+    optimizer, phases = trainer.optimizer.optimizer, {}
     kind = "host" if trainer.cfg.optim.offload == "cpu" else "optimizer"
+    with contextlib.ExitStack() as hooks, contextlib.ExitStack() as updating:
 
-    def step(*args, **kwargs):
-        phases["backward"] = dict(live.at_peak), live.largest_at_peak
-        live.reset_peak()
-        with live.making(kind):
-            return original(*args, **kwargs)
+        def before(*_args) -> None:
+            phases["backward"] = dict(live.at_peak), live.largest_at_peak
+            live.reset_peak()
+            updating.enter_context(live.making(kind))
 
-    optimizer.step = step
-    try:
+        hooks.callback(optimizer.register_step_pre_hook(before).remove)
+        hooks.callback(optimizer.register_step_post_hook(lambda *_args: updating.close()).remove)
         yield phases
         phases["update"] = dict(live.at_peak), live.largest_at_peak
-    finally:
-        del optimizer.step
 
 
 def steady_peak(phases: dict[str, Phase], state: int) -> Phase:
@@ -132,7 +114,7 @@ def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int, s
         live = LiveBytes(sites)
         with fake_tensors(), live.counting():
             start = time.perf_counter()
-            with host_draws(live):
+            with init.draws_inside(lambda: live.making("host")):
                 trainer = build_trainer(cfg, topology)
             as_accelerator(trainer.model)
             assume_balanced_routing(trainer.model)

@@ -25,6 +25,11 @@ A layer with a sliding window (model.sliding_window in model.sliding_window_laye
 only, and with attention sinks (gpt-oss) each head has a learned logit `sinks` that joins its softmax as a column
 with no value; both run through model/windowed_attention.py on one device (context_parallel.py under cp). The
 sinks are split over tp with the heads; a generation cache keeps only a windowed layer's window.
+
+Its costs (model/costs.py): attention is SDPA (flash), so no s^2 scores are kept, and selective recompute
+keeps only q, k and v; q, k and v are views of the fused QKV output; per token it multiplies its two weights and
+computes the s x s square of scores and weighted sums over the full square (as Megatron-LM and PaLM count it),
+or with a sliding window the pairs the window keeps by the same measure (`attended_keys`).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.model.costs import MicroBatch, matmul_held, row_bias_held, weights_multiplied
 from megalite.model.kv_cache import LayerCache
-from megalite.model.norms import build_norm
+from megalite.model.norms import build_norm, recomputed_held
 from megalite.model.rope import apply_rope
 from megalite.model.windowed_attention import windowed_attention
 from megalite.parallel.context import ParallelContext
@@ -74,6 +80,7 @@ class SelfAttention(nn.Module):
         self.recompute_core = False
         self.fused = True  # train.fusions: RoPE as model/fused.py's one kernel each way
         self.ctx = ctx
+        self.rope = cfg.features.position_embedding == "rope"
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
@@ -111,6 +118,64 @@ class SelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                                   enable_gqa=self.groups != self.heads)
 
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """The QKV input (this rank's rows under SP), the fused QKV output (v, and q and k without RoPE, are views of
+        it), q and k after RoPE, the projection's input, the flash kernel's logsumexp unless the core is recomputed,
+        what the q/k norms keep; under all-gather context parallelism `_allgather_change`."""
+        tokens, c, d = batch.tokens, batch.compute, self.head_dim
+        heads, groups = self.heads, self.groups
+        size = batch.rows * self.linear_qkv.weight.shape[1] * c + tokens * (heads + 2 * groups) * d * c
+        size += tokens * (heads + groups) * d * c if self.rope else 0
+        size += tokens * heads * d * c + (tokens * heads * 4 if not self.recompute_core else 0)
+        return size + self._qk_norm_bytes(batch) + self._allgather_change(batch)
+
+    def _qk_norm_bytes(self, batch: MicroBatch) -> int:
+        """torch's RMSNorm of each q and k head keeps x * rstd in fp32 and rstd per head, and its input in fp32: in
+        fp32 a view of the fused QKV output (counted there) for k, and for q unless grouped-query attention made q
+        a copy; in a lower precision an fp32 copy of both."""
+        if self.q_norm is None:
+            return 0
+        tokens, d = batch.tokens, self.head_dim
+        rows = tokens * (self.heads + self.groups)
+        if batch.compute != 4:
+            inputs = rows * d * 4
+        else:
+            inputs = tokens * self.heads * d * 4 if self.groups != self.heads else 0
+        return rows * d * 4 + rows * 4 + inputs
+
+    def _allgather_change(self, batch: MicroBatch) -> int:
+        """All-gather context parallelism with nothing recomputed keeps the whole sequence's K/V
+        (parallel/context_parallel.py), and with it nothing keeps the fused QKV output nor k after RoPE, except
+        what q still keeps: q after RoPE, the copy its reshape makes under grouped-query attention, or else (a
+        view) the whole fused QKV output. A signed change to `saved_bytes`."""
+        cp = self.ctx.cp.size
+        if cp == 1 or self.ctx.cp_comm != "allgather" or self.recompute_core:
+            return 0
+        tokens, heads, groups = batch.tokens, self.heads, self.groups
+        one_device = tokens * (heads + 2 * groups) + (tokens * (heads + groups) if self.rope else 0)
+        kept_q = tokens * heads if self.rope or groups != heads else tokens * (heads + 2 * groups)
+        gathered = 2 * tokens * groups * cp  # the whole sequence's K/V, per head_dim
+        return ((kept_q - one_device) + gathered) * self.head_dim * batch.compute
+
+    def held_bytes(self, batch: MicroBatch) -> int:
+        """Both projections' input and output gradient (the QKV input gathered whole under SP), the q/k norms'
+        input and output gradient, and the projection's bias gradient, added after the reduction."""
+        size = matmul_held(self.linear_qkv.weight, batch.tokens, batch.compute)
+        size += matmul_held(self.linear_proj.weight, batch.tokens, batch.compute)
+        if self.q_norm is not None:
+            size += recomputed_held(batch.tokens * (self.heads + self.groups) * self.head_dim, batch.compute, batch)
+        return size + row_bias_held(self.linear_proj, batch)
+
+    def matmul_parameters(self) -> int:
+        return weights_multiplied(self.linear_qkv, self.linear_proj)
+
+    def attention_flops(self, seq: int) -> float:
+        """QK^T and the weighted sum over the keys each query is counted against, per token: 2 matmuls x 2 FLOPs."""
+        return 4 * attended_keys(seq, self.window) * self.heads * self.head_dim
+
+    def recomputed_flops(self, seq: int) -> float:
+        return self.attention_flops(seq) if self.recompute_core else 0
+
 
 def split_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[..., groups, per_group + 2, d] -> q [..., groups, per_group, d], k and v [..., groups, d]: views whose
@@ -119,3 +184,12 @@ def split_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     added together: 17 ms of GPT-2 1.3B's 299 ms step on an H200."""
     q, k, v = qkv.split([qkv.shape[-2] - 2, 1, 1], dim=-2)
     return q, k.squeeze(-2), v.squeeze(-2)
+
+
+def attended_keys(seq: int, window: int | None) -> float:
+    """The keys each token's query is counted against: s (the s x s square, twice the causal pairs) or, under a
+    sliding window W < s, as many times the pairs the window keeps (sum over queries of min(q + 1, W)) as the square
+    counts the causal pairs, 2 pairs / (s + 1): about 2W at long s."""
+    if window is None or window >= seq:
+        return seq
+    return 2 * (window * seq - window * (window - 1) / 2) / (seq + 1)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.model import costs
 from megalite.model.attention import SelfAttention
 from megalite.model.aux_losses import AuxLosses
 from megalite.model.head import LMHead
@@ -54,6 +55,21 @@ class TransformerLayer(nn.Module):
             x = x + self.dropout(self.attention(self.input_norm(x), rope, cache))
             return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
 
+    def saved_bytes(self, batch: costs.MicroBatch) -> int:
+        """Under full recompute only the layer's input (the checkpoint's); else its parts' and the dropout masks
+        after attention and MLP (one byte per element)."""
+        hidden = self.input_norm.normalized_shape[-1]
+        if self.recompute:
+            return batch.rows * hidden * batch.residual
+        dropout = 2 * batch.rows * hidden if self.dropout.p > 0 else 0
+        return sum(costs.saved_bytes(part, batch) for part in self.children()) + dropout
+
+    def recomputed_flops(self, seq: int) -> int:
+        """Full recompute runs the layer's whole forward again; otherwise what its parts rerun."""
+        if self.recompute:
+            return costs.forward_flops(self, seq)
+        return sum(costs.recomputed_flops(part, seq) for part in self.children())
+
 
 class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
@@ -79,6 +95,19 @@ class Embedding(nn.Module):
             x = x + self.position_embeddings(ids)
         with self.ctx.hidden_rng():
             return self.dropout(x)
+
+    def saved_bytes(self, batch: costs.MicroBatch) -> int:
+        """The token ids (int64), under tp the mask of ids outside this rank's rows, the dropout mask."""
+        out_of_range = batch.tokens if self.ctx.tp.size > 1 else 0
+        dropout = batch.rows * self.word_embeddings.weight.shape[1] if self.dropout.p > 0 else 0
+        return batch.tokens * 8 + out_of_range + dropout
+
+    def held_bytes(self, batch: costs.MicroBatch) -> int:
+        """Each lookup's ids (int64) and output gradient (the parameters' dtype): the words', the positions'
+        (this rank's rows of them under SP)."""
+        hidden = self.word_embeddings.weight.shape[1]
+        size = batch.tokens * (8 + hidden * batch.residual)
+        return size + (batch.rows * (8 + hidden * batch.residual) if self.position_embeddings is not None else 0)
 
 
 def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -14,6 +14,10 @@ Every path multiplies by the whole padded weight (shard), never a `[:vocab_size]
 the padding keeps the GEMM's N a multiple of make_vocab_size_divisible_by, which is what gets
 it onto the fast bf16 kernels. The losses mask the padded columns out of the softmax; returned
 logits are sliced to the real vocabulary after the matmul.
+
+Its costs (model/costs.py): its input; one device keeps the [tokens, padded vocabulary] logits gradient in the
+compute dtype, vocab-parallel cross-entropy fp32 probabilities of its shard; per token it multiplies the weight
+rows of the real vocabulary.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.model.cross_entropy import linear_cross_entropy
+from megalite.model.costs import MicroBatch
+from megalite.model.cross_entropy import chunk_bytes, chunk_rows, linear_cross_entropy
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -36,8 +41,9 @@ class LMHead(nn.Module):
     def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, ctx: ParallelContext,
                  owns_weight: bool) -> None:
         super().__init__()
-        self.ctx, self.vocab_size = ctx, vocab_size
-        self.weight = nn.Parameter(torch.empty(padded_vocab_size // ctx.tp.size, hidden_size)) if owns_weight else None
+        self.ctx, self.vocab_size, self.hidden_size = ctx, vocab_size, hidden_size
+        self.rows = padded_vocab_size // ctx.tp.size  # this rank's rows of the (own or tied) weight
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size)) if owns_weight else None
         self.placements = {"weight": Placement.split("tp", 0)}
         self.recipe = gemm.HIGH_PRECISION
         self.loss_chunk_bytes: int | None = None
@@ -62,3 +68,32 @@ class LMHead(nn.Module):
         losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.t().flatten(), start, self.vocab_size,
                                               tp.group)
         return losses.view(labels.shape[1], labels.shape[0]).t()
+
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """Its input, the logits gradient (one device; over the padded vocabulary, padding masked) or the fp32
+        probabilities with the local label ids and ownership mask (vocab-parallel), the per-token losses and the
+        loss mask."""
+        tokens = batch.tokens
+        if self.ctx.tp.size == 1:
+            logits = tokens * self.rows * batch.compute
+        else:
+            logits = tokens * (self.rows * 4 + 8 + 1)
+        return tokens * self.hidden_size * batch.compute + logits + tokens * 8
+
+    def transient_bytes(self, batch: MicroBatch) -> int:
+        """One device turns the logits into their gradient a chunk of rows at a time (model/cross_entropy.py): each
+        chunk cast to fp32 and its log-softmax, two fp32 copies (one when the logits are fp32), at the accelerators'
+        chunk size (a CPU's is a few MiB). Vocab-parallel cross-entropy holds the logits in the compute dtype
+        beside their fp32 copy (saved), and in backward the gradient's cast back to the compute dtype."""
+        if self.ctx.tp.size == 1:
+            rows = min(batch.tokens, chunk_rows(self.rows, chunk_bytes("cuda")))
+            return (1 if batch.compute == 4 else 2) * rows * self.rows * 4
+        return batch.tokens * self.rows * batch.compute if batch.compute != 4 else 0
+
+    def held_bytes(self, batch: MicroBatch) -> int:
+        """The input (on one device scaled per token; vocab-parallel, gathered) and the logits' gradient (on one
+        device already saved, kept now until W)."""
+        return batch.tokens * (self.hidden_size + self.rows) * batch.compute
+
+    def matmul_parameters(self) -> int:
+        return self.hidden_size * self.vocab_size

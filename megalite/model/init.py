@@ -8,7 +8,10 @@ and lets a run change its layout without changing its numbers.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -18,6 +21,20 @@ from megalite.parallel.placement import Coord, Placement
 from megalite.parallel.random import named_seed
 
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
+# What each full-shape draw runs inside (`draws_inside`); none by default.
+_DRAW_CONTEXT: ContextVar[Callable[[], contextlib.AbstractContextManager] | None] = ContextVar("draw", default=None)
+
+
+@contextlib.contextmanager
+def draws_inside(context: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Inside the block, every parameter's full-shape initial value is drawn inside `context()`: the seam through
+    which the dry run counts the draws as host memory (dryrun/rank_step.py), since they are made on the CPU
+    whatever the device."""
+    token = _DRAW_CONTEXT.set(context)
+    try:
+        yield
+    finally:
+        _DRAW_CONTEXT.reset(token)
 
 
 def initial_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> torch.Tensor:
@@ -37,9 +54,11 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, placements: d
     """Fill every parameter with this rank's slice (its placement's) of the full initial value; a tied copy
     ({copy name: original name}) takes the value of the one-device parameter it copies. Buffers (a router's
     expert bias) start at zero."""
+    draw = _DRAW_CONTEXT.get() or contextlib.nullcontext
     for local_name, param in model.named_parameters():
         placement, name = placements[local_name], tied_copies.get(local_name, local_name)
-        full = initial_value(name, torch.Size(placement.global_shape(param.shape, coord)), seed, cfg)
+        with draw():
+            full = initial_value(name, torch.Size(placement.global_shape(param.shape, coord)), seed, cfg)
         param.copy_(placement.local(full, coord))
         del full  # before the next draw: one full-shape tensor in host memory at a time, not two (the dry run)
     for buffer in model.buffers():

@@ -6,6 +6,11 @@ up + 1 (model.glu_linear_offset), as Megatron-Core's activation_func_clamp_value
 
 A gated MLP's gate and up projections are one fused matrix, gate rows first then up rows;
 tensor parallelism splits each half separately so every rank holds matching slices.
+
+Its costs (model/costs.py): fc1 keeps its input (this rank's rows under SP); the activation keeps fc1's output
+and what it makes, for every local token (column-parallel layers gather them under SP): gate|up, silu(gate)
+and the product (fc2's input) when gated (fused SwiGLU recomputes silu(gate)), the GELU input and output
+otherwise (`activation_bytes`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import Features, ModelConfig
+from megalite.model.costs import MicroBatch, matmul_held, row_bias_held, weights_multiplied
 from megalite.model.fused import swiglu
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -37,7 +43,7 @@ def activate(h: torch.Tensor, features: Features, fused: bool = False) -> torch.
     activation = ACTIVATIONS[features.activation]
     if not features.gated_mlp:
         return activation(h)
-    if fused and features.activation == "silu" and features.glu_limit is None and not features.glu_linear_offset:
+    if fuses_swiglu(features, fused):
         return swiglu(h)
     gate, up = h.chunk(2, dim=-1)
     if features.glu_limit is not None:
@@ -45,6 +51,28 @@ def activate(h: torch.Tensor, features: Features, fused: bool = False) -> torch.
     if features.glu_linear_offset:
         up = up + features.glu_linear_offset
     return activation(gate) * up
+
+
+def fuses_swiglu(features: Features, fused: bool) -> bool:
+    """Whether `activate` runs model/fused.py's SwiGLU: asked to fuse, and a plain SwiGLU (no clamp, no offset)."""
+    return (fused and features.gated_mlp and features.activation == "silu" and features.glu_limit is None
+            and not features.glu_linear_offset)
+
+
+def activation_bytes(features: Features, fused: bool, rows: int, width: int, compute: int) -> int:
+    """What `activate` keeps for `rows` rows of an MLP `width` wide (this rank's share), fc1's output and fc2's input
+    among them, in the compute dtype. Ungated: fc1's output and the activation's (quick GELU's sigmoid too).
+    Fused SwiGLU: gate|up and the product. Otherwise gated: gate|up, the activation's output (and quick GELU's
+    sigmoid), the product, and each half the clamp or the offset made anew (the clamped gate, the new up)."""
+    quick = features.activation == "quick_gelu"
+    if not features.gated_mlp:
+        units = 2 + quick
+    elif fuses_swiglu(features, fused):
+        units = 3
+    else:
+        clamped, offset = features.glu_limit is not None, bool(features.glu_linear_offset)
+        units = 2 + 1 + 1 + quick + clamped + (clamped or offset)
+    return units * rows * width * compute
 
 
 class MLP(nn.Module):
@@ -59,3 +87,21 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(activate(self.linear_fc1(x), self.features, self.fused))
+
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        return batch.rows * self.linear_fc1.weight.shape[1] * batch.compute + self.activation_bytes(batch)
+
+    def activation_bytes(self, batch: MicroBatch) -> int:
+        """What the MLP keeps past its input: fc1's output and the activation's tensors, fc2's input among them."""
+        width = self.linear_fc2.weight.shape[1]  # this rank's share of the hidden width
+        return activation_bytes(self.features, self.fused, batch.tokens, width, batch.compute)
+
+    def held_bytes(self, batch: MicroBatch) -> int:
+        return self.matmuls_held(batch.tokens, batch.compute) + row_bias_held(self.linear_fc2, batch)
+
+    def matmuls_held(self, tokens: int, width: int) -> int:
+        """fc1's and fc2's input and output gradient for `tokens` tokens, `width` bytes per element."""
+        return matmul_held(self.linear_fc1.weight, tokens, width) + matmul_held(self.linear_fc2.weight, tokens, width)
+
+    def matmul_parameters(self) -> int:
+        return weights_multiplied(self.linear_fc1, self.linear_fc2)

@@ -16,6 +16,12 @@ built model for its `recomputed_norm`: torch's norm module whose forward runs th
 keeps only the input and recomputes the norm in backward, for the input gradient in B and the weight's (and
 bias's) in W, with the kernels of the module's own backward (apex is not used there). It holds the same
 parameters under the same names, so checkpoints and module hooks (ZeRO-3's gathers) see nothing new.
+
+What each keeps for backward (model/costs.py), over the residual stream's rows: LayerNorm its input, mean and
+rstd; RMSNorm its input and rstd. How wide those are depends on the kernel: CUDA's fused kernels keep the input
+as it came (LayerNorm under autocast without train.fusions runs in fp32: an fp32 copy) and fp32 statistics;
+torch's composite RMSNorm (the CPU's) keeps an fp32 x and x * rstd. The recomputed norms keep only their input,
+on any device.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.model.costs import MicroBatch
 from megalite.parallel.weight_grads import recomputed
 
 
@@ -67,30 +74,71 @@ def in_input_dtype(x: torch.Tensor, weight: torch.Tensor) -> contextlib.Abstract
     return contextlib.nullcontext()
 
 
-class LayerNorm(nn.LayerNorm):
+def output_width(batch: MicroBatch) -> int:
+    """Bytes per element of a norm's output (and so of its gradient): fp32 from CUDA's kernels under autocast."""
+    return 4 if batch.device == "cuda" and batch.autocast else batch.residual
+
+
+def recomputed_held(elements: int, input_width: int, batch: MicroBatch) -> int:
+    """A norm recomputed in W (the Recomputed* norms below): its input and its output gradient."""
+    return elements * (input_width + output_width(batch))
+
+
+class _Norm:
+    """Costs of a norm over the residual stream's rows (the final norm, a layer's two)."""
+
+    normalized_shape: tuple[int, ...]
+
+    def _elements(self, batch: MicroBatch) -> int:
+        return batch.rows * self.normalized_shape[-1]
+
+    def held_bytes(self, batch: MicroBatch) -> int:
+        return recomputed_held(self._elements(batch), batch.residual, batch)
+
+
+class LayerNorm(_Norm, nn.LayerNorm):
     fused = True  # train.fusions (model/fused.py apply_fusions): in the input's dtype, or as autocast has it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with in_input_dtype(x, self.weight) if self.fused else contextlib.nullcontext():
             return super().forward(x)
 
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """Input (in its own dtype when fused; fp32 under CUDA's autocast otherwise), mean and rstd (fp32 on
+        CUDA). The residual stream and the weights share the parameters' dtype, so a fused norm runs in it."""
+        stats = 4 if batch.device == "cuda" else batch.residual
+        width = batch.residual if self.fused else output_width(batch)
+        return self._elements(batch) * width + 2 * batch.rows * stats
 
-class RMSNorm(nn.RMSNorm):
+
+class RMSNorm(_Norm, nn.RMSNorm):
     fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with in_input_dtype(x, self.weight) if self.fused else contextlib.nullcontext():
             return super().forward(x)
 
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """CUDA's fused kernel: the input as it came and an fp32 rstd per row; torch's composite form (CPU): an
+        fp32 x and x * rstd, and rstd."""
+        width = batch.residual if batch.device == "cuda" else 2 * 4
+        return self._elements(batch) * width + batch.rows * 4
 
-class RecomputedLayerNorm(nn.LayerNorm):
+
+class RecomputedLayerNorm(LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return recomputed(_layer_norm, x, self.weight, self.bias, shape=tuple(self.normalized_shape), eps=self.eps)
 
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        return self._elements(batch) * batch.residual
 
-class RecomputedRMSNorm(nn.RMSNorm):
+
+class RecomputedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return recomputed(_rms_norm, x, self.weight, shape=tuple(self.normalized_shape), eps=self.eps)
+
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        return self._elements(batch) * batch.residual
 
 
 def recomputed_norm(norm: nn.Module) -> nn.Module | None:

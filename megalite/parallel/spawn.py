@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megalite.parallel.host_allocator import map_large_blocks
 from megalite.parallel.topology import release_process_groups
 
 
@@ -43,6 +44,7 @@ def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Call
     os.environ.update(environ)
     if threads:
         torch.set_num_threads(threads)
+    map_large_blocks()  # host memory as a training process has it (Topology.from_environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world_size))  # as torchrun
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

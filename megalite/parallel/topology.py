@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megalite.config import ParallelConfig
 from megalite.parallel.cuda_env import prepare_cuda_environment
+from megalite.parallel.host_allocator import map_large_blocks
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
@@ -341,6 +342,7 @@ class Topology:
                          experts: bool = False) -> Topology:
         """Join the job torchrun started (or form a one-process group) and build the topology on it."""
         parallel = parallel or ParallelConfig()
+        map_large_blocks()  # before training frees its first bucket-sized buffer (host_allocator.py)
         # read once, when CUDA starts: before pick_device's first CUDA call
         line = prepare_cuda_environment(parallel) if device_preference != "cpu" else None
         device = pick_device(device_preference, int(os.environ.get("LOCAL_RANK", 0)))

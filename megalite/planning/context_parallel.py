@@ -1,4 +1,4 @@
-"""Context parallelism in the plan: what attention sends between cp ranks, and what allgather keeps.
+"""Context parallelism in the plan: what attention sends between cp ranks, and the buffers of its backward.
 
 Each cp rank holds seq/cp tokens of every sample (parallel/context_parallel.py), and everything
 outside attention is token-local, so activations.py counts every per-token tensor for the local
@@ -10,8 +10,9 @@ tokens only. Attention is where the ranks meet, and the two `parallel.cp_comm` c
 - allgather runs the ring's blocks (same fused kernels, no masks) over the whole sequence's K/V,
   gathered once. With nothing recomputed its autograd Function keeps that gathered K/V for backward
   instead of the local k and v, so nothing keeps those any more: neither k after RoPE nor the fused
-  QKV output that v (and, for multi-head attention without RoPE, q and k) is a view of. Backward
-  builds the whole sequence's dK/dV in fp32 and casts it to the compute dtype for the reduce-scatter.
+  QKV output that v (and, for multi-head attention without RoPE, q and k) is a view of (what attention
+  keeps is its own declaration: model/attention.py). Backward builds the whole sequence's dK/dV in fp32
+  and casts it to the compute dtype for the reduce-scatter.
 
 Sizes per rank, as in activations.py: K/V groups and heads divided by tp; under sequence parallelism
 the attention region still sees all local tokens (seq/cp * micro batch).
@@ -20,16 +21,17 @@ the attention region still sees all local tokens (seq/cp * micro batch).
 from __future__ import annotations
 
 from megalite.config import TORCH_DTYPES, Config
+from megalite.planning.built import first_layer, token_rows
 
 COMM_NAMES = {"p2p": "ring attention", "allgather": "all-gather"}
 
 
 def _sizes(cfg: Config) -> tuple[int, int, int, int]:
-    """(local tokens of a micro batch, local query heads, local KV groups, local K/V elements of one layer)."""
-    m, p = cfg.model, cfg.parallel
-    tokens = m.seq_length // p.cp * cfg.train.micro_batch_size
-    heads, groups = m.num_attention_heads // p.tp, m.kv_heads // p.tp
-    return tokens, heads, groups, 2 * tokens * groups * m.head_size
+    """(local tokens of a micro batch, local query heads, local KV groups, local K/V elements of one layer), from the
+    attention of the rank's model (planning/built.py)."""
+    attention = first_layer(cfg).attention
+    tokens = token_rows(cfg)[0]
+    return tokens, attention.heads, attention.groups, 2 * tokens * attention.groups * attention.head_dim
 
 
 def comm_bytes(cfg: Config) -> tuple[int, int]:
@@ -54,21 +56,6 @@ def gathered_kv(cfg: Config) -> int:
     return _sizes(cfg)[3] * cfg.parallel.cp
 
 
-def allgather_layer_bytes(cfg: Config, compute: int) -> int:
-    """What one layer keeps under allgather with no recompute, minus what activations.py counts for the
-    one-device (and ring) attention: a signed correction to `layer_bytes`. The gathered K/V comes in;
-    the fused QKV output and k after RoPE go, except what q still keeps: q after RoPE, the copy its
-    reshape makes under grouped-query attention, or else (a view) the whole fused QKV output."""
-    p, m = cfg.parallel, cfg.model
-    if p.cp == 1 or p.cp_comm != "allgather" or cfg.train.recompute != "none":
-        return 0
-    tokens, heads, groups, _ = _sizes(cfg)
-    rope = m.features.position_embedding == "rope"
-    one_device = tokens * (heads + 2 * groups) + (tokens * (heads + groups) if rope else 0)
-    kept_q = tokens * heads if rope or groups != heads else tokens * (heads + 2 * groups)
-    return ((kept_q - one_device) * m.head_size + gathered_kv(cfg)) * compute
-
-
 def attention_transient_bytes(cfg: Config, compute: int) -> int:
     """Buffers of one layer's context-parallel attention backward, freed when the layer is done.
 
@@ -81,7 +68,7 @@ def attention_transient_bytes(cfg: Config, compute: int) -> int:
     if p.cp == 1:
         return 0
     tokens, heads, _, kv = _sizes(cfg)
-    dq = tokens * heads * cfg.model.head_size
+    dq = tokens * heads * first_layer(cfg).attention.head_dim
     if p.cp_comm == "p2p":
         return 2 * kv * (compute + 4) + dq * 4
     cast = compute if compute != 4 else 0  # .to() an fp32 tensor to fp32 returns the tensor itself

@@ -25,7 +25,6 @@ from megalite.data.mock import MockDataset
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.topology import Topology
 from megalite.parallel.weight_grads import WeightGradients
-from megalite.parallel.zero import AllReduce
 from megalite.training.build import build_trainer
 from megalite.training.step import train_step
 
@@ -134,28 +133,22 @@ class GradientBytes:
     """The bytes the ZeRO strategies' gradient storage holds (whole buffers or shards, the buckets filling, the
     inputs of reductions in flight, which a collective keeps alive until it is waited for), sampled at every
     allocation, where a peak happens; `peak` is the most at once. Every such buffer is made by the strategies'
-    one gradient allocation point (parameter storage has its own), and is counted until it is really freed
-    (weak references)."""
+    one gradient allocation point, which tells its observers (parameter storage has its own), and is counted
+    until it is really freed (weak references)."""
 
     def __init__(self) -> None:
         self.alive: list[tuple[weakref.ref, int]] = []
         self.peak = 0
 
-    @contextlib.contextmanager
-    def tracking(self) -> Iterator[GradientBytes]:
-        zeros = AllReduce._zeros
+    def watch(self, buffers: Iterable[GradBuffer]) -> None:
+        """Count what `buffers` keep (made when they were built) and every gradient buffer they make from now on."""
+        for buffer in buffers:
+            self._made(kept_gradients([buffer])[0])
+            buffer.strategy.observe_allocations(self._made)
 
-        def counted(strategy: AllReduce, size: int) -> torch.Tensor:
-            tensor = zeros(strategy, size)
-            self.alive.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
-            self.peak = max(self.peak, self.now)
-            return tensor
-
-        AllReduce._zeros = counted
-        try:
-            yield self
-        finally:
-            AllReduce._zeros = zeros
+    def _made(self, tensor: torch.Tensor) -> None:
+        self.alive.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
+        self.peak = max(self.peak, self.now)
 
     @property
     def now(self) -> int:
@@ -168,7 +161,8 @@ def rank_memory(rank: int, world_size: int, cfg: Config) -> dict[str, int]:
     MEMORY_CATEGORIES, the host copies of the gradients, the parameters held and the most gathered at once."""
     topology = Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel, cfg.model.num_experts > 0)
     gradients = GradientBytes()
-    with gradients.tracking(), build_trainer(cfg, topology) as parts:
+    with build_trainer(cfg, topology) as parts:
+        gradients.watch(parts.grads.buffers)
         params, mains = list(parts.model.parameters()), [m.main for m in parts.optimizer.shards()]
         train_step(parts, mock_batches(cfg, cfg.num_microbatches(world_size), topology.dp_rank))
     strategies = [b.strategy for b in parts.grads.buffers]

@@ -23,23 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.model import costs
 from megalite.parallel.pipeline.registry import schedule_spec, stage_layout
 from megalite.parallel.placement import DATA_AXES
 from megalite.parallel.topology import RankGrid
-from megalite.planning.activations import (
-    _BYTES,
-    Widths,
-    embedding_bytes,
-    head_bytes,
-    head_transient_bytes,
-    layer_bytes,
-)
+from megalite.planning.activations import chunk_costs
+from megalite.planning.built import BYTES, micro_batch, rank_model
 from megalite.planning.context_parallel import attention_transient_bytes
-from megalite.planning.held import embedding_held_bytes, head_held_bytes, layer_held_bytes
 from megalite.planning.parameters import Parameters, rank_parameters
 
 
@@ -72,8 +65,8 @@ def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, 
     offloaded (optim.offload=cpu) main weights and optimizer state live in host memory instead."""
     t, p = cfg.train, cfg.parallel
     shards = dp if p.zero >= 1 else 1
-    grads = numel * _BYTES[p.grad_reduce_dtype] / (dp if p.zero >= 2 else 1)
-    weights = numel * _BYTES[t.param_dtype] / (dp if p.zero >= 3 else 1)
+    grads = numel * BYTES[p.grad_reduce_dtype] / (dp if p.zero >= 2 else 1)
+    weights = numel * BYTES[t.param_dtype] / (dp if p.zero >= 3 else 1)
     if cfg.optim.offload == "cpu":
         return weights, grads, 0.0, 0.0
     main = 0 if t.param_dtype == "fp32" else 4
@@ -112,53 +105,46 @@ def gathered_bytes(cfg: Config, params: Parameters, dp: int) -> tuple[float, flo
     if cfg.parallel.zero < 3 or dp == 1:
         return 0.0, 0.0
     weights, grads = gathered_elements(params)
-    return weights * _BYTES[cfg.train.param_dtype], grads * _BYTES[cfg.parallel.grad_reduce_dtype]
+    return weights * BYTES[cfg.train.param_dtype], grads * BYTES[cfg.parallel.grad_reduce_dtype]
 
 
-def transient_bytes(cfg: Config, params: Parameters, shards: dict[str, int], activations: float,
-                    device: str = "cuda", head: bool = False) -> float:
-    """Memory above state + activations at the worst moment: in backward, the largest parameter's
-    gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
-    activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`),
-    plus context-parallel attention's buffers (planning/context_parallel.py), less on the stage with the `head`
-    what the head saved (its backward runs first and frees it, before any layer is recomputed); there, as the
-    loss's forward ends with every activation held, its temporaries (`head_transient_bytes`) and the units
-    gathered then; in the optimizer step (activations and whole units freed), fp32 copies of bf16-reduced
-    gradient slices for the fp32 main weights (each grid's over its own `shards`, the replicas)."""
+def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[str, int], activations: float,
+                    device: str = "cuda") -> float:
+    """Memory above state + activations at the worst moment on pipeline stage `pp_rank`: in backward, the largest
+    parameter's gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
+    activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`), plus
+    context-parallel attention's buffers (planning/context_parallel.py), less on the stage with the head what the
+    head saved (its backward runs first and frees it, before any layer is recomputed); there, as the loss's forward
+    ends with every activation held, its temporaries (the head's `transient_bytes`, model/costs.py) and the units
+    gathered then; in the optimizer step (activations and whole units freed), fp32 copies of bf16-reduced gradient
+    slices for the fp32 main weights (each grid's over its own `shards`, the replicas)."""
+    model, batch = rank_model(cfg, pp_rank), micro_batch(cfg, device)
     gathered_weights, gathered_grads = gathered_bytes(cfg, params, shards["dense"])
-    loss = head_transient_bytes(cfg, device) + gathered_weights if head else 0
-    backward = (params.largest * _BYTES[cfg.train.param_dtype] + gathered_weights + gathered_grads
-                + attention_transient_bytes(cfg, Widths.of(cfg, device).compute))
+    head = model.lm_head is not None
+    loss = costs.transient_bytes(model.lm_head, batch) + gathered_weights if head else 0
+    backward = (params.largest * BYTES[cfg.train.param_dtype] + gathered_weights + gathered_grads
+                + attention_transient_bytes(cfg, batch.compute))
     if cfg.train.recompute == "full":
         kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
-        backward += max(layer_bytes(kept, device, index) for index in range(cfg.model.num_layers))
-        backward -= head_bytes(cfg, device) if head else 0
+        layers = rank_model(kept, pp_rank).layers.values()
+        backward += max((costs.saved_bytes(layer, batch) for layer in layers), default=0)
+        backward -= costs.saved_bytes(model.final_norm, batch) + costs.saved_bytes(model.lm_head, batch) if head else 0
     sharded = cfg.parallel.zero >= 1
     step = sum(numel * 4 / (shards[grid] if sharded else 1) for grid, numel in params.by_grid.items())
     return max(backward, loss, step - activations if cfg.parallel.grad_reduce_dtype != "fp32" else 0)
 
 
-def _per_chunk(cfg: Config, pp_rank: int, layer: Callable[[int], int], first: int, last: int) -> list[int]:
-    """For each model chunk of pipeline stage `pp_rank`: layer(global index) summed over its layers, plus `first`
-    on the model's first chunk (the embedding) and `last` on its last (the head)."""
-    stage = stage_layout(cfg, pp_rank)
-    return [sum(layer(index) for index in range(a, b)) + (first if stage.is_first_chunk(chunk) else 0)
-            + (last if stage.is_last_chunk(chunk) else 0) for chunk, (a, b) in enumerate(stage.chunks)]
-
-
 def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
     """One micro batch's saved bytes for each model chunk of pipeline stage `pp_rank`."""
-    return _per_chunk(cfg, pp_rank, lambda index: layer_bytes(cfg, device, index), embedding_bytes(cfg),
-                      head_bytes(cfg, device))
+    return chunk_costs(cfg, pp_rank, device, costs.saved_bytes)
 
 
 def chunk_held_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
     """One micro batch's weight-gradient inputs, held from its B to its W, for each model chunk of pipeline stage
-    `pp_rank` (planning/held.py); none unless the schedule splits the backward."""
+    `pp_rank`; none unless the schedule splits the backward."""
     if not schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
         return [0] * stage_layout(cfg, pp_rank).vp
-    return _per_chunk(cfg, pp_rank, lambda index: layer_held_bytes(cfg, device, index), embedding_held_bytes(cfg),
-                      head_held_bytes(cfg, device))
+    return chunk_costs(cfg, pp_rank, device, costs.held_bytes)
 
 
 def peak_activations(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda") -> tuple[int, int]:
@@ -189,7 +175,7 @@ def stage_memory(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda
     grids = grid_state_bytes(cfg, params, shards)
     state = [sum(parts) for parts in zip(*grids.values())]  # weights, gradients, main weights, optimizer
     activations, in_flight = peak_activations(cfg, world_size, pp_rank, device)
-    transient = transient_bytes(cfg, params, shards, activations, device, stage_layout(cfg, pp_rank).has_head)
+    transient = transient_bytes(cfg, pp_rank, params, shards, activations, device)
     return StageMemory(pp_rank, params, *state, activations, in_flight, transient, sum(grids["expert"]))
 
 

@@ -1,37 +1,29 @@
-"""Parameter counts from the config, per tensor-parallel rank of each pipeline stage.
+"""Parameter counts per rank of each pipeline stage, read from the model built on the meta device (planning/built.py).
 
-Mirrors how megalite/model builds the GPT: a fused QKV (heads model.head_dim wide; a bias with model.bias or
-model.qkv_bias) and (for SwiGLU) a fused gate/up matrix, column-parallel weights and biases split over tp,
-row-parallel weights split and their biases replicated, norms (the per-head q/k norms too) and learned
-positions replicated, the padded vocabulary split over tp. With tied embeddings under pipeline parallelism
-the last stage holds its own copy of the word embeddings as the LM head (kept equal to the first stage's),
-which costs memory there.
-Each count also lists its ZeRO-3 gather units (GPTModel.chunk_modules): the embedding, each layer,
-the final norm and an untied LM head, each gathered whole around its use (parallel/zero/stage3.py).
-
-Attention sinks (model.attention_sinks) are one logit per head, split over tp with the heads.
-A mixture-of-experts layer (model/moe/) has, in the MLP's place, a router [experts, hidden] (dense grid,
-replicated; with model.moe_router_bias a bias [experts]), every expert's two projections stacked (with biases
-[experts, out] under model.bias) (the expert grid: each rank holds num_experts/ep of
-them, whole, as their placement says) and optionally a shared expert (a tensor-parallel MLP) with its gate
-[1, hidden]. The counts keep the two grids apart (`Parameters.by_grid`), as gradients are reduced and
-optimizer state sharded over each grid's own data axes (planning/memory.py).
+What one tensor- and expert-parallel rank of a stage holds is its model's parameters, each on the rank grid its
+placement names (parallel/placement.py): dense ones (split over tp or replicated) and the experts' (the expert grid:
+num_experts/ep of them per rank). The counts keep the two grids apart (`Parameters.by_grid`), as gradients are
+reduced and optimizer state sharded over each grid's own data axes (planning/memory.py). With tied embeddings
+under pipeline parallelism the last stage holds its own copy of the word embeddings as the LM head, which costs
+memory there. Each count also lists its ZeRO-3 gather units (GPTModel.chunk_modules: the embedding, each layer,
+the final norm and an untied LM head), each gathered whole around its use (parallel/zero/stage3.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megalite.config import Config, ModelConfig
-from megalite.parallel.pipeline.registry import stage_layout
+from megalite.model import costs
+from megalite.parallel.zero import unit_index
+from megalite.planning.built import one_device_model, rank_model
 
 
 @dataclass(frozen=True)
 class Parameters:
-    """Element counts held by one rank: split over tp (`sharded`, already divided) or replicated."""
+    """Element counts held by one rank, on each rank grid."""
 
-    sharded: int = 0
-    replicated: int = 0
+    dense: int = 0
     expert: int = 0  # on the expert grid: this rank's experts' weights (num_experts/ep experts of each layer)
     largest: int = 0  # elements of the largest single parameter (its gradient is briefly materialised)
     units: tuple[int, ...] = ()  # elements of each gather unit with parameters of its own, in forward order
@@ -39,112 +31,48 @@ class Parameters:
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated + self.expert
+        return self.dense + self.expert
 
     @property
     def by_grid(self) -> dict[str, int]:
         """Elements on each rank grid (parallel/placement.py `Placement.grid`)."""
-        return {"dense": self.sharded + self.replicated, "expert": self.expert}
-
-    def __add__(self, other: Parameters) -> Parameters:
-        return Parameters(self.sharded + other.sharded, self.replicated + other.replicated,
-                          self.expert + other.expert, max(self.largest, other.largest), self.units + other.units,
-                          self.tied_head or other.tied_head)
-
-
-def _params(tp: int, sharded: list[int], replicated: list[int], expert: tuple[int, ...] = ()) -> Parameters:
-    """One gather unit's parameters; `expert` are already this rank's (split over ep)."""
-    split = [n // tp for n in sharded]
-    local = split + replicated + list(expert)
-    return Parameters(sum(split), sum(replicated), sum(expert), max(local, default=0), (sum(local),))
-
-
-def _mlp(m: ModelConfig, width: int) -> tuple[list[int], list[int]]:
-    """(tensor-parallel-split, replicated) elements of an MLP `width` wide: fc1 (gate and up when gated) and
-    its bias split, fc2 split and its bias replicated."""
-    h, fc1 = m.hidden_size, (2 if m.features.gated_mlp else 1) * width
-    bias = m.features.bias
-    return [h * fc1, width * h] + ([fc1] if bias else []), [h] if bias else []
-
-
-def expert_parameters(m: ModelConfig) -> int:
-    """One routed expert's weights (fc1, gate and up when gated, and fc2) and biases (with model.bias)."""
-    h, fc1 = m.hidden_size, (2 if m.features.gated_mlp else 1) * m.expert_ffn_size
-    return fc1 * h + h * m.expert_ffn_size + ((fc1 + h) if m.features.bias else 0)
-
-
-def _moe(m: ModelConfig, ep: int) -> tuple[list[int], list[int], tuple[int, ...]]:
-    """(tensor-parallel-split, replicated, expert-grid) elements of a mixture-of-experts block: the router,
-    num_experts/ep experts' stacked projections, the shared expert and its gate."""
-    h, width, local = m.hidden_size, m.expert_ffn_size, m.num_experts // ep
-    fc1 = (2 if m.features.gated_mlp else 1) * width
-    sharded, replicated = _mlp(m, m.moe_shared_expert_size) if m.moe_shared_expert_size else ([], [])
-    gate = [h] if m.moe_shared_expert_size and m.moe_shared_expert_gate else []
-    router = [m.num_experts * h] + ([m.num_experts] if m.features.moe_router_bias else [])
-    biases = (local * fc1, local * h) if m.features.bias else ()
-    return sharded, [*router, *replicated, *gate], (local * fc1 * h, local * h * width, *biases)
-
-
-def layer_parameters(m: ModelConfig, tp: int = 1, index: int = 0, ep: int = 1) -> Parameters:
-    """Transformer layer `index` (global: which layers have experts) on one tensor- and expert-parallel rank."""
-    h, d, bias = m.hidden_size, m.head_size, m.features.bias
-    qkv = (m.num_attention_heads + 2 * m.kv_heads) * d
-    norm = _norm_parameters(m)
-    sharded = [h * qkv, m.num_attention_heads * d * h] + ([qkv] if bias or m.features.qkv_bias else [])
-    sharded += [m.num_attention_heads] if m.features.attention_sinks else []
-    replicated = [norm, norm] + ([h] if bias else []) + ([d, d] if m.features.qk_norm else [])
-    expert: tuple[int, ...] = ()
-    if index in m.moe_layers:
-        mlp_sharded, mlp_replicated, expert = _moe(m, ep)
-    else:
-        mlp_sharded, mlp_replicated = _mlp(m, m.ffn_size)
-    return _params(tp, sharded + mlp_sharded, replicated + mlp_replicated, expert)
-
-
-def _norm_parameters(m: ModelConfig) -> int:
-    """LayerNorm has a weight and a bias (whatever model.bias says), RMSNorm a weight."""
-    return 2 * m.hidden_size if m.features.norm == "layernorm" else m.hidden_size
-
-
-def embedding_parameters(m: ModelConfig, tp: int = 1) -> Parameters:
-    positions = [m.positions * m.hidden_size] if m.features.position_embedding == "learned" else []
-    return _params(tp, [m.padded_vocab_size * m.hidden_size], positions)
-
-
-def head_parameters(m: ModelConfig, tp: int = 1, with_output_layer: bool = True) -> Parameters:
-    """The final norm, and the LM head unless it is the (tied) word embedding on the same rank: two units."""
-    norm = _params(tp, [], [_norm_parameters(m)])
-    return norm + _params(tp, [m.padded_vocab_size * m.hidden_size], []) if with_output_layer else norm
+        return {"dense": self.dense, "expert": self.expert}
 
 
 def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
     """What one tensor- and expert-parallel rank of pipeline stage `pp_rank` holds (same for every such rank)."""
-    m, (tp, ep), stage = cfg.model, (cfg.parallel.tp, cfg.parallel.ep), stage_layout(cfg, pp_rank)
-    total = embedding_parameters(m, tp) if stage.has_embedding else Parameters()
-    for a, b in stage.chunks:
-        for index in range(a, b):
-            total = total + layer_parameters(m, tp, index, ep)
-    tied_head = m.tied and stage.shares_embedding
-    if stage.has_head:
-        total = total + head_parameters(m, tp, with_output_layer=not tied_head)
-    return replace(total, tied_head=tied_head)
+    model = rank_model(cfg, pp_rank)
+    placements, grids = model.placements_by_name(), {"dense": 0, "expert": 0}
+    for name, param in model.named_parameters():
+        grids[placements[name].grid] += param.numel()
+    index = unit_index(model.chunk_modules())
+    units: dict[int, int] = {}
+    for param in model.parameters():
+        units[index[id(param)]] = units.get(index[id(param)], 0) + param.numel()
+    return Parameters(grids["dense"], grids["expert"], max(p.numel() for p in model.parameters()),
+                      tuple(units[unit] for unit in sorted(units)),
+                      model.lm_head is not None and model.lm_head.weight is None)
 
 
 def model_parameters(m: ModelConfig) -> int:
     """The one-device model's parameter count (padded vocabulary; a tied head counted once)."""
-    layers = sum(layer_parameters(m, index=i).total for i in range(m.num_layers))
-    return layers + embedding_parameters(m).total + head_parameters(m, with_output_layer=not m.tied).total
+    return sum(p.numel() for p in one_device_model(m).parameters())
+
+
+def layer_parameters(m: ModelConfig) -> int:
+    """The parameters of the one-device model's transformer layers."""
+    return sum(p.numel() for p in one_device_model(m).layers.parameters())
+
+
+def active_parameters(m: ModelConfig) -> int:
+    """The parameters one token uses: the model less, in each mixture-of-experts layer, the experts it is not
+    routed to; the dense parts, router and shared expert all count (model/costs.py)."""
+    return costs.active_parameters(one_device_model(m))
 
 
 def moe_layers(m: ModelConfig) -> int:
     """How many layers have routed experts."""
     return len(m.moe_layers)
-
-
-def active_parameters(m: ModelConfig) -> int:
-    """The parameters one token uses: the model less, in each mixture-of-experts layer, the experts it is not
-    routed to (num_experts - moe_topk of them); the dense parts, router and shared expert all count."""
-    return model_parameters(m) - moe_layers(m) * (m.num_experts - m.moe_topk) * expert_parameters(m)
 
 
 def vocabulary_padding(m: ModelConfig) -> int:

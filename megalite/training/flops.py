@@ -5,8 +5,11 @@ weights of every matmul (QKV, attention output, MLP, LM head over the real vocab
 not the embedding lookup nor norms) and the second term is the attention scores and
 weighted sum (2 matmuls, 2 FLOPs per multiply-add, x3 for forward + backward) counted
 over the full s x s square as Megatron-LM and the PaLM paper do; a layer with a sliding window W counts the
-pairs its window keeps by the same measure (about 2W keys a token instead of s: `attended_keys`). Recompute is not
-counted: this is model FLOPs utilisation (MFU), comparable across recompute settings.
+pairs its window keeps by the same measure (about 2W keys a token instead of s: model/attention.py
+`attended_keys`). Recompute is not counted: this is model FLOPs utilisation (MFU), comparable across recompute
+settings.
+Each module declares its part (model/costs.py: the weights one token multiplies, the square), read from the
+one-device model built on the meta device: a new layer type counts by declaring it, nothing here names it.
 
 Hardware FLOPs add the forward that activation recompute runs again in backward, as the Megatron-LM
 papers count the TFLOP/s they report: full recompute one more forward of every transformer layer (not
@@ -24,11 +27,16 @@ experts it skips, which a token costs nothing (as Megatron-LM and torchtitan cou
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
 
 from megalite.config import ModelConfig
+from megalite.model import costs
+from megalite.model.gpt import GPTModel
+from megalite.model.recompute import apply_recompute
+from megalite.planning.built import section_values
 
 # Dense peak TFLOP/s per device model (no sparsity), by precision; fp32 is the non-tensor-core rate.
 # Variants of one chip differ (an H100 PCIe has 76% of an SXM's tensor throughput), so MFU keys on the
@@ -59,68 +67,35 @@ DEVICE_MODELS = (
 )
 
 
-def _mlp_weights(cfg: ModelConfig, width: int) -> int:
-    """An MLP `width` wide: fc1 (gate and up when gated) and fc2."""
-    return cfg.hidden_size * width * (3 if cfg.features.gated_mlp else 2)
+@functools.lru_cache(maxsize=32)
+def _per_token(model: tuple, recompute: str) -> tuple[int, float, float]:
+    """(weights multiplied, attention forward FLOPs, recomputed forward FLOPs) per token of the one-device model of
+    ModelConfig(*model) under `recompute`, built on the meta device."""
+    cfg = ModelConfig(*model)
+    built = GPTModel(cfg, torch.device("meta"), seed=0)
+    apply_recompute(built, recompute)
+    seq = cfg.seq_length
+    return costs.matmul_parameters(built), costs.attention_flops(built, seq), costs.recomputed_flops(built, seq)
 
 
-def _mlp_matmul_parameters(cfg: ModelConfig, index: int) -> int:
-    """Weights one token multiplies in layer `index`'s MLP: the dense MLP's, or a mixture of experts' router,
-    top-k experts, shared expert and its gate."""
-    if index not in cfg.moe_layers:
-        return _mlp_weights(cfg, cfg.ffn_size)
-    h, shared = cfg.hidden_size, cfg.moe_shared_expert_size
-    gate = h if shared and cfg.moe_shared_expert_gate else 0
-    experts = cfg.moe_topk * _mlp_weights(cfg, cfg.expert_ffn_size)
-    return cfg.num_experts * h + experts + _mlp_weights(cfg, shared) + gate
-
-
-def _layer_matmul_parameters(cfg: ModelConfig) -> int:
-    """Weights one token multiplies in the transformer layers (what full recompute runs again)."""
-    h, d = cfg.hidden_size, cfg.head_size
-    qkv = h * (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
-    proj = cfg.num_attention_heads * d * h
-    mlp = sum(_mlp_matmul_parameters(cfg, i) for i in range(cfg.num_layers))
-    return cfg.num_layers * (qkv + proj) + mlp
+def _figures(cfg: ModelConfig, recompute: str = "none") -> tuple[int, float, float]:
+    return _per_token(section_values(cfg), recompute)
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
     """Weights one token multiplies (active weights: see the module's docstring), the LM head's included."""
-    return _layer_matmul_parameters(cfg) + cfg.hidden_size * cfg.vocab_size
-
-
-def attended_keys(cfg: ModelConfig, index: int) -> float:
-    """The keys each token's query is counted against in layer `index`: s (the s x s square, twice the causal
-    pairs) or, under a sliding window W < s, as many times the pairs the window keeps (sum over queries of
-    min(q + 1, W)) as the square counts the causal pairs, 2 pairs / (s + 1): about 2W at long s."""
-    s, window = cfg.seq_length, cfg.window(index)
-    if window is None or window >= s:
-        return s
-    return 2 * (window * s - window * (window - 1) / 2) / (s + 1)
-
-
-def _core_attention_forward_flops(cfg: ModelConfig) -> float:
-    """QK^T and the weighted sum over each layer's attended keys, per token: 2 matmuls x 2 FLOPs."""
-    keys = sum(attended_keys(cfg, index) for index in range(cfg.num_layers))
-    return 4 * keys * cfg.num_attention_heads * cfg.head_size
+    return _figures(cfg)[0]
 
 
 def training_flops_per_token(cfg: ModelConfig) -> float:
     """Model FLOPs: forward and backward (twice the forward) of every matmul, nothing recomputed."""
-    return 6 * matmul_parameters(cfg) + 3 * _core_attention_forward_flops(cfg)
+    weights, attention, _ = _figures(cfg)
+    return 6 * weights + 3 * attention
 
 
 def recomputed_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
     """The forward FLOPs that train.recompute runs again in backward (model/recompute.py says what reruns)."""
-    if recompute == "full":
-        return 2 * _layer_matmul_parameters(cfg) + _core_attention_forward_flops(cfg)
-    if recompute == "selective":
-        moe_layers = len(cfg.moe_layers)
-        experts_fc2 = moe_layers * cfg.moe_topk * cfg.expert_ffn_size * cfg.hidden_size
-        return _core_attention_forward_flops(cfg) + 2 * experts_fc2
-    if recompute == "none":
-        return 0.0
-    raise ValueError(f"recompute mode {recompute!r} is not one of none, selective, full")
+    return _figures(cfg, recompute)[2]
 
 
 def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:

@@ -12,6 +12,9 @@ parallel/expert_parallel.py moves them:
   takes its offsets on the device); each rank moves every token of the group, so it suits small ep.
 
 With ep = 1 both are the local sort alone.
+
+How many rows reach a rank's experts depends on the router; the planner assumes balanced routing
+(`routed_rows`), as the dry run does (megalite/dryrun/routing.py).
 """
 
 from __future__ import annotations
@@ -58,6 +61,12 @@ class Sorted:
             return cls(token.reshape(-1), weight.reshape(-1), torch.full_like(counts, capacity))
         return cls(token[kept], weight[kept], counts.clamp(max=capacity))
 
+    @staticmethod
+    def saved_bytes(rows: int, hidden: int) -> int:
+        """For `rows` rows: the expert order and each row's token (int64); the combine's rows as fp32, their
+        weighted copy (index_add keeps its source) and the rows' fp32 weights."""
+        return 2 * rows * 8 + 2 * rows * hidden * 4 + rows * 4
+
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens.index_select(0, self.token)
 
@@ -88,6 +97,15 @@ class AllToAll:
         rows, counts, trip = self.travel.there(pairs.rows(tokens), pairs.counts, each)
         return rows, counts, (pairs, tokens.shape[0], trip)
 
+    def routed_rows(self, tokens: int) -> int:
+        """Rows this rank's experts run per micro batch when it routes `tokens` tokens, balanced routing assumed: as
+        many as its own tokens chose."""
+        return tokens * self.cfg.moe_topk
+
+    def saved_bytes(self, rows: int, hidden: int) -> int:
+        """The sort and combine, and with ep > 1 the regrouping of the received rows and its inverse (int64)."""
+        return Sorted.saved_bytes(rows, hidden) + (2 * rows * 8 if self.travel.ep.size > 1 else 0)
+
     def combine(self, rows: torch.Tensor, state: tuple) -> torch.Tensor:
         pairs, num_tokens, trip = state
         return pairs.combine(self.travel.back(rows, trip), num_tokens)
@@ -95,9 +113,17 @@ class AllToAll:
 
 class AllGather:
     def __init__(self, ctx: ParallelContext, cfg: ModelConfig) -> None:
-        self.ep, self.num_experts = ctx.ep, cfg.num_experts
+        self.ep, self.num_experts, self.topk = ctx.ep, cfg.num_experts, cfg.moe_topk
         self.local = cfg.num_experts // ctx.ep.size
         self.travel = ExpertAllGather(ctx.ep_etp)
+
+    def routed_rows(self, tokens: int) -> int:
+        """Every row of the expert-parallel group (those of other ranks' experts masked): ep times its own."""
+        return tokens * self.topk * self.ep.size
+
+    def saved_bytes(self, rows: int, hidden: int) -> int:
+        """The sort and combine, and with ep > 1 the mask of this rank's rows."""
+        return Sorted.saved_bytes(rows, hidden) + (rows if self.ep.size > 1 else 0)
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """Every rank of the etp x ep group gathers all their tokens; expert tensor-parallel ranks compute

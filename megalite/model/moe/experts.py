@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
-from megalite.model.mlp import activate
+from megalite.model.costs import matmul_held
+from megalite.model.mlp import activate, activation_bytes
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.placement import Placement, ShardSpec
@@ -55,7 +56,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.features = features = cfg.features
-        self.local = cfg.num_experts // ctx.ep.size
+        self.local, self.topk = cfg.num_experts // ctx.ep.size, cfg.moe_topk
         width, blocks = cfg.expert_ffn_size // ctx.etp.size, 2 if features.gated_mlp else 1
         self.linear_fc1 = ExpertLinear(self.local, cfg.hidden_size, blocks * width, dim=1, blocks=blocks,
                                        bias=features.bias)
@@ -74,3 +75,33 @@ class GroupedExperts(nn.Module):
 
     def _activation_and_fc2(self, h: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(activate(h, self.features), offsets)
+
+    def rows_saved(self, rows: int, compute: int) -> int:
+        """What the experts keep running `rows` rows, in the compute dtype (the grouped GEMM casts fp32 weights inside
+        its autograd function and keeps the parameter, as gemm.py does): the rows in, the offsets (int32 per local
+        expert), and fc1's output and the activation's tensors, as a dense MLP's (model/mlp.py); under selective
+        recompute fc1's output alone, the checkpoint's input."""
+        width, fc1 = self.linear_fc2.weight.shape[-1], self.linear_fc1.weight.shape[-2]
+        kept = rows * self.linear_fc1.weight.shape[-1] * compute + self.local * 4
+        if self.recompute_activation:
+            return kept + rows * fc1 * compute
+        return kept + activation_bytes(self.features, False, rows, width, compute)
+
+    def rows_held(self, rows: int, compute: int) -> int:
+        """Both grouped GEMMs' input and output gradient for `rows` rows."""
+        return matmul_held(self.linear_fc1.weight, rows, compute) + matmul_held(self.linear_fc2.weight, rows, compute)
+
+    def _per_expert(self, *linears: ExpertLinear) -> int:
+        return sum(linear.weight.numel() for linear in linears) // self.local
+
+    def matmul_parameters(self) -> int:
+        """A token runs through its top-k experts; those it skips cost nothing."""
+        return self.topk * self._per_expert(self.linear_fc1, self.linear_fc2)
+
+    def active_parameters(self) -> int:
+        """A token's top-k experts' weights and biases."""
+        return self.topk * sum(p.numel() for p in self.parameters()) // self.local
+
+    def recomputed_flops(self, seq: int) -> int:
+        """Selective recompute reruns fc2 of the top-k experts."""
+        return 2 * self.topk * self._per_expert(self.linear_fc2) if self.recompute_activation else 0

@@ -4,6 +4,9 @@ plus an optional always-on shared expert (DeepSeek, Qwen2-MoE), optionally gated
 It takes and returns what an MLP does, [seq (/tp under SP), batch, hidden]; under sequence parallelism each
 tensor-parallel rank routes its own slice of the tokens (so tp > 1 needs SP: without it every tp rank would
 send the same tokens). The tokens travel in the compute dtype (half the bytes under bf16 autocast).
+
+Its costs (model/costs.py) are its parts': the router's, the dispatcher's for the rows balanced routing brings
+this rank's experts, the experts', and the shared expert's, a dense MLP gated by a sigmoid.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
+from megalite.model.costs import MicroBatch, matmul_held, row_bias_held
 from megalite.model.mlp import MLP
 from megalite.model.moe.dispatch import DISPATCHERS, AllToAll
 from megalite.model.moe.experts import GroupedExperts
@@ -46,6 +50,36 @@ class MoELayer(nn.Module):
             shared = shared * gemm.linear(x, self.shared_expert_gate).sigmoid()
         return out + shared
 
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """The routed part for the rank's rows, and the shared expert: its MLP's tensors past the input and, gated,
+        the gate's input and output; the router keeps the input as fp32, the shared expert's fc1 and gate keep it
+        in the compute dtype: the same tensor when no cast is needed (the router's when that is fp32), else a copy
+        each."""
+        hidden, rows = self.router.weight.shape[1], self.dispatcher.routed_rows(batch.rows)
+        size = (self.router.saved_bytes(batch) + self.dispatcher.saved_bytes(rows, hidden)
+                + self.experts.rows_saved(rows, batch.compute))
+        if self.shared_expert is None:
+            return size
+        gated, c = self.shared_expert_gate is not None, batch.compute
+        copies = (2 if gated else 1) if c != batch.residual else int(c != 4)
+        gate = batch.rows * (hidden + 1) * c if gated else 0
+        return size + copies * batch.rows * hidden * c + self.shared_expert.activation_bytes(batch) + gate
+
+    def held_bytes(self, batch: MicroBatch) -> int:
+        """The router's, the experts' over their routed rows, the shared expert's and its gate's."""
+        size = self.router.held_bytes(batch)
+        size += self.experts.rows_held(self.dispatcher.routed_rows(batch.rows), batch.compute)
+        if self.shared_expert is not None:
+            size += self.shared_expert.matmuls_held(batch.rows, batch.compute)
+            size += row_bias_held(self.shared_expert.linear_fc2, batch)
+        if self.shared_expert_gate is not None:
+            size += matmul_held(self.shared_expert_gate, batch.rows, batch.compute)
+        return size
+
+    def matmul_parameters(self) -> int:
+        gate = self.shared_expert_gate.numel() if self.shared_expert_gate is not None else 0
+        shared = self.shared_expert.matmul_parameters() if self.shared_expert is not None else 0
+        return self.router.matmul_parameters() + self.experts.matmul_parameters() + shared + gate
 
 def assume_balanced_routing(model: nn.Module) -> None:
     """Every all-to-all dispatcher in `model` takes the split sizes of balanced routing (the planner's assumption,

@@ -26,6 +26,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
+from megalite.model.costs import MicroBatch, matmul_held
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.expert_parallel import sum_counts
@@ -177,3 +178,18 @@ class Router(nn.Module):
         if cfg.moe_z_loss_coeff:
             weights = self._attach(BALANCING_TERMS[2], weights, cfg.moe_z_loss_coeff * z_loss(logits, tokens))
         return weights
+
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """For the rank's routed tokens (its residual rows), in fp32: the input as fp32 (a copy unless the parameters
+        are fp32; gemm.py keeps the parameter itself), the scores, the chosen ids (int64), the chosen scores and
+        their sums when renormalised, the logits and their logsumexp with the z-loss on."""
+        tokens, experts, k = batch.rows, self.cfg.num_experts, self.cfg.moe_topk
+        size = tokens * self.weight.shape[1] * 4 + tokens * experts * 4 + tokens * k * 8
+        size += tokens * (k + 1) * 4 if self.cfg.moe_norm_topk_prob else 0
+        return size + (tokens * (experts + 1) * 4 if self.cfg.moe_z_loss_coeff else 0)
+
+    def held_bytes(self, batch: MicroBatch) -> int:
+        return matmul_held(self.weight, batch.rows, 4)  # fp32
+
+    def matmul_parameters(self) -> int:
+        return self.weight.numel()

@@ -26,6 +26,7 @@ from megalite.parallel.pipeline.plan import Plan, communication_plan, is_local, 
 from megalite.parallel.pipeline.registry import schedule_spec
 from megalite.parallel.pipeline.spec import ScheduleSpec
 from megalite.parallel.pipeline.stage import PipelineStage
+from megalite.parallel.storage import resize_storage
 from megalite.parallel.timing import Mark, mark, seconds
 from megalite.parallel.weight_grads import WeightGradients, deferred
 
@@ -134,7 +135,7 @@ def _released(exchange: Exchange, wait: bool) -> bool:
     exchange.wait()
     for message, tensor in exchange.sent.items():
         if message.kind == F:
-            tensor.untyped_storage().resize_(0)
+            resize_storage(tensor, 0)
     return True
 
 

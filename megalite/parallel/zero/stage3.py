@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from megalite.parallel.bucket_layout import Bucket, BucketLayout
 from megalite.parallel.mappings import all_gather_single
+from megalite.parallel.storage import resize_storage
 from megalite.parallel.zero.stages import ShardedGradients
 
 
@@ -63,7 +64,7 @@ class ShardedParameters(ShardedGradients):
                 param.data = view
             a, b = bucket.shard(self.rank, self.replicas)
             self.param_shard[self.layout.bucket_shard(bucket)].copy_(weights[a - bucket.start:b - bucket.start])
-            weights.untyped_storage().resize_(0)
+            resize_storage(weights, 0)
 
     def owned_weights(self, param: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
         first = self.layout.shard_position(param, lo, self.rank)
@@ -76,12 +77,12 @@ class ShardedParameters(ShardedGradients):
     def gather(self, bucket: Bucket) -> dist.Work:
         """Launch the all-gather of the bucket's whole parameters into their (re-grown) storage."""
         weights = self.weights[bucket.index]
-        weights.untyped_storage().resize_(weights.numel() * weights.element_size())
+        resize_storage(weights, weights.numel() * weights.element_size())
         return all_gather_single(weights, self.param_shard[self.layout.bucket_shard(bucket)], self.group,
                                  async_op=True)
 
     def free(self, bucket: Bucket) -> None:
-        self.weights[bucket.index].untyped_storage().resize_(0)
+        resize_storage(self.weights[bucket.index], 0)
 
 
 @dataclass

@@ -20,6 +20,7 @@ is visible and counted (`InFlight`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -53,6 +54,7 @@ class AllReduce:
         self.layout, self.group, self.rank, self.replicas = layout, group, rank, layout.replicas
         self.device, self.grad_dtype = params[0].device, grad_dtype
         self.in_flight: dict[int, InFlight] = {}
+        self.allocation_observers: list[Callable[[torch.Tensor], None]] = []
         self.grad_data: torch.Tensor | None = None
         self.shard_data: torch.Tensor | None = None
         self.param_data: torch.Tensor | None = None
@@ -65,9 +67,17 @@ class AllReduce:
             param.main_grad = self._view(self.grad_data, param)
 
     def _zeros(self, size: int) -> torch.Tensor:
-        """Every gradient buffer a strategy makes: one place, where measurements can see them
-        (planning/measure.py GradientBytes)."""
-        return torch.zeros(size, dtype=self.grad_dtype, device=self.device)
+        """Every gradient buffer a strategy makes: one place, which tells the allocation observers
+        (`observe_allocations`)."""
+        tensor = torch.zeros(size, dtype=self.grad_dtype, device=self.device)
+        for observer in self.allocation_observers:
+            observer(tensor)
+        return tensor
+
+    def observe_allocations(self, observer: Callable[[torch.Tensor], None]) -> None:
+        """Tell `observer` of each gradient buffer made from now on (planning/measure.py GradientBytes counts them;
+        what was made at build is `grad_data` or `shard_data`). Parameter storage is not gradient storage."""
+        self.allocation_observers.append(observer)
 
     def _param_storage(self, size: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat buffer for parameters (stages 1-3), not counted as gradient storage."""
