@@ -86,7 +86,7 @@ def _layer_matmul_parameters(cfg: ModelConfig) -> int:
 
 def matmul_parameters(cfg: ModelConfig) -> int:
     """Weights one token multiplies (active weights: see the module's docstring), the LM head's included."""
-    return _layer_matmul_parameters(cfg) + cfg.hidden_size * cfg.vocab_size
+    return _layer_matmul_parameters(cfg) + cfg.hidden_size * cfg.vocab
 
 
 def attended_keys(cfg: ModelConfig, index: int) -> float:
