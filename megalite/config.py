@@ -86,6 +86,7 @@ FAMILY_FEATURES: dict[str, Features] = {
 # Per RoPE scaling type, the defaults of model.rope_scaling_factor and model.rope_original_max_positions:
 # Llama-3.1's, and gpt-oss's for YaRN.
 ROPE_SCALING_DEFAULTS = {"llama3": (8.0, 8192), "yarn": (32.0, 4096)}
+DEFAULT_VOCAB = 50257  # GPT-2's: what mock data draws from when nothing sets model.vocab_size
 
 
 @dataclass
@@ -109,7 +110,10 @@ class ModelConfig:
     seq_length: int = _f(128, "tokens per sample")
     max_position_embeddings: int | None = _f(
         None, "positions the model covers: rows of the learned table or of RoPE's (default: seq_length)")
-    vocab_size: int = _f(50257, "vocabulary size, used with mock data (a tokenizer sets it otherwise)")
+    vocab_size: int | None = _f(
+        None, "ids the model embeds (default: continuing a checkpoint, the checkpoint's; else the tokenizer's, its "
+              "largest id + 1; 50257 with mock data). Set it above the tokenizer's ids for a released model's larger "
+              "embedding (Qwen3-8B: 151936 rows, 151669 ids); with NullTokenizer its ids are this + 1 (Megatron's)")
     make_vocab_size_divisible_by: int = _f(
         128, "pad the vocabulary to a multiple of this; padded entries never take probability mass")
     bias: bool | None = _f(
@@ -282,9 +286,15 @@ class ModelConfig:
         return self.max_position_embeddings or self.seq_length
 
     @property
+    def vocab(self) -> int:
+        """The ids the model embeds: model.vocab_size, GPT-2's when nothing set it (mock data; a run with a
+        tokenizer or a checkpoint sets it first, training/vocabulary.py)."""
+        return DEFAULT_VOCAB if self.vocab_size is None else self.vocab_size
+
+    @property
     def padded_vocab_size(self) -> int:
         m = self.make_vocab_size_divisible_by
-        return m * math.ceil(self.vocab_size / m)
+        return m * math.ceil(self.vocab / m)
 
 
 @dataclass

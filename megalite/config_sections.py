@@ -30,7 +30,8 @@ class DataConfig:
         None, "where index files (.npy) are cached (default: a cache/ folder next to the first prefix)")
     tokenizer_type: (Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]
                      | None) = documented(
-        None, "tokenizer the corpus was preprocessed with; sets model.vocab_size")
+        None, "tokenizer the corpus was preprocessed with; sets model.vocab_size unless the config or the "
+              "checkpoint continued does (its ids must fit in it)")
     vocab_file: str | None = documented(None, "GPT2BPETokenizer: vocab.json")
     merge_file: str | None = documented(None, "GPT2BPETokenizer: merges.txt")
     tokenizer_model: str | None = documented(

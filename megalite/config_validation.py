@@ -32,7 +32,7 @@ def _check_model(cfg: Config, world_size: int) -> list[str]:
     m, errors = cfg.model, []
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                  "make_vocab_size_divisible_by"):
-        if getattr(m, name) < 1:
+        if getattr(m, name) is not None and getattr(m, name) < 1:
             errors.append(f"model.{name}={getattr(m, name)} must be >= 1")
     if errors:
         return errors

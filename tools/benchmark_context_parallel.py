@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, cfg: Config, steps: int) -> tuple[int, list[flo
     topology = Topology(rank, world, torch.device("cpu"), cp=world)
     model = build_trainer(cfg, topology).model.train()
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length), generator=generator)
+    tokens = torch.randint(0, cfg.model.vocab, (1, cfg.model.seq_length), generator=generator)
     positions = None
     if world > 1:
         local = local_positions(cfg.model.seq_length, world, rank)

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = [build_config(args, distributed, overlap) for distributed, overlap in CASES]
     per_rank = run_on_ranks(WORLD_SIZE, _rank_cases, configs, args)
     m, first = configs[0].model, per_rank[0][0]
-    print(f"gpt2: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size}, "
+    print(f"gpt2: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab}, "
           f"{first['numel'] / 1e6:.1f}M parameters in {first['buckets']} buckets of >= {args.bucket_size:,} elements; "
           f"seq {args.seq}, micro batch {args.micro_batch}, {args.microbatches} micro batches/step/rank, "
           f"{args.precision}; {WORLD_SIZE} gloo ranks x 1 thread; torch {torch.__version__}; "

@@ -334,7 +334,7 @@ def compare(args: argparse.Namespace, cfg: Config, topology: Topology) -> None:
     m = cfg.model
     experts = f" experts={m.num_experts} top{m.moe_topk} expert_ffn={m.expert_ffn_size}" if m.num_experts else ""
     print(f"model {m.family} L={m.num_layers} h={m.hidden_size} heads={m.num_attention_heads} kv={m.kv_heads} "
-          f"ffn={m.ffn_size}{experts} tied={m.tied} seq={m.seq_length} mb={args.micro_batch} vocab={m.vocab_size}, "
+          f"ffn={m.ffn_size}{experts} tied={m.tied} seq={m.seq_length} mb={args.micro_batch} vocab={m.vocab}, "
           f"precision {args.precision}, {flops_per_token / 1e6:.1f} MFLOP/token")
     print(f"compiled: megalite {'each layer' if args.compile else 'no'}, huggingface "
           f"{'whole model' if args.hf_compile else 'no'}; HF attention sdpa, HF optimizer {args.hf_optimizer}")

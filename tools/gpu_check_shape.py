@@ -61,7 +61,7 @@ def hf_training_bytes(m: ModelConfig, micro_batch: int, seq: int) -> dict[str, f
     layer = hidden * m.hidden_size + ffn * m.ffn_size + kv * m.kv_heads * m.head_size
     return {**{name: size * params for name, size in STATE_BYTES.items()},
             "weight copies": WEIGHT_COPY_BYTES * layer_params,
-            **{f"logits ({name})": size * tokens * m.vocab_size for name, size in LOGIT_BYTES.items()},
+            **{f"logits ({name})": size * tokens * m.vocab for name, size in LOGIT_BYTES.items()},
             "activations": tokens * (m.num_layers * layer + FINAL_NORM_BYTES * m.hidden_size)}
 
 

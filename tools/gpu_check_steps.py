@@ -251,7 +251,7 @@ def benchmark_shape(example: Config, micro_batch: int, seq: int) -> list[str]:
     m = example.model
     argv = ["--device", "cuda", "--precision", "bf16", "--family", m.family, "--layers", str(m.num_layers),
             "--hidden", str(m.hidden_size), "--heads", str(m.num_attention_heads), "--seq", str(seq),
-            "--vocab", str(m.vocab_size), "--micro-batch", str(micro_batch)]
+            "--vocab", str(m.vocab), "--micro-batch", str(micro_batch)]
     optional = {"--kv-heads": m.num_query_groups, "--ffn": m.ffn_hidden_size,
                 "--rope-theta": m.rope_theta if m.family == "llama" else None}
     argv += [arg for flag, value in optional.items() if value is not None for arg in (flag, str(value))]

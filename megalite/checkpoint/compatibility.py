@@ -40,6 +40,7 @@ _RESOLVED: dict[str, Callable[[ModelConfig], Any]] = {
     "ffn_hidden_size": lambda m: m.ffn_size,
     "moe_ffn_hidden_size": lambda m: m.expert_ffn_size,
     "max_position_embeddings": lambda m: m.positions,
+    "vocab_size": lambda m: m.vocab,
     "make_vocab_size_divisible_by": lambda m: m.padded_vocab_size,
     "moe_router_group_topk": lambda m: m.moe_router_group_topk or m.moe_router_groups,
     **{name: (lambda m, name=name: getattr(m.features, name)) for name in _FEATURE_NAMES},
@@ -54,7 +55,7 @@ _DERIVED_FROM: dict[str, set[str]] = {
     "make_vocab_size_divisible_by": {"vocab_size"},  # compared as the padded vocabulary
     **{name: {"family"} for name in _FEATURE_NAMES},
 }
-_HINTS = {"vocab_size": "the tokenizer sets it: train with the checkpoint's tokenizer",
+_HINTS = {"vocab_size": "leave model.vocab_size unset to keep the checkpoint's, with a tokenizer whose ids fit in it",
           "make_vocab_size_divisible_by": "it pads the vocabulary"}
 
 

@@ -155,14 +155,14 @@ def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: i
     tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
     if cfg.family == "gpt2":
         return transformers.GPT2Config(
-            vocab_size=cfg.vocab_size, n_positions=cfg.positions, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
+            vocab_size=cfg.vocab, n_positions=cfg.positions, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
             n_head=cfg.num_attention_heads, n_inner=cfg.ffn_size,
             activation_function=HF_ACTIVATIONS[cfg.features.activation][0], layer_norm_epsilon=cfg.norm_epsilon,
             resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout, attn_pdrop=cfg.attention_dropout,
             initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied, **tokens,
         )
     common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size,
         max_position_embeddings=cfg.positions, rms_norm_eps=cfg.norm_epsilon, rope_parameters=hf_rope_parameters(cfg),
         attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tied,

@@ -138,9 +138,9 @@ def to_hf(state: StateDict, cfg: ModelConfig) -> StateDict:
     out = {}
     for ours, theirs in _plain_names(cfg).items():
         out[theirs] = state[ours].t() if _is_conv1d(theirs) else state[ours]
-    out[_embedding_name(cfg)] = state["embedding.word_embeddings.weight"][: cfg.vocab_size]
+    out[_embedding_name(cfg)] = state["embedding.word_embeddings.weight"][: cfg.vocab]
     if not cfg.tied:
-        out["lm_head.weight"] = state["lm_head.weight"][: cfg.vocab_size]
+        out["lm_head.weight"] = state["lm_head.weight"][: cfg.vocab]
     for i in range(cfg.num_layers):
         qkv = f"layers.{i}.attention.linear_qkv."
         q, k, v = _ungroup_qkv(state[f"{qkv}weight"], cfg)

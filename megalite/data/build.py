@@ -49,17 +49,19 @@ def tokenizer_from_config(cfg: DataConfig, vocab_size: int) -> Tokenizer | None:
 
 
 def training_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer | None:
-    """The tokenizer a training run reads its corpus with; it sets model.vocab_size. Mock data has none: its
+    """The tokenizer a training run reads its corpus with (training/vocabulary.py decides what it means for
+    model.vocab_size; `vocab_size` is a NullTokenizer's). Mock data has none: its
     tokens are ids below model.vocab_size, so tokenizer files the config still names are never opened (they need
     not exist)."""
     return None if cfg.mock else tokenizer_from_config(cfg, vocab_size)
 
 
-def vocabulary(cfg: Config) -> Vocabulary:
-    """The ids the model embeds (model.vocab_size, set by the tokenizer), named by the tokenizer's fields."""
+def vocabulary(cfg: Config, ids: int) -> Vocabulary:
+    """The tokenizer's `ids`, named by its fields: a corpus id beyond them was made with another tokenizer, even
+    where the model embeds more rows (a released model's padded embedding)."""
     d = cfg.data
     files = [f"data.{name}={getattr(d, name)}" for name in ("tokenizer_model", "vocab_file") if getattr(d, name)]
-    return Vocabulary(cfg.model.vocab_size, " ".join([f"data.tokenizer_type={d.tokenizer_type}", *files]))
+    return Vocabulary(ids, " ".join([f"data.tokenizer_type={d.tokenizer_type}", *files]))
 
 
 def check_corpus(prefixes: list[str], vocab: Vocabulary) -> None:
@@ -83,7 +85,8 @@ def check_corpus(prefixes: list[str], vocab: Vocabulary) -> None:
                                   "preprocess every dataset with the same tokenizer")
 
 
-def _split_dataset(prefix: str, split: str, index: int, num_samples: int, cfg: Config, rank: int) -> GPTDataset | None:
+def _split_dataset(prefix: str, split: str, index: int, num_samples: int, cfg: Config, rank: int,
+                   vocab: Vocabulary) -> GPTDataset | None:
     documents = IndexedDataset(prefix)
     ids = split_documents(len(documents), split)[index]
     if len(ids) == 0:
@@ -93,21 +96,22 @@ def _split_dataset(prefix: str, split: str, index: int, num_samples: int, cfg: C
         documents, ids, num_samples, cfg.model.seq_length, cfg.train.seed, cache_dir,
         description=f"{os.path.abspath(prefix)} split={split} part={index}", is_builder=rank == 0,
         barrier=dist.barrier if dist.is_initialized() else None,  # one process without a group: nothing to wait for
-        vocabulary=vocabulary(cfg),
+        vocabulary=vocab,
     )
 
 
-def _blend(paths: list[str], split: str, index: int, num_samples: int, cfg: Config, rank: int) -> Dataset | None:
+def _blend(paths: list[str], split: str, index: int, num_samples: int, cfg: Config, rank: int,
+           vocab: Vocabulary) -> Dataset | None:
     """The blend of `paths` for split part `index`, sized and ordered by data.blend_rule. Megatron-Core blends
     a weighted single prefix ("1.0 prefix") too, with its surplus, so blend_rule=megatron does the same."""
     weights, prefixes = parse_blend(paths)
-    check_corpus(prefixes, vocabulary(cfg))
+    check_corpus(prefixes, vocab)
     megatron = cfg.data.blend_rule == "megatron"
     if len(prefixes) == 1 and not (megatron and len(paths) > 1):
-        return _split_dataset(prefixes[0], split, index, num_samples, cfg, rank)
+        return _split_dataset(prefixes[0], split, index, num_samples, cfg, rank, vocab)
     rule = BLEND_RULES[cfg.data.blend_rule]
     sizes, length = rule.sizes(weights, num_samples)
-    parts = [_split_dataset(p, split, index, n, cfg, rank) for p, n in zip(prefixes, sizes)]
+    parts = [_split_dataset(p, split, index, n, cfg, rank, vocab) for p, n in zip(prefixes, sizes)]
     kept = [(w, d) for w, d in zip(weights, parts) if d is not None]
     if not kept:
         return None
@@ -124,15 +128,16 @@ def build_training_data(cfg: Config, rank: int, tokenizer: Tokenizer | None, tra
     d, m = cfg.data, cfg.model
     if d.mock:
         maker = BatchMaker()
-        train = MockDataset(m.vocab_size, m.seq_length, cfg.train.seed)
-        return TrainingData(train, MockDataset(m.vocab_size, m.seq_length, cfg.train.seed, VALIDATION_OFFSET), maker)
+        train = MockDataset(m.vocab, m.seq_length, cfg.train.seed)
+        return TrainingData(train, MockDataset(m.vocab, m.seq_length, cfg.train.seed, VALIDATION_OFFSET), maker)
     maker = BatchMaker(tokenizer.eod, d.reset_position_ids, d.eod_mask_loss)
+    vocab = vocabulary(cfg, tokenizer.vocab_size)
     if d.paths:
-        train = _blend(d.paths, d.split, TRAIN, train_samples, cfg, rank)
-        valid = _blend(d.paths, d.split, VALID, valid_samples, cfg, rank) if valid_samples else None
+        train = _blend(d.paths, d.split, TRAIN, train_samples, cfg, rank, vocab)
+        valid = _blend(d.paths, d.split, VALID, valid_samples, cfg, rank, vocab) if valid_samples else None
     else:
-        train = _blend(d.train_paths, "1,0,0", TRAIN, train_samples, cfg, rank)
-        valid = (_blend(d.valid_paths, "1,0,0", TRAIN, valid_samples, cfg, rank)
+        train = _blend(d.train_paths, "1,0,0", TRAIN, train_samples, cfg, rank, vocab)
+        valid = (_blend(d.valid_paths, "1,0,0", TRAIN, valid_samples, cfg, rank, vocab)
                  if d.valid_paths and valid_samples else None)
     if train is None:
         raise ValueError(f"data.split={d.split} leaves no training documents in {d.paths}; "

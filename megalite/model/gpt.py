@@ -148,7 +148,7 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device, ctx: ParallelContext | None = None,
                  stage: StageLayout | None = None, *, seed: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.cfg, self.vocab_size, self.ctx = cfg, cfg.vocab_size, ctx or ParallelContext()
+        self.cfg, self.vocab_size, self.ctx = cfg, cfg.vocab, ctx or ParallelContext()
         self.stage = stage or StageLayout.single(cfg.num_layers)
         self.aux_losses = AuxLosses()  # terms layers add in forward (model/aux_losses.py)
         with torch.device("meta"):
@@ -169,7 +169,7 @@ class GPTModel(nn.Module):
         if stage.has_head:
             self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)
             own_weight = not (cfg.tied and stage.shares_embedding)
-            self.lm_head = LMHead(cfg.hidden_size, cfg.padded_vocab_size, cfg.vocab_size, ctx, own_weight)
+            self.lm_head = LMHead(cfg.hidden_size, cfg.padded_vocab_size, cfg.vocab, ctx, own_weight)
 
     def placements_by_name(self) -> dict[str, Placement]:
         """Where each of this rank's parameters lives (parallel/placement.py), by local name."""

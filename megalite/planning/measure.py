@@ -69,7 +69,7 @@ def param_dtype_fields(param_dtype: str | None) -> dict[str, str]:
 def mock_batches(cfg: Config, count: int, dp_rank: int = 0, seed: int | None = None) -> list[Batch]:
     """`count` micro batches of train.micro_batch_size mock samples, different on each data-parallel rank;
     `seed` is the mock data's (default: train.seed)."""
-    data = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed if seed is None else seed)
+    data = MockDataset(cfg.model.vocab, cfg.model.seq_length, cfg.train.seed if seed is None else seed)
     mbs = cfg.train.micro_batch_size
     return [BatchMaker()([data[(dp_rank * count + i) * mbs + j] for j in range(mbs)]) for i in range(count)]
 

@@ -77,4 +77,4 @@ def moe_layers(m: ModelConfig) -> int:
 
 def vocabulary_padding(m: ModelConfig) -> int:
     """Parameters added by padding the vocabulary (twice when the head is untied)."""
-    return (m.padded_vocab_size - m.vocab_size) * m.hidden_size * (1 if m.tied else 2)
+    return (m.padded_vocab_size - m.vocab) * m.hidden_size * (1 if m.tied else 2)

@@ -206,7 +206,7 @@ def format_plan(plan: Plan) -> str:
     cfg, p, m, w = plan.cfg, plan.cfg.parallel, plan.cfg.model, plan.worst
     lines = [
         f"model: {m.family}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
-        f"({m.kv_heads} KV), ffn {m.ffn_size}, vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_length}",
+        f"({m.kv_heads} KV), ffn {m.ffn_size}, vocab {m.vocab} (padded {m.padded_vocab_size}), seq {m.seq_length}",
         f"layout: world {plan.world_size} = tp {p.tp} x cp {p.cp} x pp {p.pp} (vp {p.vp}) x dp {plan.dp}; "
         f"sequence parallel {p.sequence_parallel}; ZeRO stage {p.zero}, optimizer offload {cfg.optim.offload}",
         f"batch: global {cfg.batch_size(plan.world_size)} = {plan.microbatches} micro batches x "

@@ -3,10 +3,11 @@
 What a job would find in its first minutes, found on a login node in seconds, before it queues: the config
 at the world size the launch gives, the data files (each index read and verified, none empty, no token id
 beyond the tokenizer's vocabulary by the largest id preprocessing recorded, one tokenizer per blend), the
-tokenizer files, and the checkpoint the run would resume from (complete, and saved with a model this config
-can continue). Every problem is reported, each as a line naming the field or file and the fix. Not checked:
-what only the job's nodes know (GPUs, memory: tools/plan.py estimates that), and a checkpoint's tensors
-(read only by the run itself; the model sections must agree, which decides their shapes).
+tokenizer files and the model's vocabulary they must fit in (training/vocabulary.py), and the checkpoint the
+run would resume from (complete, and saved with a model this config can continue). Every problem is reported,
+each as a line naming the field or file and the fix. Not checked: what only the job's nodes know (GPUs, memory:
+tools/plan.py estimates that), and a checkpoint's tensors (read only by the run itself; the model sections must
+agree, which decides their shapes).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from megalite.checkpoint.resume import where_to_resume
 from megalite.config import Config
 from megalite.config_validation import validate
 from megalite.data.blending import parse_blend
-from megalite.data.build import check_corpus, training_tokenizer, vocabulary
+from megalite.data.build import check_corpus, vocabulary
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.tokenizers import Tokenizer
 from megalite.errors import InvalidInput, UserError
+from megalite.training.vocabulary import set_vocabulary
 
 
 def check_launch(cfg: Config, nproc_per_node: int, nnodes: int, args: list[str]) -> list[str]:
@@ -43,8 +46,9 @@ def check_launch(cfg: Config, nproc_per_node: int, nnodes: int, args: list[str])
         return True
 
     attempt(lambda: _config(cfg, world))
-    if attempt(lambda: _tokenizer(cfg)):
-        attempt(lambda: _data(cfg))
+    tokenizer: list[Tokenizer | None] = []  # _tokenizer's, for _data
+    if attempt(lambda: _tokenizer(cfg, tokenizer)):
+        attempt(lambda: _data(cfg, tokenizer[0]))
         attempt(lambda: _checkpoint(cfg))
     if problems:
         raise InvalidInput("this launch would fail:\n  - " + "\n  - ".join(problems))
@@ -60,16 +64,17 @@ def _config(cfg: Config, world: int) -> str:
             f"{cfg.batch_size(world)} = {cfg.num_microbatches(world)} micro batches x {cfg.train.micro_batch_size}")
 
 
-def _tokenizer(cfg: Config) -> str:
-    tokenizer = training_tokenizer(cfg.data, cfg.model.vocab_size)
+def _tokenizer(cfg: Config, found: list[Tokenizer | None]) -> str:
+    tokenizer, source = set_vocabulary(cfg)
+    found.append(tokenizer)
     if tokenizer is None:
-        return f"data: synthetic tokens below model.vocab_size={cfg.model.vocab_size}"
-    cfg.model.vocab_size = tokenizer.vocab_size
-    return f"tokenizer: {vocabulary(cfg).tokenizer}, {tokenizer.vocab_size} ids"
+        return f"data: synthetic tokens below model.vocab_size={cfg.model.vocab_size} ({source})"
+    return (f"tokenizer: {vocabulary(cfg, tokenizer.vocab_size).tokenizer}, {tokenizer.vocab_size} ids; "
+            f"model.vocab_size={cfg.model.vocab_size} ({source})")
 
 
-def _data(cfg: Config) -> str | None:
-    if cfg.data.mock:
+def _data(cfg: Config, tokenizer: Tokenizer | None) -> str | None:
+    if tokenizer is None:
         return None
     described = []
     for name in ("paths", "train_paths", "valid_paths"):
@@ -77,7 +82,7 @@ def _data(cfg: Config) -> str | None:
         if not blend:
             continue
         prefixes = parse_blend(blend)[1]
-        check_corpus(prefixes, vocabulary(cfg))
+        check_corpus(prefixes, vocabulary(cfg, tokenizer.vocab_size))
         datasets = [IndexedDataset(prefix) for prefix in prefixes]
         tokens = sum(d.num_tokens for d in datasets)
         described.append(f"data.{name}: {len(datasets)} dataset(s), {sum(map(len, datasets)):,} documents, "

@@ -20,7 +20,7 @@ from megalite.config import Config
 from megalite.config_cli import dump_yaml
 from megalite.config_resolved import resolved_yaml
 from megalite.config_validation import validate
-from megalite.data.build import build_training_data, training_tokenizer
+from megalite.data.build import build_training_data
 from megalite.data.loader import MicroBatches, micro_batches
 from megalite.errors import UserError
 from megalite.parallel.pipeline.executor import Trace
@@ -38,6 +38,7 @@ from megalite.training.run_summary import Clock, end_summary, gpu_memory_line, p
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
 from megalite.training.stopping import StopSignals, StopVote, write_report
 from megalite.training.trace import write_chrome_trace
+from megalite.training.vocabulary import set_vocabulary
 from megalite.training.wandb_logger import new_run_id
 
 _CONSOLE = {"loss": "loss", "lr": "lr", "grad_norm": "grad norm", "loss_scale": "loss scale",
@@ -65,9 +66,7 @@ class Run:
         # first: a memory snapshot then sees every allocation
         self.profiler = Profiler(cfg.logging, topology.rank, topology.device)
         self.gbs = cfg.batch_size(topology.world_size)
-        tokenizer = training_tokenizer(cfg.data, cfg.model.vocab_size)
-        if tokenizer is not None:
-            cfg.model.vocab_size = tokenizer.vocab_size
+        tokenizer = set_vocabulary(cfg)[0]
         valid_samples = cfg.train.eval_iters * self.gbs if cfg.train.eval_interval else 0
         self.data = build_training_data(cfg, topology.rank, tokenizer, cfg.train.train_iters * self.gbs, valid_samples)
         self.trainer = build_trainer(cfg, topology)
@@ -350,7 +349,7 @@ def allow_tf32(allowed: bool) -> None:
 def pretrain(cfg: Config) -> RunResult:
     """Train as configured; joins the torchrun job if there is one, else runs as one process.
 
-    Works on a copy of `cfg`: the tokenizer fills in model.vocab_size for this run only.
+    Works on a copy of `cfg`: model.vocab_size is filled in (training/vocabulary.py) for this run only.
     """
     cfg = copy.deepcopy(cfg)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)), data_files=True)
