@@ -53,16 +53,16 @@ def _untileable_widths(cfg: Config) -> list[tuple[str, str]]:
     problems = []
     for width, ranks, field, value in widths:
         if width % (BLOCK * ranks):
-            split = f" / {ranks} ranks" if ranks > 1 else ""
-            fix = _fix(field, value, width, BLOCK * ranks)
-            problems.append(("the contracted widths", f"{field} = {width}{split} per rank is not a multiple of "
-                                                      f"{BLOCK}; {fix}"))
+            split = f" split over {ranks} ranks is {width / ranks:g} per rank," if ranks > 1 else ""
+            problems.append(("the contracted widths", f"{field} = {width}{split} not a multiple of {BLOCK}; "
+                                                      f"{_fix(field, value, width, BLOCK * ranks)}"))
     return problems
 
 
 def _fix(field: str, value: int | None, width: int, step: int) -> str:
     if value is None or value != width:  # a product of fields: name the width that tiles
-        return f"make it a multiple of {step} (e.g. {math.ceil(width / step) * step}) through the head dim or counts"
+        return (f"make the whole a multiple of {step} (e.g. {math.ceil(width / step) * step}) through the head dim "
+                "or the head counts")
     return f"set {field}={math.ceil(width / step) * step} (a multiple of {step})"
 
 

@@ -99,7 +99,8 @@ class Quantized:
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
     """The multiplier that maps a tile of largest magnitude `amax` onto `dtype`'s range (see the module's
     docstring for the rounding), fp32."""
-    scale = torch.finfo(dtype).max / amax.float().clamp(min=AMAX_FLOOR)
+    amax = amax.float().clamp(min=AMAX_FLOOR)
+    scale = amax.new_tensor(torch.finfo(dtype).max) / amax  # a true division (number / tensor multiplies by 1 / amax)
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
 
 
