@@ -375,6 +375,10 @@ class TrainConfig:
     param_dtype: Literal["fp32", "bf16", "fp16"] = _f(
         "fp32", "dtype of the model's parameters; bf16/fp16 "
                 "(= train.precision) keep fp32 main weights in the optimizer, as Megatron-LM's --bf16")
+    fp8_recipe: Literal["none", "tensorwise", "rowwise", "blockwise"] = _f(
+        "none", "FP8 matmuls in the transformer layers' linears and experts (embeddings, head, routers stay in "
+                "train.precision): tensorwise (a scale per tensor), rowwise (per row), blockwise (DeepSeek-V3's "
+                "1x128 / 128x128 tiles); needs train.precision bf16 or fp32 (parallel/fp8/recipes.py)")
     recompute: Literal["none", "selective", "full"] = _f(
         "none", "activation recompute: selective = core attention, full = whole layers")
     eval_interval: int | None = _f(

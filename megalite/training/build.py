@@ -15,6 +15,8 @@ from megalite.model.split_backward import apply_split_backward
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.distributed_optimizer import DistributedOptimizer
+from megalite.parallel.fp8 import RECIPES
+from megalite.parallel.gemm import apply_recipe
 from megalite.parallel.grad_buffer import readers
 from megalite.parallel.pipeline.registry import pipeline_stage, schedule_spec, stage_layout
 from megalite.parallel.pipeline.runner import Pipeline
@@ -62,13 +64,17 @@ class Trainer:
 
 def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank: int) -> GPTModel:
     """Pipeline rank `pp_rank`'s model chunks, its shards (`ctx`), in train.param_dtype, with train.recompute
-    applied, and the split backward where the schedule splits it (model/split_backward.py)."""
+    applied, train.fp8_recipe on the transformer layers' linears and experts (the embedding, the head and the
+    routers keep train.precision, as DeepSeek-V3 and torchtitan keep them), and the split backward where the
+    schedule splits it (model/split_backward.py)."""
     # Each parameter is drawn in fp32 on every layout and rounded once into train.param_dtype as it is copied in
     # (model/init.py); its storage is made in that dtype, so no fp32 copy of the model is ever on the device.
     model = GPTModel(cfg.model, device, ctx, stage_layout(cfg, pp_rank), seed=cfg.train.seed,
                      dtype=TORCH_DTYPES[cfg.train.param_dtype])
     apply_recompute(model, cfg.train.recompute)
     apply_fusions(model, cfg.train.fusions)
+    if cfg.train.fp8_recipe != "none":
+        apply_recipe(model.layers, RECIPES[cfg.train.fp8_recipe]())
     if schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
         apply_split_backward(model)
     return model

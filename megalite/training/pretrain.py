@@ -34,7 +34,7 @@ from megalite.training.metrics import MetricsWriter, wandb_enabled
 from megalite.training.profiling import Profiler
 from megalite.training.report_once import ReportOnce
 from megalite.training.routing_metrics import RoutingMetrics
-from megalite.training.run_summary import Clock, end_summary, gpu_memory_line, parameters_line
+from megalite.training.run_summary import Clock, end_summary, fp8_line, gpu_memory_line, parameters_line
 from megalite.training.step import StepFigures, StepResult, read_steps, train_step
 from megalite.training.stopping import StopSignals, StopVote, write_report
 from megalite.training.trace import write_chrome_trace
@@ -286,6 +286,8 @@ class Run:
             f"{cfg.train.micro_batch_size} x dp {t.dp}"
         )
         self.writer.print(parameters_line(cfg))
+        if fp8 := fp8_line(cfg):
+            self.writer.print(fp8)
         memory = gpu_memory_line(cfg, t.world_size, t.device)
         if memory:
             self.writer.print(memory)

@@ -38,6 +38,15 @@ def parameters_line(cfg: Config) -> str:
             f"per rank{f' ({split})' if split else ''}: {per_rank}{zero3}")
 
 
+def fp8_line(cfg: Config) -> str | None:
+    """Whether FP8 is on, with which recipe, and what stays in the compute precision (build_model applies it)."""
+    t = cfg.train
+    if t.fp8_recipe == "none":
+        return None
+    return (f"FP8 on: train.fp8_recipe={t.fp8_recipe} in the transformer layers' linears and experts (forward, input "
+            f"and weight gradients); embeddings, the LM head and the routers in {t.precision}")
+
+
 def memory_line(cfg: Config, world_size: int, device_name: str, device_bytes: int) -> str:
     """The planner's estimate for the stage that needs most against the device's memory (on a GPU)."""
     stages = memory_per_stage(cfg, world_size, "cuda")

@@ -1,0 +1,142 @@
+"""FP8 recipes for the one matmul home (parallel/gemm.py): each of a linear's three matmuls, forward, input
+gradient and weight gradient, multiplies two operands quantised as the recipe says.
+
+Every matmul is a b^T with both operands [rows, k] along the contraction k: the forward x [tokens, in] by
+W [out, in], the input gradient grad [tokens, out] by W^T [in, out], the weight gradient grad^T [out, tokens] by
+x^T [in, tokens]. A recipe gives each operand a `Scaling` (format and tile, quantize.py):
+
+| recipe       | input (x)          | weight              | output gradient     | powers of two |
+|--------------|--------------------|---------------------|---------------------|---------------|
+| `tensorwise` | e4m3, per tensor   | e4m3, per tensor    | e5m2, per tensor    | no (torchao)  |
+| `rowwise`    | e4m3, per row      | e4m3, per row       | e4m3, per row       | yes (torchao) |
+| `blockwise`  | e4m3, 1 x 128      | e4m3, 128 x 128     | e4m3, 1 x 128       | yes           |
+
+"Per row" is along the contraction, so the weight is scaled per output feature in the forward and per input
+feature in the input gradient, and in the weight gradient x and grad are scaled per feature along the tokens
+(DeepSeek-V3's blockwise likewise re-tiles x 128 x 1 along the tokens there: section 3.3 of its report). The
+weight's 128 x 128 blocks are the same blocks for W and W^T. Powers of two: torchao rounds the rowwise scales,
+not the tensorwise ones; blockwise rounds them as Transformer Engine's block scaling and DeepSeek-V3.1's UE8M0
+scales do (quantize.py says what that costs and buys).
+
+Grouped (expert) matmuls are each expert's dense matmul: every operand quantised per expert (an expert's
+weight, its rows of x and of grad), so an expert's product is the one its rows would get from a dense layer.
+Products are exact fp32 sums of the dequantised operands; outputs and input gradients are cast to the compute
+dtype, weight gradients are added into the fp32 main gradient (weight_grads.deliver's contract, as
+HighPrecision's).
+
+Kernels: tensorwise and rowwise operands go through torch._scaled_mm (CPU and CUDA; on the CPU it equals the
+emulation bit for bit, tests/test_fp8.py). On CUDA rowwise returns bf16 (CUTLASS's rowwise kernel takes no fp32
+output before cuBLAS 12.9), so there its products, the weight gradient included, are rounded to bf16 as
+torchao's are. Blockwise runs the emulation everywhere (quantise, dequantise, fp32 matmul): torch 2.11's
+_scaled_mm takes 1 x 128 / 128 x 128 scales on SM90 with cuBLAS >= 12.9, in outer-dim-major layouts padded to
+four blocks, which is not wired in yet; nor is torch._scaled_grouped_mm for the experts (they loop over experts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.parallel.fp8.quantize import (
+    E4M3,
+    E5M2,
+    LOCAL_AMAX,
+    AmaxReduction,
+    Matmul,
+    Operand,
+    Quantized,
+    Scaling,
+    quantize,
+)
+from megalite.parallel.gemm import Recipe, RowGroups
+
+BLOCK = 128  # DeepSeek-V3's tile width and weight block
+
+
+class Float8(Recipe):
+    """A recipe of FP8 matmuls: each operand quantised with its `scalings` entry ("input", "weight", "grad"),
+    scales rounded to powers of two when `power_of_two`, tiles' amax agreed by `amax` (quantize.AmaxReduction:
+    the seam where a layout's ranks that share a tile reduce its amax)."""
+
+    def __init__(self, name: str, scalings: dict[Operand, Scaling], power_of_two: bool,
+                 amax: AmaxReduction = LOCAL_AMAX) -> None:
+        self.name, self.scalings, self.power_of_two, self.amax = name, scalings, power_of_two, amax
+
+    def quantize(self, t: torch.Tensor, operand: Operand, matmul: Matmul) -> Quantized:
+        return quantize(t, self.scalings[operand], self.power_of_two, self.amax, operand, matmul)
+
+    def product(self, a: torch.Tensor, a_is: Operand, b: torch.Tensor, b_is: Operand, matmul: Matmul) -> torch.Tensor:
+        """a b^T of a [m, k] and b [n, k], each quantised as what it is, fp32 (bf16 from CUDA's rowwise kernel)."""
+        return scaled_mm(self.quantize(a, a_is, matmul), self.quantize(b, b_is, matmul))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.product(x.reshape(-1, x.shape[-1]), "input", weight, "weight", "forward")
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        dx = self.product(grad.reshape(-1, grad.shape[-1]), "grad", weight.t(), "weight", "input_grad")
+        return dx.to(grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
+
+    def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        dw = self.product(grad.t(), "grad", x.t(), "input", "weight_grad")
+        if out is None:
+            return dw.to(grad.dtype)
+        return out.add_(dw)
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        parts = x.split(groups.sizes)
+        return torch.cat([self.linear(part, weight[e], None) for e, part in enumerate(parts)])
+
+    def grouped_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        parts = grad.split(groups.sizes)
+        return torch.cat([self.linear_input_grad(part, weight[e]) for e, part in enumerate(parts)])
+
+    def grouped_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        sizes = groups.sizes
+        return torch.stack([self.linear_weight_grad(g, part) for g, part in zip(grad.split(sizes), x.split(sizes))])
+
+
+def scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
+    """a b^T of two quantised [m, k] and [n, k] operands: torch._scaled_mm where it takes their scales, else
+    the exact emulation (both dequantised, multiplied in fp32)."""
+    kernel = _kernel_for(a, b)
+    if kernel == "tensor":
+        return torch._scaled_mm(a.data, b.data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.float32)
+    if kernel == "row":
+        out = torch.bfloat16 if a.data.is_cuda else torch.float32
+        return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale.t(), out_dtype=out)
+    return a.dequantize() @ b.dequantize().t()
+
+
+def _kernel_for(a: Quantized, b: Quantized) -> str | None:
+    """Which scaling of torch._scaled_mm multiplies these operands: "tensor" (both per tensor), "row" (both per
+    row, a tile spanning the whole contraction), or None; on CUDA k and n must be multiples of 16, as
+    torch._scaled_mm's checks ask (torch/_meta_registrations.py)."""
+    (m, k), n = a.data.shape, b.data.shape[0]
+    if min(m, n, k) == 0 or (a.data.is_cuda and (k % 16 or n % 16)):
+        return None
+    if a.tile == (m, k) and b.tile == (n, k):
+        return "tensor"
+    if a.tile == (1, k) and b.tile == (1, k):
+        return "row"
+    return None
+
+
+def tensorwise(amax: AmaxReduction = LOCAL_AMAX) -> Float8:
+    whole = Scaling(E4M3, None, None)
+    return Float8("tensorwise", {"input": whole, "weight": whole, "grad": Scaling(E5M2, None, None)}, False, amax)
+
+
+def rowwise(amax: AmaxReduction = LOCAL_AMAX) -> Float8:
+    row = Scaling(E4M3, 1, None)
+    return Float8("rowwise", {"input": row, "weight": row, "grad": row}, True, amax)
+
+
+def blockwise(amax: AmaxReduction = LOCAL_AMAX) -> Float8:
+    tile = Scaling(E4M3, 1, BLOCK)
+    return Float8("blockwise", {"input": tile, "weight": Scaling(E4M3, BLOCK, BLOCK), "grad": tile}, True, amax)
+
+
+RECIPES = {"tensorwise": tensorwise, "rowwise": rowwise, "blockwise": blockwise}
