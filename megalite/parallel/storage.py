@@ -15,6 +15,9 @@ import torch
 RESIZE = torch.ops.inductor.resize_storage_bytes_.default
 
 
+@torch.compiler.disable
 def resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
-    """Give `tensor`'s storage `nbytes` bytes (0 frees it; growing it leaves the contents undefined)."""
+    """Give `tensor`'s storage `nbytes` bytes (0 frees it; growing it leaves the contents undefined). Eager even
+    inside a compiled layer (train.compile: ZeRO-3's gathers and frees run in its module hooks): inductor lowers
+    this operator only for sizes known when compiling, and a bucket's size is a symbol there."""
     RESIZE(tensor, nbytes)
