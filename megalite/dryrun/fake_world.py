@@ -2,13 +2,13 @@
 
 torch ships a fake process group for testing (FakeProcessGroup): every collective and point-to-point call
 returns at once and moves no data, so one process can stand for rank r of 16,384 and build every group that
-rank joins; its groups are observed ones (parallel/observed.py), whose calls the NCCL-rule recorder records. Fake tensors (torch._subclasses.FakeTensorMode) carry shapes, dtypes and
-storage sizes but allocate nothing, so the real model, buffers and optimizer of a 405B-parameter layout fit
-here. The device stays the CPU: the CPU code paths run (autocast, attention kernels), which CUDA cannot be
-made to on a machine without one. Where megalite picks a setting by device type for speed alone (the head's
-cross-entropy chunk: a few cached rows on CPUs, ~1 GiB on accelerators), the dry run gives the built model the
-accelerator's (`as_accelerator`): it stands for a GPU, and a CPU's chunking would multiply its operations a
-thousandfold.
+rank joins; its groups are observed ones (parallel/observed.py), whose calls the NCCL-rule recorder records.
+Fake tensors (torch._subclasses.FakeTensorMode) carry shapes, dtypes and storage sizes but allocate nothing,
+so the real model, buffers and optimizer of a 405B-parameter layout fit here. The device stays the CPU: the
+CPU code paths run (autocast, attention kernels), which CUDA cannot be made to on a machine without one. Where
+megalite picks a setting by device type for speed alone (the head's cross-entropy chunk: a few cached rows on
+CPUs, ~1 GiB on accelerators), the dry run gives the built model the accelerator's (`as_accelerator`): it
+stands for a GPU, and a CPU's chunking would multiply its operations a thousandfold.
 """
 
 from __future__ import annotations

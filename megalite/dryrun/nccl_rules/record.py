@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +106,8 @@ class CommRecorder(CommObserver):
         self.record = RankRecord(rank)
         self._posted = 0  # calls posted so far: the next call's index
         self._waited: set[int] = set()
-        self._calls: dict[GroupCall, tuple[Call, list[tuple[Message, torch.Tensor]]]] = {}
+        # each operation in flight: its call and its receives (gone with the operation's work, as its buffers)
+        self._calls: weakref.WeakKeyDictionary[GroupCall, tuple[Call, list]] = weakref.WeakKeyDictionary()
         self._open: tuple[Any, Call] | None = None  # torch's function being run (its frame) and its call
         self._observing = observing(self)
 
