@@ -69,7 +69,7 @@ class CommObserver:
         """The backend returned: the call is in flight (a blocking function waits on it next)."""
 
     def waiting(self, call: GroupCall) -> None:
-        """Someone waits on the call."""
+        """Someone waits on the call (told also after the observer's block, for a call posted inside it)."""
 
     def waited(self, call: GroupCall) -> None:
         """That wait returned: the call's data is there."""
@@ -88,29 +88,26 @@ def observing(observer: CommObserver) -> Iterator[CommObserver]:
         _observers.remove(observer)
 
 
-def _tell(event: str, call: GroupCall) -> None:
-    for observer in list(_observers):
+def _tell(observers: list[CommObserver], event: str, call: GroupCall) -> None:
+    for observer in observers:
         getattr(observer, event)(call)
 
 
 class _ObservedWork(dist.Work):
-    """The backend's work; waits on it are told to the observers."""
+    """The backend's work; waits on it are told to the observers that saw it posted."""
 
-    def __init__(self, work: dist.Work, call: GroupCall) -> None:
+    def __init__(self, work: dist.Work, call: GroupCall, observers: list[CommObserver]) -> None:
         super().__init__()
-        self._work, self._call = work, call
+        self._work, self._call, self._observers = work, call, observers
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        _tell("waiting", self._call)
+        _tell(self._observers, "waiting", self._call)
         done = self._work.wait() if timeout is None else self._work.wait(timeout)
-        _tell("waited", self._call)
+        _tell(self._observers, "waited", self._call)
         return done
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
-
-    def is_success(self) -> bool:
-        return self._work.is_success()
 
     def exception(self) -> Any:
         return self._work.exception()
@@ -118,11 +115,8 @@ class _ObservedWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         return self._work.get_future()
 
-    def result(self) -> list[torch.Tensor]:
-        return self._work.result()
-
-    def source_rank(self) -> int:
-        return self._work.source_rank()
+    def _source_rank(self) -> int:
+        return self._work._source_rank()
 
 
 class ObservedGroup(dist.ProcessGroup):
@@ -142,11 +136,11 @@ class ObservedGroup(dist.ProcessGroup):
         run = getattr(self.backend, OPERATIONS[operation])
         if not _observers:
             return run(*arguments, **keywords)
-        call = GroupCall(self, operation, arguments, keywords)
-        _tell("posting", call)
+        call, observers = GroupCall(self, operation, arguments, keywords), list(_observers)
+        _tell(observers, "posting", call)
         work = run(*arguments, **keywords)
-        _tell("posted", call)
-        return _ObservedWork(work, call)
+        _tell(observers, "posted", call)
+        return _ObservedWork(work, call, observers)
 
     # The operations torch's functions call on a group (OPERATIONS), each run by _run.
     def allreduce(self, *args: Any, **kwargs: Any) -> dist.Work:

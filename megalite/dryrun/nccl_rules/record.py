@@ -202,14 +202,14 @@ def _agreed_tensor(operation: GroupCall) -> torch.Tensor | None:
 def _all_to_all_splits(operation: GroupCall, members: int) -> tuple[list[int], list[int]]:
     """Bytes an all_to_all_single sends to and receives from each member, in group order (even splits when
     none are given)."""
-    output, input, output_sizes, input_sizes = operation.arguments[:4]
+    output, sent, output_sizes, sent_sizes = operation.arguments[:4]
 
     def per_member(tensor: torch.Tensor, sizes: list[int]) -> list[int]:
         row = tensor[0].numel() * tensor.element_size() if tensor.dim() and len(tensor) else 0
         rows = sizes if sizes else [len(tensor) // members] * members
         return [n * row for n in rows]
 
-    return per_member(input, input_sizes), per_member(output, output_sizes)
+    return per_member(sent, sent_sizes), per_member(output, output_sizes)
 
 
 def _payload(call: Call, operation: GroupCall) -> int:
