@@ -8,10 +8,11 @@ them across ranks by tensor parallelism, which also pays for its collectives. Th
 configurations take turns iteration by iteration, so that a shared machine's changing load
 hits them alike.
 
-To see the price of communication, the collectives `megalite.parallel.mappings` calls are
-wrapped with timers in this process only (megalite itself is not changed). "In step" is the
-wall time a rank spent inside them during fwd+bwd, waiting for its peer included; "replayed"
-runs the same collectives again afterwards, each after a barrier: the transfer cost alone.
+To see the price of communication, a meter observes the collectives `megalite.parallel.mappings`
+calls (the ranks' process groups are observed ones: megalite.parallel.observed). "In step" is the
+wall time a rank spent inside them during fwd+bwd (posting each and waiting on it), waiting for
+its peer included; "replayed" runs the same collectives again afterwards, each after a barrier:
+the transfer cost alone.
 
 Example (the defaults: a GPT-2 medium-sized layer, fp32):
     python tools/benchmark_tensor_parallel.py
@@ -21,11 +22,10 @@ Example (the defaults: a GPT-2 medium-sized layer, fp32):
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,59 +34,70 @@ from megalite.config import Config, ModelConfig
 from megalite.model.gpt import TransformerLayer
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
+from megalite.parallel.observed import CommObserver, GroupCall, observing
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
 from megalite.training.step import precision_context
 
 CONFIGS = ("tp=1", "tp=2", "tp=2 + SP")
 # Bytes one rank sends in a ring implementation, in units of (n-1)/n times the collective's full
-# (unsplit) tensor, as nccl-tests' bus bandwidth counts them.
-_RING_PASSES = {"all_reduce": 2, "all_gather_single": 1, "reduce_scatter_single": 1}
-Call = tuple[Callable, tuple, dict]
+# (unsplit) tensor, as nccl-tests' bus bandwidth counts them; keyed by the process group's operation.
+_RING_PASSES = {"allreduce": 2, "all_gather_single": 1, "reduce_scatter_single": 1}
 
 
 @dataclass
-class CommMeter:
+class CommMeter(CommObserver):
     """Wall time and ring bytes spent in collectives since the last reset(), and the calls
-    themselves, so that they can be replayed without the compute in between."""
+    themselves, so that they can be replayed without the compute in between. It observes the
+    process groups (megalite.parallel.observed): the time inside posting each collective and
+    inside each wait on it."""
 
     seconds: float = 0.0
     bytes_sent: float = 0.0
-    calls: list[Call] = field(default_factory=list)
+    calls: list[GroupCall] = field(default_factory=list)
+    _since: float = 0.0
 
     def reset(self) -> None:
         self.seconds, self.bytes_sent, self.calls = 0.0, 0.0, []
 
-    def install(self) -> None:
-        """Replace the torch.distributed collectives that mappings.py calls with timed versions."""
-        for name in _RING_PASSES:
-            setattr(dist, name, self._timed(name, getattr(dist, name)))
+    def posting(self, call: GroupCall) -> None:
+        self._since = time.perf_counter()
 
-    def _timed(self, name: str, collective: Callable) -> Callable:
-        @functools.wraps(collective)
-        def timed(*args, group: dist.ProcessGroup | None = None, **kwargs):
-            start = time.perf_counter()
-            work = collective(*args, group=group, **kwargs)
-            self.seconds += time.perf_counter() - start
-            self.calls.append((collective, args, dict(kwargs, group=group)))
-            full = args[1] if name == "reduce_scatter_single" else args[0]
-            n = dist.get_world_size(group)
-            self.bytes_sent += full.nbytes * _RING_PASSES[name] * (n - 1) / n
-            return work
+    def posted(self, call: GroupCall) -> None:
+        self._add(call, self._since)
+        if call.operation in _RING_PASSES:
+            self.calls.append(call)
+            full = call.tensors()[1 if call.operation == "reduce_scatter_single" else 0]
+            n = call.group.size()
+            self.bytes_sent += full.nbytes * _RING_PASSES[call.operation] * (n - 1) / n
 
-        return timed
+    def waiting(self, call: GroupCall) -> None:
+        self._since = time.perf_counter()
+
+    def waited(self, call: GroupCall) -> None:
+        self._add(call, self._since)
+
+    def _add(self, call: GroupCall, since: float) -> None:
+        if call.operation in _RING_PASSES:
+            self.seconds += time.perf_counter() - since
 
 
-def replay_seconds(calls: list[Call]) -> float:
+def replay_seconds(calls: list[GroupCall]) -> float:
     """One iteration's collectives again, each after a barrier, on copies (the originals may be autograd views)."""
     total = 0.0
-    for collective, args, kwargs in calls:
-        args = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+    for call in calls:
+        arguments = tuple(_copied(a) for a in call.arguments)
         dist.barrier()
         start = time.perf_counter()
-        collective(*args, **kwargs)
+        getattr(call.group, call.operation)(*arguments, **call.keywords).wait()
         total += time.perf_counter() - start
     return total
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return [_copied(v) for v in value] if isinstance(value, list) else value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,19 +161,19 @@ class Case:
 def time_cases(rank: int, args: argparse.Namespace) -> dict[str, dict]:
     """Time every configuration this rank takes part in, taking turns; returns per-configuration numbers."""
     meter = CommMeter()
-    meter.install()
     topology = Topology(rank, 2, torch.device("cpu"), tp=2)
     cases = {"tp=1": Case.build(ParallelContext(), args.cores, args)} if rank == 0 else {}
     for name, sp in (("tp=2", False), ("tp=2 + SP", True)):
         cases[name] = Case.build(ParallelContext.from_topology(topology, sp, args.seed), args.cores // 2, args)
     record: dict[str, dict] = {name: {"steps": [], "comms": []} for name in cases}
-    calls: dict[str, list[Call]] = {}
+    calls: dict[str, list[GroupCall]] = {}
     for i in range(args.warmup + args.iters):
         for name in CONFIGS:
             dist.barrier()
             if name in cases:
                 meter.reset()
-                step = cases[name].fwd_bwd_seconds(args.precision)
+                with observing(meter):
+                    step = cases[name].fwd_bwd_seconds(args.precision)
                 if i >= args.warmup:
                     record[name]["steps"].append(step)
                     record[name]["comms"].append(meter.seconds)

@@ -1,14 +1,14 @@
 """One simulated rank of a world of any size, in this process: torch's fake process group and fake tensors.
 
-torch ships a fake process group for testing (torch.testing._internal.distributed.fake_pg): every collective
-and point-to-point call returns at once and moves no data, so one process can stand for rank r of 16,384 and
-build every group that rank joins. Fake tensors (torch._subclasses.FakeTensorMode) carry shapes, dtypes and
-storage sizes but allocate nothing, so the real model, buffers and optimizer of a 405B-parameter layout fit
-here. The device stays the CPU: the CPU code paths run (autocast, attention kernels), which CUDA cannot be
-made to on a machine without one. Where megalite picks a setting by device type for speed alone (the head's
-cross-entropy chunk: a few cached rows on CPUs, ~1 GiB on accelerators), the dry run gives the built model the
-accelerator's (`as_accelerator`): it stands for a GPU, and a CPU's chunking would multiply its operations a
-thousandfold.
+torch ships a fake process group for testing (FakeProcessGroup): every collective and point-to-point call
+returns at once and moves no data, so one process can stand for rank r of 16,384 and build every group that
+rank joins; its groups are observed ones (parallel/observed.py), whose calls the NCCL-rule recorder records.
+Fake tensors (torch._subclasses.FakeTensorMode) carry shapes, dtypes and storage sizes but allocate nothing,
+so the real model, buffers and optimizer of a 405B-parameter layout fit here. The device stays the CPU: the
+CPU code paths run (autocast, attention kernels), which CUDA cannot be made to on a machine without one. Where
+megalite picks a setting by device type for speed alone (the head's cross-entropy chunk: a few cached rows on
+CPUs, ~1 GiB on accelerators), the dry run gives the built model the accelerator's (`as_accelerator`): it
+stands for a GPU, and a CPU's chunking would multiply its operations a thousandfold.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers the "fake" backend)
 
 from megalite.model.cross_entropy import ACCELERATOR_CHUNK_BYTES
 from megalite.model.head import LMHead
+from megalite.parallel import observed
 from megalite.parallel.topology import release_process_groups
 
 
@@ -31,7 +31,7 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """This process is rank `rank` of `world_size` on the fake backend (CPU and meta tensors) inside the block."""
     if dist.is_initialized():
         raise RuntimeError("the dry run needs a process without a process group: it builds the fake one itself")
-    dist.init_process_group("cpu:fake,meta:fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    dist.init_process_group(observed.FAKE, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -2,7 +2,8 @@
 
 For tools and tests that measure or check several ranks without torchrun: one free port,
 one process group per spawn, results gathered to rank 0 and handed back to the caller
-(through a file this session wrote itself, so unpickling it runs nothing foreign).
+(through a file this session wrote itself, so unpickling it runs nothing foreign). The groups are observed
+gloo groups (parallel/observed.py): an observer such as the NCCL-rule recorder sees every call they make.
 
 The processes start from a fork server that imported torch and megalite's training code once
 (`PRELOADED`), not as new interpreters each importing them again: a spawn cost each rank two to four
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megalite.parallel import observed
 from megalite.parallel.host_allocator import map_large_blocks
 from megalite.parallel.topology import release_process_groups
 
@@ -46,7 +48,7 @@ def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Call
         torch.set_num_threads(threads)
     map_large_blocks()  # host memory as a training process has it (Topology.from_environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world_size))  # as torchrun
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(observed.GLOO, rank=rank, world_size=world_size)
     try:
         gathered = [None] * world_size
         dist.all_gather_object(gathered, fn(rank, world_size, *args))

@@ -16,9 +16,10 @@ every call on a GPU stream:
 - every call waits for the compute queued before it, which waits for every call already
   waited on (`work.wait()` does not block the host; it orders the compute stream).
 
-`CommRecorder` wraps torch.distributed's functions inside one process and records, in
-order, each call it posts (communicator, peers, sizes, a digest of the bytes sent or
-received) and each wait on it. `replay` runs all ranks' records as NCCL would and reports
+`CommRecorder` observes the process groups of one process (parallel/observed.py: the backend
+that tools, tests and the dry run create their groups with) and records, in order, each call
+it posts (communicator, peers, sizes, a digest of the bytes sent or received) and each wait
+on it. `replay` runs all ranks' records as NCCL would and reports
 every call that could never finish (a hang), every message NCCL would deliver to another
 receive than gloo did (a silent swap), and every size or collective mismatch.
 

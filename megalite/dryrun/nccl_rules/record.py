@@ -1,14 +1,11 @@
-"""Recording what every torch.distributed call of this process posts and waits on (the rules it is checked against:
-nccl_rules/__init__.py)."""
+"""Recording what every call of this process's observed process groups posts and waits on (the seam:
+parallel/observed.py; the rules it is checked against: nccl_rules/__init__.py)."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
 import sys
-import threading
-from collections.abc import Callable
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,10 +14,17 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._subclasses.fake_tensor import is_fake
 
+from megalite.parallel import observed
+from megalite.parallel.observed import CommObserver, GroupCall, ObservedGroup, observing
+
 P2P_FUNCTIONS = ("isend", "irecv", "send", "recv")
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-               "reduce_scatter_tensor", "reduce_scatter", "broadcast", "barrier", "reduce", "all_to_all_single",
-               "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+P2P_OPERATIONS = ("send", "recv", "recv_anysource")  # a group's operations that carry one message
+# Which argument of a group's collective holds the tensor every member must agree on (its input; a scatter's
+# output). A barrier and an all-to-all have none (an all-to-all's members agree pairwise: its splits).
+_AGREED = {"allreduce": 0, "allreduce_coalesced": 0, "broadcast": 0, "reduce": 0, "allgather": 1,
+           "allgather_coalesced": 1, "all_gather_single": 1, "reduce_scatter_single": 1, "gather": 1,
+           "reduce_scatter": 0, "scatter": 0}
+_OURS = (__file__, observed.__file__)  # frames between torch's function and the recorder
 
 
 @dataclass
@@ -83,166 +87,136 @@ def _digest(tensor: torch.Tensor) -> str | None:
 
 
 def _caller() -> str:
-    """The first frame outside torch and this file: the code that communicated."""
+    """The first frame outside torch, the observed group and this file: the code that communicated."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if "/torch/" not in path and "/nccl_rules/" not in path:
+        if "/torch/" not in path and path not in _OURS:
             return f"{'/'.join(path.rsplit('/', 2)[-2:])}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
 
 
-class _RecordedWork:
-    """A Work whose wait() is recorded; receive digests are taken once the data is there."""
-
-    def __init__(self, work: Any, recorder: CommRecorder, call: Call, received: list[tuple[Message, torch.Tensor]]):
-        self._work, self._recorder, self._call, self._received = work, recorder, call, received
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._work.wait(*args, **kwargs) if self._work is not None else True
-        self._recorder.waited(self._call)
-        for message, buffer in self._received:
-            message.digest = _digest(buffer)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-class CommRecorder:
-    """While active, records every torch.distributed call this process makes (not thread-safe
-    across ranks: one recorder per process)."""
+class CommRecorder(CommObserver):
+    """While active, records every call the observed process groups of this process post and every wait on them
+    (one recorder per process). One call of torch's (a `batch_isend_irecv` with all its sends and receives, an
+    `all_gather_object` with its two gathers) is one recorded call, named as torch's function is."""
 
     def __init__(self, rank: int) -> None:
         self.record = RankRecord(rank)
         self._posted = 0  # calls posted so far: the next call's index
         self._waited: set[int] = set()
-        self._depth = threading.local()
-        self._saved: dict[tuple[Any, str], Callable] = {}
+        # each operation in flight: its call and its receives (gone with the operation's work, as its buffers)
+        self._calls: weakref.WeakKeyDictionary[GroupCall, tuple[Call, list]] = weakref.WeakKeyDictionary()
+        self._open: tuple[Any, Call] | None = None  # torch's function being run (its frame) and its call
+        self._observing = observing(self)
 
     def __enter__(self) -> CommRecorder:
-        for name in ("batch_isend_irecv", *P2P_FUNCTIONS, *COLLECTIVES):
-            original = getattr(c10d, name)
-            wrapped = self._wrap(name, original)
-            for module in (dist, c10d):
-                if getattr(module, name, None) is original:
-                    self._saved[(module, name)] = original
-                    setattr(module, name, wrapped)
+        if dist.is_initialized() and not isinstance(c10d._get_default_group(), ObservedGroup):
+            raise RuntimeError(f"CommRecorder sees the calls of observed process groups only, and this process's "
+                               f"group runs on {dist.get_backend()!r}: create it with backend "
+                               f"megalite.parallel.observed.GLOO (spawn.run_on_ranks does) or FAKE (the dry run)")
+        self._observing.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for (module, name), original in self._saved.items():
-            setattr(module, name, original)
+        self._observing.__exit__(*exc)
+        self._open = None  # the frame of torch's last function, with what it held
 
-    def waited(self, call: Call) -> None:
+    def posting(self, operation: GroupCall) -> None:
+        frame = _torch_function()
+        if frame is not None and self._open is not None and self._open[0] is frame:
+            call = self._open[1]  # one more operation of the same call of torch's
+        else:
+            call = self._new_call(operation, frame.f_code.co_name if frame is not None else operation.operation)
+            self._open = (frame, call)
+        received = self._messages(call, operation)
+        call.payload = _payload(call, operation)
+        self._calls[operation] = (call, received)
+
+    def waited(self, operation: GroupCall) -> None:
+        call, received = self._calls[operation]
         if call.index not in self._waited:
             self._waited.add(call.index)
             self.record.events.append(("wait", call.index))
+        for message, buffer in received:
+            message.digest = _digest(buffer)
 
-    def _wrap(self, name: str, original: Callable) -> Callable:
-        signature = inspect.signature(original)
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self._depth, "value", 0):  # torch calling its own functions: one call
-                return original(*args, **kwargs)
-            self._depth.value = 1
-            try:
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                return self._post(name, original, bound)
-            finally:
-                self._depth.value = 0
-
-        return wrapper
-
-    def _batch(self, original: Callable, ops: list[dist.P2POp]) -> list:
-        """torch tells sends from receives by identity with its own isend: hand it the originals."""
-        originals = {name: self._saved[(c10d, name)] for name in ("isend", "irecv")}
-        for op in ops:
-            op.op = originals[op.op.__name__]
-        try:
-            for name, function in originals.items():
-                setattr(c10d, name, function)
-            return original(ops)
-        finally:
-            for name in originals:
-                setattr(c10d, name, getattr(dist, name))
-
-    def _post(self, name: str, original: Callable, bound: inspect.BoundArguments) -> Any:
-        a = bound.arguments
-        if name == "batch_isend_irecv":
-            group = a["p2p_op_list"][0].group
-            ops = [(op.op.__name__ == "isend", op.peer, op.tensor) for op in a["p2p_op_list"]]
-        elif name in P2P_FUNCTIONS:
-            group = a.get("group")
-            peer = a.get("dst", a.get("src"))
-            peer = peer if peer is not None else dist.get_global_rank(group, a.get("group_dst", a.get("group_src")))
-            ops = [(name.endswith("send"), peer, a["tensor"])]
-        else:
-            group, ops = a.get("group"), []
-        group = group if group is not None else c10d._get_default_group()
+    def _new_call(self, operation: GroupCall, name: str) -> Call:
+        group = operation.group
         call = Call(self.record.rank, self._posted, name, group.group_name,
                     tuple(dist.get_process_group_ranks(group)), where=_caller(), desc=group.group_desc)
-        received = []
-        for send, peer, tensor in ops:
-            message = Message(send, peer, tensor.numel() * tensor.element_size(), str(tensor.dtype))
-            if send:
-                message.digest = _digest(tensor)
-            else:
-                received.append((message, tensor))
-            call.messages.append(message)
-        if name == "all_to_all_single":  # uneven splits: members agree pairwise, not on one size
-            call.dtype, call.splits = str(a["input"].dtype), _all_to_all_splits(a, len(call.members))
-        elif not ops:
-            tensor = _collective_tensor(name, a)
+        if operation.operation == "all_to_all_single":  # uneven splits: members agree pairwise, not on one size
+            call.dtype = str(operation.arguments[1].dtype)
+            call.splits = _all_to_all_splits(operation, len(call.members))
+        elif operation.operation not in P2P_OPERATIONS:
+            tensor = _agreed_tensor(operation)
             if tensor is not None:
                 call.nbytes, call.dtype = tensor.numel() * tensor.element_size(), str(tensor.dtype)
-        call.payload = _payload(call, a)
         self.record.events.append(("post", call))
         self._posted += 1
-        if name == "batch_isend_irecv":
-            result = self._batch(original, a["p2p_op_list"])
-        else:
-            result = original(*bound.args, **bound.kwargs)
-        if name == "batch_isend_irecv":
-            works = [_RecordedWork(w, self, call, [r for r in received if r[1] is op.tensor])
-                     for w, op in zip(result, a["p2p_op_list"])]
-            return works
-        if isinstance(result, dist.Work):
-            return _RecordedWork(result, self, call, received)
-        _RecordedWork(None, self, call, received).wait()  # a blocking call: posted, then waited
-        return result
+        return call
+
+    def _messages(self, call: Call, operation: GroupCall) -> list[tuple[Message, torch.Tensor]]:
+        """Adds a send's or receive's message to the call; returns the receive's, to digest once it is there."""
+        if operation.operation not in P2P_OPERATIONS:
+            return []
+        if operation.operation == "recv_anysource":
+            raise ValueError(f"{call.describe()}: a receive from any source has no NCCL counterpart to replay")
+        (tensor,), peer = operation.arguments[0], operation.arguments[1]
+        send = operation.operation == "send"
+        message = Message(send, dist.get_global_rank(operation.group, peer), tensor.numel() * tensor.element_size(),
+                          str(tensor.dtype))
+        call.messages.append(message)
+        if send:
+            message.digest = _digest(tensor)
+            return []
+        return [(message, tensor)]
 
 
-def _all_to_all_splits(arguments: dict[str, Any], members: int) -> tuple[list[int], list[int]]:
+def _torch_function() -> Any:
+    """The frame of the outermost torch.distributed function in the calls that led here (`batch_isend_irecv` for
+    each of its sends), or None where no Python function of torch's posted the operation."""
+    frame, found = sys._getframe(1), None
+    while frame is not None and frame.f_code.co_filename in _OURS:
+        frame = frame.f_back
+    while frame is not None and "/torch/" in frame.f_code.co_filename:
+        if frame.f_code.co_filename == c10d.__file__:
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+def _agreed_tensor(operation: GroupCall) -> torch.Tensor | None:
+    """The tensor whose size every member of a collective must agree on: its input (for a scatter, the output);
+    None for a barrier."""
+    position = _AGREED.get(operation.operation)
+    if position is None or position >= len(operation.arguments):
+        return None
+    value = operation.arguments[position]
+    while isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return value
+
+
+def _all_to_all_splits(operation: GroupCall, members: int) -> tuple[list[int], list[int]]:
     """Bytes an all_to_all_single sends to and receives from each member, in group order (even splits when
     none are given)."""
-    def per_member(tensor: torch.Tensor, sizes: list[int] | None) -> list[int]:
+    output, sent, output_sizes, sent_sizes = operation.arguments[:4]
+
+    def per_member(tensor: torch.Tensor, sizes: list[int]) -> list[int]:
         row = tensor[0].numel() * tensor.element_size() if tensor.dim() and len(tensor) else 0
         rows = sizes if sizes else [len(tensor) // members] * members
         return [n * row for n in rows]
 
-    return (per_member(arguments["input"], arguments.get("input_split_sizes")),
-            per_member(arguments["output"], arguments.get("output_split_sizes")))
+    return per_member(sent, sent_sizes), per_member(output, output_sizes)
 
 
-def _payload(call: Call, arguments: dict[str, Any]) -> int:
+def _payload(call: Call, operation: GroupCall) -> int:
     """Sends: their bytes; an all-to-all: the rows it sends; a collective: its largest tensor (the whole
     gathered or reduce-scattered buffer, NCCL's tests' size)."""
     if call.messages:
         return sum(m.nbytes for m in call.messages if m.send)
     if call.splits is not None:
         return sum(call.splits[0])
-    tensors = [v for v in arguments.values() if isinstance(v, torch.Tensor)]
-    return max((t.numel() * t.element_size() for t in tensors), default=0)
-
-
-def _collective_tensor(name: str, arguments: dict[str, Any]) -> torch.Tensor | None:
-    """The tensor whose size every member of a collective must agree on."""
-    for key in ("tensor", "input_tensor", "input"):
-        value = arguments.get(key)
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
+    return max((t.numel() * t.element_size() for t in operation.tensors()), default=0)

@@ -1,0 +1,211 @@
+"""Observed process groups: the seam through which a verifier or a meter sees every communication call.
+
+torch.distributed lets a package register a backend of its own (`Backend.register_backend`). The backends here
+run every call on gloo (`observed_gloo`) or on torch's fake process group (`observed_fake`, the dry run) and
+tell the observers registered in this process (`observing`) about each call a group posts, before and after
+it runs, and about each wait on it. With none registered a call costs one list check. The NCCL-rule recorder
+(dryrun/nccl_rules/record.py) and the tensor-parallel benchmark's communication meter are observers; the tools
+and tests that spawn ranks (parallel/spawn.py) and the dry run create their groups with these backends.
+
+A call is one operation of a group (`allreduce`, `send`, `all_to_all_single`, ...), with the arguments torch
+hands a process group: what torch's functions built from theirs (group ranks, lists of tensors, options).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+GLOO, FAKE = "observed_gloo", "observed_fake"
+# A group's operations (the names torch's functions call on a process group) and the name each has on the
+# backend that runs it.
+OPERATIONS = {"allreduce": "allreduce", "allreduce_coalesced": "allreduce_coalesced", "broadcast": "broadcast",
+              "reduce": "reduce", "allgather": "allgather", "allgather_coalesced": "allgather_coalesced",
+              "all_gather_single": "_allgather_base", "reduce_scatter": "reduce_scatter",
+              "reduce_scatter_single": "_reduce_scatter_base", "all_to_all_single": "alltoall_base",
+              "alltoall": "alltoall", "gather": "gather", "scatter": "scatter", "barrier": "barrier",
+              "send": "send", "recv": "recv", "recv_anysource": "recv_anysource"}
+
+
+@dataclass(eq=False)
+class GroupCall:
+    """One operation a group posted: `arguments` as torch handed them to the group."""
+
+    group: ObservedGroup
+    operation: str
+    arguments: tuple
+    keywords: dict[str, Any]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor among the arguments, lists flattened, in order."""
+        found: list[torch.Tensor] = []
+
+        def collect(value: Any) -> None:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    collect(item)
+
+        collect(self.arguments)
+        collect(tuple(self.keywords.values()))
+        return found
+
+
+class CommObserver:
+    """Told about each call of every observed group in this process; override what you need."""
+
+    def posting(self, call: GroupCall) -> None:
+        """Before the backend runs the call."""
+
+    def posted(self, call: GroupCall) -> None:
+        """The backend returned: the call is in flight (a blocking function waits on it next)."""
+
+    def waiting(self, call: GroupCall) -> None:
+        """Someone waits on the call (told also after the observer's block, for a call posted inside it)."""
+
+    def waited(self, call: GroupCall) -> None:
+        """That wait returned: the call's data is there."""
+
+
+_observers: list[CommObserver] = []
+
+
+@contextlib.contextmanager
+def observing(observer: CommObserver) -> Iterator[CommObserver]:
+    """`observer` is told about every call of the observed groups in this process inside the block."""
+    _observers.append(observer)
+    try:
+        yield observer
+    finally:
+        _observers.remove(observer)
+
+
+def _tell(observers: list[CommObserver], event: str, call: GroupCall) -> None:
+    for observer in observers:
+        getattr(observer, event)(call)
+
+
+class _ObservedWork(dist.Work):
+    """The backend's work; waits on it are told to the observers that saw it posted."""
+
+    def __init__(self, work: dist.Work, call: GroupCall, observers: list[CommObserver]) -> None:
+        super().__init__()
+        self._work, self._call, self._observers = work, call, observers
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        _tell(self._observers, "waiting", self._call)
+        done = self._work.wait() if timeout is None else self._work.wait(timeout)
+        _tell(self._observers, "waited", self._call)
+        return done
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._work.get_future()
+
+    def _source_rank(self) -> int:
+        return self._work._source_rank()
+
+
+class ObservedGroup(dist.ProcessGroup):
+    """A process group that runs its calls on `backend` (a torch backend of the same rank and size) and tells the
+    observers about them."""
+
+    def __init__(self, backend: Any, rank: int, size: int, devices: list[str]) -> None:
+        super().__init__(rank, size)
+        self.backend = backend
+        for device in devices:  # what torch reads a group's device types and default device from
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
+
+    def getBackendName(self) -> str:  # noqa: N802  (torch's name for it)
+        return self.backend.name()
+
+    def _run(self, operation: str, *arguments: Any, **keywords: Any) -> dist.Work:
+        run = getattr(self.backend, OPERATIONS[operation])
+        if not _observers:
+            return run(*arguments, **keywords)
+        call, observers = GroupCall(self, operation, arguments, keywords), list(_observers)
+        _tell(observers, "posting", call)
+        work = run(*arguments, **keywords)
+        _tell(observers, "posted", call)
+        return _ObservedWork(work, call, observers)
+
+    # The operations torch's functions call on a group (OPERATIONS), each run by _run.
+    def allreduce(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("allreduce", *args, **kwargs)
+
+    def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("allreduce_coalesced", *args, **kwargs)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("broadcast", *args, **kwargs)
+
+    def reduce(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("reduce", *args, **kwargs)
+
+    def allgather(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("allgather", *args, **kwargs)
+
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("allgather_coalesced", *args, **kwargs)
+
+    def all_gather_single(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("all_gather_single", *args, **kwargs)
+
+    def reduce_scatter(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("reduce_scatter", *args, **kwargs)
+
+    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("reduce_scatter_single", *args, **kwargs)
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("all_to_all_single", *args, **kwargs)
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("alltoall", *args, **kwargs)
+
+    def gather(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("gather", *args, **kwargs)
+
+    def scatter(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("scatter", *args, **kwargs)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("barrier", *args, **kwargs)
+
+    def send(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("send", *args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("recv", *args, **kwargs)
+
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._run("recv_anysource", *args, **kwargs)
+
+
+def _gloo_group(options: Any, backend_options: Any) -> ObservedGroup:
+    gloo = ProcessGroupGloo(options.store, options.group_rank, options.group_size, options.timeout)
+    return ObservedGroup(gloo, options.group_rank, options.group_size, ["cpu"])
+
+
+def _fake_group(options: Any, backend_options: Any) -> ObservedGroup:
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    fake = FakeProcessGroup._create_internal(options.group_rank, options.group_size, backend_options)
+    return ObservedGroup(fake, options.group_rank, options.group_size, ["cpu", "meta"])
+
+
+dist.Backend.register_backend(GLOO, _gloo_group, extended_api=True, devices=["cpu"])
+dist.Backend.register_backend(FAKE, _fake_group, extended_api=True, devices=["cpu", "meta"])
