@@ -192,7 +192,7 @@ def _four_ranks(rank: int, world_size: int) -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list:
-    return run_ranks(4, _four_ranks)
+    return run_ranks(4, _four_ranks, observed_groups=True)
 
 
 def test_context_parallel_windows_and_sinks_equal_one_device_at_cp4(four_ranks):

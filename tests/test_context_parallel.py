@@ -78,12 +78,12 @@ def _assert_matches_one_device(per_rank: list) -> None:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_matches_one_device(cp):
-    _assert_matches_one_device(run_ranks(cp, _cp_ranks))
+    _assert_matches_one_device(run_ranks(cp, _cp_ranks, observed_groups=True))
 
 
 def test_attention_matches_one_device_with_kv_per_group_at_the_kernel():
     """CUDA's path: the block kernel gets grouped K/V as they are, no copy per head."""
-    _assert_matches_one_device(run_ranks(2, _cp_ranks, True))
+    _assert_matches_one_device(run_ranks(2, _cp_ranks, True, observed_groups=True))
 
 
 def assert_kv_per_group_gives_the_same(monkeypatch, device: torch.device, dtype: torch.dtype, causal: bool,

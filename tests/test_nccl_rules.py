@@ -63,19 +63,19 @@ def _batched_exchange(rank: int, world_size: int) -> RankRecord:
 
 
 def test_replay_catches_a_hang_that_depends_on_the_communicator_placement():
-    records = run_ranks(3, _ring_sends_first)
+    records = run_ranks(3, _ring_sends_first, observed_groups=True)
     assert replay(records, ("pair",)).ok  # each pair of ranks has its own communicator and stream
     report = replay(records, ("group",))
     assert not report.ok and "hang" in report.text(), report.text()
 
 
 def test_replay_catches_messages_that_nccl_would_swap():
-    report = replay(run_ranks(2, _tags_reorder))
+    report = replay(run_ranks(2, _tags_reorder, observed_groups=True))
     assert "wrong message" in report.text(), report.text()
 
 
 def test_replay_accepts_a_batched_exchange_and_counts_what_it_saw():
-    report = replay(run_ranks(3, _batched_exchange))
+    report = replay(run_ranks(3, _batched_exchange, observed_groups=True))
     assert report.ok, report.text()
     assert report.calls == 6 and report.messages == 3
 
@@ -103,7 +103,7 @@ def test_replay_rejects_pair_exchanges_posted_out_of_one_global_order():
     """Each pair on its own communicator: side by side (a stream each) any order finishes; run one after another
     (NCCL's caveat for concurrent communicators) only one global order does, and the replay says so."""
     for global_order in (True, False):
-        records = run_ranks(3, _pairs_in_order, global_order)
+        records = run_ranks(3, _pairs_in_order, global_order, observed_groups=True)
         assert replay(records, streams=STREAMS[:1]).ok
         report = replay(records, streams=STREAMS)
         assert report.ok == global_order, report.text()
@@ -144,7 +144,7 @@ def _executor_ranks(rank: int, world_size: int) -> list[tuple[tuple, RankRecord]
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
 def test_pipeline_executor_obeys_nccl_rules(pp):
-    per_rank = run_ranks(pp, _executor_ranks)
+    per_rank = run_ranks(pp, _executor_ranks, observed_groups=True)
     failures = []
     for index, (case, _) in enumerate(per_rank[0]):
         report = replay([results[index][1] for results in per_rank], streams=STREAMS)
@@ -222,7 +222,7 @@ def _training_ranks(rank: int, world_size: int, root: str) -> list[RankRecord]:
 
 
 def test_training_runs_obey_nccl_rules(tmp_path):
-    per_rank = run_ranks(8, _training_ranks, str(tmp_path))
+    per_rank = run_ranks(8, _training_ranks, str(tmp_path), observed_groups=True)
     for index, layout in enumerate(RUNS):
         report = replay([records[index] for records in per_rank])
         assert report.ok, f"{layout}:\n{report.text()}"

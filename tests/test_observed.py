@@ -44,7 +44,7 @@ def _observe(rank: int, world_size: int) -> tuple[list[tuple], list[float], list
 
 
 def test_an_observer_is_told_each_operation_and_wait_inside_its_block_and_the_data_still_travels():
-    for events, inbox, out in run_ranks(2, _observe):
+    for events, inbox, out in run_ranks(2, _observe, observed_groups=True):
         assert events == [("posting", "allreduce", "pair", 1), ("posted", "allreduce"), ("waiting", "allreduce"),
                           ("waited", "allreduce"),
                           ("posting", "send", "pair", 1), ("posted", "send"), ("posting", "recv", "pair", 1),

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{m.family} layer: hidden {m.hidden_size}, {m.num_attention_heads} heads, ffn {m.ffn_size}, seq {args.seq}, "
           f"micro batch {args.micro_batch}, {args.precision}, torch {torch.__version__}; "
           f"median of {args.iters} iterations after {args.warmup} warmup")
-    ranks = run_on_ranks(2, _rank_cases, args, threads=None)
+    ranks = run_on_ranks(2, _rank_cases, args, threads=None, observed_groups=True)
     print("| config | ranks x threads | fwd+bwd ms | comm ms in step (share) | comm ms replayed | collectives "
           "| MiB sent/rank | GB/s in step | GB/s replayed |\n|---|---|---|---|---|---|---|---|---|")
     for name in CONFIGS:

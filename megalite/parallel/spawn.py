@@ -2,8 +2,9 @@
 
 For tools and tests that measure or check several ranks without torchrun: one free port,
 one process group per spawn, results gathered to rank 0 and handed back to the caller
-(through a file this session wrote itself, so unpickling it runs nothing foreign). The groups are observed
-gloo groups (parallel/observed.py): an observer such as the NCCL-rule recorder sees every call they make.
+(through a file this session wrote itself, so unpickling it runs nothing foreign). Asked for (`observed_groups`),
+the groups are observed gloo groups (parallel/observed.py): an observer such as the NCCL-rule recorder sees every
+call they make.
 
 The processes start from a fork server that imported torch and megalite's training code once
 (`PRELOADED`), not as new interpreters each importing them again: a spawn cost each rank two to four
@@ -41,14 +42,14 @@ PRELOADED = ["torch", "torch.distributed", "megalite.training.pretrain", "megali
 
 
 def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Callable, args: tuple, out: str,
-            environ: dict[str, str]) -> None:
+            environ: dict[str, str], backend: str) -> None:
     os.environ.clear()
     os.environ.update(environ)
     if threads:
         torch.set_num_threads(threads)
     map_large_blocks()  # host memory as a training process has it (Topology.from_environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world_size))  # as torchrun
-    dist.init_process_group(observed.GLOO, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         gathered = [None] * world_size
         dist.all_gather_object(gathered, fn(rank, world_size, *args))
@@ -58,12 +59,16 @@ def _worker(rank: int, world_size: int, port: int, threads: int | None, fn: Call
         release_process_groups()
 
 
-def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, threads: int | None = 1) -> list[Any]:
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, threads: int | None = 1,
+                 observed_groups: bool = False) -> list[Any]:
     """fn(rank, world_size, *args) on every rank (`threads` intra-op threads each, None = torch's
-    default); returns the per-rank results in rank order. fn must be importable (spawned processes)."""
+    default); returns the per-rank results in rank order. fn must be importable (spawned processes).
+    `observed_groups`: the ranks' groups are observed ones (parallel/observed.py), for a CommRecorder or a
+    meter; otherwise plain gloo, as training has (torch.compile traces collectives on plain groups only)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pickle")
         mp.set_forkserver_preload(PRELOADED)  # read when the server starts: the first call of the session
-        mp.start_processes(_worker, args=(world_size, free_port(), threads, fn, args, out, dict(os.environ)),
+        backend = observed.GLOO if observed_groups else "gloo"
+        mp.start_processes(_worker, args=(world_size, free_port(), threads, fn, args, out, dict(os.environ), backend),
                            nprocs=world_size, join=True, start_method="forkserver")
         return pickle.loads(Path(out).read_bytes())
