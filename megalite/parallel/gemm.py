@@ -56,10 +56,10 @@ class RowGroups:
         return torch.diff(self.offsets, prepend=self.offsets.new_zeros(1)).tolist()
 
     def expert_of_rows(self, rows: int) -> torch.Tensor:
-        """The local expert of each of the `rows` rows (no host read: the output size is given)."""
-        counts = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1)).long()
-        experts = torch.arange(len(self.offsets), device=self.offsets.device)
-        return torch.repeat_interleave(experts, counts, output_size=rows)
+        """The local expert of each of the `rows` rows, found on the device (no host read); rows past the last
+        offset (a dispatcher's padding, which no expert reads) are given the last expert."""
+        index = torch.arange(rows, device=self.offsets.device, dtype=self.offsets.dtype)
+        return torch.searchsorted(self.offsets, index, right=True).clamp_max_(len(self.offsets) - 1)
 
 
 class Recipe(ABC):
