@@ -413,9 +413,9 @@ def test_device_timings_come_from_cuda_events_on_a_gpu(monkeypatch):
     _FakeEvent.script = [5.0, 5.5, 6.0, 7.0]
     trace = Trace(torch.device("cuda", 0))
     first = trace.mark()
-    trace.events.append(("F", 0, 0, first, trace.mark()))
-    trace.events.append(("B", 0, 0, trace.mark(), trace.mark()))
+    trace.events.append(("F", 0, 0, first, trace.mark(), False))  # the last field: part of a pair (DualPipeV)
+    trace.events.append(("B", 0, 0, trace.mark(), trace.mark(), False))
     anchor = trace.anchor
-    assert trace.timed_events() == [("F", 0, 0, anchor, pytest.approx(anchor + 0.5)),
-                                    ("B", 0, 0, pytest.approx(anchor + 1.0), pytest.approx(anchor + 2.0))]
+    assert trace.timed_events() == [("F", 0, 0, anchor, pytest.approx(anchor + 0.5), False),
+                                    ("B", 0, 0, pytest.approx(anchor + 1.0), pytest.approx(anchor + 2.0), False)]
     assert timing.seconds(1.0, 3.5) == 2.5  # on the CPU a mark is the host clock
