@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megalite.config_features import FAMILY_FEATURES, ROPE_SCALING_DEFAULTS, Activation, Features
+from megalite.config_mtp import MultiTokenPredictionFields
 from megalite.config_sections import CheckpointConfig, DataConfig, LoggingConfig
 from megalite.config_sections import documented as _f
 from megalite.errors import InvalidInput
@@ -50,7 +51,7 @@ DEFAULT_VOCAB = 50257  # GPT-2's: what mock data draws from when nothing sets mo
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(MultiTokenPredictionFields):
     family: Literal["gpt2", "llama", "qwen2", "qwen3", "gpt_oss"] = _f(
         "gpt2", "gpt2: learned positions, LayerNorm, GELU (tanh), biases, tied embeddings; "
                 "llama: RoPE, RMSNorm, SwiGLU, no biases; qwen2: llama's with q/k/v biases; qwen3: llama's with "
@@ -232,10 +233,13 @@ class ModelConfig:
     def moe_layers(self) -> tuple[int, ...]:
         """The layers (global indices, from 0) with routed experts instead of a dense MLP: every moe_layer_freq-th
         after the first moe_first_dense_layers."""
-        if not self.num_experts:
-            return ()
+        return tuple(i for i in range(self.num_layers) if self.has_experts(i))
+
+    def has_experts(self, index: int) -> bool:
+        """Whether layer `index` (global, from 0; multi-token prediction's depths continue after num_layers) has
+        routed experts: every moe_layer_freq-th after the first moe_first_dense_layers."""
         first, every = self.moe_first_dense_layers, self.moe_layer_freq
-        return tuple(i for i in range(first, self.num_layers) if i >= 0 and (i - first) % every == 0)
+        return bool(self.num_experts) and index >= first and (index - first) % every == 0
 
     @property
     def tied(self) -> bool:

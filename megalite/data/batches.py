@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megalite.data.mtp_targets import MTPTargets
+
 
 @dataclass
 class Batch:
@@ -20,22 +22,26 @@ class Batch:
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor | None = None
+    mtp: MTPTargets | None = None  # multi-token prediction's inputs and targets (data/mtp_targets.py)
 
     def to(self, device: torch.device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.tokens), move(self.labels), move(self.loss_mask), move(self.position_ids))
+        mtp = None if self.mtp is None else self.mtp.apply(move)
+        return Batch(move(self.tokens), move(self.labels), move(self.loss_mask), move(self.position_ids), mtp)
 
     def select(self, positions: torch.Tensor) -> Batch:
         """The batch restricted to these sequence positions (context parallelism's part of every sample),
         with their position ids: positions keep counting where they were, documents restart where they did."""
-        pick = lambda t: t.index_select(1, positions)  # noqa: E731
+        pick = lambda t: t.index_select(-1, positions)  # noqa: E731
         ids = positions.expand(self.tokens.shape[0], -1) if self.position_ids is None else pick(self.position_ids)
-        return Batch(pick(self.tokens), pick(self.labels), pick(self.loss_mask), ids)
+        mtp = None if self.mtp is None else self.mtp.apply(pick)
+        return Batch(pick(self.tokens), pick(self.labels), pick(self.loss_mask), ids, mtp)
 
     def pin_memory(self) -> Batch:
         """Called by DataLoader(pin_memory=True) so host-to-GPU copies can overlap compute."""
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return Batch(pin(self.tokens), pin(self.labels), pin(self.loss_mask), pin(self.position_ids))
+        mtp = None if self.mtp is None else self.mtp.apply(pin)
+        return Batch(pin(self.tokens), pin(self.labels), pin(self.loss_mask), pin(self.position_ids), mtp)
 
 
 def document_positions(tokens: torch.Tensor, eod: int) -> torch.Tensor:

@@ -43,15 +43,16 @@ class AuxLosses:
         self.dropped: torch.Tensor | None = None  # pairs the experts' capacity dropped this step
         self.replaying_forward = False
 
-    def attach(self, name: str, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        """A copy of `output` carrying `loss` (a scalar) into backward; counted under `name` for logging. Attach
-        to a small tensor the layer goes on computing with (a router's probabilities, as Megatron-LM does): a
-        copy, not a view, so that it is safe even on a tensor a pipeline stage sends and then frees."""
+    def attach(self, name: str, output: torch.Tensor, loss: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """A copy of `output` carrying `loss` (a scalar) times `weight` into backward; `loss` counted under `name`
+        for logging. Attach to a small tensor the layer goes on computing with (a router's probabilities, as
+        Megatron-LM does): a copy, not a view, so that it is safe even on a tensor a pipeline stage sends and then
+        frees."""
         if not self.replaying_forward:
             self.totals[name] = _added(self.totals.get(name), loss.detach().float())
         if not torch.is_grad_enabled() or not loss.requires_grad:
             return output
-        return _Attached.apply(output, loss, self.scale)
+        return _Attached.apply(output, loss, self.scale if weight == 1.0 else self.scale * weight)
 
     def record_load(self, layer: int, counts: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
         """Layer `layer` routed `counts` of this rank's (token, choice) pairs to each expert, and its experts'

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.data.mtp_targets import MTPTargets
 from megalite.model import costs
 from megalite.model.attention import SelfAttention
 from megalite.model.aux_losses import AuxLosses
@@ -20,6 +21,7 @@ from megalite.model.init import init_parameters
 from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
 from megalite.model.moe.layer import MoELayer
+from megalite.model.mtp import MultiTokenPrediction
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
@@ -33,6 +35,16 @@ from megalite.parallel.random import checkpoint_with_rng
 # With tied embeddings split over pipeline stages, the last stage holds its own copy of the first
 # stage's word embeddings as its LM head: (the copy's name, the original's name).
 TIED_COPY = ("lm_head.weight", "embedding.word_embeddings.weight")
+# Untied, multi-token prediction's lookup holds that copy instead (model/mtp.py).
+MTP_COPY = "mtp.word_embeddings.weight"
+
+
+def embedding_copy(cfg: ModelConfig) -> str | None:
+    """The name the head's stage gives its copy of the word embeddings when another stage holds them: the tied
+    head's weight, else multi-token prediction's table; None when that stage reads no word embeddings."""
+    if cfg.tied:
+        return TIED_COPY[0]
+    return MTP_COPY if cfg.mtp_num_layers else None
 
 
 class TransformerLayer(nn.Module):
@@ -45,7 +57,7 @@ class TransformerLayer(nn.Module):
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.attention = SelfAttention(cfg, ctx, device, index)
         self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if index in cfg.moe_layers else MLP(cfg, ctx)
+        self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if cfg.has_experts(index) else MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.recompute = False  # full recompute in training (set by model/recompute.py; the model's forward applies it)
 
@@ -170,16 +182,34 @@ class GPTModel(nn.Module):
             self.final_norm = build_norm(cfg.features.norm, cfg.hidden_size, cfg.norm_epsilon, device)
             own_weight = not (cfg.tied and stage.shares_embedding)
             self.lm_head = LMHead(cfg.hidden_size, cfg.padded_vocab_size, cfg.vocab, ctx, own_weight)
+        self.mtp = None
+        if stage.has_head and cfg.mtp_num_layers:
+            layers = [TransformerLayer(cfg, device, ctx, self.aux_losses, cfg.num_layers + d)
+                      for d in range(cfg.mtp_num_layers)]
+            self.mtp = MultiTokenPrediction(cfg, ctx, device, layers, self.aux_losses,
+                                            MTP_COPY in self.tied_copies())
+
+    def transformer_layers(self) -> list[TransformerLayer]:
+        """This rank's transformer layers: its chunks', then multi-token prediction's."""
+        depths = [] if self.mtp is None else [depth.transformer_layer for depth in self.mtp.layers]
+        return [*self.layers.values(), *depths]
 
     def placements_by_name(self) -> dict[str, Placement]:
         """Where each of this rank's parameters lives (parallel/placement.py), by local name."""
         return parameter_placements(self, self.ctx.sequence_parallel, self.tied_copies())
 
     def tied_copies(self) -> dict[str, str]:
-        """{copy name: original name} of the tied copy this stage holds: the LM head of a pipeline's last chunk,
-        when embeddings are tied; empty otherwise."""
-        holds_copy = self.cfg.tied and self.stage.has_head and not self.stage.shares_embedding
-        return dict([TIED_COPY]) if holds_copy else {}
+        """{copy name: original name} of the word embeddings' copy this stage holds (`embedding_copy`): on the
+        head's stage of a pipeline, when embeddings are tied or multi-token prediction looks them up; else empty."""
+        copy = embedding_copy(self.cfg)
+        holds_copy = copy is not None and self.stage.has_head and not self.stage.shares_embedding
+        return {copy: TIED_COPY[1]} if holds_copy else {}
+
+    def _word_embeddings(self) -> torch.Tensor | None:
+        """The word embeddings on this stage when they are not its own `embedding`'s: the tied head's copy."""
+        if self.embedding is not None and self.stage.shares_embedding:
+            return self.embedding.word_embeddings.weight
+        return self.lm_head.weight if self.cfg.tied else None
 
     def chunk_parameters(self) -> list[list[nn.Parameter]]:
         """Parameters grouped by the model chunk whose backward produces their gradients."""
@@ -188,6 +218,8 @@ class GPTModel(nn.Module):
             groups[0] = list(self.embedding.parameters()) + groups[0]
         if self.stage.has_head:
             groups[-1] = groups[-1] + [*self.final_norm.parameters(), *self.lm_head.parameters()]
+        if self.mtp is not None:
+            groups[-1] = groups[-1] + list(self.mtp.parameters())
         return groups
 
     def chunk_modules(self) -> list[list[tuple[nn.Module, list[nn.Parameter]]]]:
@@ -200,6 +232,11 @@ class GPTModel(nn.Module):
         if self.stage.has_head:
             head = [self.lm_head.weight if self.lm_head.weight is not None else self.embedding.word_embeddings.weight]
             chunks[-1] += [(self.final_norm, list(self.final_norm.parameters())), (self.lm_head, head)]
+        if self.mtp is not None:  # per depth: the lookup of the tokens ahead, the depth, the head again
+            lookup = self.mtp.word_embeddings
+            table = [lookup.weight if lookup.weight is not None else self._word_embeddings()]
+            for depth in self.mtp.layers:
+                chunks[-1] += [(lookup, table), (depth, list(depth.parameters())), (self.lm_head, head)]
         return chunks
 
     def _rope(self, tokens: torch.Tensor,
@@ -212,7 +249,7 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None, chunk: int = 0,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, mtp: MTPTargets | None = None) -> torch.Tensor:
         """Run model chunk `chunk` of this rank on one micro batch.
 
         The first chunk embeds `tokens`; others continue from `hidden` ([seq (/tp under SP), batch,
@@ -220,7 +257,8 @@ class GPTModel(nn.Module):
         [batch, seq] in fp32 when labels are given, else logits [batch, seq, vocab]; others return
         their hidden states. position_ids [batch, seq] restart positions inside a sample.
         With a KV cache (generation) `tokens` continue the cached ones: positions start at
-        cache.length unless given, and the layers store the tokens' keys and values.
+        cache.length unless given, and the layers store the tokens' keys and values. With multi-token
+        prediction's targets (`mtp`, training) the returned losses carry its losses into backward (model/mtp.py).
         """
         if cache is not None and position_ids is None:
             position_ids = torch.arange(cache.length, cache.length + tokens.shape[1],
@@ -236,4 +274,8 @@ class GPTModel(nn.Module):
         if not self.stage.is_last_chunk(chunk):
             return x
         tied = self.embedding.word_embeddings.weight if self.lm_head.weight is None else None
-        return self.lm_head(self.final_norm(x), labels, tied)
+        x = self.final_norm(x)
+        out = self.lm_head(x, labels, tied)
+        if mtp is None or labels is None or self.mtp is None:
+            return out
+        return self.mtp(x, out, mtp, rope, self._word_embeddings(), lambda h, targets: self.lm_head(h, targets, tied))

@@ -22,7 +22,7 @@ def apply_recompute(model: GPTModel, mode: Literal["none", "selective", "full"])
     Only training forwards recompute (eval and generation never do)."""
     if mode not in ("none", "selective", "full"):
         raise ValueError(f"recompute mode {mode!r} is not one of none, selective, full")
-    for layer in model.layers.values():
+    for layer in model.transformer_layers():
         layer.recompute = mode == "full"
         layer.attention.recompute_core = mode == "selective"
         if isinstance(layer.mlp, MoELayer):

@@ -86,22 +86,24 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split by vocabulary range; each rank looks up the tokens it owns and the
-    partial results are summed (reduce-scattered along the sequence under SP)."""
+    partial results are summed (reduce-scattered along the sequence under SP). Without a weight of its own
+    (`owns_weight` false) it looks up in the table its forward is handed (multi-token prediction reads the word
+    embeddings, or the tied head's copy of them, this way)."""
 
-    def __init__(self, num_embeddings: int, dim: int, ctx: ParallelContext) -> None:
+    def __init__(self, num_embeddings: int, dim: int, ctx: ParallelContext, owns_weight: bool = True) -> None:
         super().__init__()
         self.ctx = ctx
         self.per_rank = _divide(num_embeddings, ctx.tp.size, "padded vocabulary size")
         self.start = ctx.tp.rank * self.per_rank
-        self.weight = nn.Parameter(torch.empty(self.per_rank, dim))
+        self.weight = nn.Parameter(torch.empty(self.per_rank, dim)) if owns_weight else None
         self.placements = {"weight": Placement.split("tp", 0)}
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [seq, batch] -> [seq (/tp under SP), batch, dim]."""
-        tp = self.ctx.tp
+    def forward(self, tokens: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [seq, batch] -> [seq (/tp under SP), batch, dim]; `weight`: the table, when it owns none."""
+        tp, weight = self.ctx.tp, self.weight if weight is None else weight
         if tp.size == 1:
-            return embedding(tokens, self.weight)
+            return embedding(tokens, weight)
         local = tokens - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_to_sp(out, tp.group) if self.ctx.sequence_parallel else reduce_from_tp(out, tp.group)

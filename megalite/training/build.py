@@ -9,7 +9,7 @@ import torch
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config import TORCH_DTYPES, Config
 from megalite.model.fused import apply_fusions
-from megalite.model.gpt import TIED_COPY, GPTModel
+from megalite.model.gpt import TIED_COPY, GPTModel, embedding_copy
 from megalite.model.recompute import apply_recompute
 from megalite.model.split_backward import apply_split_backward
 from megalite.parallel.context import ParallelContext
@@ -101,7 +101,8 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
                          "with experts=True (Topology.from_config(..., experts=cfg.model.num_experts > 0))")
     model = build_rank_model(cfg, topology)
     names = {name for name, _ in model.named_parameters()}
-    tied = set(TIED_COPY) & names if cfg.model.tied and topology.pp > 1 else set()
+    copy = embedding_copy(cfg.model)
+    tied = {copy, TIED_COPY[1]} & names if copy is not None and topology.pp > 1 else set()
     placements = model.placements_by_name()
     modules = model.chunk_modules()
     units = unit_index(modules) if p.zero >= 3 else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megalite.config import TORCH_DTYPES
 from megalite.data.batches import Batch
+from megalite.data.mtp_targets import mtp_targets
 from megalite.parallel.context_parallel import local_positions
 from megalite.parallel.pipeline.executor import ForwardStep, run_schedule
 from megalite.training.expert_bias import update_expert_biases
@@ -86,10 +87,14 @@ def read_steps(results: list[StepResult]) -> list[StepFigures]:
     return [StepFigures(loss, norm, int(tokens), r.overflow) for (loss, norm, tokens), r in zip(values, results)]
 
 
-def local_batches(trainer: Trainer, batches: list[Batch]) -> list[Batch]:
-    """The micro batches on this rank's device, cut to its part of every sequence under context parallelism."""
-    t = trainer.topology
+def local_batches(trainer: Trainer, batches: list[Batch], training: bool = False) -> list[Batch]:
+    """The micro batches on this rank's device, in `training` with multi-token prediction's targets where the
+    model has it (cut from the whole sequences: data/mtp_targets.py; evaluation scores the next token only), cut
+    to its part of every sequence under context parallelism."""
+    t, depths = trainer.topology, trainer.cfg.model.mtp_num_layers
     batches = [b.to(t.device) for b in batches]
+    if depths and training:
+        batches = [replace(b, mtp=mtp_targets(b.labels, b.loss_mask, b.position_ids, depths)) for b in batches]
     if t.cp == 1:
         return batches
     positions = local_positions(trainer.cfg.model.seq_length, t.cp, t.cp_rank, t.device)
@@ -106,7 +111,7 @@ def microbatch_forward(trainer: Trainer, batches: list[Batch],
     def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
         batch = batches[microbatch]
         with precision_context(precision, device):
-            out = model(batch.tokens, batch.labels, batch.position_ids, hidden=hidden, chunk=chunk)
+            out = model(batch.tokens, batch.labels, batch.position_ids, hidden=hidden, chunk=chunk, mtp=batch.mtp)
         return on_last_chunk(out, batch) if model.stage.is_last_chunk(chunk) else out
 
     return forward_step
@@ -116,7 +121,7 @@ def train_step(trainer: Trainer, batches: list[Batch]) -> StepResult:
     """One optimizer step of `trainer` over this rank's micro batches."""
     t, grads, optimizer, scaler = trainer.topology, trainer.grads, trainer.optimizer, trainer.scaler
     grads.zero()
-    batches = local_batches(trainer, batches)
+    batches = local_batches(trainer, batches, training=True)
     positions = sum(b.loss_mask.numel() for b in batches) * t.dp_cp
     loss_sum = torch.zeros(1, device=t.device)
 
