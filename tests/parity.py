@@ -5,7 +5,9 @@ also gathers the gradients every optimizer stepped with."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,9 +20,9 @@ from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
 from megalite.parallel.placement import DATA_AXES, unshard
 from megalite.parallel.topology import Topology
-from megalite.training.build import build_trainer
+from megalite.training.build import Trainer, build_trainer
 from megalite.training.lr_schedule import learning_rate
-from megalite.training.step import train_step
+from megalite.training.step import StepResult, train_step
 
 LLAMA = ["--model.family=llama", "--model.num_query_groups=4"]
 TINY = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
@@ -36,22 +38,25 @@ def clipped_run(tmp_path: Path, nproc: int, *extra: str, name: str = "") -> list
     return [r["loss"] for r in records]
 
 
-def train_and_gather(cfg: Config, topology: Topology, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """`steps` optimizer steps of `cfg` on mock data; returns this rank's step losses (the loss is known on the
-    LM head's stage) and the gradients every optimizer stepped with at the last step, whole, by one-device name:
-    each rank's owned slices (all of them, or its share under ZeRO) summed over the ranks holding the same
-    parameters (the placement's data axes) and divided by how many hold each element, then the shards (tp, ep,
-    etp) put together."""
-    data, gbs = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), cfg.batch_size(
-        topology.world_size)
-    losses = []
+def train_and_gather(cfg: Config, topology: Topology, steps: int = 3, data: MockDataset | None = None,
+                     maker: BatchMaker | None = None, record: Callable[[Trainer, StepResult], Any] | None = None
+                     ) -> tuple[list, dict[str, torch.Tensor]]:
+    """`steps` optimizer steps of `cfg` on mock data (or `data`, batched by `maker`); returns this rank's step
+    losses (the loss is known on the LM head's stage), or what `record` makes of each step, and the gradients
+    every optimizer stepped with at the last step, whole, by one-device name: each rank's owned slices (all of
+    them, or its share under ZeRO) summed over the ranks holding the same parameters (the placement's data axes)
+    and divided by how many hold each element, then the shards (tp, ep, etp) put together."""
+    gbs = cfg.batch_size(topology.world_size)
+    data = data or MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
+    record = record or (lambda _, result: result.loss)
+    records = []
     with build_trainer(cfg, topology) as parts:
         for step in range(steps):
-            batches = list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, cfg.train.micro_batch_size,
-                                         topology.dp, topology.dp_rank, 0, topology.device))
+            batches = list(micro_batches(data, maker or BatchMaker(), step * gbs, (step + 1) * gbs,
+                                         cfg.train.micro_batch_size, topology.dp, topology.dp_rank, 0, topology.device))
             parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, steps))
-            losses.append(train_step(parts, batches).loss)
-        return losses, _whole_gradients(parts, topology)
+            records.append(record(parts, train_step(parts, batches)))
+        return records, _whole_gradients(parts, topology)
 
 
 def _whole_gradients(parts, topology: Topology) -> dict[str, torch.Tensor]:

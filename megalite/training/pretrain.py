@@ -31,6 +31,7 @@ from megalite.training.evaluate import evaluate
 from megalite.training.flops import peak_tflops, throughput
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.metrics import MetricsWriter, wandb_enabled
+from megalite.training.mtp_metrics import MTPMetrics
 from megalite.training.profiling import Profiler
 from megalite.training.report_once import ReportOnce
 from megalite.training.routing_metrics import RoutingMetrics
@@ -89,6 +90,7 @@ class Run:
         self.console = {key: label for key, label in _CONSOLE.items()
                         if cfg.train.recompute != "none" or key not in _HARDWARE}
         self.routing = RoutingMetrics(cfg.model, topology) if cfg.model.num_experts else None
+        self.mtp = MTPMetrics(cfg.model.mtp_num_layers, topology) if cfg.model.mtp_num_layers else None
         self.peak = peak_tflops(topology.device, cfg.train.precision, cfg.logging.peak_tflops)
         self.saved_step, self.diverged_in_a_row = -1, 0
         self.unread: list[tuple[int, StepResult]] = []  # steps whose figures are still on the device
@@ -140,6 +142,8 @@ class Run:
             result = train_step(self.trainer, batches)
             if self.routing is not None:
                 self.routing.add_step(self.trainer.model.aux_losses)
+            if self.mtp is not None:
+                self.mtp.add_step(self.trainer.model.aux_losses, result.tokens_on_device)
             self.profiler.step_finished(step)
             self.state.step, self.state.consumed_samples = step, self.state.consumed_samples + self.gbs
             self.state.loss_scaler = self.trainer.scaler.state_dict()
@@ -316,6 +320,8 @@ class Run:
         }
         if self.routing is not None:
             record |= self.routing.read(self.cfg.num_microbatches(self.topology.world_size))
+        if self.mtp is not None:
+            record |= self.mtp.read()
         self.writer.log(record, self.console)
 
     def _write_trace(self, steps: int) -> None:

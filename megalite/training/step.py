@@ -77,6 +77,11 @@ class StepResult:
         return read_steps([self])[0]
 
     @property
+    def tokens_on_device(self) -> torch.Tensor:
+        """The global batch's count of loss tokens, not read to the host."""
+        return self.figures[2]
+
+    @property
     def loss(self) -> float:
         return self.read().loss
 

@@ -1,0 +1,112 @@
+"""Multi-token prediction at every layout equals one device (fp32): the losses, each depth's loss and every
+gradient, for a DeepSeek-V3-shaped tiny model (experts with a shared expert and a dense first layer, two MTP
+depths whose layers have experts), on documents (end-of-document tokens masked, positions restarting) so that
+each depth's document masks are tested too. The pipeline's head stage holds MTP and its copy of the word
+embeddings (on the first rank under ZB-V); context parallelism cuts the targets from whole sequences. All layouts
+run one after another on one group of four spawned ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from distributed import cpu_topology, run_ranks
+from parity import assert_equals_one_device, train_and_gather
+
+from megalite.config import Config
+from megalite.config_validation import validate
+from megalite.data.batches import BatchMaker
+from megalite.data.mock import MockDataset
+from megalite.parallel.topology import Topology, release_process_groups
+from megalite.training.build import is_logging_rank
+from megalite.training.mtp_metrics import MTPMetrics
+
+EOD = 3
+VOCAB = 250
+
+
+class _Documents(MockDataset):
+    """Mock samples over 16 token ids, of which EOD ends a document: about two per sample."""
+
+    def __getitem__(self, index: int):
+        return super().__getitem__(index) % 16
+
+
+def _config(train: dict | None = None, **parallel) -> Config:
+    model = {"num_layers": 4, "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": VOCAB,
+             "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32, "moe_shared_expert_size": 32,
+             "moe_first_dense_layers": 1, "moe_aux_loss_coeff": 0.01, "mtp_num_layers": 2,
+             "mtp_loss_scaling_factor": 0.5}
+    cfg = tiny_config("llama", model=model, parallel=parallel, train={"micro_batch_size": 1, "global_batch_size": 8,
+                                                                      **(train or {})})
+    cfg.data.reset_position_ids = cfg.data.eod_mask_loss = True
+    return cfg
+
+
+LAYOUTS = [  # (name, parallel fields, train fields)
+    ("tp 2 SP x dp 2", {"tp": 2, "sequence_parallel": True}, {}),
+    ("pp 2 x dp 2 (MTP's copy of the embeddings)", {"pp": 2}, {}),
+    ("ZB-V pp 2 x dp 2 (MTP on the first rank)", {"pp": 2, "vp": 2, "pipeline_schedule": "zb-v"}, {}),
+    ("cp 2 x dp 2", {"cp": 2}, {}),
+    ("cp 2 all-gather x pp 2", {"cp": 2, "cp_comm": "allgather", "pp": 2}, {}),
+    ("ep 2 x dp 2, full recompute", {"ep": 2}, {"recompute": "full"}),
+    ("tp 2 SP x dp 2 x ep 2, distributed optimizer", {"tp": 2, "sequence_parallel": True, "ep": 2,
+                                                      "distributed_optimizer": True}, {}),
+    ("ep 2 x dp 2, ZeRO-3", {"ep": 2, "zero_stage": 3}, {}),
+]
+
+
+def _train(cfg: Config, topology: Topology) -> tuple[list, dict[str, torch.Tensor]]:
+    """Each step's loss and depth losses (as logged), and the last step's whole gradients."""
+    metrics = MTPMetrics(cfg.model.mtp_num_layers, topology)
+
+    def record(trainer, result) -> dict:
+        metrics.add_step(trainer.model.aux_losses, result.tokens_on_device)
+        return {"loss": result.loss, **metrics.read()}
+
+    data = _Documents(VOCAB, cfg.model.seq_length, cfg.train.seed)
+    return train_and_gather(cfg, topology, data=data, maker=BatchMaker(EOD, True, True), record=record)
+
+
+def _four_ranks(rank: int, world_size: int) -> list:
+    results = []
+    for _, parallel, train in LAYOUTS:
+        cfg = _config(train, **parallel)
+        validate(cfg, world_size)
+        records, gradients = _train(cfg, cpu_topology(rank, world_size, cfg))
+        logging = is_logging_rank(cfg, Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel, True))
+        results.append((records if logging else None, gradients))
+    return results
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list:
+    return run_ranks(4, _four_ranks)
+
+
+@pytest.fixture(scope="module")
+def one_device() -> tuple[list, dict[str, torch.Tensor]]:
+    cfg = _config()
+    topology = Topology.from_environment("cpu", cfg.parallel, True)
+    try:
+        return _train(cfg, topology)
+    finally:
+        release_process_groups()
+
+
+def test_mtp_losses_are_logged_per_depth_and_train(one_device):
+    records, gradients = one_device
+    assert all(set(r) == {"loss", "mtp_1_loss", "mtp_2_loss"} for r in records)
+    assert all(0 < r["mtp_2_loss"] < r["mtp_1_loss"] * 1.5 for r in records)
+    assert gradients["mtp.layers.1.eh_proj.weight"].abs().sum() > 0
+    assert gradients["mtp.layers.1.transformer_layer.mlp.experts.linear_fc1.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[name for name, _, _ in LAYOUTS])
+def test_mtp_layout_equals_one_device(four_ranks, one_device, index):
+    records = next(r[index][0] for r in four_ranks if r[index][0] is not None)
+    reference, gradients = one_device
+    for mine, one in zip(records, reference, strict=True):
+        assert mine == pytest.approx(one, rel=1e-5), LAYOUTS[index][0]
+    assert_equals_one_device(LAYOUTS[index][0], [r["loss"] for r in records], four_ranks, index,
+                             ([r["loss"] for r in reference], gradients))
