@@ -32,9 +32,10 @@ class _Documents(MockDataset):
         return super().__getitem__(index) % 16
 
 
-def _config(train: dict | None = None, **parallel) -> Config:
-    model = {"num_layers": 4, "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": VOCAB,
-             "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32, "moe_shared_expert_size": 32,
+def _config(train: dict | None = None, tied: bool = False, **parallel) -> Config:
+    model = {"tie_embeddings": tied, "num_layers": 4, "num_attention_heads": 8, "num_query_groups": 4,
+             "vocab_size": VOCAB, "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32,
+             "moe_shared_expert_size": 32,
              "moe_first_dense_layers": 1, "moe_aux_loss_coeff": 0.01, "mtp_num_layers": 2,
              "mtp_loss_scaling_factor": 0.5}
     cfg = tiny_config("llama", model=model, parallel=parallel, train={"micro_batch_size": 1, "global_batch_size": 8,
@@ -43,16 +44,14 @@ def _config(train: dict | None = None, **parallel) -> Config:
     return cfg
 
 
-LAYOUTS = [  # (name, parallel fields, train fields)
-    ("tp 2 SP x dp 2", {"tp": 2, "sequence_parallel": True}, {}),
-    ("pp 2 x dp 2 (MTP's copy of the embeddings)", {"pp": 2}, {}),
-    ("ZB-V pp 2 x dp 2 (MTP on the first rank)", {"pp": 2, "vp": 2, "pipeline_schedule": "zb-v"}, {}),
-    ("cp 2 x dp 2", {"cp": 2}, {}),
-    ("cp 2 all-gather x pp 2", {"cp": 2, "cp_comm": "allgather", "pp": 2}, {}),
-    ("ep 2 x dp 2, full recompute", {"ep": 2}, {"recompute": "full"}),
+LAYOUTS = [  # (name, parallel fields, train fields, tied embeddings)
+    ("tp 2 SP x dp 2", {"tp": 2, "sequence_parallel": True}, {}, False),
+    ("pp 2 x cp 2 (MTP's copy of the embeddings; targets from the neighbouring chunk)", {"pp": 2, "cp": 2}, {}, False),
+    ("ZB-V pp 2 x dp 2 (MTP on the first rank)", {"pp": 2, "vp": 2, "pipeline_schedule": "zb-v"}, {}, False),
+    ("ep 2 x dp 2, ZeRO-3, full recompute", {"ep": 2, "zero_stage": 3}, {"recompute": "full"}, False),
     ("tp 2 SP x dp 2 x ep 2, distributed optimizer", {"tp": 2, "sequence_parallel": True, "ep": 2,
-                                                      "distributed_optimizer": True}, {}),
-    ("ep 2 x dp 2, ZeRO-3", {"ep": 2, "zero_stage": 3}, {}),
+                                                      "distributed_optimizer": True}, {}, False),
+    ("pp 2 x dp 2, tied embeddings (MTP reads the head's copy)", {"pp": 2}, {}, True),
 ]
 
 
@@ -68,10 +67,10 @@ def _train(cfg: Config, topology: Topology) -> tuple[list, dict[str, torch.Tenso
     return train_and_gather(cfg, topology, data=data, maker=BatchMaker(EOD, True, True), record=record)
 
 
-def _four_ranks(rank: int, world_size: int) -> list:
+def _four_ranks(rank: int, world_size: int, layouts: list) -> list:
     results = []
-    for _, parallel, train in LAYOUTS:
-        cfg = _config(train, **parallel)
+    for _, parallel, train, tied in layouts:
+        cfg = _config(train, tied, **parallel)
         validate(cfg, world_size)
         records, gradients = _train(cfg, cpu_topology(rank, world_size, cfg))
         logging = is_logging_rank(cfg, Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel, True))
@@ -81,31 +80,35 @@ def _four_ranks(rank: int, world_size: int) -> list:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list:
-    return run_ranks(4, _four_ranks)
+    return run_ranks(4, _four_ranks, LAYOUTS)
 
 
 @pytest.fixture(scope="module")
-def one_device() -> tuple[list, dict[str, torch.Tensor]]:
-    cfg = _config()
-    topology = Topology.from_environment("cpu", cfg.parallel, True)
-    try:
-        return _train(cfg, topology)
-    finally:
-        release_process_groups()
+def one_device() -> dict[bool, tuple[list, dict[str, torch.Tensor]]]:
+    """The one-device runs, untied and tied."""
+    runs = {}
+    for tied in (False, True):
+        cfg = _config(tied=tied)
+        topology = Topology.from_environment("cpu", cfg.parallel, True)
+        try:
+            runs[tied] = _train(cfg, topology)
+        finally:
+            release_process_groups()
+    return runs
 
 
 def test_mtp_losses_are_logged_per_depth_and_train(one_device):
-    records, gradients = one_device
+    records, gradients = one_device[False]
     assert all(set(r) == {"loss", "mtp_1_loss", "mtp_2_loss"} for r in records)
     assert all(0 < r["mtp_2_loss"] < r["mtp_1_loss"] * 1.5 for r in records)
     assert gradients["mtp.layers.1.eh_proj.weight"].abs().sum() > 0
     assert gradients["mtp.layers.1.transformer_layer.mlp.experts.linear_fc1.weight"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[name for name, _, _ in LAYOUTS])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[name for name, *_ in LAYOUTS])
 def test_mtp_layout_equals_one_device(four_ranks, one_device, index):
     records = next(r[index][0] for r in four_ranks if r[index][0] is not None)
-    reference, gradients = one_device
+    reference, gradients = one_device[LAYOUTS[index][3]]
     for mine, one in zip(records, reference, strict=True):
         assert mine == pytest.approx(one, rel=1e-5), LAYOUTS[index][0]
     assert_equals_one_device(LAYOUTS[index][0], [r["loss"] for r in records], four_ranks, index,

@@ -187,7 +187,7 @@ class GPTModel(nn.Module):
             layers = [TransformerLayer(cfg, device, ctx, self.aux_losses, cfg.num_layers + d)
                       for d in range(cfg.mtp_num_layers)]
             self.mtp = MultiTokenPrediction(cfg, ctx, device, layers, self.aux_losses,
-                                            MTP_COPY in self.tied_copies())
+                                            MTP_COPY in self.tied_copies(), self.lm_head)
 
     def transformer_layers(self) -> list[TransformerLayer]:
         """This rank's transformer layers: its chunks', then multi-token prediction's."""
@@ -232,11 +232,11 @@ class GPTModel(nn.Module):
         if self.stage.has_head:
             head = [self.lm_head.weight if self.lm_head.weight is not None else self.embedding.word_embeddings.weight]
             chunks[-1] += [(self.final_norm, list(self.final_norm.parameters())), (self.lm_head, head)]
-        if self.mtp is not None:  # per depth: the lookup of the tokens ahead, the depth, the head again
-            lookup = self.mtp.word_embeddings
-            table = [lookup.weight if lookup.weight is not None else self._word_embeddings()]
-            for depth in self.mtp.layers:
-                chunks[-1] += [(lookup, table), (depth, list(depth.parameters())), (self.lm_head, head)]
+        if self.mtp is not None:  # one unit, after the head: per depth a lookup of the tokens ahead and the head
+            lookup, depths = self.mtp.word_embeddings, len(self.mtp.layers)
+            table = lookup.weight if lookup.weight is not None else self._word_embeddings()
+            own = [p for p in self.mtp.parameters() if p is not table]
+            chunks[-1] += [(self.mtp, [*own, *[table] * depths, *head * depths])]
         return chunks
 
     def _rope(self, tokens: torch.Tensor,
@@ -278,4 +278,4 @@ class GPTModel(nn.Module):
         out = self.lm_head(x, labels, tied)
         if mtp is None or labels is None or self.mtp is None:
             return out
-        return self.mtp(x, out, mtp, rope, self._word_embeddings(), lambda h, targets: self.lm_head(h, targets, tied))
+        return self.mtp(x, out, mtp, rope, self._word_embeddings(), tied)

@@ -30,14 +30,13 @@ from megalite.config import ModelConfig
 from megalite.data.mtp_targets import MTPTargets
 from megalite.model import costs
 from megalite.model.aux_losses import AuxLosses
+from megalite.model.head import LMHead
 from megalite.model.norms import build_norm
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.layers import VocabParallelEmbedding
 from megalite.parallel.mappings import in_compute_dtype
 from megalite.parallel.random import checkpoint_with_rng
-
-Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, labels [batch, seq]) -> losses [batch, seq]
 
 
 class EHProjection(nn.Module):
@@ -88,23 +87,43 @@ class MTPDepth(nn.Module):
 
 class MultiTokenPrediction(nn.Module):
     """The D depths, and the lookup of the tokens ahead (in its own copy of the word embeddings when
-    `owns_embedding`, else in the table its forward is handed)."""
+    `owns_embedding`, else in the table its forward is handed); `head`, the model's LM head, is shared, not held
+    (its parameters stay the model's): each depth runs it once more, which its costs count."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device: torch.device, layers: list[nn.Module],
-                 aux_losses: AuxLosses, owns_embedding: bool) -> None:
+                 aux_losses: AuxLosses, owns_embedding: bool, head: LMHead) -> None:
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, ctx, owns_embedding)
         self.layers = nn.ModuleList([MTPDepth(cfg, device, layer) for layer in layers])
         self.aux_losses, self.scale = aux_losses, cfg.mtp_loss_scaling_factor / len(layers)
+        self._head = (head,)  # in a tuple: not a submodule
 
     def forward(self, hidden: torch.Tensor, losses: torch.Tensor, targets: MTPTargets,
                 rope: tuple[torch.Tensor, torch.Tensor] | None, table: torch.Tensor | None,
-                head: Head) -> torch.Tensor:
+                tied: torch.Tensor | None) -> torch.Tensor:
         """From the main model's normed output `hidden` and per-token `losses` [batch, seq]: the losses, carrying
-        every depth's loss into backward. `table`: the word embeddings when this block holds no copy."""
+        every depth's loss into backward. `table`: the word embeddings when this block holds no copy; `tied`: the
+        head's weight when the head owns none."""
+        head = self._head[0]
         for k, depth in enumerate(self.layers):
             hidden = depth(hidden, self.word_embeddings(targets.tokens[k].t(), table), rope)
             mask = targets.loss_mask[k]
-            total = (head(hidden, targets.labels[k]) * mask).sum()
+            total = (head(hidden, targets.labels[k], tied) * mask).sum()
             losses = self.aux_losses.attach(f"mtp_{k + 1}", losses, total, weight=self.scale / mask.numel())
         return losses
+
+    def _with_heads(self, cost: Callable[..., int], *args: object) -> int:
+        """A cost of the depths plus one more run of the shared head per depth."""
+        return cost(self.layers, *args) + len(self.layers) * cost(self._head[0], *args)
+
+    def saved_bytes(self, batch: costs.MicroBatch) -> int:
+        return self._with_heads(costs.saved_bytes, batch)
+
+    def held_bytes(self, batch: costs.MicroBatch) -> int:
+        return self._with_heads(costs.held_bytes, batch)
+
+    def transient_bytes(self, batch: costs.MicroBatch) -> int:
+        return self._with_heads(costs.transient_bytes, batch)
+
+    def matmul_parameters(self) -> int:
+        return self._with_heads(costs.matmul_parameters)
