@@ -126,7 +126,7 @@ def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[
                 + attention_transient_bytes(cfg, batch.compute))
     if cfg.train.recompute == "full":
         kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
-        layers = rank_model(kept, pp_rank).layers.values()
+        layers = rank_model(kept, pp_rank).transformer_layers()
         backward += max((costs.saved_bytes(layer, batch) for layer in layers), default=0)
         backward -= costs.saved_bytes(model.final_norm, batch) + costs.saved_bytes(model.lm_head, batch) if head else 0
     sharded = cfg.parallel.zero >= 1

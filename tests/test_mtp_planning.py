@@ -1,0 +1,64 @@
+"""Multi-token prediction in what megalite counts from the model: its FLOPs in MFU, its parameters (and the head
+stage's copy of the word embeddings) and activations in the planner, and the dry run of a pipeline holding it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from conftest import tiny_config
+
+from megalite.config import Config
+from megalite.config_cli import apply_mapping
+from megalite.dryrun.report import TOLERANCE, difference, format_dry_run
+from megalite.dryrun.run import dry_run
+from megalite.model import costs
+from megalite.planning.activations import chunk_costs
+from megalite.planning.built import micro_batch, one_device_model
+from megalite.planning.measure import MEASUREMENT, measurement_config
+from megalite.planning.parameters import rank_parameters
+from megalite.training.flops import training_flops_per_token
+
+
+def _with_mtp(cfg: Config, depths: int) -> Config:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp_num_layers=depths))
+
+
+def test_mtp_flops_count_each_depth_as_a_layer_a_projection_and_a_head():
+    """Per token and depth: the layer's matmuls and attention (a layer of the main model's kind), eh_proj's 2h x h
+    weights and the head's h x vocabulary, forward and backward."""
+    cfg = tiny_config("llama")
+    m, layer = cfg.model, one_device_model(cfg.model).layers["1"]
+    per_depth = 6 * (costs.matmul_parameters(layer) + 2 * m.hidden_size**2 + m.hidden_size * m.vocab) \
+        + 3 * costs.attention_flops(layer, m.seq_length)
+    assert training_flops_per_token(_with_mtp(cfg, 2).model) == training_flops_per_token(m) + 2 * per_depth
+
+
+def test_the_planner_counts_mtp_on_the_head_stage_with_its_copy_of_the_embeddings():
+    cfg = tiny_config("llama", parallel={"pp": 2})
+    m, h = cfg.model, cfg.model.hidden_size
+    layer = one_device_model(m).layers["1"]
+    depth_parameters = sum(p.numel() for p in layer.parameters()) + 3 * h + 2 * h * h  # + norms and eh_proj
+    with_mtp = _with_mtp(cfg, 1)
+    assert rank_parameters(with_mtp, 0) == rank_parameters(cfg, 0)
+    before, after = rank_parameters(cfg, 1), rank_parameters(with_mtp, 1)
+    assert after.total - before.total == depth_parameters + m.padded_vocab_size * h
+    assert len(after.units) == len(before.units) + 1  # MTP is one ZeRO-3 gather unit
+    saved = [chunk_costs(c, 1, "cpu", costs.saved_bytes)[0] for c in (cfg, with_mtp)]
+    batch, head = micro_batch(cfg, "cpu"), one_device_model(m).lm_head
+    assert saved[1] - saved[0] > costs.saved_bytes(layer, batch) + costs.saved_bytes(head, batch)
+
+
+def test_a_pipeline_with_mtp_dry_runs_within_the_planner():
+    tiny = {"model": {"family": "llama", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                      "num_query_groups": 2, "seq_length": 32, "vocab_size": 256, "mtp_num_layers": 1},
+            "parallel": {"tp": 2, "pp": 2, "sequence_parallel": True, "distributed_optimizer": True},
+            "train": {"micro_batch_size": 2, "global_batch_size": 8, "precision": "bf16", "param_dtype": "bf16"}}
+    cfg = measurement_config(8, **tiny)
+    apply_mapping(cfg, MEASUREMENT, "dry run")
+    report = dry_run(cfg, 8, 3)
+    text = format_dry_run(report, "h100")
+    assert report.ok, text
+    head = next(run for run in report.ranks if run.role.pp_rank == 1)  # this tiny model's first stage is off by 7%
+    plan = report.plan(head)  # without MTP too: its transients are the CPU's, not what MTP adds
+    assert abs(head.memory["activations"] - plan.activations) / plan.activations <= TOLERANCE, text
+    assert abs(difference(head, plan)) <= TOLERANCE, text
