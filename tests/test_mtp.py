@@ -15,6 +15,10 @@ from megalite.config_validation import validate
 from megalite.data.batches import BatchMaker
 from megalite.data.mtp_targets import mtp_targets
 from megalite.model.gpt import GPTModel
+from megalite.parallel import gemm
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.fp8 import Float8
+from megalite.training.build import build_model
 
 EOD = 7
 
@@ -113,3 +117,13 @@ def test_mtp_fields_are_validated_with_their_fix():
     cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor = 32, 0.1
     with pytest.raises(ConfigError, match=r"model.mtp_num_layers=32 must be < model.seq_length=32"):
         validate(cfg, 1)
+
+
+def test_recompute_and_fp8_reach_the_mtp_layers():
+    cfg = tiny_config("llama", model={"mtp_num_layers": 1}, train={"fp8_recipe": "tensorwise", "recompute": "full"})
+    model = build_model(cfg, torch.device("meta"), ParallelContext(), 0)
+    depth, main = model.mtp.layers[0], model.layers["1"]
+    assert depth.transformer_layer.recompute and main.recompute
+    assert isinstance(depth.transformer_layer.attention.linear_qkv.recipe, Float8)
+    assert depth.transformer_layer.attention.linear_qkv.recipe is main.attention.linear_qkv.recipe
+    assert depth.eh_proj.recipe is gemm.HIGH_PRECISION

@@ -64,9 +64,9 @@ class Trainer:
 
 def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank: int) -> GPTModel:
     """Pipeline rank `pp_rank`'s model chunks, its shards (`ctx`), in train.param_dtype, with train.recompute
-    applied, train.fp8_recipe on the transformer layers' linears and experts (the embedding, the head and the
-    routers keep train.precision, as DeepSeek-V3 and torchtitan keep them), and the split backward where the
-    schedule splits it (model/split_backward.py)."""
+    applied, train.fp8_recipe on the transformer layers' linears and experts, multi-token prediction's included
+    (the embedding, the head, the routers and MTP's projection keep train.precision, as DeepSeek-V3 and torchtitan
+    keep them), and the split backward where the schedule splits it (model/split_backward.py)."""
     # Each parameter is drawn in fp32 on every layout and rounded once into train.param_dtype as it is copied in
     # (model/init.py); its storage is made in that dtype, so no fp32 copy of the model is ever on the device.
     model = GPTModel(cfg.model, device, ctx, stage_layout(cfg, pp_rank), seed=cfg.train.seed,
@@ -74,7 +74,9 @@ def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank
     apply_recompute(model, cfg.train.recompute)
     apply_fusions(model, cfg.train.fusions)
     if cfg.train.fp8_recipe != "none":
-        apply_recipe(model.layers, RECIPES[cfg.train.fp8_recipe]())
+        recipe = RECIPES[cfg.train.fp8_recipe]()
+        for layer in model.transformer_layers():  # multi-token prediction's too
+            apply_recipe(layer, recipe)
     if schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
         apply_split_backward(model)
     return model
