@@ -33,7 +33,8 @@ from megalite.config import Config, ModelConfig, OptimConfig, ParallelConfig, Tr
 # "off", and why megalite cannot continue the run otherwise.
 UNSUPPORTED = {
     "multi_latent_attention": (False, "megalite has no multi-latent attention"),
-    "mtp_num_layers": (None, "megalite has no multi-token prediction"),
+    "mtp_num_layers": (None, "megalite does not read Megatron-LM's multi-token prediction weights yet "
+                              "(megalite's own, model.mtp_num_layers, start from scratch)"),
     "squared_relu": (False, "megalite's activations are gelu, gelu_tanh and silu"),
     "quick_geglu": (False, "megalite's activations are gelu, gelu_tanh and silu"),
     "apply_layernorm_1p": (False, "megalite's norms are not zero-centred"),
