@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megalite.config import Config
+from megalite.data.mtp_targets import mtp_targets
 from megalite.model.split_backward import apply_split_backward
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.pipeline.executor import InFlight, ScheduleObserver
@@ -39,6 +40,8 @@ def stage_times(cfg: Config, pp_rank: int, repeats: int = 7) -> tuple[float, flo
     apply_split_backward(model)
     shape = (cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size)
     tokens = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.long)
+    depths = cfg.model.mtp_num_layers  # the head's stage runs multi-token prediction too
+    targets = mtp_targets(tokens, torch.ones(tokens.shape), None, depths) if depths else None
     times: list[tuple[float, float, float]] = []
     for _ in range(repeats + 1):
         marks = [time.perf_counter()]
@@ -46,7 +49,7 @@ def stage_times(cfg: Config, pp_rank: int, repeats: int = 7) -> tuple[float, flo
         with precision_context(cfg.train.precision, torch.device("cpu")):
             for chunk in range(model.stage.vp):
                 hidden = None if model.stage.is_first_chunk(chunk) else torch.randn(shape, requires_grad=True)
-                out = model(tokens, tokens, hidden=hidden, chunk=chunk)
+                out = model(tokens, tokens, hidden=hidden, chunk=chunk, mtp=targets)
                 outputs.append(out.float().sum() if model.stage.is_last_chunk(chunk) else out.float().square().sum())
         marks.append(time.perf_counter())
         queue = WeightGradients()

@@ -4,12 +4,14 @@
 parameters (`param_shard`, the same layout as their gradient and optimizer slices); each bucket's
 whole parameters have a storage of their own, gathered and freed around their use. `GatherUnits`
 decides when: the model's gather units are the modules its forward runs, in order
-(GPTModel.chunk_modules: the embedding, each transformer layer, the final norm, the LM head); a unit's
-buckets are all-gathered just before its forward and freed after it; they are gathered again before
-its backward and freed once all of the bucket's gradients of that backward are in (they are then
+(GPTModel.chunk_modules: the embedding, each transformer layer, the final norm, the LM head, multi-token
+prediction); a unit's buckets are all-gathered just before its forward and freed after it; they are gathered
+again before its backward and freed once all of the bucket's gradients of that backward are in (they are then
 reduce-scattered, as under stage 2). While a unit runs, the next one's gather is already in flight
 (the previous one's in backward), so communication overlaps compute with at most two units gathered
-in forward.
+in forward. A module appears once among the units, however often it runs (the LM head once more per MTP depth,
+counted among its reads): a unit listed twice would prefetch, in backward, a unit whose gradients are all in,
+which then stays gathered with stale weights.
 
 Why megalite's own buffers and not torch's FSDP2 (`fully_shard`): the shards are the distributed
 optimizer's slices, so fp32 main weights, clipping (each element counted once), CPU offload and the
