@@ -49,9 +49,11 @@ LAYOUTS = [  # (name, parallel fields, train fields, tied embeddings)
     ("pp 2 x cp 2 (MTP's copy of the embeddings; targets from the neighbouring chunk)", {"pp": 2, "cp": 2}, {}, False),
     ("ZB-V pp 2 x dp 2 (MTP on the first rank)", {"pp": 2, "vp": 2, "pipeline_schedule": "zb-v"}, {}, False),
     ("ep 2 x dp 2, ZeRO-3, full recompute", {"ep": 2, "zero_stage": 3}, {"recompute": "full"}, False),
-    ("tp 2 SP x dp 2 x ep 2, distributed optimizer", {"tp": 2, "sequence_parallel": True, "ep": 2,
-                                                      "distributed_optimizer": True}, {}, False),
-    ("pp 2 x dp 2, tied embeddings (MTP reads the head's copy)", {"pp": 2}, {}, True),
+    ("tp 2 SP x dp 2 x ep 2, distributed optimizer, overlapped gathers", {
+        "tp": 2, "sequence_parallel": True, "ep": 2, "distributed_optimizer": True, "overlap_param_gather": True},
+     {}, False),
+    ("pp 2 x dp 2, tied embeddings (MTP reads the head's copy), distributed optimizer, overlapped gathers", {
+        "pp": 2, "distributed_optimizer": True, "overlap_param_gather": True}, {}, True),
 ]
 
 

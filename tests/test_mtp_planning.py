@@ -43,6 +43,8 @@ def test_the_planner_counts_mtp_on_the_head_stage_with_its_copy_of_the_embedding
     before, after = rank_parameters(cfg, 1), rank_parameters(with_mtp, 1)
     assert after.total - before.total == depth_parameters + m.padded_vocab_size * h
     assert len(after.units) == len(before.units) + 1  # MTP is one ZeRO-3 gather unit
+    one_stage = tiny_config("llama")  # untied: MTP reads the embedding unit's table, which stays gathered
+    assert rank_parameters(_with_mtp(one_stage, 1), 0).tied_head and not rank_parameters(one_stage, 0).tied_head
     saved = [chunk_costs(c, 1, "cpu", costs.saved_bytes)[0] for c in (cfg, with_mtp)]
     batch, head = micro_batch(cfg, "cpu"), one_device_model(m).lm_head
     assert saved[1] - saved[0] > costs.saved_bytes(layer, batch) + costs.saved_bytes(head, batch)

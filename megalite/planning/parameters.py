@@ -27,7 +27,8 @@ class Parameters:
     expert: int = 0  # on the expert grid: this rank's experts' weights (num_experts/ep experts of each layer)
     largest: int = 0  # elements of the largest single parameter (its gradient is briefly materialised)
     units: tuple[int, ...] = ()  # elements of each gather unit with parameters of its own, in forward order
-    tied_head: bool = False  # the LM head reads the word embeddings of this rank's embedding unit (units[0])
+    tied_head: bool = False  # a later unit (a tied LM head, multi-token prediction) reads the word embeddings of
+    # this rank's embedding unit (units[0])
 
     @property
     def total(self) -> int:
@@ -49,9 +50,11 @@ def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
     units: dict[int, int] = {}
     for param in model.parameters():
         units[index[id(param)]] = units.get(index[id(param)], 0) + param.numel()
+    table = model.embedding.word_embeddings.weight if model.embedding is not None else None
+    read_later = any(p is table for chunk in model.chunk_modules() for module, params in chunk
+                     if module is not model.embedding for p in params)
     return Parameters(grids["dense"], grids["expert"], max(p.numel() for p in model.parameters()),
-                      tuple(units[unit] for unit in sorted(units)),
-                      model.lm_head is not None and model.lm_head.weight is None)
+                      tuple(units[unit] for unit in sorted(units)), read_later)
 
 
 def model_parameters(m: ModelConfig) -> int:
