@@ -48,6 +48,8 @@ LAYOUTS = [  # (name, parallel fields, train fields, tied embeddings)
     ("tp 2 SP x dp 2", {"tp": 2, "sequence_parallel": True}, {}, False),
     ("pp 2 x cp 2 (MTP's copy of the embeddings; targets from the neighbouring chunk)", {"pp": 2, "cp": 2}, {}, False),
     ("ZB-V pp 2 x dp 2 (MTP on the first rank)", {"pp": 2, "vp": 2, "pipeline_schedule": "zb-v"}, {}, False),
+    ("DualPipeV pp 2 x ep 2 (MTP's experts in paired forward and backward)",
+     {"pp": 2, "vp": 2, "pipeline_schedule": "dualpipev", "ep": 2}, {}, False),
     ("ep 2 x dp 2, ZeRO-3, full recompute", {"ep": 2, "zero_stage": 3}, {"recompute": "full"}, False),
     ("tp 2 SP x dp 2 x ep 2, distributed optimizer, overlapped gathers", {
         "tp": 2, "sequence_parallel": True, "ep": 2, "distributed_optimizer": True, "overlap_param_gather": True},

@@ -14,9 +14,10 @@ backward through the model's auxiliary-loss path (model/aux_losses.py), attached
 L_MTP^k = -(1/T) sum_i log P_i^k (its T counts the main predictions) and Megatron-Core's per-token loss. The sums
 are counted per depth (`mtp_1`, ...) for logging.
 
-eh_proj is whole on every tensor-parallel rank (its placement the default: partial over tp under sequence
-parallelism), so it runs on the rank's own rows with no communication; the transformer layer and the head are the
-model's parallel layers.
+The lookup of the tokens ahead is the word embeddings alone (no position table, no dropout: DeepSeek-V3's
+Emb(t_{i+k})); the layer drops out as the model's layers do. eh_proj is whole on every tensor-parallel rank (its
+placement the default: partial over tp under sequence parallelism), so it runs on the rank's own rows with no
+communication; the transformer layer and the head are the model's parallel layers.
 """
 
 from __future__ import annotations

@@ -91,8 +91,9 @@ def gathered_elements(params: Parameters) -> tuple[int, int]:
     """ZeRO-3 (parallel/zero/stage3.py): (parameter, gradient) elements of whole gather units present at once,
     at worst. Parameters: the unit running and the one prefetched (any two units stand in for adjacent
     ones: an upper bound), plus the embedding unit when a later unit on this rank reads it (a tied LM head,
-    multi-token prediction: it stays gathered from that unit's backward to the embedding's). Gradients: one unit's bucket buffers fill
-    in backward until reduce-scattered (the next unit's first gradient comes after), the largest."""
+    multi-token prediction: it stays gathered from that unit's backward to the embedding's). Gradients: one
+    unit's bucket buffers fill in backward until reduce-scattered (the next unit's first gradient comes after),
+    the largest."""
     units = params.units
     if params.tied_head:
         rest = sorted(units[1:], reverse=True)
