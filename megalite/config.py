@@ -231,15 +231,14 @@ class ModelConfig(MultiTokenPredictionFields):
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        """The layers (global indices, from 0) with routed experts instead of a dense MLP: every moe_layer_freq-th
-        after the first moe_first_dense_layers."""
+        """The layers (global indices, from 0) with routed experts instead of a dense MLP (`has_experts`)."""
         return tuple(i for i in range(self.num_layers) if self.has_experts(i))
 
     def has_experts(self, index: int) -> bool:
-        """Whether layer `index` (global, from 0; multi-token prediction's depths continue after num_layers) has
-        routed experts: every moe_layer_freq-th after the first moe_first_dense_layers."""
-        first, every = self.moe_first_dense_layers, self.moe_layer_freq
-        return bool(self.num_experts) and index >= first and (index - first) % every == 0
+        """Whether layer `index` (global, from 0; MTP's depths continue after num_layers) has routed experts: every
+        moe_layer_freq-th after the first moe_first_dense_layers."""
+        first = self.moe_first_dense_layers
+        return bool(self.num_experts) and index >= first and (index - first) % self.moe_layer_freq == 0
 
     @property
     def tied(self) -> bool:
