@@ -8,6 +8,8 @@ from megalite.config import ModelConfig
 
 def attention_errors(m: ModelConfig) -> list[str]:
     errors = []
+    if m.multi_latent_attention:  # its own head widths, checked by config_mla.py
+        return errors
     if m.head_dim is not None and m.head_dim < 1:
         errors.append(f"model.head_dim={m.head_dim} must be >= 1, or unset (hidden_size / num_attention_heads)")
     elif m.head_dim is None and m.hidden_size % m.num_attention_heads:
