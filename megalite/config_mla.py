@@ -1,5 +1,6 @@
-"""Multi-head latent attention's fields (DeepSeek-V2/V3, Kimi K2, Moonlight), with Megatron-LM's names and
-meanings, and their checks (config_validation.py runs them with every other check).
+"""The fields DeepSeek-V3-class models (DeepSeek-V3/R1, Kimi K2, Moonlight) add: multi-head latent attention, with
+Megatron-LM's names and meanings, and the released group-limited routing's group score; and their checks
+(config_validation.py runs them with every other check).
 
 ModelConfig (config.py) inherits these fields, so they read as `model.multi_latent_attention`,
 `model.kv_lora_rank`, ... as Megatron-LM's users know them. Megatron's `qk_head_dim` is the part of a query/key
@@ -33,11 +34,27 @@ class LatentAttentionFields:
     qk_pos_emb_head_dim: int = _f(
         64, "MLA: the rotary part of each query/key head (HF's qk_rope_head_dim); the key's is shared by all heads")
     v_head_dim: int = _f(128, "MLA: width of each value head (need not equal the query/key head's)")
+    moe_router_group_experts: int | None = _f(
+        None, "group-limited routing: a group's score is the sum of its this-many best experts' scores (released "
+              "DeepSeek-V3, Kimi K2 and Moonlight, as transformers computes them: 2; default: moe_topk // "
+              "moe_router_group_topk, Megatron-Core's, which agrees only when that is 2)")
 
     @property
     def rope_dim(self) -> int:
         """The channels RoPE rotates per head: MLA's rotary part, else the whole head."""
         return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_size
+
+
+def group_score_errors(cfg: Config, world_size: int) -> list[str]:
+    """A group's score sums between 1 and all of its experts."""
+    m = cfg.model
+    if m.moe_router_group_experts is None or not m.num_experts or m.num_experts % max(m.moe_router_groups, 1):
+        return []
+    per_group = m.num_experts // max(m.moe_router_groups, 1)
+    if not 1 <= m.moe_router_group_experts <= per_group:
+        return [f"model.moe_router_group_experts={m.moe_router_group_experts} must be between 1 and the experts of a "
+                f"group, model.num_experts / model.moe_router_groups = {per_group} (released DeepSeek-V3: 2)"]
+    return []
 
 
 def latent_attention_errors(cfg: Config, world_size: int) -> list[str]:
