@@ -3,15 +3,24 @@
 - Routing equals transformers' DeepseekV3TopkRouter: sigmoid scores, the expert bias choosing only, group-limited
   selection by the sum of each group's two best scores (model.moe_router_group_experts=2; the default, Megatron's
   k / group_topk, chooses other groups where k != 2 x topk_group), renormalised, times routed_scaling_factor.
+- A tiny random DeepseekV3ForCausalLM (YaRN, interleaved rotary rows, group-limited routing, a dense first layer,
+  a shared expert, expert biases), with and without query compression, converts in (tools/convert_checkpoint.py)
+  with transformers' logits, and out to the very tensors it came from (experts one by one, as the hub stores
+  them), which transformers loads with no missing or unexpected weights and megalite's logits.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
+from hf_models import spread_routers_and_norms
+from test_hf_convert import _same_logits, convert, hf_tensors
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from megalite.config import ModelConfig
+from megalite.inference.generate import load_model
 from megalite.model.moe.router import route
 
 
@@ -38,3 +47,46 @@ def test_released_group_routing_equals_transformers_router():
     cfg.moe_router_group_experts = None  # Megatron-Core's rule: some tokens choose other experts
     assert not torch.equal(route(logits, cfg, router.e_score_correction_bias).experts.sort(-1).values,
                            hf_experts.sort(-1).values)
+
+
+# ------------------------------------------------------------------------------ Hugging Face both ways
+
+def _tiny_deepseek(q_lora: int | None) -> transformers.PreTrainedModel:
+    """A tiny random DeepseekV3ForCausalLM: YaRN, interleaved rotary rows, group-limited routing (3 of 8 experts
+    in the best 2 of 4 groups: Megatron's group score would differ), a dense first layer, a shared expert, random
+    expert biases."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=250, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=q_lora,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64,
+        rope_interleave=True, initializer_range=0.1, bos_token_id=None, eos_token_id=248,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                         "original_max_position_embeddings": 16})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    spread_routers_and_norms(model)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("q_lora", [12, None])
+def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q_lora, tmp_path):
+    hf_in = _tiny_deepseek(q_lora)
+    hf_in.save_pretrained(tmp_path / "hf_in")  # the hub's layout: experts one by one
+    convert("--from-hf", "--load", str(tmp_path / "hf_in"), "--save", str(tmp_path / "megalite"))
+    model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
+    assert cfg.model.multi_latent_attention and cfg.model.moe_router_group_experts == 2
+    tokens = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(0))
+    _same_logits(f"deepseek_v3 q_lora {q_lora}", model, hf_in, tokens)
+    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "hf_back"))
+    before, after = hf_tensors(tmp_path / "hf_in"), hf_tensors(tmp_path / "hf_back")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    hf_back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_back", output_loading_info=True)
+    assert type(hf_back).__name__ == "DeepseekV3ForCausalLM" and hf_back.config.rope_interleave
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
+    _same_logits("deepseek_v3 back", model, hf_back.eval(), tokens)

@@ -22,6 +22,7 @@ import torch
 from megalite.checkpoint.files import readable_as_umask
 from megalite.checkpoint.hf_config import hf_config
 from megalite.checkpoint.hf_config_read import model_config_from_hf
+from megalite.checkpoint.hf_deepseek import hub_config, warn_unread_mtp_layer
 from megalite.checkpoint.hf_mapping import from_hf, to_hf
 from megalite.checkpoint.hf_tokenizer import has_tokenizer, hf_tokenizer, keep_tokenizer, save_tokenizer
 from megalite.checkpoint.model_io import fresh_target, read_model_tensors, write_model_checkpoint
@@ -76,8 +77,11 @@ def load_hf(source: str | Path):
     if not gguf and not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
     quantized = {} if gguf else _dequantized(directory)
+    kimi = {} if gguf or hub_config(directory) is None else {"config": hub_config(directory)}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True, **gguf,
-                                                 **quantized)
+                                                 **quantized, **kimi)
+    if not gguf and model.config.model_type == "deepseek_v3":
+        warn_unread_mtp_layer(directory, model.config.num_hidden_layers)
     tokenizer = (AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
                  if gguf or has_tokenizer(directory) else None)
     return model, tokenizer
@@ -118,7 +122,7 @@ def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_v
     cfg = Config(model=model_config_from_hf(model.config, source))
     cfg.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     hf_state = model.state_dict()
-    tensors = from_hf(hf_state, cfg.model)
+    tensors = from_hf(hf_state, cfg.model, bool(getattr(model.config, "rope_interleave", False)))
     tied = {"lm_head.weight"} if cfg.model.tied else set()
     unused = set(hf_state) - set(to_hf(tensors, cfg.model)) - tied
     if unused:
