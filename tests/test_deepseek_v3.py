@@ -7,14 +7,20 @@
   a shared expert, expert biases), with and without query compression, converts in (tools/convert_checkpoint.py)
   with transformers' logits, and out to the very tensors it came from (experts one by one, as the hub stores
   them), which transformers loads with no missing or unexpected weights and megalite's logits.
+- Its published FP8 layout (E4M3 weights, an fp32 `weight_scale_inv` per 128 x 128 block) converts to exactly the
+  checkpoint of the model holding the dequantised values (each FP8 value times its block's scale, in fp32).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from hf_models import spread_routers_and_norms
+from safetensors.torch import load_file, save_file
 from test_hf_convert import _same_logits, convert, hf_tensors
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -90,3 +96,51 @@ def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q
     assert type(hf_back).__name__ == "DeepseekV3ForCausalLM" and hf_back.config.rope_interleave
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     _same_logits("deepseek_v3 back", model, hf_back.eval(), tokens)
+
+
+def _block_fp8(directory: Path) -> dict[str, torch.Tensor]:
+    """Rewrite the linear weights of the HF directory as DeepSeek publishes them, FP8 E4M3 with an fp32 scale per
+    128 x 128 block (`weight_scale_inv`, amax / 448); returns what each dequantises to, by name."""
+    dequantised = {}
+    for file in directory.glob("*.safetensors"):
+        state, out = load_file(file), {}
+        for name, w in state.items():
+            if w.dim() != 2 or not name.endswith(("proj.weight", "proj_with_mqa.weight")):
+                out[name] = w
+                continue
+            assert w.shape[0] < 128 and w.shape[1] < 128  # one (partial) block each, at this size
+            scale = w.abs().max().reshape(1, 1) / 448
+            out[name] = (w / scale).to(torch.float8_e4m3fn)
+            out[name.removesuffix("weight") + "weight_scale_inv"] = scale
+            dequantised[name] = out[name].float() * scale
+        save_file(out, file, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}
+    (directory / "config.json").write_text(json.dumps(config))
+    return dequantised
+
+
+def test_block_fp8_weights_dequantise_exactly_at_import(tmp_path):
+    """The published FP8 layout converts to the checkpoint of the same model holding the dequantised values."""
+    _tiny_deepseek(12).save_pretrained(tmp_path / "fp8")
+    dequantised = _block_fp8(tmp_path / "fp8")
+    reference = _tiny_deepseek(12)
+    with torch.no_grad():
+        for name, value in dequantised.items():
+            if name in dict(reference.named_parameters()):
+                reference.get_parameter(name).copy_(value)
+            else:  # an expert: transformers holds them fused ([E, 2I, H] gate then up; [E, H, I])
+                layer, expert, kind = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+                fused = reference.get_parameter(f"{layer}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
+                rows = slice(None) if kind == "down_proj" else slice(0, 16) if kind == "gate_proj" else slice(16, 32)
+                fused[expert, rows] = value
+    reference.save_pretrained(tmp_path / "reference")
+    for name in ("fp8", "reference"):
+        convert("--from-hf", "--load", str(tmp_path / name), "--save", str(tmp_path / f"{name}_in"))
+    got, expected = (load_model(tmp_path / f"{name}_in", torch.device("cpu"))[0].state_dict()
+                     for name in ("fp8", "reference"))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    unquantised = _tiny_deepseek(12).state_dict()
+    assert all(not torch.equal(value, unquantised[name]) for name, value in dequantised.items()
+               if name in unquantised)  # FP8 rounded every weight it holds

@@ -6,7 +6,9 @@ released model; `hf_to_megalite` turns such a directory (or a GGUF file transfor
 into a weights-only checkpoint that `pretrain_gpt.py --checkpoint.load` resumes at any layout.
 gpt-oss's hub checkpoints hold their experts in MXFP4 (`*_blocks`: two E2M1 values a byte, low nibble first;
 `*_scales`: one UE8M0 exponent per 32 inputs): transformers' own MXFP4 reader dequantises them at import, exactly
-(every E2M1 value times a power of two is an fp32 number), whatever kernels the machine has.
+(every E2M1 value times a power of two is an fp32 number), whatever kernels the machine has. DeepSeek-V3's and Kimi
+K2's hold their linear weights in FP8 E4M3 with an fp32 scale per 128 x 128 block (`weight_scale_inv`): transformers'
+FP8 reader dequantises them at import to the fp32 products DeepSeek's own dequantisation computes.
 Configs are hf_config.py's and hf_config_read.py's business, tensor names and layouts hf_mapping.py's; this
 module deals with files.
 """
@@ -88,17 +90,22 @@ def load_hf(source: str | Path):
 
 
 def _dequantized(directory: Path) -> dict:
-    """from_pretrained's arguments that dequantise the checkpoint's quantized weights (MXFP4, gpt-oss's experts) to
-    the loading dtype; refuses other quantizations."""
-    from transformers import Mxfp4Config
+    """from_pretrained's arguments that dequantise the checkpoint's quantized weights to the loading dtype: MXFP4
+    (gpt-oss's experts) and FP8 E4M3 with a scale per 128 x 128 block (`weight_scale_inv`, as DeepSeek-V3 and
+    Kimi K2 are published: each weight is its FP8 value times its block's fp32 scale, the product in fp32, as
+    DeepSeek's own dequantisation computes it); refuses other quantizations."""
+    from transformers import FineGrainedFP8Config, Mxfp4Config
 
     quantization = json.loads((directory / "config.json").read_text()).get("quantization_config")
     if quantization is None:
         return {}
-    if quantization.get("quant_method") != "mxfp4":
-        raise ValueError(f"{directory / 'config.json'}: quantization_config.quant_method="
-                         f"{quantization.get('quant_method')!r}; megalite imports MXFP4 weights (gpt-oss) and "
-                         "unquantized ones: dequantise the model first")
+    method, blocks = quantization.get("quant_method"), quantization.get("weight_block_size")
+    if method == "fp8" and blocks is not None and quantization.get("fmt", "e4m3") == "e4m3":
+        return {"quantization_config": FineGrainedFP8Config(weight_block_size=tuple(blocks), dequantize=True)}
+    if method != "mxfp4":
+        raise ValueError(f"{directory / 'config.json'}: quantization_config.quant_method={method!r} "
+                         f"(weight_block_size={blocks}); megalite imports MXFP4 weights (gpt-oss), block-scaled FP8 "
+                         "E4M3 ones (DeepSeek-V3, Kimi K2) and unquantized ones: dequantise the model first")
     return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
