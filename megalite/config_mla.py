@@ -34,10 +34,17 @@ class LatentAttentionFields:
     qk_pos_emb_head_dim: int = _f(
         64, "MLA: the rotary part of each query/key head (HF's qk_rope_head_dim); the key's is shared by all heads")
     v_head_dim: int = _f(128, "MLA: width of each value head (need not equal the query/key head's)")
+    latent_norm_epsilon: float | None = _f(
+        None, "MLA: epsilon of the query and key/value latents' RMSNorms (default: model.norm_epsilon, as Megatron-LM; "
+              "DeepSeek's code and transformers' use 1e-6 whatever the config's rms_norm_eps: Moonlight's is 1e-5)")
     moe_router_group_experts: int | None = _f(
         None, "group-limited routing: a group's score is the sum of its this-many best experts' scores (released "
               "DeepSeek-V3, Kimi K2 and Moonlight, as transformers computes them: 2; default: moe_topk // "
               "moe_router_group_topk, Megatron-Core's, which agrees only when that is 2)")
+
+    @property
+    def latent_epsilon(self) -> float:
+        return self.norm_epsilon if self.latent_norm_epsilon is None else self.latent_norm_epsilon
 
     @property
     def rope_dim(self) -> int:
@@ -69,6 +76,8 @@ def latent_attention_errors(cfg: Config, world_size: int) -> list[str]:
               if getattr(m, name) < 1]
     if m.q_lora_rank is not None and m.q_lora_rank < 1:
         errors.append(f"model.q_lora_rank={m.q_lora_rank} must be >= 1, or unset for no query compression")
+    if m.latent_norm_epsilon is not None and m.latent_norm_epsilon <= 0:
+        errors.append(f"model.latent_norm_epsilon={m.latent_norm_epsilon} must be > 0, or unset (model.norm_epsilon)")
     if m.qk_pos_emb_head_dim % 2:
         errors.append(f"model.qk_pos_emb_head_dim={m.qk_pos_emb_head_dim} must be even: RoPE turns channel pairs")
     if m.head_dim is not None:

@@ -8,10 +8,10 @@ model.multi_latent_attention and these routing fields: sigmoid scores, the exper
 (model.moe_router_group_experts=2), renormalised when norm_topk_prob, times routed_scaling_factor, a shared
 expert n_shared_experts x moe_intermediate_size wide, the first first_k_dense_replace layers dense.
 
-transformers' latent norms (q_a_layernorm, kv_a_layernorm) have epsilon 1e-6 whatever rms_norm_eps says, megalite's
-the model's norm_epsilon (Megatron's): a config with another rms_norm_eps is refused rather than converted into
-another network. The multi-token prediction layer the released checkpoints store as layer num_hidden_layers
-(`model.layers.61.*` in DeepSeek-V3) is not read yet: transformers drops it at load, and the conversion says so.
+transformers' latent norms (q_a_layernorm, kv_a_layernorm) have epsilon 1e-6 whatever rms_norm_eps says (Moonlight's
+is 1e-5): megalite's model.latent_norm_epsilon, set where it differs from model.norm_epsilon. The multi-token
+prediction layer the released checkpoints store as layer num_hidden_layers (`model.layers.61.*` in DeepSeek-V3) is
+not read yet: transformers drops it at load, and the conversion says so.
 """
 
 from __future__ import annotations
@@ -30,11 +30,8 @@ RELEASED_GROUP_EXPERTS = 2  # each group scored by its two best experts' scores
 
 def deepseek_fields(hf, source: str) -> dict:
     """The ModelConfig fields of a DeepseekV3 config's latent attention and routing (the rest: hf_config_read)."""
-    if hf.rms_norm_eps != LATENT_NORM_EPSILON:
-        raise ValueError(f"{source}: rms_norm_eps={hf.rms_norm_eps}, but transformers' DeepseekV3 normalises its "
-                         f"latents with epsilon {LATENT_NORM_EPSILON} whatever rms_norm_eps says, megalite with "
-                         "model.norm_epsilon; this model cannot be converted")
-    fields = {"multi_latent_attention": True, "head_dim": None, "num_query_groups": None,
+    latent = None if hf.rms_norm_eps == LATENT_NORM_EPSILON else LATENT_NORM_EPSILON
+    fields = {"latent_norm_epsilon": latent, "multi_latent_attention": True, "head_dim": None, "num_query_groups": None,
               "q_lora_rank": hf.q_lora_rank, "kv_lora_rank": hf.kv_lora_rank, "qk_head_dim": hf.qk_nope_head_dim,
               "qk_pos_emb_head_dim": hf.qk_rope_head_dim, "v_head_dim": hf.v_head_dim}
     first = min(hf.first_k_dense_replace or 0, hf.num_hidden_layers)
@@ -60,8 +57,8 @@ def check_deepseek(cfg: ModelConfig) -> None:
         return ValueError(f"model.{field}={value}, but {ARCHITECTURE} computes {computes}; this model has no Hugging "
                           "Face equivalent and cannot be converted")
 
-    if cfg.norm_epsilon != LATENT_NORM_EPSILON:
-        raise refuse("norm_epsilon", cfg.norm_epsilon, f"its latent norms with epsilon {LATENT_NORM_EPSILON}")
+    if cfg.latent_epsilon != LATENT_NORM_EPSILON:
+        raise refuse("latent_norm_epsilon", cfg.latent_epsilon, f"its latent norms with epsilon {LATENT_NORM_EPSILON}")
     if not cfg.num_experts:
         return
     if cfg.moe_router != "sigmoid":
@@ -102,16 +99,19 @@ def deepseek_hf_config(cfg: ModelConfig, common: dict):
         topk_group=(cfg.moe_router_group_topk or groups) if experts else 1)
 
 
-def hub_config(directory: Path):
-    """A DeepseekV3Config for a `model_type: kimi_k2` directory (Kimi K2's config names DeepseekV3's fields, but
-    transformers knows the type only through remote code, which megalite never runs); None for other types."""
+def kimi_k2_config(raw: dict):
+    """The DeepseekV3Config of Kimi K2's config.json fields (`model_type: kimi_k2` names DeepseekV3's fields, but
+    transformers knows the type only through remote code, which megalite never runs)."""
     import transformers
 
-    raw = json.loads((directory / "config.json").read_text())
-    if raw.get("model_type") != "kimi_k2":
-        return None
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
-    return transformers.DeepseekV3Config(**fields)
+    return transformers.DeepseekV3Config.from_dict(fields)
+
+
+def hub_config(directory: Path):
+    """kimi_k2_config of a `model_type: kimi_k2` directory; None for other types."""
+    raw = json.loads((directory / "config.json").read_text())
+    return kimi_k2_config(raw) if raw.get("model_type") == "kimi_k2" else None
 
 
 def warn_unread_mtp_layer(directory: Path, num_layers: int) -> None:

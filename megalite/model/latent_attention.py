@@ -66,10 +66,10 @@ class LatentAttention(nn.Module):
             self.linear_q_proj = ColumnParallelLinear(cfg.hidden_size, heads * qk, ctx, False)
         else:
             self.linear_q_down_proj = DuplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, ctx)
-            self.q_layernorm = build_norm("rmsnorm", cfg.q_lora_rank, cfg.norm_epsilon, device)
+            self.q_layernorm = build_norm("rmsnorm", cfg.q_lora_rank, cfg.latent_epsilon, device)
             self.linear_q_up_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk, ctx, False)
         self.linear_kv_down_proj = DuplicatedLinear(cfg.hidden_size, self.kv_rank + self.rope_dim, ctx)
-        self.kv_layernorm = build_norm("rmsnorm", self.kv_rank, cfg.norm_epsilon, device)
+        self.kv_layernorm = build_norm("rmsnorm", self.kv_rank, cfg.latent_epsilon, device)
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_rank, heads * (self.nope + self.v_dim), ctx, False)
         self.linear_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, ctx, False)
         self.scale, self.dropout, self.ctx = softmax_scale(cfg), cfg.attention_dropout, ctx
