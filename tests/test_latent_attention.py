@@ -6,8 +6,8 @@
 - Generation through the cache (the compressed latent and the rotary key per token) gives the logits of a full
   forward, and the cache holds kv_lora_rank + qk_pos_emb_head_dim numbers per token.
 - In one spawned group of two gloo ranks, a tiny MLA model (query compression, YaRN, v narrower than q/k) trained at
-  tp 2, tp 2 with SP, cp 2 ring and cp 2 all-gather (selective recompute) equals one device: losses and every
-  gradient (fp32, three steps).
+  tp 2, tp 2 with SP, cp 2 ring, cp 2 all-gather (selective recompute) and ZB-V over pp 2 equals one device: losses
+  and every gradient (fp32, three steps).
 """
 
 from __future__ import annotations
@@ -126,11 +126,13 @@ LAYOUTS = [  # (name, parallel fields)
     ("tp 2, SP", {"tp": 2, "sequence_parallel": True}),
     ("cp 2 ring", {"cp": 2}),
     ("cp 2 all-gather, selective recompute", {"cp": 2, "cp_comm": "allgather", "recompute": "selective"}),
+    ("ZB-V pp 2 (the down-projections' weight gradients deferred to W)", {"pp": 2, "vp": 2,
+                                                                         "pipeline_schedule": "zb-v"}),
 ]
 
 
 def _mla(**parallel) -> Config:
-    model = {**MLA, **YARN, "q_lora_rank": 12, "num_layers": 2, "vocab_size": 250}
+    model = {**MLA, **YARN, "q_lora_rank": 12, "num_layers": 4, "vocab_size": 250}
     train = {"micro_batch_size": 1, "global_batch_size": 2, "train_iters": 3,
              "recompute": parallel.pop("recompute", "none")}
     return tiny_config("llama", model=model, train=train, parallel=parallel)
