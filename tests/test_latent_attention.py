@@ -3,6 +3,7 @@
 - It equals transformers' DeepseekV3Attention (fp32), with and without query compression, with YaRN (its mscale on
   the softmax scale and on cos/sin) and the released interleaved rotary rows (permuted to halves at conversion).
 - Its config is validated with Megatron-LM's names: model.head_dim and what MLA does not build are refused.
+- torch.compile'd, it equals eager: output and every gradient.
 - Generation through the cache (the compressed latent and the rotary key per token) gives the logits of a full
   forward, and the cache holds kv_lora_rank + qk_pos_emb_head_dim numbers per token.
 - In one spawned group of two gloo ranks, a tiny MLA model (query compression, YaRN, v narrower than q/k) trained at
@@ -163,3 +164,24 @@ def test_latent_attention_trains_at_every_layout_as_on_one_device(one_device):
     for index, (name, _) in enumerate(LAYOUTS):
         losses = next(r[index][0] for r in per_rank if r[index][0] is not None)
         assert_equals_one_device(name, losses, per_rank, index, one_device)
+
+
+def test_compiled_latent_attention_equals_eager():
+    """torch.compile'd (inductor on the CPU), forward and every gradient, with query compression and YaRN."""
+    cfg = _model_config(12, yarn=True)
+    attention = LatentAttention(cfg, ParallelContext(), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in attention.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2 + (1 if param.dim() == 1 else 0))  # norms ~1
+    x = torch.randn(16, 2, 32, generator=gen)
+    rope = rope_for(rope_tables(cfg, x.device), 16, None)
+    results = []
+    for run in (attention, torch.compile(attention)):
+        attention.zero_grad()
+        leaf = x.clone().requires_grad_()
+        out = run(leaf, rope)
+        out.square().sum().backward()
+        results.append([out.detach(), leaf.grad] + [p.grad.clone() for p in attention.parameters()])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)

@@ -91,9 +91,11 @@ class LatentAttention(nn.Module):
             latent, k_rope = latent[:, 0].transpose(0, 1), k_rope.permute(2, 0, 1, 3)
         kv = self.linear_kv_up_proj(latent)
         k_nope, v = kv.view(*kv.shape[:2], self.heads, -1).split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope.expand(-1, -1, self.heads, -1)), dim=-1)
+        # [batch, heads, seq, width], q and k concatenated straight into that order (contiguous: inductor's
+        # attention backward mis-sizes a permuted, concatenated q or k, torch 2.13)
+        q_nope, q_rope, k_nope, k_rope, v = (t.permute(1, 2, 0, 3) for t in (q_nope, q_rope, k_nope, k_rope, v))
         q = torch.cat((q_nope, q_rope), dim=-1)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        k = torch.cat((k_nope, k_rope.expand(-1, self.heads, -1, -1)), dim=-1)
         if self.recompute_core and self.training:
             out = checkpoint_with_rng(self._core, q, k, v, tracker=self.ctx.rng)
         else:
