@@ -103,9 +103,9 @@ def _dequantized(directory: Path) -> dict:
     if method == "fp8" and blocks is not None and quantization.get("fmt", "e4m3") == "e4m3":
         return {"quantization_config": FineGrainedFP8Config(weight_block_size=tuple(blocks), dequantize=True)}
     if method != "mxfp4":
-        raise ValueError(f"{directory / 'config.json'}: quantization_config.quant_method={method!r} "
-                         f"(weight_block_size={blocks}); megalite imports MXFP4 weights (gpt-oss), block-scaled FP8 "
-                         "E4M3 ones (DeepSeek-V3, Kimi K2) and unquantized ones: dequantise the model first")
+        raise ValueError(f"{directory / 'config.json'}: quantization_config.quant_method={method!r}; megalite imports "
+                         "MXFP4 weights (gpt-oss), FP8 E4M3 ones with block scales (weight_block_size: DeepSeek-V3, "
+                         "Kimi K2) and unquantized ones: dequantise the model first")
     return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 

@@ -28,8 +28,7 @@ attention needs the other ranks' keys and values. Two ways to bring them (`comm`
 
 K/V travel as their query groups (grouped-query attention) and reach CUDA's flash kernel so; only a
 kernel that needs every head's K/V (the CPU's, see KERNELS_TAKING_GROUPS) gets them expanded. K and V travel
-packed along the width, so v may be narrower than q and k (latent attention) with no padding on the wire; only
-the kernel call pads it (`_one_width`).
+packed along the width: v may be narrower than q and k (latent attention), padded only for the kernel.
 The data pipeline slices tokens, labels, masks and position ids with `local_positions`.
 
 With a sliding window (`window`) each (local chunk, source chunk) pair is a block of its own, trimmed to what the
@@ -71,9 +70,9 @@ def local_positions(seq_length: int, cp: int, cp_rank: int, device: torch.device
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                                comm: str = "p2p", window: int | None = None,
                                sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Causal attention of the local queries over the whole sequence of the cp group, softmax scale `scale`
-    (default 1/sqrt(d)), within `window` positions (None: all earlier ones), with `sinks` (a logit per local head,
-    a parameter: its gradient goes to weight_grads).
+    """Causal attention of the local queries over the whole sequence of the cp group, softmax scale `scale` (default
+    1/sqrt(d)), within `window` positions (None: all), with `sinks` (a logit per local head, a parameter: its
+    gradient goes to weight_grads).
 
     q, k [batch, heads or groups, 2c, d]; v [batch, groups, 2c, dv] (query head h uses KV group
     h // (heads // groups)); all in the local token order of `local_positions`. Returns [batch, heads, 2c, dv]."""
@@ -192,8 +191,7 @@ def _plain_causal(band: Band, rows: int, cols: int) -> bool | None:
 
 
 def _one_width(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Zero-padded to the widest's width, as flash kernels take q, k, v: zero channels change no score, and give
-    zero output columns (sliced off)."""
+    """Zero-padded to the widest, as flash kernels take q, k, v: no score changes, extra output columns are 0."""
     width = max(t.shape[-1] for t in tensors)
     return tuple(F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in tensors)
 
@@ -204,15 +202,13 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Band
     CUDA backward wants back. `band`: which keys each query sees (True: causal, False: all). CUDA's flash kernel
     takes fp16/bf16 only; a band other than causal or full goes through its window arguments. A v narrower or
     wider than q and k runs padded (`_one_width`)."""
-    width = v.shape[-1]
+    width, scale = v.shape[-1], q.shape[-1] ** -0.5 if scale is None else scale
     if width != q.shape[-1]:
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
         out, lse, meta = _flash_forward(*_one_width(q, k, v), band, scale)
         return out[..., :width], lse, meta
     band = band if isinstance(band, Band) else CAUSAL if band else FULL
     causal = _plain_causal(band, q.shape[2], k.shape[2])
     k, v = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1])
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.is_cuda:
         if q.dtype == torch.float32:
             raise ValueError("context-parallel attention runs CUDA's flash attention kernel, which takes bf16 or "
@@ -242,9 +238,8 @@ def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's dq, dk, dv (dk, dv per KV group). Given the final merged out and lse, the kernel's
     softmax is the one over the whole sequence (the sinks' column included), so the block's gradients are exact."""
-    qk, width = q.shape[-1], v.shape[-1]
+    qk, width, scale = q.shape[-1], v.shape[-1], q.shape[-1] ** -0.5 if scale is None else scale
     if width != qk:
-        scale = qk ** -0.5 if scale is None else scale
         q, k, v, out, dout = _one_width(q, k, v, out, dout)
         dq, dk, dv = _flash_backward(dout, q, k, v, out, lse, band, meta, scale)
         return dq[..., :qk], dk[..., :qk], dv[..., :width]
@@ -252,7 +247,6 @@ def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     causal = _plain_causal(band, q.shape[2], k.shape[2])
     groups, lse = k.shape[1], lse.contiguous()
     k, v = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1])
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.is_cuda and causal is None:
         left, right = _window_sizes(band)
         dq, dk, dv = aten._flash_attention_backward(
@@ -282,16 +276,14 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
 
 
 def _attend(q: torch.Tensor, ring: _Ring, blocks: Iterator[torch.Tensor], window: int | None,
-            sinks: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor, list]:
+            sinks: torch.Tensor | None, scale: float, width: int) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Forward over the K/V blocks of every cp rank, in ring order (step j: cp rank i-j's packed [b, g, 2c, d + dv]),
-    merged by log-sum-exp, then the sinks: the output in q's dtype, the fp32 log-sum-exp, and each step's pieces'
-    kernel extras."""
+    merged by log-sum-exp, then the sinks: the output (v's `width`) in q's dtype, the fp32 log-sum-exp, and each step's
+    pieces' kernel extras."""
     c, d, metas = q.shape[2] // 2, q.shape[-1], []
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    out = None
+    out = q.new_zeros(*q.shape[:3], width, dtype=torch.float32)
     for step, kv in enumerate(blocks):
-        if out is None:
-            out = q.new_zeros(*q.shape[:3], kv.shape[-1] - d, dtype=torch.float32)
         metas.append([])
         for rows, cols, band in _pieces(ring, step, c, window):
             block_out, block_lse, meta = _flash_forward(q[:, :, rows], kv[:, :, cols, :d], kv[:, :, cols, d:], band,
@@ -346,7 +338,7 @@ class _RingAttention(torch.autograd.Function):
                 if pending is not None:
                     kv = pending.wait()[0]
 
-        out, lse, metas = _attend(q, ring, blocks(), window, sinks, scale)
+        out, lse, metas = _attend(q, ring, blocks(), window, sinks, scale, v.shape[-1])
         ctx.save_for_backward(q, k, v, out, lse)
         _keep(ctx, ring, window, sinks, metas, scale)
         return out
@@ -388,7 +380,7 @@ class _GatheredAttention(torch.autograd.Function):
                 sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
         ring = _Ring(group)
         blocks = (gathered[ring.source(step)] for step in range(ring.size))
-        out, lse, metas = _attend(q, ring, blocks, window, sinks, scale)
+        out, lse, metas = _attend(q, ring, blocks, window, sinks, scale, gathered.shape[-1] - q.shape[-1])
         ctx.save_for_backward(q, gathered, out, lse)
         _keep(ctx, ring, window, sinks, metas, scale)
         return out
