@@ -291,7 +291,7 @@ def test_activations_under_context_parallelism(comm, recompute):
         assert measured == pytest.approx(planned, rel=0.1)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "latent attention"])
 def test_allgather_against_the_ring_to_the_byte(family):
     """What allgather keeps beyond the ring, exactly as planned: the whole sequence's K/V, less (grouped-query
     attention with RoPE) k after RoPE and the fused QKV output, or (multi-head, no RoPE) nothing, as q, a view,
@@ -299,8 +299,13 @@ def test_allgather_against_the_ring_to_the_byte(family):
     the same under both comms."""
     kept = {}
     for comm in ("p2p", "allgather"):
-        cfg = _model_config(family, parallel={"cp": 2, "cp_comm": comm}, train={"precision": "bf16"})
+        cfg = _model_config(family.replace("latent attention", "llama"), parallel={"cp": 2, "cp_comm": comm},
+                            train={"precision": "bf16"})
         cfg.model.seq_length = 128
+        if family == "latent attention":  # keeps the packed K/V instead of k and the up-projection's output
+            cfg.model.multi_latent_attention, cfg.model.num_query_groups, cfg.model.q_lora_rank = True, None, 32
+            cfg.model.kv_lora_rank, cfg.model.qk_head_dim, cfg.model.qk_pos_emb_head_dim = 16, 8, 8
+            cfg.model.v_head_dim = 12
         kept[comm] = run_ranks(2, _context_parallel_activations, cfg)
     for (ring, ring_planned), (gathered, planned) in zip(kept["p2p"], kept["allgather"]):
         assert gathered - ring == planned - ring_planned

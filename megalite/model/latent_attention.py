@@ -132,15 +132,25 @@ class LatentAttention(nn.Module):
 
     def saved_bytes(self, batch: MicroBatch) -> int:
         """Each projection's input (the down-projections' on this rank's rows, the others' on every token), the
-        norms' fp32 input and statistics, q and k after the concatenation, v, and the core's output and
-        logsumexp (unless the core is recomputed: then q, k, v are its kept inputs all the same)."""
-        tokens, c, heads = batch.tokens, batch.compute, self.heads
+        norms' fp32 input and statistics, q and k after the concatenation, the up-projection's output of which v is
+        a view, and the core's logsumexp (unless the core is recomputed: then q, k, v are its kept inputs all the
+        same); under all-gather context parallelism `_allgather_change`."""
+        tokens, c, heads, qk = batch.tokens, batch.compute, self.heads, self.nope + self.rope_dim
         size = sum((batch.rows if isinstance(lin, DuplicatedLinear) else tokens) * lin.weight.shape[1] * c
                    for lin in self._linears())
         norms = [self.kv_rank] + ([self.linear_q_down_proj.weight.shape[0]] if hasattr(self, "q_layernorm") else [])
         size += sum(batch.rows * (width * 4 + 4) for width in norms)
-        size += tokens * heads * (2 * (self.nope + self.rope_dim) + self.v_dim) * c
-        return size + (tokens * heads * 4 if not self.recompute_core else 0)
+        size += tokens * heads * (2 * qk + self.nope + self.v_dim) * c
+        return size + (tokens * heads * 4 if not self.recompute_core else 0) + self._allgather_change(batch)
+
+    def _allgather_change(self, batch: MicroBatch) -> int:
+        """All-gather context parallelism with the core not recomputed keeps the whole sequence's packed K/V
+        (parallel/context_parallel.py) instead of k and the up-projection's output (v's storage)."""
+        cp = self.ctx.cp.size
+        if cp == 1 or self.ctx.cp_comm != "allgather" or self.recompute_core:
+            return 0
+        qk, v = self.nope + self.rope_dim, self.v_dim
+        return batch.tokens * self.heads * (cp * (qk + v) - qk - (self.nope + v)) * batch.compute
 
     def held_bytes(self, batch: MicroBatch) -> int:
         """Every projection's input and output gradient (the down-projections' on this rank's rows)."""
