@@ -7,8 +7,9 @@
 - Generation through the cache (the compressed latent and the rotary key per token) gives the logits of a full
   forward, and the cache holds kv_lora_rank + qk_pos_emb_head_dim numbers per token.
 - In one spawned group of two gloo ranks, a tiny MLA model (query compression, YaRN, v narrower than q/k) trained at
-  tp 2, tp 2 with SP, cp 2 ring, cp 2 all-gather (selective recompute) and ZB-V over pp 2 equals one device: losses
-  and every gradient (fp32, three steps).
+  tp 2, tp 2 with SP, cp 2 ring, cp 2 all-gather (selective recompute) and ZB-V over pp 2, and with DeepSeek-V3's
+  routing (DEEPSEEK_MOE) at tp 2 with SP and ep 2, equals one device: losses and every gradient (fp32, three
+  steps).
 """
 
 from __future__ import annotations
@@ -122,18 +123,27 @@ def test_generation_caches_the_latent_and_rotary_key_and_equals_a_full_forward()
 
 # ------------------------------------------------------------------------------ one group of two ranks
 
-LAYOUTS = [  # (name, parallel fields)
-    ("tp 2", {"tp": 2}),
-    ("tp 2, SP", {"tp": 2, "sequence_parallel": True}),
-    ("cp 2 ring", {"cp": 2}),
-    ("cp 2 all-gather, selective recompute", {"cp": 2, "cp_comm": "allgather", "recompute": "selective"}),
-    ("ZB-V pp 2 (the down-projections' weight gradients deferred to W)", {"pp": 2, "vp": 2,
-                                                                         "pipeline_schedule": "zb-v"}),
+# DeepSeek-V3's routing in miniature: sigmoid scores, groups scored by their two best, the expert bias moving,
+# routed_scaling_factor, a shared expert, a dense first layer, the sequence-wise balancing loss.
+DEEPSEEK_MOE = {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 16, "moe_router": "sigmoid",
+                "moe_router_groups": 2, "moe_router_group_topk": 1, "moe_router_group_experts": 2,
+                "moe_expert_bias": True, "moe_bias_update_rate": 0.05, "moe_scaling_factor": 2.5,
+                "moe_norm_topk_prob": True, "moe_shared_expert_size": 16, "moe_first_dense_layers": 1,
+                "moe_seq_aux_loss_coeff": 0.01}
+LAYOUTS = [  # (name, with DEEPSEEK_MOE, parallel fields)
+    ("tp 2", False, {"tp": 2}),
+    ("tp 2, SP", False, {"tp": 2, "sequence_parallel": True}),
+    ("cp 2 ring", False, {"cp": 2}),
+    ("cp 2 all-gather, selective recompute", False, {"cp": 2, "cp_comm": "allgather", "recompute": "selective"}),
+    ("ZB-V pp 2 (the down-projections' weight gradients deferred to W)", False,
+     {"pp": 2, "vp": 2, "pipeline_schedule": "zb-v"}),
+    ("DeepSeek-V3-shaped MoE, tp 2, SP", True, {"tp": 2, "sequence_parallel": True}),
+    ("DeepSeek-V3-shaped MoE, ep 2", True, {"ep": 2}),
 ]
 
 
-def _mla(**parallel) -> Config:
-    model = {**MLA, **YARN, "q_lora_rank": 12, "num_layers": 4, "vocab_size": 250}
+def _mla(moe: bool = False, **parallel) -> Config:
+    model = {**MLA, **YARN, "q_lora_rank": 12, "num_layers": 4, "vocab_size": 250, **(DEEPSEEK_MOE if moe else {})}
     train = {"micro_batch_size": 1, "global_batch_size": 2, "train_iters": 3,
              "recompute": parallel.pop("recompute", "none")}
     return tiny_config("llama", model=model, train=train, parallel=parallel)
@@ -141,29 +151,34 @@ def _mla(**parallel) -> Config:
 
 def _two_ranks(rank: int, world_size: int) -> list:
     layouts = []
-    for _, parallel in LAYOUTS:
-        cfg = _mla(**dict(parallel))
+    for _, moe, parallel in LAYOUTS:
+        cfg = _mla(moe, **dict(parallel))
         losses, gradients = train_and_gather(cfg, cpu_topology(rank, world_size, cfg))
-        logging = is_logging_rank(cfg, Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel))
+        topology = Topology.from_config(rank, world_size, torch.device("cpu"), cfg.parallel, moe)
+        logging = is_logging_rank(cfg, topology)
         layouts.append((losses if logging else None, gradients))
     return layouts
 
 
 @pytest.fixture(scope="module")
-def one_device() -> tuple[list[float], dict[str, torch.Tensor]]:
-    cfg = _mla()
-    topology = Topology.from_environment("cpu", cfg.parallel)
-    try:
-        return train_and_gather(cfg, topology)
-    finally:
-        release_process_groups()
+def one_device() -> dict[bool, tuple[list[float], dict[str, torch.Tensor]]]:
+    """The one-device runs, without and with DEEPSEEK_MOE."""
+    runs = {}
+    for moe in (False, True):
+        cfg = _mla(moe)
+        topology = Topology.from_environment("cpu", cfg.parallel, moe)
+        try:
+            runs[moe] = train_and_gather(cfg, topology)
+        finally:
+            release_process_groups()
+    return runs
 
 
 def test_latent_attention_trains_at_every_layout_as_on_one_device(one_device):
     per_rank = run_ranks(2, _two_ranks)
-    for index, (name, _) in enumerate(LAYOUTS):
+    for index, (name, moe, _) in enumerate(LAYOUTS):
         losses = next(r[index][0] for r in per_rank if r[index][0] is not None)
-        assert_equals_one_device(name, losses, per_rank, index, one_device)
+        assert_equals_one_device(name, losses, per_rank, index, one_device[moe])
 
 
 def test_compiled_latent_attention_equals_eager():
