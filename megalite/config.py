@@ -1,11 +1,10 @@
 """One typed configuration for a training run.
 
-Every knob lives in a dataclass section, here or in config_sections.py (the families' features:
-config_features.py), with its default and a one-line doc (`pretrain_gpt.py --help` prints them). A run's
-config is built once from a YAML file plus `--section.field=value` overrides (see `megalite.config_cli`) and
-validated once by `config_validation.validate()`, which reports every problem together with the fix, so a bad
-job fails in the first second instead of after queueing on a cluster.
-"""
+Every knob lives in a dataclass section, here or in config_sections.py (families' features: config_features.py;
+latent attention's fields: config_mla.py), with its default and a one-line doc (`pretrain_gpt.py --help` prints
+them). A run's config is built once from a YAML file plus `--section.field=value` overrides (`megalite.config_cli`)
+and validated once by `config_validation.validate()`, which reports every problem together with the fix, so a bad
+job fails in the first second instead of after queueing on a cluster."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megalite.config_features import FAMILY_FEATURES, ROPE_SCALING_DEFAULTS, Activation, Features
+from megalite.config_mla import LatentAttentionFields
 from megalite.config_mtp import MultiTokenPredictionFields
 from megalite.config_sections import CheckpointConfig, DataConfig, LoggingConfig
 from megalite.config_sections import documented as _f
@@ -51,7 +51,7 @@ DEFAULT_VOCAB = 50257  # GPT-2's: what mock data draws from when nothing sets mo
 
 
 @dataclass
-class ModelConfig(MultiTokenPredictionFields):
+class ModelConfig(LatentAttentionFields, MultiTokenPredictionFields):
     family: Literal["gpt2", "llama", "qwen2", "qwen3", "gpt_oss"] = _f(
         "gpt2", "gpt2: learned positions, LayerNorm, GELU (tanh), biases, tied embeddings; "
                 "llama: RoPE, RMSNorm, SwiGLU, no biases; qwen2: llama's with q/k/v biases; qwen3: llama's with "

@@ -8,6 +8,8 @@ from megalite.config import ModelConfig
 
 def attention_errors(m: ModelConfig) -> list[str]:
     errors = []
+    if m.multi_latent_attention:  # its own head widths, checked by config_mla.py
+        return errors
     if m.head_dim is not None and m.head_dim < 1:
         errors.append(f"model.head_dim={m.head_dim} must be >= 1, or unset (hidden_size / num_attention_heads)")
     elif m.head_dim is None and m.hidden_size % m.num_attention_heads:
@@ -59,9 +61,9 @@ def rope_scaling_errors(m: ModelConfig) -> list[str]:
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         errors.append(f"need 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
                       f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor} (Llama 3: 1 and 4)")
-    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
-        errors.append(f"need 0 < model.rope_beta_slow < model.rope_beta_fast, got {m.rope_beta_slow} and "
-                      f"{m.rope_beta_fast} (YaRN: 1 and 32)")
+    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow <= m.rope_beta_fast:
+        errors.append(f"need 0 < model.rope_beta_slow <= model.rope_beta_fast, got {m.rope_beta_slow} and "
+                      f"{m.rope_beta_fast} (YaRN: 1 and 32; Kimi K2: 1 and 1)")
     if m.rope_original_positions < 1:
         errors.append(f"model.rope_original_max_positions={m.rope_original_positions} must be >= 1: the context "
                       "the model was first trained at (Llama 3: 8192, gpt-oss: 4096)")

@@ -31,7 +31,8 @@ def resolved_config(cfg: Config) -> Config:
     for f in dataclasses.fields(Features):
         setattr(m, f.name, getattr(cfg.model.features, f.name))
     for name, derived in _MODEL.items():
-        setattr(m, name, getattr(cfg.model, derived))
+        if not (name == "head_dim" and m.multi_latent_attention):  # MLA's heads have their own widths
+            setattr(m, name, getattr(cfg.model, derived))
     if m.num_experts:
         m.moe_ffn_hidden_size = cfg.model.expert_ffn_size
     out.parallel.zero_stage = cfg.parallel.zero

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from megalite.config import Config, ConfigError, LoggingConfig
 from megalite.config_attention import attention_errors, rope_scaling_errors, window_and_sink_errors
 from megalite.config_fp8 import fp8_errors
+from megalite.config_mla import group_score_errors, latent_attention_errors
 from megalite.config_mtp import mtp_errors
 from megalite.data.blending import parse_blend
 from megalite.data.indexed_dataset import data_file_path, index_file_path
@@ -339,5 +340,5 @@ def profile_ranks(cfg: LoggingConfig) -> list[int]:
     return [0] if cfg.profile_ranks is None else cfg.profile_ranks
 
 
-_CHECKS = (_check_model, mtp_errors, _check_moe, _check_parallel, _check_train, fp8_errors, _check_optim, _check_data,
-           _check_checkpoint, _check_logging)
+_CHECKS = (_check_model, latent_attention_errors, mtp_errors, _check_moe, group_score_errors, _check_parallel,
+           _check_train, fp8_errors, _check_optim, _check_data, _check_checkpoint, _check_logging)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import transformers
 
+from megalite.checkpoint.hf_deepseek import kimi_k2_config
+
 RELEASED = {  # name -> (config.json, parameters)
     "Qwen3-0.6B": ({
         "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -102,7 +104,51 @@ for _name, _layers, _experts, _count in (("gpt-oss-20b", 24, 32, 20_914_757_184)
     }, _count)
 
 
+# DeepSeek-V3's architecture (latent attention, sigmoid group-limited routing, shared experts, dense first layers;
+# FP8 weights on the hub): DeepSeek-V3 (671B; its 14B multi-token prediction layer aside, as transformers counts),
+# Moonlight-16B-A3B (no query compression, rms_norm_eps 1e-5 beside the latents' 1e-6) and Kimi K2 (model_type
+# kimi_k2; YaRN with beta_fast = beta_slow = 1). Typed from the hub's config.json files (keys that only name code or
+# training settings, such as auto_map, topk_method, scoring_func, aux_loss_alpha, ep_size, left out).
+_MLA = {"attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
+        "kv_lora_rank": 512, "moe_layer_freq": 1, "norm_topk_prob": True, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "tie_word_embeddings": False, "use_cache": True}
+_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+RELEASED |= {
+    "DeepSeek-V3": ({
+        "model_type": "deepseek_v3", **_MLA, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3,
+        "hidden_size": 7168, "intermediate_size": 18432, "max_position_embeddings": 163840,
+        "moe_intermediate_size": 2048, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+        "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+        "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "quantization_config": _FP8, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 2.5, "topk_group": 4, "vocab_size": 129280
+    }, 671_026_404_352),
+    "Moonlight-16B-A3B": ({
+        "model_type": "deepseek_v3", **_MLA, "bos_token_id": 163584, "eos_token_id": 163585,
+        "first_k_dense_replace": 1, "hidden_size": 2048, "intermediate_size": 11264, "max_position_embeddings": 8192,
+        "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+        "q_lora_rank": None, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 50000.0,
+        "routed_scaling_factor": 2.446, "topk_group": 1, "vocab_size": 163840
+    }, 15_960_108_544),
+    "Kimi-K2-Instruct": ({
+        "model_type": "kimi_k2", **_MLA, "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1,
+        "hidden_size": 7168, "intermediate_size": 18432, "max_position_embeddings": 131072,
+        "moe_intermediate_size": 2048, "n_group": 1, "n_routed_experts": 384, "n_shared_experts": 1,
+        "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 64,
+        "num_nextn_predict_layers": 0, "q_lora_rank": 1536, "quantization_config": _FP8, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "topk_group": 1, "vocab_size": 163840
+    }, 1_026_408_209_408),
+}
+
+
 def released_config(name: str, **changes) -> transformers.PretrainedConfig:
-    """transformers' config of released model `name`, as it reads the config.json, with `changes` to its fields."""
+    """transformers' config of released model `name`, as it reads the config.json, with `changes` to its fields
+    (Kimi K2's kimi_k2 as megalite reads it without remote code, checkpoint/hf_deepseek.py)."""
     fields = {**RELEASED[name][0], **changes}
+    if fields["model_type"] == "kimi_k2":
+        return kimi_k2_config(fields)
     return transformers.CONFIG_MAPPING[fields.pop("model_type")].from_dict(fields)

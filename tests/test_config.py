@@ -98,7 +98,7 @@ def test_missing_and_malformed_files(tmp_path):
         ({"model.family": "llama", "model.rope_scaling": "llama3", "model.rope_original_max_positions": 0}, 1,
          "model.rope_original_max_positions=0 must be >= 1"),
         ({"model.family": "llama", "model.rope_scaling": "yarn", "model.rope_beta_slow": 40}, 1,
-         r"need 0 < model.rope_beta_slow < model.rope_beta_fast, got 40.0 and 32.0 \(YaRN: 1 and 32\)"),
+         r"need 0 < model.rope_beta_slow <= model.rope_beta_fast, got 40.0 and 32.0 \(YaRN: 1 and 32; Kimi K2"),
         ({"model.sliding_window": 0}, 1, "model.sliding_window=0 must be >= 1 .* or unset for full causal attention"),
         ({"model.sliding_window": 4, "model.sliding_window_layers": "[0, 2]"}, 1,
          r"model.sliding_window_layers has \[2\], but layers are numbered 0..1"),

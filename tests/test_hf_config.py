@@ -142,6 +142,14 @@ def test_released_configs_convert_both_ways_at_their_published_size(name):
     if name == "Mistral-7B-v0.1":
         assert (cfg.sliding_window, cfg.sliding_window_layers) == (4096, None)
         assert type(back).__name__ == "MistralForCausalLM"
+    if RELEASED[name][0]["model_type"] in ("deepseek_v3", "kimi_k2"):
+        assert cfg.multi_latent_attention and cfg.moe_router == "sigmoid" and cfg.moe_shared_expert_size
+        assert type(back).__name__ == "DeepseekV3ForCausalLM"
+    if name == "DeepSeek-V3":
+        assert (cfg.q_lora_rank, cfg.moe_router_groups, cfg.moe_router_group_topk, cfg.moe_router_group_experts,
+                cfg.moe_first_dense_layers, cfg.rope_scaling) == (1536, 8, 4, 2, 3, "yarn")
+    if name == "Moonlight-16B-A3B":
+        assert (cfg.q_lora_rank, cfg.norm_epsilon, cfg.latent_norm_epsilon) == (None, 1e-5, 1e-6)
     if name.startswith("gpt-oss"):
         assert (cfg.sliding_window, cfg.sliding_window_layers) == (128, list(range(0, cfg.num_layers, 2)))
         assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_positions, cfg.rope_truncate) == (
@@ -170,7 +178,7 @@ def test_released_configs_convert_both_ways_at_their_published_size(name):
     (_hf(transformers.LlamaConfig, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                     "partial_rotary_factor": 0.5}),
      "rope_parameters.partial_rotary_factor=0.5; megalite rotates the whole head"),
-    (transformers.AutoConfig.for_model("deepseek_v3"), r"model_type='deepseek_v3' computes multi-head latent"),
+    (transformers.AutoConfig.for_model("deepseek_v2"), r"model_type='deepseek_v2' computes DeepSeek-V2's softmax"),
     (transformers.AutoConfig.for_model("olmoe"), "model_type='olmoe' computes a q/k norm over all heads"),
 ], ids=lambda x: x.model_type if hasattr(x, "model_type") else None)
 def test_an_hf_network_megalite_does_not_compute_is_refused(config, message):

@@ -212,6 +212,20 @@ def test_activations_match_saved_tensors(family, precision, param_dtype, recompu
     assert measured == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.1)
 
 
+@pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_latent_attention_activations_match_saved_tensors(precision, param_dtype, recompute):
+    """Multi-head latent attention (query compression, v as wide as q/k's rotary part). Without recompute the CPU's
+    attention kernel for a v narrower than q/k (the math one) keeps the s x s probabilities, which CUDA's
+    memory-efficient kernel, as the planner counts, does not: the core is recomputed here."""
+    cfg = _model_config("llama", train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute})
+    cfg.model.seq_length, cfg.model.num_query_groups, cfg.model.multi_latent_attention = 64, None, True
+    cfg.model.q_lora_rank, cfg.model.kv_lora_rank, cfg.model.qk_head_dim = 32, 16, 8
+    cfg.model.qk_pos_emb_head_dim, cfg.model.v_head_dim = 12, 12
+    measured = saved_bytes(one_device_model(cfg), cfg)
+    assert measured == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.1)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -277,7 +291,7 @@ def test_activations_under_context_parallelism(comm, recompute):
         assert measured == pytest.approx(planned, rel=0.1)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "latent attention"])
 def test_allgather_against_the_ring_to_the_byte(family):
     """What allgather keeps beyond the ring, exactly as planned: the whole sequence's K/V, less (grouped-query
     attention with RoPE) k after RoPE and the fused QKV output, or (multi-head, no RoPE) nothing, as q, a view,
@@ -285,8 +299,13 @@ def test_allgather_against_the_ring_to_the_byte(family):
     the same under both comms."""
     kept = {}
     for comm in ("p2p", "allgather"):
-        cfg = _model_config(family, parallel={"cp": 2, "cp_comm": comm}, train={"precision": "bf16"})
+        cfg = _model_config(family.replace("latent attention", "llama"), parallel={"cp": 2, "cp_comm": comm},
+                            train={"precision": "bf16"})
         cfg.model.seq_length = 128
+        if family == "latent attention":  # keeps the packed K/V instead of k and the up-projection's output
+            cfg.model.multi_latent_attention, cfg.model.num_query_groups, cfg.model.q_lora_rank = True, None, 32
+            cfg.model.kv_lora_rank, cfg.model.qk_head_dim, cfg.model.qk_pos_emb_head_dim = 16, 8, 8
+            cfg.model.v_head_dim = 12
         kept[comm] = run_ranks(2, _context_parallel_activations, cfg)
     for (ring, ring_planned), (gathered, planned) in zip(kept["p2p"], kept["allgather"]):
         assert gathered - ring == planned - ring_planned

@@ -27,7 +27,8 @@ from megalite.errors import InvalidInput
 
 CHANGEABLE = frozenset({
     "seq_length", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_scaling_factor",
-    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions", "norm_epsilon", "init_std",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions", "norm_epsilon",
+    "latent_norm_epsilon", "init_std",
     "hidden_dropout", "attention_dropout", "moe_aux_loss_coeff", "moe_seq_aux_loss_coeff", "moe_z_loss_coeff",
     "moe_bias_update_rate", "moe_capacity_factor", "moe_drop_policy", "moe_pad_to_capacity",
 })
@@ -43,6 +44,8 @@ _RESOLVED: dict[str, Callable[[ModelConfig], Any]] = {
     "vocab_size": lambda m: m.vocab,
     "make_vocab_size_divisible_by": lambda m: m.padded_vocab_size,
     "moe_router_group_topk": lambda m: m.moe_router_group_topk or m.moe_router_groups,
+    "moe_router_group_experts": lambda m: m.moe_router_group_experts or m.moe_topk // (m.moe_router_group_topk
+                                                                                      or m.moe_router_groups),
     **{name: (lambda m, name=name: getattr(m.features, name)) for name in _FEATURE_NAMES},
 }
 # What a default follows: the fields it is derived from (config.py's ModelConfig properties).
@@ -52,6 +55,7 @@ _DERIVED_FROM: dict[str, set[str]] = {
     "ffn_hidden_size": {"hidden_size", "family", "gated_mlp"},
     "moe_ffn_hidden_size": {"hidden_size", "family", "gated_mlp", "ffn_hidden_size"},
     "moe_router_group_topk": {"moe_router_groups"},
+    "moe_router_group_experts": {"moe_topk", "moe_router_group_topk", "moe_router_groups"},
     "make_vocab_size_divisible_by": {"vocab_size"},  # compared as the padded vocabulary
     **{name: {"family"} for name in _FEATURE_NAMES},
 }

@@ -3,7 +3,8 @@
 The family and whether the model has routed experts pick the transformers class: gpt2 is GPT2LMHeadModel,
 llama is LlamaForCausalLM (MistralForCausalLM with a sliding window, MixtralForCausalLM with experts), qwen2 is
 Qwen2ForCausalLM (Qwen2MoeForCausalLM with experts), qwen3 is Qwen3ForCausalLM (Qwen3MoeForCausalLM with
-experts), gpt_oss (with experts) is GptOssForCausalLM. A config only maps when both sides compute the same
+experts), gpt_oss (with experts) is GptOssForCausalLM; a model with latent attention is DeepseekV3ForCausalLM
+(hf_deepseek.py). A config only maps when both sides compute the same
 network: a megalite model whose features or expert routing its HF class cannot express (a Llama with biases, a
 sigmoid router, a shared expert outside Qwen2-MoE, a Mixtral with dense layers, a window on some of Mistral's
 layers) is refused with the reason, naming the field. Nothing is ever converted into a different network.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megalite.checkpoint import hf_deepseek
 from megalite.config import FAMILY_FEATURES, ModelConfig
 
 # (family, has experts) -> the transformers class computing that network (a windowed dense llama: WINDOWED_LLAMA).
@@ -46,6 +48,8 @@ _EVERY_LAYER_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForC
 def hf_architecture(cfg: ModelConfig) -> str:
     """The transformers class name of `cfg`'s network; ValueError when there is none."""
     key = (cfg.family, cfg.num_experts > 0)
+    if cfg.multi_latent_attention and cfg.family == "llama":
+        return hf_deepseek.ARCHITECTURE
     if key not in ARCHITECTURES:
         raise ValueError(f"model.family={cfg.family} with model.num_experts={cfg.num_experts} has no Hugging Face "
                          "architecture megalite maps (experts map for llama: Mixtral, qwen2: Qwen2-MoE and qwen3: "
@@ -81,7 +85,9 @@ def check_hf_features(cfg: ModelConfig) -> None:
         raise ValueError(f"model.head_dim={cfg.head_dim} x num_attention_heads={cfg.num_attention_heads} != "
                          f"hidden_size={cfg.hidden_size}, but GPT2LMHeadModel's heads split the width; this model "
                          "has no Hugging Face equivalent and cannot be converted")
-    if cfg.num_experts:
+    if architecture == hf_deepseek.ARCHITECTURE:
+        hf_deepseek.check_deepseek(cfg)
+    elif cfg.num_experts:
         _check_hf_experts(cfg, architecture)
 
 
@@ -133,7 +139,8 @@ def hf_rope_parameters(cfg: ModelConfig) -> dict:
         rope |= {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
                  "beta_slow": cfg.rope_beta_slow, "truncate": cfg.rope_truncate,
                  "original_max_position_embeddings": cfg.rope_original_positions}
-        rope |= {"mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim} if cfg.rope_mscale else {}
+        scales = cfg.rope_mscale or cfg.rope_mscale_all_dim
+        rope |= {"mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim} if scales else {}
     return rope
 
 
@@ -174,6 +181,8 @@ def hf_config(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: i
             num_experts_per_tok=cfg.moe_topk, swiglu_alpha=SWIGLU_ALPHAS[cfg.features.activation],
             swiglu_limit=cfg.features.glu_limit, attention_bias=True)
     common["hidden_act"] = HF_ACTIVATIONS[cfg.features.activation][0]
+    if architecture == hf_deepseek.ARCHITECTURE:
+        return hf_deepseek.deepseek_hf_config(cfg, common)
     return _rope_family_config(cfg, architecture, common)
 
 

@@ -1,11 +1,13 @@
 """The megalite model config of a Hugging Face config (the other way: hf_config.py).
 
 HF model types map to megalite families: gpt2; llama, mistral (the Llama architecture) and mixtral to llama;
-qwen2 and qwen2_moe to qwen2; qwen3 and qwen3_moe to qwen3; gpt_oss to gpt_oss. Sliding windows come with them
+qwen2 and qwen2_moe to qwen2; qwen3 and qwen3_moe to qwen3; gpt_oss to gpt_oss; deepseek_v3 and kimi_k2 to llama
+with latent attention and DeepSeek-V3's routing (hf_deepseek.py). Sliding windows come with them
 (Mistral-7B-v0.1's 4096 of 32768 positions; Qwen's max_window_layers and every class's layer_types as the layers
 they cover; a window as long as the context is no window). An HF config describing something megalite does not
 compute (an activation other than GELU, SiLU and quick GELU, Llama's biases, RoPE scaling other than Llama 3's and
-YaRN, a layer type other than full and sliding attention, router jitter, MLA, ...) is refused with the reason.
+YaRN, a layer type other than full and sliding attention, router jitter, DeepSeek-V2's routing, ...) is refused
+with the reason.
 
 What only shapes training is not part of the network: HF's router_aux_loss_coef pools every layer's router
 into one balancing loss, megalite's model.moe_aux_loss_coeff weighs one loss per layer (Megatron's), so the
@@ -15,18 +17,20 @@ coefficient is not carried over either way; set model.moe_aux_loss_coeff for con
 from __future__ import annotations
 
 from megalite.checkpoint.hf_config import ARCHITECTURES, HF_ACTIVATIONS, SWIGLU_ALPHAS
+from megalite.checkpoint.hf_deepseek import MODEL_TYPES as DEEPSEEK_TYPES
+from megalite.checkpoint.hf_deepseek import deepseek_fields
 from megalite.config import ModelConfig
 
 # HF model types megalite does not convert, with what they compute that megalite does not.
 UNSUPPORTED = {
-    "deepseek_v2": "multi-head latent attention (MLA)",
-    "deepseek_v3": "multi-head latent attention (MLA) and a router choosing experts by score plus a learned bias",
+    "deepseek_v2": "DeepSeek-V2's softmax-scored routing (megalite converts its MLA only as DeepSeek-V3's)",
     "olmoe": "a q/k norm over all heads together, not per head",
 }
 
 # HF model type -> megalite family (Mistral is the Llama architecture; a megalite llama exports as Llama).
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
-            "qwen2_moe": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss"}
+            "qwen2_moe": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss",
+            **{model_type: "llama" for model_type in DEEPSEEK_TYPES}}
 
 # HF config field -> the values megalite computes (the first is what it writes); anything else changes the network.
 _FIXED = {
@@ -38,6 +42,7 @@ _FIXED = {
     "qwen3": {"attention_bias": (False,)},
     "qwen3_moe": {"attention_bias": (False,)},
     "gpt_oss": {"attention_bias": (True,)},
+    **{model_type: {"attention_bias": (False,)} for model_type in DEEPSEEK_TYPES},
 }
 
 
@@ -104,7 +109,8 @@ def model_config_from_hf(hf, source: str) -> ModelConfig:
             norm_epsilon=hf.layer_norm_epsilon, init_std=hf.initializer_range, hidden_dropout=hf.resid_pdrop,
             attention_dropout=hf.attn_pdrop, activation=_activation(hf, source),
         )
-    return _rope_model(hf, source, **_windows(hf, source), **_rope_fields(hf, source), **_experts(hf, source))
+    fields = deepseek_fields(hf, source) if hf.model_type in DEEPSEEK_TYPES else _experts(hf, source)
+    return _rope_model(hf, source, **_windows(hf, source), **_rope_fields(hf, source), **fields)
 
 
 def _rope_fields(hf, source: str) -> dict:
@@ -176,12 +182,11 @@ def _rope_model(hf, source: str, **fields) -> ModelConfig:
     `fields` (windows', RoPE's, the experts')."""
     head_dim = getattr(hf, "head_dim", None)
     derived = hf.hidden_size // hf.num_attention_heads if hf.hidden_size % hf.num_attention_heads == 0 else None
-    return ModelConfig(
+    return ModelConfig(**dict(
         family=FAMILIES[hf.model_type], num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
         num_attention_heads=hf.num_attention_heads, head_dim=None if head_dim in (None, derived) else head_dim,
         num_query_groups=hf.num_key_value_heads or hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
         seq_length=hf.max_position_embeddings, max_position_embeddings=hf.max_position_embeddings,
         vocab_size=hf.vocab_size, tie_embeddings=hf.tie_word_embeddings, norm_epsilon=hf.rms_norm_eps,
         init_std=hf.initializer_range, attention_dropout=hf.attention_dropout, activation=_activation(hf, source),
-        **fields,
-    )
+    ) | fields)

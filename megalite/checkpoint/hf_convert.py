@@ -6,7 +6,9 @@ released model; `hf_to_megalite` turns such a directory (or a GGUF file transfor
 into a weights-only checkpoint that `pretrain_gpt.py --checkpoint.load` resumes at any layout.
 gpt-oss's hub checkpoints hold their experts in MXFP4 (`*_blocks`: two E2M1 values a byte, low nibble first;
 `*_scales`: one UE8M0 exponent per 32 inputs): transformers' own MXFP4 reader dequantises them at import, exactly
-(every E2M1 value times a power of two is an fp32 number), whatever kernels the machine has.
+(every E2M1 value times a power of two is an fp32 number), whatever kernels the machine has. DeepSeek-V3's and Kimi
+K2's hold their linear weights in FP8 E4M3 with an fp32 scale per 128 x 128 block (`weight_scale_inv`): transformers'
+FP8 reader dequantises them at import to the fp32 products DeepSeek's own dequantisation computes.
 Configs are hf_config.py's and hf_config_read.py's business, tensor names and layouts hf_mapping.py's; this
 module deals with files.
 """
@@ -22,6 +24,7 @@ import torch
 from megalite.checkpoint.files import readable_as_umask
 from megalite.checkpoint.hf_config import hf_config
 from megalite.checkpoint.hf_config_read import model_config_from_hf
+from megalite.checkpoint.hf_deepseek import hub_config, warn_unread_mtp_layer
 from megalite.checkpoint.hf_mapping import from_hf, to_hf
 from megalite.checkpoint.hf_tokenizer import has_tokenizer, hf_tokenizer, keep_tokenizer, save_tokenizer
 from megalite.checkpoint.model_io import fresh_target, read_model_tensors, write_model_checkpoint
@@ -76,25 +79,33 @@ def load_hf(source: str | Path):
     if not gguf and not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
     quantized = {} if gguf else _dequantized(directory)
+    kimi = {} if gguf or hub_config(directory) is None else {"config": hub_config(directory)}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True, **gguf,
-                                                 **quantized)
+                                                 **quantized, **kimi)
+    if not gguf and model.config.model_type == "deepseek_v3":
+        warn_unread_mtp_layer(directory, model.config.num_hidden_layers)
     tokenizer = (AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
                  if gguf or has_tokenizer(directory) else None)
     return model, tokenizer
 
 
 def _dequantized(directory: Path) -> dict:
-    """from_pretrained's arguments that dequantise the checkpoint's quantized weights (MXFP4, gpt-oss's experts) to
-    the loading dtype; refuses other quantizations."""
-    from transformers import Mxfp4Config
+    """from_pretrained's arguments that dequantise the checkpoint's quantized weights to the loading dtype: MXFP4
+    (gpt-oss's experts) and FP8 E4M3 with a scale per 128 x 128 block (`weight_scale_inv`, as DeepSeek-V3 and
+    Kimi K2 are published: each weight is its FP8 value times its block's fp32 scale, the product in fp32, as
+    DeepSeek's own dequantisation computes it); refuses other quantizations."""
+    from transformers import FineGrainedFP8Config, Mxfp4Config
 
     quantization = json.loads((directory / "config.json").read_text()).get("quantization_config")
     if quantization is None:
         return {}
-    if quantization.get("quant_method") != "mxfp4":
-        raise ValueError(f"{directory / 'config.json'}: quantization_config.quant_method="
-                         f"{quantization.get('quant_method')!r}; megalite imports MXFP4 weights (gpt-oss) and "
-                         "unquantized ones: dequantise the model first")
+    method, blocks = quantization.get("quant_method"), quantization.get("weight_block_size")
+    if method == "fp8" and blocks is not None and quantization.get("fmt", "e4m3") == "e4m3":
+        return {"quantization_config": FineGrainedFP8Config(weight_block_size=tuple(blocks), dequantize=True)}
+    if method != "mxfp4":
+        raise ValueError(f"{directory / 'config.json'}: quantization_config.quant_method={method!r}; megalite imports "
+                         "MXFP4 weights (gpt-oss), FP8 E4M3 ones with block scales (weight_block_size: DeepSeek-V3, "
+                         "Kimi K2) and unquantized ones: dequantise the model first")
     return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
@@ -118,7 +129,7 @@ def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_v
     cfg = Config(model=model_config_from_hf(model.config, source))
     cfg.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     hf_state = model.state_dict()
-    tensors = from_hf(hf_state, cfg.model)
+    tensors = from_hf(hf_state, cfg.model, bool(getattr(model.config, "rope_interleave", False)))
     tied = {"lm_head.weight"} if cfg.model.tied else set()
     unused = set(hf_state) - set(to_hf(tensors, cfg.model)) - tied
     if unused:

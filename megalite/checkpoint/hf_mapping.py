@@ -1,6 +1,8 @@
 """One-to-one weight mapping between megalite and the Hugging Face architectures of hf_config.py
 (GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
-Qwen3MoeForCausalLM, GptOssForCausalLM; Mistral's tensors are Llama's).
+Qwen3MoeForCausalLM, GptOssForCausalLM, DeepseekV3ForCausalLM; Mistral's tensors are Llama's). DeepseekV3's latent
+attention is hf_mla.py's; its router's expert bias is HF's `mlp.gate.e_score_correction_bias` (zeros written for a
+model without one), its shared expert `mlp.shared_experts`.
 
 Works on full (unsharded) state dicts, in transformers v5's in-memory layout (its save_pretrained writes the
 hub's per-expert files from it). Two layout differences are handled here and nowhere else: megalite's fused
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megalite.checkpoint.hf_config import check_hf_features
+from megalite.checkpoint.hf_mla import mla_from_hf, mla_to_hf
 from megalite.config import ModelConfig
 
 StateDict = dict[str, torch.Tensor]
@@ -78,6 +81,8 @@ def _llama_layer_names(i: int, cfg: ModelConfig) -> dict[str, str]:
         names[f"{ml}mlp.shared_expert_gate"] = f"{hf}mlp.shared_expert_gate.weight"
     if cfg.family == "gpt_oss":  # its experts are reshaped in to_hf / from_hf
         return names | {f"{ml}mlp.router.{p}": f"{hf}mlp.router.{p}" for p in ("weight", "bias")}
+    if cfg.moe_expert_bias and cfg.multi_latent_attention:
+        names[f"{ml}mlp.router.expert_bias"] = f"{hf}mlp.gate.e_score_correction_bias"
     return names | {f"{ml}mlp.router.weight": f"{hf}mlp.gate.weight",
                     f"{ml}mlp.experts.linear_fc1.weight": f"{hf}mlp.experts.gate_up_proj",
                     f"{ml}mlp.experts.linear_fc2.weight": f"{hf}mlp.experts.down_proj"}
@@ -108,7 +113,8 @@ def _gated_mlps(i: int, cfg: ModelConfig) -> list[tuple[str, str]]:
     ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
     if i not in cfg.moe_layers:
         return [(ours, theirs)]
-    return [(f"{ours}shared_expert.", f"{theirs}shared_expert.")] if cfg.moe_shared_expert_size else []
+    shared = "shared_experts." if cfg.multi_latent_attention else "shared_expert."  # DeepseekV3's plural
+    return [(f"{ours}shared_expert.", f"{theirs}{shared}")] if cfg.moe_shared_expert_size else []
 
 
 def _plain_names(cfg: ModelConfig) -> dict[str, str]:
@@ -142,6 +148,12 @@ def to_hf(state: StateDict, cfg: ModelConfig) -> StateDict:
     if not cfg.tied:
         out["lm_head.weight"] = state["lm_head.weight"][: cfg.vocab]
     for i in range(cfg.num_layers):
+        if cfg.multi_latent_attention:
+            out |= mla_to_hf(state, cfg, i)
+            if i in cfg.moe_layers and not cfg.moe_expert_bias:  # DeepseekV3's router always adds one
+                out[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts)
+            out |= _gated_mlps_to_hf(state, cfg, i)
+            continue
         qkv = f"layers.{i}.attention.linear_qkv."
         q, k, v = _ungroup_qkv(state[f"{qkv}weight"], cfg)
         if cfg.family == "gpt2":
@@ -155,14 +167,21 @@ def to_hf(state: StateDict, cfg: ModelConfig) -> StateDict:
             out |= dict(zip((f"{attn}{p}_proj.bias" for p in "qkv"), _ungroup_qkv(state[f"{qkv}bias"], cfg)))
         if cfg.family == "gpt_oss" and i in cfg.moe_layers:
             out |= _gpt_oss_experts_to_hf(state, i)
-        for ours, theirs in _gated_mlps(i, cfg):
-            gate, up = state[f"{ours}linear_fc1.weight"].chunk(2)
-            out |= {f"{theirs}gate_proj.weight": gate, f"{theirs}up_proj.weight": up}
+        out |= _gated_mlps_to_hf(state, cfg, i)
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def from_hf(hf: StateDict, cfg: ModelConfig) -> StateDict:
-    """HF state dict -> megalite full state dict (padded vocabulary rows are zero)."""
+def _gated_mlps_to_hf(state: StateDict, cfg: ModelConfig, i: int) -> StateDict:
+    out = {}
+    for ours, theirs in _gated_mlps(i, cfg):
+        gate, up = state[f"{ours}linear_fc1.weight"].chunk(2)
+        out |= {f"{theirs}gate_proj.weight": gate, f"{theirs}up_proj.weight": up}
+    return out
+
+
+def from_hf(hf: StateDict, cfg: ModelConfig, rope_interleave: bool = False) -> StateDict:
+    """HF state dict -> megalite full state dict (padded vocabulary rows are zero); `rope_interleave`: a
+    DeepseekV3 config's, whose rotary rows hf_mla.py permutes."""
     check_hf_features(cfg)
     out = {}
     for ours, theirs in _plain_names(cfg).items():
@@ -170,20 +189,27 @@ def from_hf(hf: StateDict, cfg: ModelConfig) -> StateDict:
     out["embedding.word_embeddings.weight"] = _pad_vocab(hf[_embedding_name(cfg)], cfg)
     if not cfg.tied:
         out["lm_head.weight"] = _pad_vocab(hf["lm_head.weight"], cfg)
-    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
     for i in range(cfg.num_layers):
-        qkv = f"layers.{i}.attention.linear_qkv."
+        out |= mla_from_hf(hf, cfg, i, rope_interleave) if cfg.multi_latent_attention else _qkv_from_hf(hf, cfg, i)
         if cfg.family == "gpt2":
-            w, b = hf[f"transformer.h.{i}.attn.c_attn.weight"].t(), hf[f"transformer.h.{i}.attn.c_attn.bias"]
-            out[f"{qkv}weight"] = _group_qkv(*w.split([q, kv, kv]), cfg.kv_heads)
-            out[f"{qkv}bias"] = _group_qkv(*b.split([q, kv, kv]), cfg.kv_heads)
             continue
-        attn = f"model.layers.{i}.self_attn."
-        out[f"{qkv}weight"] = _group_qkv(*(hf[f"{attn}{p}_proj.weight"] for p in "qkv"), cfg.kv_heads)
-        if cfg.features.qkv_bias or cfg.features.bias:
-            out[f"{qkv}bias"] = _group_qkv(*(hf[f"{attn}{p}_proj.bias"] for p in "qkv"), cfg.kv_heads)
         if cfg.family == "gpt_oss" and i in cfg.moe_layers:
             out |= _gpt_oss_experts_from_hf(hf, i)
         for ours, theirs in _gated_mlps(i, cfg):
             out[f"{ours}linear_fc1.weight"] = torch.cat([hf[f"{theirs}{p}_proj.weight"] for p in ("gate", "up")])
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _qkv_from_hf(hf: StateDict, cfg: ModelConfig, i: int) -> StateDict:
+    """Layer i's fused QKV weight (and bias), grouped by query group, from GPT-2's c_attn or q/k/v_proj."""
+    qkv, out = f"layers.{i}.attention.linear_qkv.", {}
+    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    if cfg.family == "gpt2":
+        w, b = hf[f"transformer.h.{i}.attn.c_attn.weight"].t(), hf[f"transformer.h.{i}.attn.c_attn.bias"]
+        return {f"{qkv}weight": _group_qkv(*w.split([q, kv, kv]), cfg.kv_heads),
+                f"{qkv}bias": _group_qkv(*b.split([q, kv, kv]), cfg.kv_heads)}
+    attn = f"model.layers.{i}.self_attn."
+    out[f"{qkv}weight"] = _group_qkv(*(hf[f"{attn}{p}_proj.weight"] for p in "qkv"), cfg.kv_heads)
+    if cfg.features.qkv_bias or cfg.features.bias:
+        out[f"{qkv}bias"] = _group_qkv(*(hf[f"{attn}{p}_proj.bias"] for p in "qkv"), cfg.kv_heads)
+    return out

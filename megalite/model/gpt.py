@@ -19,6 +19,7 @@ from megalite.model.aux_losses import AuxLosses
 from megalite.model.head import LMHead
 from megalite.model.init import init_parameters
 from megalite.model.kv_cache import KVCache, LayerCache
+from megalite.model.latent_attention import LatentAttention
 from megalite.model.mlp import MLP
 from megalite.model.moe.layer import MoELayer
 from megalite.model.mtp import MultiTokenPrediction
@@ -55,7 +56,10 @@ class TransformerLayer(nn.Module):
         norm = cfg.features.norm
         self.ctx, self.aux_losses = ctx, aux_losses or AuxLosses()  # the model's: terms the layer adds in forward
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
-        self.attention = SelfAttention(cfg, ctx, device, index)
+        if cfg.multi_latent_attention:
+            self.attention = LatentAttention(cfg, ctx, device)
+        else:
+            self.attention = SelfAttention(cfg, ctx, device, index)
         self.pre_mlp_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)
         self.mlp = MoELayer(cfg, ctx, self.aux_losses, index) if cfg.has_experts(index) else MLP(cfg, ctx)
         self.dropout = nn.Dropout(cfg.hidden_dropout)

@@ -13,7 +13,8 @@ import torch
 
 
 class LayerCache:
-    """One attention layer's past keys and values, [batch, kv heads, tokens, head dim] each."""
+    """One attention layer's past keys and values, [batch, kv heads, tokens, head dim] each (keys and values may
+    differ in width: latent attention caches its compressed latent and its rotary key, model/latent_attention.py)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity, self.length = capacity, 0
@@ -30,8 +31,8 @@ class LayerCache:
         if window is not None:
             return self._append_windowed(k, v, window)
         if self.keys is None:
-            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
-            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+            self.keys = k.new_empty(k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.values = v.new_empty(v.shape[0], v.shape[1], self.capacity, v.shape[3])
         self.keys[:, :, self.length : end] = k
         self.values[:, :, self.length : end] = v
         self.length = end

@@ -40,7 +40,7 @@ def _yarn_dimension(rotations: float, d: int, cfg: ModelConfig) -> float:
 
 def _yarn_scaled(powers: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """`powers`: theta^(2i/d), each pair's wavelength / 2 pi."""
-    d = cfg.head_size
+    d = cfg.rope_dim
     low, high = _yarn_dimension(cfg.rope_beta_fast, d, cfg), _yarn_dimension(cfg.rope_beta_slow, d, cfg)
     if cfg.rope_truncate:
         low, high = math.floor(low), math.ceil(high)
@@ -52,12 +52,14 @@ def _yarn_scaled(powers: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return 1.0 / (cfg.rope_factor * powers) * (1 - kept) + 1.0 / powers * kept
 
 
+def mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude term 0.1 m ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def yarn_magnitude(cfg: ModelConfig) -> float:
     """YaRN's scale of cos and sin: mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim) when both are
     set, else mscale(factor, 1), with mscale(f, m) = 0.1 m ln f + 1 (1 for f <= 1)."""
-
-    def mscale(factor: float, m: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
     if cfg.rope_mscale and cfg.rope_mscale_all_dim:
         return mscale(cfg.rope_factor, cfg.rope_mscale) / mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
@@ -65,8 +67,8 @@ def yarn_magnitude(cfg: ModelConfig) -> float:
 
 
 def inverse_frequencies(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
-    """The rotation speed of each pair of a head's channels, [head_size / 2], fp32."""
-    d = cfg.head_size
+    """The rotation speed of each pair of a head's rotary channels, [rope_dim / 2], fp32."""
+    d = cfg.rope_dim
     powers = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
     if cfg.rope_scaling == "yarn":
         return _yarn_scaled(powers, cfg)
@@ -74,7 +76,7 @@ def inverse_frequencies(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions 0..cfg.positions-1, each [positions, head_size], in fp32 (YaRN's scaled)."""
+    """cos and sin for positions 0..cfg.positions-1, each [positions, rope_dim], in fp32 (YaRN's scaled)."""
     angles = torch.outer(torch.arange(cfg.positions, dtype=torch.float32, device=device),
                          inverse_frequencies(cfg, device))
     angles = torch.cat((angles, angles), dim=-1)

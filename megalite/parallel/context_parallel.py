@@ -27,7 +27,8 @@ attention needs the other ranks' keys and values. Two ways to bring them (`comm`
   latency-bound hops.
 
 K/V travel as their query groups (grouped-query attention) and reach CUDA's flash kernel so; only a
-kernel that needs every head's K/V (the CPU's, see KERNELS_TAKING_GROUPS) gets them expanded.
+kernel that needs every head's K/V (the CPU's, see KERNELS_TAKING_GROUPS) gets them expanded. K and V travel
+packed along the width: v may be narrower than q and k (latent attention), padded only for the kernel.
 The data pipeline slices tokens, labels, masks and position ids with `local_positions`.
 
 With a sliding window (`window`) each (local chunk, source chunk) pair is a block of its own, trimmed to what the
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megalite.parallel.attention_masks import CAUSAL, FULL, Band, add_sinks, additive_mask, sink_gradient, visible
 from megalite.parallel.mappings import gather_from_cp
@@ -67,23 +69,24 @@ def local_positions(seq_length: int, cp: int, cp_rank: int, device: torch.device
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                                comm: str = "p2p", window: int | None = None,
-                               sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of the local queries over the whole sequence of the cp group, scale 1/sqrt(d), within
-    `window` positions (None: all earlier ones), with `sinks` (a logit per local head, a parameter: its gradient
-    goes to weight_grads).
+                               sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of the local queries over the whole sequence of the cp group, softmax scale `scale` (default
+    1/sqrt(d)), within `window` positions (None: all), with `sinks` (a logit per local head, a parameter: its
+    gradient goes to weight_grads).
 
-    q [batch, heads, 2c, d]; k, v [batch, groups, 2c, d] (query head h uses KV group h // (heads // groups));
-    all in the local token order of `local_positions`. Returns [batch, heads, 2c, d]."""
+    q, k [batch, heads or groups, 2c, d]; v [batch, groups, 2c, dv] (query head h uses KV group
+    h // (heads // groups)); all in the local token order of `local_positions`. Returns [batch, heads, 2c, dv]."""
     if comm not in COMMS:
         raise ValueError(f"context-parallel comm {comm!r} is not one of {COMMS}")
     if q.shape[2] % 2 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}: need an even local length and heads "
                          "divisible by KV groups")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if comm == "allgather":
         cp = dist.get_world_size(group)
-        gathered = gather_from_cp(torch.stack([k, v]), group)  # [cp * 2, ...] rank-major; backward reduce-scatters
-        return _GatheredAttention.apply(q, gathered.unflatten(0, (cp, 2)), group, window, sinks)
-    return _RingAttention.apply(q, k, v, group, window, sinks)
+        gathered = gather_from_cp(torch.cat([k, v], -1), group)  # [cp * b, ...] rank-major; backward reduce-scatters
+        return _GatheredAttention.apply(q, gathered.unflatten(0, (cp, -1)), group, window, sinks, scale)
+    return _RingAttention.apply(q, k, v, group, window, sinks, scale)
 
 
 # ----------------------------------------------------------------------------------------------- ring
@@ -187,14 +190,25 @@ def _plain_causal(band: Band, rows: int, cols: int) -> bool | None:
     return True if band == CAUSAL and rows == cols else None
 
 
-def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   band: Band | bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+def _one_width(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Zero-padded to the widest, as flash kernels take q, k, v: no score changes, extra output columns are 0."""
+    width = max(t.shape[-1] for t in tensors)
+    return tuple(F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in tensors)
+
+
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Band | bool,
+                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """One block through the fused kernel: output, log-sum-exp [b, heads, rows] (fp32), and what the
     CUDA backward wants back. `band`: which keys each query sees (True: causal, False: all). CUDA's flash kernel
-    takes fp16/bf16 only; a band other than causal or full goes through its window arguments."""
+    takes fp16/bf16 only; a band other than causal or full goes through its window arguments. A v narrower or
+    wider than q and k runs padded (`_one_width`)."""
+    width, scale = v.shape[-1], q.shape[-1] ** -0.5 if scale is None else scale
+    if width != q.shape[-1]:
+        out, lse, meta = _flash_forward(*_one_width(q, k, v), band, scale)
+        return out[..., :width], lse, meta
     band = band if isinstance(band, Band) else CAUSAL if band else FULL
     causal = _plain_causal(band, q.shape[2], k.shape[2])
-    k, v, scale = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1]), q.shape[-1] ** -0.5
+    k, v = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1])
     if q.is_cuda:
         if q.dtype == torch.float32:
             raise ValueError("context-parallel attention runs CUDA's flash attention kernel, which takes bf16 or "
@@ -220,14 +234,19 @@ def _window_sizes(band: Band) -> tuple[int, int]:
 
 
 def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, band: Band | bool,
-                    meta: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    lse: torch.Tensor, band: Band | bool, meta: tuple,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's dq, dk, dv (dk, dv per KV group). Given the final merged out and lse, the kernel's
     softmax is the one over the whole sequence (the sinks' column included), so the block's gradients are exact."""
+    qk, width, scale = q.shape[-1], v.shape[-1], q.shape[-1] ** -0.5 if scale is None else scale
+    if width != qk:
+        q, k, v, out, dout = _one_width(q, k, v, out, dout)
+        dq, dk, dv = _flash_backward(dout, q, k, v, out, lse, band, meta, scale)
+        return dq[..., :qk], dk[..., :qk], dv[..., :width]
     band = band if isinstance(band, Band) else CAUSAL if band else FULL
     causal = _plain_causal(band, q.shape[2], k.shape[2])
     groups, lse = k.shape[1], lse.contiguous()
-    k, v, scale = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1]), q.shape[-1] ** -0.5
+    k, v = _for_kernel(k, q.shape[1]), _for_kernel(v, q.shape[1])
     if q.is_cuda and causal is None:
         left, right = _window_sizes(band)
         dq, dk, dv = aten._flash_attention_backward(
@@ -257,17 +276,18 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
 
 
 def _attend(q: torch.Tensor, ring: _Ring, blocks: Iterator[torch.Tensor], window: int | None,
-            sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """Forward over the K/V blocks of every cp rank, in ring order (step j: cp rank i-j's [2, b, g, 2c, d]),
-    merged by log-sum-exp, then the sinks: the output in q's dtype, the fp32 log-sum-exp, and each step's pieces'
-    kernel extras."""
-    c, metas = q.shape[2] // 2, []
-    out = torch.zeros_like(q, dtype=torch.float32)
+            sinks: torch.Tensor | None, scale: float, width: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Forward over the K/V blocks of every cp rank, in ring order (step j: cp rank i-j's packed [b, g, 2c, d + dv]),
+    merged by log-sum-exp, then the sinks: the output (v's `width`) in q's dtype, the fp32 log-sum-exp, and each step's
+    pieces' kernel extras."""
+    c, d, metas = q.shape[2] // 2, q.shape[-1], []
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    out = q.new_zeros(*q.shape[:3], width, dtype=torch.float32)
     for step, kv in enumerate(blocks):
         metas.append([])
         for rows, cols, band in _pieces(ring, step, c, window):
-            block_out, block_lse, meta = _flash_forward(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], band)
+            block_out, block_lse, meta = _flash_forward(q[:, :, rows], kv[:, :, cols, :d], kv[:, :, cols, d:], band,
+                                                        scale)
             metas[-1].append(meta)
             _merge(out, lse, rows, block_out, block_lse)
     if sinks is not None:
@@ -280,19 +300,19 @@ def _block_grads(ctx, saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor], do
     """Step `step`'s block backward: adds into dq, returns each piece's columns and its dK, dV (per KV group).
     `saved`: q, out, lse (read from ctx.saved_tensors once: a recompute lets them be unpacked only once)."""
     q, out, lse = saved
-    grads = []
+    grads, d = [], q.shape[-1]
     for (rows, cols, band), meta in zip(_pieces(ctx.ring, step, q.shape[2] // 2, ctx.window), ctx.metas[step]):
-        block_dq, dk, dv = _flash_backward(dout[:, :, rows], q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols],
-                                           out[:, :, rows], lse[:, :, rows], band, meta)
+        block_dq, dk, dv = _flash_backward(dout[:, :, rows], q[:, :, rows], kv[:, :, cols, :d], kv[:, :, cols, d:],
+                                           out[:, :, rows], lse[:, :, rows], band, meta, ctx.scale)
         dq[:, :, rows] += block_dq
         grads.append((cols, dk, dv))
     return grads
 
 
-def _keep(ctx, ring: _Ring, window: int | None, sinks: torch.Tensor | None, metas: list) -> None:
+def _keep(ctx, ring: _Ring, window: int | None, sinks: torch.Tensor | None, metas: list, scale: float) -> None:
     """What backward reads besides the saved tensors; the sinks (a parameter) on ctx, not saved: a checkpoint's
     recompute would save a copy, not the parameter its gradient belongs to."""
-    ctx.ring, ctx.window, ctx.sinks, ctx.metas = ring, window, sinks, metas
+    ctx.ring, ctx.window, ctx.sinks, ctx.metas, ctx.scale = ring, window, sinks, metas, scale
 
 
 def _sinks_backward(ctx, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -303,34 +323,35 @@ def _sinks_backward(ctx, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tenso
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention; K/V (and dK/dV) travel as one [2, b, groups, 2c, d] tensor."""
+    """Ring attention; K/V (and dK/dV) travel as one [b, groups, 2c, d + dv] tensor."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, window: int | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, window: int | None,
+                sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
         ring = _Ring(group)
 
         def blocks() -> Iterator[torch.Tensor]:
-            kv = torch.stack([k, v])
+            kv = torch.cat([k, v], -1)
             for step in range(ring.size):
                 pending = ring.shift(kv) if step < ring.size - 1 else None
                 yield kv  # attended while the shift is in flight
                 if pending is not None:
                     kv = pending.wait()[0]
 
-        out, lse, metas = _attend(q, ring, blocks(), window, sinks)
+        out, lse, metas = _attend(q, ring, blocks(), window, sinks, scale, v.shape[-1])
         ctx.save_for_backward(q, k, v, out, lse)
-        _keep(ctx, ring, window, sinks, metas)
+        _keep(ctx, ring, window, sinks, metas, scale)
         return out
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None,
+                                                   None]:
         """Step j attends the same block as forward step j. The block's dK/dV accumulator arrives from the
         rank that used it one step earlier, while this rank computes its own part, and leaves with the
         next step's batch; after the last step one hop returns each accumulator to its owner."""
         q, k, v, out, lse = ctx.saved_tensors
-        dout, ring = dout.contiguous(), ctx.ring
-        kv, grads = torch.stack([k, v]), None
+        dout, ring, d = dout.contiguous(), ctx.ring, q.shape[-1]
+        kv, grads = torch.cat([k, v], -1), None
         dq = torch.zeros_like(q, dtype=torch.float32)
         for step in range(ring.size):
             last = step == ring.size - 1
@@ -340,39 +361,40 @@ class _RingAttention(torch.autograd.Function):
             next_kv = None if last else incoming.pop(0)
             grads = incoming.pop(0) if grads is not None else torch.zeros_like(kv, dtype=torch.float32)
             for cols, dk, dv in pieces:
-                grads[0, :, :, cols] += dk
-                grads[1, :, :, cols] += dv
+                grads[:, :, cols, :d] += dk
+                grads[:, :, cols, d:] += dv
             kv = next_kv
         if ring.size > 1:
             grads = ring.shift(grads).wait()[0]
         _sinks_backward(ctx, dout, out, lse)
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), grads[..., :d].to(k.dtype), grads[..., d:].to(v.dtype), None, None, None, None
 
 
 class _GatheredAttention(torch.autograd.Function):
-    """The same blocks as the ring, over K/V already gathered from every cp rank ([cp, 2, b, g, 2c, d]):
+    """The same blocks as the ring, over K/V already gathered from every cp rank ([cp, b, g, 2c, d + dv]):
     no whole-sequence mask is materialised and the fused kernels run as in the ring; backward returns every rank's
     dK/dV, which the all-gather's backward reduce-scatters to their owners."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, gathered: torch.Tensor, group: Group, window: int | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, gathered: torch.Tensor, group: Group, window: int | None,
+                sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
         ring = _Ring(group)
-        out, lse, metas = _attend(q, ring, (gathered[ring.source(step)] for step in range(ring.size)), window, sinks)
+        blocks = (gathered[ring.source(step)] for step in range(ring.size))
+        out, lse, metas = _attend(q, ring, blocks, window, sinks, scale, gathered.shape[-1] - q.shape[-1])
         ctx.save_for_backward(q, gathered, out, lse)
-        _keep(ctx, ring, window, sinks, metas)
+        _keep(ctx, ring, window, sinks, metas, scale)
         return out
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:
         q, gathered, out, lse = ctx.saved_tensors
-        dout, ring = dout.contiguous(), ctx.ring
+        dout, ring, d = dout.contiguous(), ctx.ring, q.shape[-1]
         dq = torch.zeros_like(q, dtype=torch.float32)
         grads = torch.zeros_like(gathered, dtype=torch.float32)
         for step in range(ring.size):
             source = ring.source(step)
             for cols, dk, dv in _block_grads(ctx, (q, out, lse), dout, dq, step, gathered[source]):
-                grads[source, 0, :, :, cols] += dk
-                grads[source, 1, :, :, cols] += dv
+                grads[source, :, :, cols, :d] += dk
+                grads[source, :, :, cols, d:] += dv
         _sinks_backward(ctx, dout, out, lse)
-        return dq.to(q.dtype), grads.to(gathered.dtype), None, None, None
+        return dq.to(q.dtype), grads.to(gathered.dtype), None, None, None, None

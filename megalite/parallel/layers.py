@@ -1,9 +1,9 @@
 """Tensor-parallel layers (Megatron-LM's column/row scheme) and where their weights live.
 
 A ColumnParallelLinear splits its output features across the TP group, a RowParallelLinear
-its input features, a VocabParallelEmbedding the vocabulary rows. Each layer declares its split
-parameters' placements (parallel/placement.py), so initialisation, gradient reduction, the norm and
-checkpoints can move between full tensors and per-rank shards without knowing the model. Every
+its input features, a VocabParallelEmbedding the vocabulary rows; a DuplicatedLinear is whole on every rank.
+Each layer declares its split parameters' placements (parallel/placement.py), so initialisation, gradient reduction,
+the norm and checkpoints can move between full tensors and per-rank shards without knowing the model. Every
 matmul runs through gemm.py, with the layer's `recipe` (gemm.apply_recipe changes it), every lookup through
 lookup.py, and each hands its weight gradient to weight_grads.py (in W under a zero-bubble schedule); so does
 the bias a row-parallel layer adds after its reduction, when the schedule splits the backward
@@ -20,7 +20,7 @@ from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.lookup import embedding
 from megalite.parallel.mappings import copy_to_tp, in_compute_dtype, reduce_from_tp, reduce_scatter_to_sp
-from megalite.parallel.placement import Placement
+from megalite.parallel.placement import Placement, default_placement
 from megalite.parallel.weight_grads import recomputed
 
 
@@ -82,6 +82,23 @@ class RowParallelLinear(nn.Module):
         if self.bias is None:
             return y
         return recomputed(add_bias, y, self.bias) if self.recompute_bias else add_bias(y, self.bias)
+
+
+class DuplicatedLinear(nn.Module):
+    """y = x A^T, A whole on every tensor-parallel rank, on this rank's rows of x (its slice of the sequence under
+    SP, else every row, as every rank has them): the small down-projections of latent attention, whose outputs
+    then enter column-parallel layers. No communication; the column-parallel layer after it brings the output
+    gradient whole (all-reduced), or under SP reduce-scatters it to this rank's rows, whose weight gradient is then
+    partial over tp, as its placement says (Megatron-Core's "duplicated" linear)."""
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.placements = {"weight": default_placement(ctx.sequence_parallel)}
+        self.recipe = gemm.HIGH_PRECISION
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm.linear(x, self.weight, recipe=self.recipe)
 
 
 class VocabParallelEmbedding(nn.Module):

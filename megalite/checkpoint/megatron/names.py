@@ -83,8 +83,8 @@ def known(name: str, where: str) -> str:
 
 def unknown(name: str, where: str) -> ValueError:
     return ValueError(f"{where}: tensor {name!r} has no place in megalite's model (a Megatron-LM feature megalite "
-                      "does not compute, e.g. experts, MLA or multi-token prediction); "
-                      "this checkpoint cannot be converted")
+                      "does not compute or does not read from Megatron-LM yet, e.g. experts, MLA or multi-token "
+                      "prediction); this checkpoint cannot be converted")
 
 
 def megalite_name(name: str, tied: bool, where: str) -> str | None:

@@ -4,7 +4,8 @@ The router's linear layer (with a bias under model.moe_router_bias, gpt-oss) and
 fp32 (a bf16 softmax over many experts ties and flips choices between layouts). Scores are a softmax over all
 experts (Mixtral, Qwen3-MoE, gpt-oss) or a sigmoid per expert (DeepSeek-V3). The k best scores are chosen,
 optionally only inside the best groups of experts (group-limited routing: a group's score is the sum of its best
-k/group_topk experts' scores, as DeepSeek-V3 and Megatron-Core do), and the chosen scores become the combine
+model.moe_router_group_experts experts' scores: 2 in the released DeepSeek-V3, Kimi K2 and Moonlight, as transformers
+computes them; by default k/group_topk, as Megatron-Core does), and the chosen scores become the combine
 weights: renormalised to sum to one when asked (a softmax over the k chosen logits, as Mixtral and gpt-oss
 compute it, is exactly this) and scaled.
 
@@ -43,14 +44,15 @@ class Routing:
 
 
 def choose(scores: torch.Tensor, k: int, groups: int = 1, group_topk: int | None = None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, group_experts: int | None = None) -> torch.Tensor:
     """[tokens, k] ids of the k best experts by `scores` (+ `bias`, which only chooses), within the
-    `group_topk` best of `groups` equal groups of experts."""
+    `group_topk` best of `groups` equal groups of experts, a group scored by the sum of its `group_experts` best
+    (default k // group_topk)."""
     ranking = scores if bias is None else scores + bias
     if groups > 1 and group_topk is not None and group_topk < groups:
         tokens, experts = ranking.shape
         grouped = ranking.view(tokens, groups, experts // groups)
-        group_scores = grouped.topk(k // group_topk, dim=-1).values.sum(-1)
+        group_scores = grouped.topk(group_experts or k // group_topk, dim=-1).values.sum(-1)
         best = group_scores.topk(group_topk, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         ranking = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
@@ -60,7 +62,8 @@ def choose(scores: torch.Tensor, k: int, groups: int = 1, group_topk: int | None
 def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None) -> Routing:
     """Scores, choices and combine weights of fp32 router logits [tokens, experts]."""
     scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
-    experts = choose(scores, cfg.moe_topk, cfg.moe_router_groups, cfg.moe_router_group_topk, bias)
+    experts = choose(scores, cfg.moe_topk, cfg.moe_router_groups, cfg.moe_router_group_topk, bias,
+                     cfg.moe_router_group_experts)
     weights = scores.gather(1, experts)
     if cfg.moe_norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -1,0 +1,168 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2, Moonlight), with Megatron-Core's parameter names.
+
+Per token h (DeepSeek-V3 report, section 2.1):
+  queries   c_q = RMSNorm(W_DQ h) (`linear_q_down_proj`, `q_layernorm`), [q_nope; q_rope] = W_UQ c_q per head
+            (`linear_q_up_proj`); without query compression (model.q_lora_rank unset) W_Q h (`linear_q_proj`);
+  keys/values [c_kv; k_rope] = W_DKV h (`linear_kv_down_proj`), c_kv = RMSNorm(c_kv) (`kv_layernorm`),
+            [k_nope; v] = W_UKV c_kv per head (`linear_kv_up_proj`); k_rope, one rotary key, is shared by all heads;
+  attention q = [q_nope; RoPE(q_rope)], k = [k_nope; RoPE(k_rope)] (qk head dim = model.qk_head_dim +
+            model.qk_pos_emb_head_dim), v per head model.v_head_dim wide (not the qk width); the softmax scale is
+            1/sqrt(qk head dim), times mscale(factor, rope_mscale_all_dim)^2 under YaRN (`softmax_scale`).
+RoPE rotates halves (model/rope.py), as megalite does everywhere: the released checkpoints' interleaved rotary
+channels (`rope_interleave`) are permuted to halves at conversion (checkpoint/hf_mla.py), which gives the same
+attention bit for bit.
+
+Tensor parallelism splits the heads: the up-projections are column-parallel and the output projection
+row-parallel; the down-projections (parallel/layers.py DuplicatedLinear) and their norms are whole on every rank.
+They run on the rank's rows of h: under sequence parallelism its slice of the sequence, so the all-gather before
+the up-projections moves the latents (q_lora_rank and kv_lora_rank wide), not the hidden states, and the
+down-projections' and norms' gradients are partial over tp, as their placements say; without SP every rank has
+every row and gets the whole gradient of the latents from the up-projections' backward all-reduce. The rotary key
+enters the heads the same way (gathered under SP, else copied: both sum its gradient over tp).
+
+Context parallelism runs the core through parallel/context_parallel.py with the qk and v widths as they are and
+this layer's softmax scale. A generation cache (model/kv_cache.py) keeps per token the compressed latent and the
+rotary key (kv_lora_rank + qk_pos_emb_head_dim numbers per layer), and each step expands every cached token's keys
+and values again through W_UKV.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.model.costs import MicroBatch, matmul_held, weights_multiplied
+from megalite.model.kv_cache import LayerCache
+from megalite.model.norms import build_norm
+from megalite.model.rope import apply_rope, mscale
+from megalite.parallel.context import ParallelContext
+from megalite.parallel.context_parallel import context_parallel_attention
+from megalite.parallel.layers import ColumnParallelLinear, DuplicatedLinear, RowParallelLinear
+from megalite.parallel.mappings import copy_to_tp, gather_from_sp
+from megalite.parallel.random import checkpoint_with_rng
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(qk head dim), times mscale(rope_scaling_factor, rope_mscale_all_dim)^2 under YaRN (transformers'
+    DeepseekV3Attention.scaling; Megatron-Core's MLA softmax_scale)."""
+    scale = (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim) ** -0.5
+    if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim:
+        scale *= mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """Each tensor-parallel rank computes heads/tp whole heads."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device: torch.device) -> None:
+        super().__init__()
+        self.heads = cfg.num_attention_heads // ctx.tp.size
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        self.kv_rank, heads = cfg.kv_lora_rank, cfg.num_attention_heads
+        qk = self.nope + self.rope_dim
+        if cfg.q_lora_rank is None:
+            self.linear_q_proj = ColumnParallelLinear(cfg.hidden_size, heads * qk, ctx, False)
+        else:
+            self.linear_q_down_proj = DuplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, ctx)
+            self.q_layernorm = build_norm("rmsnorm", cfg.q_lora_rank, cfg.latent_epsilon, device)
+            self.linear_q_up_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk, ctx, False)
+        self.linear_kv_down_proj = DuplicatedLinear(cfg.hidden_size, self.kv_rank + self.rope_dim, ctx)
+        self.kv_layernorm = build_norm("rmsnorm", self.kv_rank, cfg.latent_epsilon, device)
+        self.linear_kv_up_proj = ColumnParallelLinear(self.kv_rank, heads * (self.nope + self.v_dim), ctx, False)
+        self.linear_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, ctx, False)
+        self.scale, self.dropout, self.ctx = softmax_scale(cfg), cfg.attention_dropout, ctx
+        self.recompute_core = False
+        self.fused = True  # train.fusions: RoPE as model/fused.py's one kernel each way
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """x: [seq (/tp under SP), batch, hidden] -> the same shape; `cache` holds (and receives) earlier tokens'
+        normalised latents and rotated keys."""
+        q = self._queries(x)
+        s, b = q.shape[:2]
+        q_nope, q_rope = q.view(s, b, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
+        latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_layernorm(latent).to(latent.dtype), self._enter_heads(k_rope)
+        q_rope, k_rope = (apply_rope(t, *rope, fused=self.fused) for t in (q_rope, k_rope.unsqueeze(2)))
+        if cache is not None:  # cached as [batch, 1, tokens, width]
+            latent, k_rope = cache.append(latent.unsqueeze(2).permute(1, 2, 0, 3), k_rope.permute(1, 2, 0, 3))
+            latent, k_rope = latent[:, 0].transpose(0, 1), k_rope.permute(2, 0, 1, 3)
+        kv = self.linear_kv_up_proj(latent)
+        k_nope, v = kv.view(*kv.shape[:2], self.heads, -1).split([self.nope, self.v_dim], dim=-1)
+        # [batch, heads, seq, width], q and k concatenated straight into that order (contiguous: inductor's
+        # attention backward mis-sizes a permuted, concatenated q or k, torch 2.13)
+        q_nope, q_rope, k_nope, k_rope, v = (t.permute(1, 2, 0, 3) for t in (q_nope, q_rope, k_nope, k_rope, v))
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, self.heads, -1, -1)), dim=-1)
+        if self.recompute_core and self.training:
+            out = checkpoint_with_rng(self._core, q, k, v, tracker=self.ctx.rng)
+        else:
+            out = self._core(q, k, v)
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        """[seq, batch, heads/tp * qk head dim], the whole sequence (column-parallel layers gather it under SP)."""
+        if hasattr(self, "linear_q_proj"):
+            return self.linear_q_proj(x)
+        c_q = self.linear_q_down_proj(x)
+        return self.linear_q_up_proj(self.q_layernorm(c_q).to(c_q.dtype))
+
+    def _enter_heads(self, k_rope: torch.Tensor) -> torch.Tensor:
+        """The shared rotary key of this rank's rows, for every row's heads: gathered along the sequence under SP,
+        else as is; either way its gradient is summed over the tensor-parallel ranks' heads in backward."""
+        group = self.ctx.tp.group
+        return gather_from_sp(k_rope, group) if self.ctx.sequence_parallel else copy_to_tp(k_rope, group)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k [batch, heads, new or past + new, qk dim], v [..., v dim]: new token i sees keys up to past + i."""
+        if self.ctx.cp.size > 1:
+            return context_parallel_attention(q, k, v, self.ctx.cp.group, self.ctx.cp_comm, scale=self.scale)
+        dropout = self.dropout if self.training else 0.0
+        past = k.shape[2] - q.shape[2]
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past) if past else None
+        with self.ctx.region_rng():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                                  scale=self.scale)
+
+    def _linears(self) -> list[nn.Module]:
+        return [m for m in self.children() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
+                                                             DuplicatedLinear))]
+
+    def saved_bytes(self, batch: MicroBatch) -> int:
+        """Each projection's input (the down-projections' on this rank's rows, the others' on every token), the
+        norms' fp32 input and statistics, q and k after the concatenation, the up-projection's output of which v is
+        a view, and the core's logsumexp (unless the core is recomputed: then q, k, v are its kept inputs all the
+        same); under all-gather context parallelism `_allgather_change`."""
+        tokens, c, heads, qk = batch.tokens, batch.compute, self.heads, self.nope + self.rope_dim
+        size = sum((batch.rows if isinstance(lin, DuplicatedLinear) else tokens) * lin.weight.shape[1] * c
+                   for lin in self._linears())
+        norms = [self.kv_rank] + ([self.linear_q_down_proj.weight.shape[0]] if hasattr(self, "q_layernorm") else [])
+        size += sum(batch.rows * (width * 4 + 4) for width in norms)
+        size += tokens * heads * (2 * qk + self.nope + self.v_dim) * c
+        return size + (tokens * heads * 4 if not self.recompute_core else 0) + self._allgather_change(batch)
+
+    def _allgather_change(self, batch: MicroBatch) -> int:
+        """All-gather context parallelism with the core not recomputed keeps the whole sequence's packed K/V
+        (parallel/context_parallel.py) instead of k and the up-projection's output (v's storage)."""
+        cp = self.ctx.cp.size
+        if cp == 1 or self.ctx.cp_comm != "allgather" or self.recompute_core:
+            return 0
+        qk, v = self.nope + self.rope_dim, self.v_dim
+        return batch.tokens * self.heads * (cp * (qk + v) - qk - (self.nope + v)) * batch.compute
+
+    def held_bytes(self, batch: MicroBatch) -> int:
+        """Every projection's input and output gradient (the down-projections' on this rank's rows)."""
+        return sum(matmul_held(lin.weight, batch.rows if isinstance(lin, DuplicatedLinear) else batch.tokens,
+                               batch.compute) for lin in self._linears())
+
+    def matmul_parameters(self) -> int:
+        return weights_multiplied(*self._linears())
+
+    def attention_flops(self, seq: int) -> float:
+        """QK^T over the qk width and the weighted sum over the v width, for the s x s square, per token."""
+        return 2 * seq * self.heads * (self.nope + self.rope_dim + self.v_dim)
+
+    def recomputed_flops(self, seq: int) -> float:
+        return self.attention_flops(seq) if self.recompute_core else 0

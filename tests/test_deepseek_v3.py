@@ -1,0 +1,146 @@
+"""DeepSeek-V3-class models as released (DeepSeek-V3/R1, Kimi K2, Moonlight).
+
+- Routing equals transformers' DeepseekV3TopkRouter: sigmoid scores, the expert bias choosing only, group-limited
+  selection by the sum of each group's two best scores (model.moe_router_group_experts=2; the default, Megatron's
+  k / group_topk, chooses other groups where k != 2 x topk_group), renormalised, times routed_scaling_factor.
+- A tiny random DeepseekV3ForCausalLM (YaRN, interleaved rotary rows, group-limited routing, a dense first layer,
+  a shared expert, expert biases), with and without query compression, converts in (tools/convert_checkpoint.py)
+  with transformers' logits, and out to the very tensors it came from (experts one by one, as the hub stores
+  them), which transformers loads with no missing or unexpected weights and megalite's logits.
+- Its published FP8 layout (E4M3 weights, an fp32 `weight_scale_inv` per 128 x 128 block) converts to exactly the
+  checkpoint of the model holding the dequantised values (each FP8 value times its block's scale, in fp32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hf_models import spread_routers_and_norms
+from safetensors.torch import load_file, save_file
+from test_hf_convert import _same_logits, convert, hf_tensors
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+from megalite.config import ModelConfig
+from megalite.inference.generate import load_model
+from megalite.model.moe.router import route
+
+
+def test_released_group_routing_equals_transformers_router():
+    """k 6 of 16 experts in 4 groups, the best 2 groups: Megatron's group score (best 3) differs from the released
+    one (best 2) for some tokens."""
+    hf_cfg = DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=6, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(hf_cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 1, generator=gen)
+        router.e_score_correction_bias.normal_(0, 0.3, generator=gen)
+    x = torch.randn(64, 16, generator=gen)
+    _, hf_weights, hf_experts = router(x)
+    cfg = ModelConfig(family="llama", num_experts=16, moe_topk=6, moe_router="sigmoid", moe_router_groups=4,
+                      moe_router_group_topk=2, moe_scaling_factor=2.5, moe_norm_topk_prob=True,
+                      moe_router_group_experts=2)
+    logits = x @ router.weight.t()
+    ours = route(logits, cfg, router.e_score_correction_bias)
+    order, hf_order = ours.experts.argsort(-1), hf_experts.argsort(-1)
+    assert torch.equal(ours.experts.gather(1, order), hf_experts.gather(1, hf_order))
+    torch.testing.assert_close(ours.weights.gather(1, order), hf_weights.gather(1, hf_order))
+    cfg.moe_router_group_experts = None  # Megatron-Core's rule: some tokens choose other experts
+    assert not torch.equal(route(logits, cfg, router.e_score_correction_bias).experts.sort(-1).values,
+                           hf_experts.sort(-1).values)
+
+
+# ------------------------------------------------------------------------------ Hugging Face both ways
+
+def _tiny_deepseek(q_lora: int | None) -> transformers.PreTrainedModel:
+    """A tiny random DeepseekV3ForCausalLM: YaRN, interleaved rotary rows, group-limited routing (3 of 8 experts
+    in the best 2 of 4 groups: Megatron's group score would differ), a dense first layer, a shared expert, random
+    expert biases."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=250, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=q_lora,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64,
+        rope_interleave=True, initializer_range=0.1, bos_token_id=None, eos_token_id=248,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                         "original_max_position_embeddings": 16})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    spread_routers_and_norms(model)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("q_lora", [12, None])
+def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q_lora, tmp_path):
+    hf_in = _tiny_deepseek(q_lora)
+    hf_in.save_pretrained(tmp_path / "hf_in")  # the hub's layout: experts one by one
+    convert("--from-hf", "--load", str(tmp_path / "hf_in"), "--save", str(tmp_path / "megalite"))
+    model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
+    assert cfg.model.multi_latent_attention and cfg.model.moe_router_group_experts == 2
+    tokens = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(0))
+    _same_logits(f"deepseek_v3 q_lora {q_lora}", model, hf_in, tokens)
+    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "hf_back"))
+    before, after = hf_tensors(tmp_path / "hf_in"), hf_tensors(tmp_path / "hf_back")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    hf_back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_back", output_loading_info=True)
+    assert type(hf_back).__name__ == "DeepseekV3ForCausalLM" and hf_back.config.rope_interleave
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
+    _same_logits("deepseek_v3 back", model, hf_back.eval(), tokens)
+
+
+def _block_fp8(directory: Path) -> dict[str, torch.Tensor]:
+    """Rewrite the linear weights of the HF directory as DeepSeek publishes them, FP8 E4M3 with an fp32 scale per
+    128 x 128 block (`weight_scale_inv`, amax / 448); returns what each dequantises to, by name."""
+    dequantised = {}
+    for file in directory.glob("*.safetensors"):
+        state, out = load_file(file), {}
+        for name, w in state.items():
+            if w.dim() != 2 or not name.endswith(("proj.weight", "proj_with_mqa.weight")):
+                out[name] = w
+                continue
+            assert w.shape[0] < 128 and w.shape[1] < 128  # one (partial) block each, at this size
+            scale = w.abs().max().reshape(1, 1) / 448
+            out[name] = (w / scale).to(torch.float8_e4m3fn)
+            out[name.removesuffix("weight") + "weight_scale_inv"] = scale
+            dequantised[name] = out[name].float() * scale
+        save_file(out, file, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}
+    (directory / "config.json").write_text(json.dumps(config))
+    return dequantised
+
+
+def test_block_fp8_weights_dequantise_exactly_at_import(tmp_path):
+    """The published FP8 layout converts to the checkpoint of the same model holding the dequantised values."""
+    _tiny_deepseek(12).save_pretrained(tmp_path / "fp8")
+    dequantised = _block_fp8(tmp_path / "fp8")
+    reference = _tiny_deepseek(12)
+    with torch.no_grad():
+        for name, value in dequantised.items():
+            if name in dict(reference.named_parameters()):
+                reference.get_parameter(name).copy_(value)
+            else:  # an expert: transformers holds them fused ([E, 2I, H] gate then up; [E, H, I])
+                layer, expert, kind = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+                fused = reference.get_parameter(f"{layer}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
+                rows = slice(None) if kind == "down_proj" else slice(0, 16) if kind == "gate_proj" else slice(16, 32)
+                fused[expert, rows] = value
+    reference.save_pretrained(tmp_path / "reference")
+    for name in ("fp8", "reference"):
+        convert("--from-hf", "--load", str(tmp_path / name), "--save", str(tmp_path / f"{name}_in"))
+    got, expected = (load_model(tmp_path / f"{name}_in", torch.device("cpu"))[0].state_dict()
+                     for name in ("fp8", "reference"))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    unquantised = _tiny_deepseek(12).state_dict()
+    assert all(not torch.equal(value, unquantised[name]) for name, value in dequantised.items()
+               if name in unquantised)  # FP8 rounded every weight it holds
