@@ -215,6 +215,10 @@ def _check_optim(cfg: Config, world_size: int) -> list[str]:
                       f"[0, decay_iters - warmup_iters = {decay - o.warmup_iters}]")
     if o.clip_grad < 0 or o.weight_decay < 0:
         errors.append("optim.clip_grad and optim.weight_decay must be >= 0")
+    if not 0 <= o.muon_momentum < 1:
+        errors.append(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1) (0.95 as released)")
+    if not 1 <= o.muon_ns_steps < 100:
+        errors.append(f"optim.muon_ns_steps={o.muon_ns_steps} must be in [1, 99] (5 as released)")
     return errors
 
 

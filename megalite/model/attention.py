@@ -34,6 +34,8 @@ or with a sliding window the pairs the window keeps by the same measure (`attend
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,7 +49,7 @@ from megalite.model.windowed_attention import windowed_attention
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.parallel.placement import Placement
+from megalite.parallel.placement import Fused, Placement
 from megalite.parallel.random import checkpoint_with_rng
 
 
@@ -64,6 +66,8 @@ class SelfAttention(nn.Module):
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias or cfg.features.qkv_bias)
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
+        qkv = Fused(cfg.kv_heads, (cfg.num_attention_heads // cfg.kv_heads, 1, 1), heads=True)  # q.. k v per group
+        self.linear_qkv.placements["weight"] = dataclasses.replace(self.linear_qkv.placements["weight"], fused=qkv)
         self.q_norm = self.k_norm = None
         self.placements: dict[str, Placement] = {}
         if cfg.features.qk_norm:

@@ -109,7 +109,8 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     stage3 = any(isinstance(buffer.strategy, ShardedParameters) for buffer in grads.buffers)
     sharded = GatherUnits(modules, grads.buffers) if stage3 else None
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
-                                     p.overlap_param_gather, placements)
+                                     p.overlap_param_gather, placements, model.hidden_matrices(cfg.optim.muon_routers),
+                                     torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
     return Trainer(cfg, topology, model, model.ctx, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded)
 
