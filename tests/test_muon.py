@@ -1,0 +1,127 @@
+"""Muon (optim.optimizer=muon): one device's update is torch.optim.Muon's on transformers' separate matrices
+(bf16) or the same iteration in fp32, and every layout's losses and updated weights equal one device's (fp32):
+tensor + sequence, pipeline, context, data parallelism with the distributed optimizer, ZeRO-3, experts over ep and
+etp. The layouts share one spawned group of four ranks; one device runs in a group of one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import cpu_topology, run_ranks
+from parity import LLAMA, TINY, whole_shards
+
+from megalite.checkpoint.hf_mapping import to_hf
+from megalite.config import ConfigError
+from megalite.config_cli import parse_config
+from megalite.config_validation import validate
+from megalite.data.batches import BatchMaker
+from megalite.data.loader import micro_batches
+from megalite.data.mock import MockDataset
+from megalite.parallel.muon import newton_schulz, update_scale
+from megalite.training.build import build_trainer
+from megalite.training.step import train_step
+
+MUON = [*TINY, *LLAMA, "--optim.optimizer=muon", "--optim.lr=0.01", "--optim.min_lr=0.01"]
+MOE = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden_size=32",
+       "--model.moe_first_dense_layers=1"]
+LAYOUTS = {
+    "tp2 SP x dp2, distributed optimizer": (["--parallel.tp=2", "--parallel.sequence_parallel=true",
+                                             "--parallel.distributed_optimizer=true"], False),
+    "pp2 x cp2": (["--parallel.pp=2", "--parallel.cp=2"], False),
+    "tp2 x ZeRO-3 over dp2": (["--parallel.tp=2", "--parallel.zero_stage=3"], False),
+    "ep2 x etp2": (["--parallel.ep=2", "--parallel.etp=2"], True),
+    "ep2 x edp2, distributed optimizer": (["--parallel.ep=2", "--parallel.distributed_optimizer=true"], True),
+}
+STEPS = 2
+
+
+def _train(rank: int, world_size: int, layouts: dict) -> dict:
+    """Each layout's step losses (from the LM head's stage) and whole main weights after STEPS steps."""
+    out = {}
+    for name, (extra, moe) in layouts.items():
+        cfg = parse_config([*MUON, *(MOE if moe else []), *extra])
+        topology = cpu_topology(rank, world_size, cfg)
+        data, gbs = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), cfg.batch_size(world_size)
+        with build_trainer(cfg, topology) as parts:
+            losses = [train_step(parts, list(micro_batches(data, BatchMaker(), s * gbs, (s + 1) * gbs, 1, topology.dp,
+                                                           topology.dp_rank, 0, topology.device))).loss
+                      for s in range(STEPS)]
+            out[name] = (losses, whole_shards(parts, topology, lambda shard: shard.main))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    reference = run_ranks(1, _train, {"dense": ([], False), "moe": ([], True)})[0]
+    ranks = run_ranks(4, _train, LAYOUTS)
+    return {"one device": reference, "layouts": {name: (ranks[-1][name][0], ranks[0][name][1]) for name in LAYOUTS}}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_muon_at_every_layout_equals_one_device(runs, layout):
+    losses, weights = runs["layouts"][layout]
+    ref_losses, ref_weights = runs["one device"]["moe" if LAYOUTS[layout][1] else "dense"]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert weights.keys() == ref_weights.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(value, ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _separate_update(rank: int, world_size: int, precision: str, scale: str) -> tuple[dict, dict, dict]:
+    """One Muon step of a one-device MoE model from random gradients: the weights before, the gradients and the
+    weights after, as HF tensors (transformers' separate matrices)."""
+    cfg = parse_config([*MUON, *MOE, "--model.family=qwen3", f"--train.precision={precision}", "--train.param_dtype=fp32",
+                        f"--optim.muon_scale={scale}", "--optim.weight_decay=0.1"])
+    generator = torch.Generator().manual_seed(0)
+    with build_trainer(cfg, cpu_topology(rank, world_size, cfg)) as parts:
+        named = dict(parts.model.named_parameters())
+        before = {n: p.detach().clone() for n, p in named.items()}
+        grads = {n: torch.randn(p.shape, generator=generator) for n, p in named.items()}
+        for shard in parts.optimizer.shards():
+            shard.main.grad = grads[shard.name].reshape(-1)[shard.start:shard.end].clone()
+        parts.optimizer.step()
+        after = {n: p.detach().clone() for n, p in named.items()}
+    return tuple(to_hf(state, cfg.model) for state in (before, grads, after))
+
+
+def _separate(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The matrices transformers' released checkpoints store separately: each expert, its gate and up."""
+    matrices = list(tensor.reshape(-1, *tensor.shape[-2:]))
+    return [half for m in matrices for half in m.chunk(2)] if name.endswith("gate_up_proj") else matrices
+
+
+def _reference(weight: torch.Tensor, grad: torch.Tensor, precision: str, scale: str) -> torch.Tensor:
+    """torch.optim.Muon's first step on one matrix (bf16), or the same step with the iteration in fp32."""
+    if precision == "bf16":
+        p = torch.nn.Parameter(weight.clone())
+        p.grad = grad.clone()
+        torch.optim.Muon([p], lr=0.01, weight_decay=0.1, adjust_lr_fn=TORCH_SCALES[scale]).step()
+        return p.detach()
+    update = grad.lerp(torch.zeros_like(grad).lerp(grad, 0.05), 0.95)
+    return weight * (1 - 0.01 * 0.1) - 0.01 * update_scale(*weight.shape, scale) * newton_schulz(update, 5,
+                                                                                                   torch.float32)
+
+
+TORCH_SCALES = {"rms": "match_rms_adamw", "spectral": "original"}
+HIDDEN = ("_proj", "mlp.gate.weight", "experts.")
+
+
+@pytest.mark.parametrize("precision, scale", [("bf16", "rms"), ("bf16", "spectral"), ("fp32", "rms")])
+def test_one_device_update_is_torch_muon_on_the_separate_matrices(precision, scale):
+    """QKV split into q, k, v (grouped-query), gate/up into two, each expert on its own, the router too."""
+    before, grads, after = run_ranks(1, _separate_update, precision, scale)[0]
+    hidden = [n for n in before if any(part in n for part in HIDDEN)]
+    assert any("k_proj" in n for n in hidden) and any("experts.gate_up_proj" in n for n in hidden)
+    for name in hidden:
+        expected = [_reference(w, g, precision, scale) for w, g in zip(_separate(name, before[name]),
+                                                                        _separate(name, grads[name]))]
+        for got, want in zip(_separate(name, after[name]), expected):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_muon_options_are_validated():
+    cfg = parse_config([*MUON, "--optim.muon_momentum=1.0", "--optim.muon_ns_steps=0"])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, 1)
+    assert error.value.problems == ["optim.muon_momentum=1.0 must be in [0, 1) (0.95 as released)",
+                                    "optim.muon_ns_steps=0 must be in [1, 99] (5 as released)"]
