@@ -54,7 +54,8 @@ def _train(rank: int, world_size: int, layouts: dict) -> dict:
 def runs() -> dict:
     reference = run_ranks(1, _train, {"dense": ([], False), "moe": ([], True)})[0]
     ranks = run_ranks(4, _train, LAYOUTS)
-    return {"one device": reference, "layouts": {name: (ranks[-1][name][0], ranks[0][name][1]) for name in LAYOUTS}}
+    weights = {name: {k: v for rank in reversed(ranks) for k, v in rank[name][1].items()} for name in LAYOUTS}
+    return {"one device": reference, "layouts": {name: (ranks[-1][name][0], weights[name]) for name in LAYOUTS}}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -64,7 +65,10 @@ def test_muon_at_every_layout_equals_one_device(runs, layout):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert weights.keys() == ref_weights.keys()
     for name, value in weights.items():
-        torch.testing.assert_close(value, ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+        # AdamW's steps (embedding, head, norms) turn rounding-level gradient differences into lr-sized ones
+        # where a gradient is near zero (m / sqrt(v)): Muon's matrices are held to the tight tolerance.
+        atol = 1e-6 if ".linear_" in name or "router" in name else 1e-4
+        torch.testing.assert_close(value, ref_weights[name], rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _separate_update(rank: int, world_size: int, precision: str, scale: str) -> tuple[dict, dict, dict]:
