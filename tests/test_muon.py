@@ -5,9 +5,11 @@ etp. The layouts share one spawned group of four ranks; one device runs in a gro
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from distributed import cpu_topology, run_ranks
+from distributed import cpu_topology, metrics, run_ranks
 from parity import LLAMA, TINY, whole_shards
 
 from megalite.checkpoint.hf_mapping import to_hf
@@ -19,6 +21,7 @@ from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
 from megalite.parallel.muon import newton_schulz, update_scale
 from megalite.training.build import build_trainer
+from megalite.training.pretrain import pretrain
 from megalite.training.step import train_step
 
 MUON = [*TINY, *LLAMA, "--optim.optimizer=muon", "--optim.lr=0.01", "--optim.min_lr=0.01"]
@@ -33,11 +36,33 @@ LAYOUTS = {
     "ep2 x edp2, distributed optimizer": (["--parallel.ep=2", "--parallel.distributed_optimizer=true"], True),
 }
 STEPS = 2
+# pretrain_gpt.py's runs: a Muon run saved at tp2 SP x dp2 (step 3 of 5) resumed at pp2 x tp2 as if never stopped,
+# and refused by an AdamW run unless its optimizer state is left behind.
+SAVED = ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.distributed_optimizer=true",
+         "--checkpoint.save={root}/muon", "--train.exit_interval=3"]
+RUNS = {"saved": SAVED, "resumed at pp2 x tp2": ["--parallel.pp=2", "--parallel.tp=2", "--checkpoint.load={root}/muon"],
+        "adamw refused": ["--optim.optimizer=adamw", "--checkpoint.load={root}/muon"],
+        "adamw, fresh optimizer state": ["--optim.optimizer=adamw", "--checkpoint.load={root}/muon",
+                                         "--checkpoint.load_optimizer=false", "--train.train_iters=4"]}
 
 
-def _train(rank: int, world_size: int, layouts: dict) -> dict:
-    """Each layout's step losses (from the LM head's stage) and whole main weights after STEPS steps."""
-    out = {}
+def _pretrain(rank: int, world_size: int, root: str, runs: dict[str, list[str]]) -> dict[str, str]:
+    """pretrain_gpt.py's run of each entry in this group; the error each run stopped with, by name."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    errors = {}
+    for name, extra in runs.items():
+        args = [*MUON, *(arg.format(root=root) for arg in extra), f"--logging.metrics_file={root}/{name}.jsonl"]
+        try:
+            pretrain(parse_config(args))
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+def _train(rank: int, world_size: int, layouts: dict, root: str, runs: dict[str, list[str]]) -> dict:
+    """Each layout's step losses (from the LM head's stage) and whole main weights after STEPS steps, then
+    pretrain_gpt.py's `runs` (their errors under "errors")."""
+    out = {"errors": _pretrain(rank, world_size, root, runs)}
     for name, (extra, moe) in layouts.items():
         cfg = parse_config([*MUON, *(MOE if moe else []), *extra])
         topology = cpu_topology(rank, world_size, cfg)
@@ -51,11 +76,31 @@ def _train(rank: int, world_size: int, layouts: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    reference = run_ranks(1, _train, {"dense": ([], False), "moe": ([], True)})[0]
-    ranks = run_ranks(4, _train, LAYOUTS)
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("muon")
+    reference = run_ranks(1, _train, {"dense": ([], False), "moe": ([], True)}, str(root / "one"),
+                          {"uninterrupted": []})[0]
+    ranks = run_ranks(4, _train, LAYOUTS, str(root), RUNS)
     weights = {name: {k: v for rank in reversed(ranks) for k, v in rank[name][1].items()} for name in LAYOUTS}
-    return {"one device": reference, "layouts": {name: (ranks[-1][name][0], weights[name]) for name in LAYOUTS}}
+    return {"one device": reference, "layouts": {name: (ranks[-1][name][0], weights[name]) for name in LAYOUTS},
+            "errors": ranks[0]["errors"], "root": root}
+
+
+def test_muon_resumes_at_another_layout_as_if_never_stopped(runs):
+    """Saved at tp2 SP x dp2 (distributed optimizer) after step 3, resumed at pp2 x tp2: steps 4 and 5 are the
+    uninterrupted one-device run's; Muon's momentum is in the checkpoint, layout-free."""
+    root = runs["root"]
+    uninterrupted = [r["loss"] for r in metrics(root / "one" / "uninterrupted.jsonl")]
+    saved, resumed = ([r["loss"] for r in metrics(root / f"{name}.jsonl")] for name in ("saved", "resumed at pp2 x tp2"))
+    assert len(uninterrupted) == 5 and saved == pytest.approx(uninterrupted[:3], rel=1e-5)
+    assert resumed == pytest.approx(uninterrupted[3:], rel=1e-5)
+
+
+def test_switching_the_optimizer_on_resume_is_refused_unless_asked(runs):
+    assert set(runs["errors"]) == {"adamw refused"}
+    message = runs["errors"]["adamw refused"]
+    assert "optim.optimizer=adamw here" in message and "--checkpoint.load_optimizer=false" in message
+    assert len(metrics(runs["root"] / "adamw, fresh optimizer state.jsonl")) == 1  # step 4 of 4, from step 3
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -72,7 +72,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, adamw: torch.optim.AdamW, matrices: dict[str, torch.Tensor], plan: MuonPlan, lr: float,
                  weight_decay: float, momentum: float, ns_steps: int, scale: str, per_head: bool, dtype: torch.dtype,
                  device: torch.device) -> None:
-        muon = {"params": list(matrices.values()), "lr": lr, "weight_decay": weight_decay, "momentum": momentum}
+        muon = {"params": list(matrices.values()), "lr": lr, "weight_decay": weight_decay, "momentum": momentum,
+                "muon": True}
         super().__init__([*adamw.param_groups, muon], {})
         self.adamw = adamw
         self._link()
