@@ -130,7 +130,15 @@ def _separate_update(rank: int, world_size: int, precision: str, scale: str) -> 
             shard.main.grad = grads[shard.name].reshape(-1)[shard.start:shard.end].clone()
         parts.optimizer.step()
         after = {n: p.detach().clone() for n, p in named.items()}
-    return tuple(to_hf(state, cfg.model) for state in (before, grads, after))
+        state = [t.clone() for s in parts.optimizer.optimizer.state.values() for t in s.values()]
+        for shard in parts.optimizer.shards():  # a NaN gradient: the step leaves weights and state alone
+            shard.main.grad = torch.full_like(shard.main, float("nan"))
+        parts.optimizer.clip(1.0, torch.ones(()))
+        parts.optimizer.step()
+        kept = all(torch.equal(p, after[n]) for n, p in named.items()) and all(
+            torch.equal(a, b) for a, b in zip(state, (t for s in parts.optimizer.optimizer.state.values()
+                                                       for t in s.values())))
+    return (*(to_hf(state, cfg.model) for state in (before, grads, after)), kept)
 
 
 def _separate(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -157,8 +165,10 @@ HIDDEN = ("_proj", "mlp.gate.weight", "experts.")
 
 @pytest.mark.parametrize("precision, scale", [("bf16", "rms"), ("bf16", "spectral"), ("fp32", "rms")])
 def test_one_device_update_is_torch_muon_on_the_separate_matrices(precision, scale):
-    """QKV split into q, k, v (grouped-query), gate/up into two, each expert on its own, the router too."""
-    before, grads, after = run_ranks(1, _separate_update, precision, scale)[0]
+    """QKV split into q, k, v (grouped-query), gate/up into two, each expert on its own, the router too; a step
+    with a NaN gradient changes no weight and no optimizer state (decided on the device)."""
+    before, grads, after, nan_step_kept_everything = run_ranks(1, _separate_update, precision, scale)[0]
+    assert nan_step_kept_everything
     hidden = [n for n in before if any(part in n for part in HIDDEN)]
     assert any("k_proj" in n for n in hidden) and any("experts.gate_up_proj" in n for n in hidden)
     for name in hidden:
