@@ -5,6 +5,7 @@ etp. The layouts share one spawned group of four ranks; one device runs in a gro
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -19,7 +20,11 @@ from megalite.config_validation import validate
 from megalite.data.batches import BatchMaker
 from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
+from megalite.model.gpt import GPTModel
 from megalite.parallel.muon import newton_schulz, update_scale
+from megalite.parallel.muon_plan import MuonPlan
+from megalite.parallel.placement import DATA_AXES, Fused, Placement
+from megalite.parallel.topology import RankGrid
 from megalite.training.build import build_trainer
 from megalite.training.pretrain import pretrain
 from megalite.training.step import train_step
@@ -91,7 +96,8 @@ def test_muon_resumes_at_another_layout_as_if_never_stopped(runs):
     uninterrupted one-device run's; Muon's momentum is in the checkpoint, layout-free."""
     root = runs["root"]
     uninterrupted = [r["loss"] for r in metrics(root / "one" / "uninterrupted.jsonl")]
-    saved, resumed = ([r["loss"] for r in metrics(root / f"{name}.jsonl")] for name in ("saved", "resumed at pp2 x tp2"))
+    saved, resumed = ([r["loss"] for r in metrics(root / f"{name}.jsonl")]
+                      for name in ("saved", "resumed at pp2 x tp2"))
     assert len(uninterrupted) == 5 and saved == pytest.approx(uninterrupted[:3], rel=1e-5)
     assert resumed == pytest.approx(uninterrupted[3:], rel=1e-5)
 
@@ -119,8 +125,8 @@ def test_muon_at_every_layout_equals_one_device(runs, layout):
 def _separate_update(rank: int, world_size: int, precision: str, scale: str) -> tuple[dict, dict, dict]:
     """One Muon step of a one-device MoE model from random gradients: the weights before, the gradients and the
     weights after, as HF tensors (transformers' separate matrices)."""
-    cfg = parse_config([*MUON, *MOE, "--model.family=qwen3", f"--train.precision={precision}", "--train.param_dtype=fp32",
-                        f"--optim.muon_scale={scale}", "--optim.weight_decay=0.1"])
+    cfg = parse_config([*MUON, *MOE, "--model.family=qwen3", f"--train.precision={precision}",
+                        "--train.param_dtype=fp32", f"--optim.muon_scale={scale}", "--optim.weight_decay=0.1"])
     generator = torch.Generator().manual_seed(0)
     with build_trainer(cfg, cpu_topology(rank, world_size, cfg)) as parts:
         named = dict(parts.model.named_parameters())
@@ -184,3 +190,60 @@ def test_muon_options_are_validated():
         validate(cfg, 1)
     assert error.value.problems == ["optim.muon_momentum=1.0 must be in [0, 1) (0.95 as released)",
                                     "optim.muon_ns_steps=0 must be in [1, 99] (5 as released)"]
+
+
+def _plans(model: list[tuple[str, list[int], Placement]], grid: RankGrid, distributed: bool) -> list[MuonPlan]:
+    """Every rank's plan for `model` (name, local shape, placement) laid out in one bucket per parameter."""
+    data = DATA_AXES["dense"]
+    replicas = math.prod(grid.size(axis) for axis in data)
+    params = [(name, torch.empty(shape), placement) for name, shape, placement in model]
+    ranges = [{name: (0, p.numel()) for name, p, _ in params} for _ in range(replicas)]
+    if distributed:  # each data-parallel index owns its share of every parameter, as a bucket per parameter would
+        ranges = [{name: (i * p.numel() // replicas, (i + 1) * p.numel() // replicas) for name, p, _ in params}
+                  for i in range(replicas)]
+    return [MuonPlan(params, {"dense": grid}, rank, {"dense": ranges}, distributed) for rank in range(grid.world_size)]
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_each_matrix_is_orthogonalised_once_by_one_of_its_holders_spread_over_the_stage(distributed):
+    """tp2 x dp2 x pp2: every rank derives the same owners, each unit's owner holds a piece of it, the units of a
+    stage spread over its four ranks (no rank gets twice the lightest one's work), each element travels once."""
+    grid = RankGrid.dense(tp=2, dp=2, pp=2)
+    model = [(f"layers.{i}.{kind}.weight", shape, placement) for i in range(4) for kind, shape, placement in (
+        ("attention.linear_qkv", [48, 64], Placement.split("tp", 0)), ("attention.linear_proj", [64, 32],
+                                                                       Placement.split("tp", 1)),
+        ("mlp.linear_fc1", [128, 64], Placement.split("tp", 0, 2)), ("mlp.linear_fc2", [64, 64],
+                                                                     Placement.split("tp", 1)))]
+    plans = _plans(model, grid, distributed)
+    for stage in grid.groups(("tp", "cp", "dp")):
+        owners = {tuple((u.key, u.owner) for u in plans[rank].units) for rank in stage}
+        assert len(owners) == 1
+        units = plans[stage[0]].units
+        assert all(u.owner in {p.rank for p in u.pieces} and u.owner in stage for u in units)
+        load = {rank: sum(u.cost for u in units if u.owner == rank) for rank in stage}
+        assert max(load.values()) < 2 * min(load.values())
+        for unit in units:
+            sent = sum(p.hi - p.lo for p in unit.pieces if p.sends)
+            assert sent == math.prod(unit.shape)
+
+
+def test_fused_weights_split_into_transformers_matrices_or_heads():
+    """The QKV rows of 2 KV groups of 2 query heads each (head size 2: [g0: q q k v][g1: q q k v]) are q, k, v as
+    transformers stores them, or each head with optim.muon_split_heads; gate/up (two blocks) two halves."""
+    qkv = Placement(Placement.split("tp", 0).shards, fused=Fused(2, (2, 1, 1), heads=True))
+    rows = [t.tolist() for t in qkv.separate_rows([16, 8], per_head=False)]
+    assert rows == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    heads = [t.tolist() for t in qkv.separate_rows([16, 8], per_head=True)]
+    assert sorted(heads) == [[i, i + 1] for i in range(0, 16, 2)]
+    assert [t.tolist() for t in Placement.split("etp", 1, 2).separate_rows([4, 6, 8], False)] == [[0, 1, 2], [3, 4, 5]]
+    assert Placement.split("tp", 1).separate_rows([4, 6], False) is None
+
+
+def test_routers_take_muon_unless_asked_not_to():
+    cfg = parse_config([*MUON, *MOE])
+    model = GPTModel(cfg.model, torch.device("meta"), seed=0)
+    with_routers, without = model.hidden_matrices(routers=True), model.hidden_matrices(routers=False)
+    assert with_routers - without == {"layers.1.mlp.router.weight", "layers.2.mlp.router.weight",
+                                      "layers.3.mlp.router.weight"}
+    assert "layers.1.mlp.experts.linear_fc1.weight" in without and "layers.0.attention.linear_qkv.weight" in without
+    assert not any(name.startswith(("embedding", "lm_head")) or "norm" in name for name in with_routers)

@@ -13,9 +13,10 @@ save and load. Which rank writes which element is the placement's `counted` rule
 
 Kinds of piece per parameter: `model` (in the parameter's dtype), `main_param` (fp32 main
 weights when parameters are bf16/fp16), Adam's `exp_avg`, `exp_avg_sq` and `step`, or for the matrices Muon
-steps (optim.optimizer=muon) its `momentum_buffer`, in the same owned slices, so it too resumes at any layout. The model's persistent
-buffers (a router's expert bias: state that training moves without gradients) are `model` pieces too, whole,
-written once by the first rank along every axis (they are replicated, like an undeclared parameter).
+steps (optim.optimizer=muon) its `momentum_buffer`, in the same owned slices, so it too resumes at any layout.
+The model's persistent buffers (a router's expert bias: state that training moves without gradients) are `model`
+pieces too, whole, written once by the first rank along every axis (they are replicated, like an undeclared
+parameter).
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ def _owned_by_index(buffers: list[GradBuffer], names: dict[int, str],
         grid = placements[names[id(layout.buckets[0].params[0])]].grid
         per_index = ranges.setdefault(grid, [{} for _ in range(layout.replicas)])
         for index, owned in enumerate(per_index):
-            owned |= {names[id(p)]: (lo, hi) for p, lo, hi in layout.owned_ranges(index, buffer.strategy.sharded_optimizer)}
+            sharded = buffer.strategy.sharded_optimizer
+            owned |= {names[id(p)]: (lo, hi) for p, lo, hi in layout.owned_ranges(index, sharded)}
     return ranges
 
 
