@@ -28,6 +28,7 @@ class Parameters:
     largest: int = 0  # elements of the largest single parameter (its gradient is briefly materialised)
     units: tuple[int, ...] = ()  # elements of each gather unit with parameters of its own, in forward order
     tied_head: bool = False  # the LM head reads the word embeddings of this rank's embedding unit (units[0])
+    muon: tuple[int, int] = (0, 0)  # (dense, expert) elements Muon steps (optim.optimizer=muon): one moment each
 
     @property
     def total(self) -> int:
@@ -38,20 +39,26 @@ class Parameters:
         """Elements on each rank grid (parallel/placement.py `Placement.grid`)."""
         return {"dense": self.dense, "expert": self.expert}
 
+    @property
+    def muon_by_grid(self) -> dict[str, int]:
+        return dict(zip(("dense", "expert"), self.muon))
+
 
 def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
     """What one tensor- and expert-parallel rank of pipeline stage `pp_rank` holds (same for every such rank)."""
     model = rank_model(cfg, pp_rank)
-    placements, grids = model.placements_by_name(), {"dense": 0, "expert": 0}
+    placements, grids, muon = model.placements_by_name(), {"dense": 0, "expert": 0}, {"dense": 0, "expert": 0}
+    matrices = model.hidden_matrices(cfg.optim.muon_routers) if cfg.optim.optimizer == "muon" else set()
     for name, param in model.named_parameters():
         grids[placements[name].grid] += param.numel()
+        muon[placements[name].grid] += param.numel() if name in matrices else 0
     index = unit_index(model.chunk_modules())
     units: dict[int, int] = {}
     for param in model.parameters():
         units[index[id(param)]] = units.get(index[id(param)], 0) + param.numel()
     return Parameters(grids["dense"], grids["expert"], max(p.numel() for p in model.parameters()),
                       tuple(units[unit] for unit in sorted(units)),
-                      model.lm_head is not None and model.lm_head.weight is None)
+                      model.lm_head is not None and model.lm_head.weight is None, (muon["dense"], muon["expert"]))
 
 
 def model_parameters(m: ModelConfig) -> int:
