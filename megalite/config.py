@@ -374,6 +374,9 @@ class OptimConfig:
         "over); spectral = sqrt(max(1, A / B)) (Keller Jordan's)")
     muon_split_heads: bool = _f(False, "Muon: orthogonalise each attention head's q, k and v rows separately")
     muon_routers: bool = _f(True, "Muon for the MoE routers too (Moonlight); false keeps AdamW for them")
+    qk_clip_threshold: float | None = _f(
+        None, "MuonClip's QK-clip (Kimi K2: 100): after each step, rescale the q/k weights of heads whose largest "
+        "attention logit exceeded this")
     offload: Literal["none", "cpu"] = _f(
         "none", "cpu: keep fp32 main weights and Adam's state in host memory and step there (ZeRO-Offload)")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this; 0 disables")

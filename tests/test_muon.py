@@ -32,13 +32,17 @@ from megalite.training.step import train_step
 MUON = [*TINY, *LLAMA, "--optim.optimizer=muon", "--optim.lr=0.01", "--optim.min_lr=0.01"]
 MOE = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden_size=32",
        "--model.moe_first_dense_layers=1"]
-LAYOUTS = {
+CLIP = ["--optim.qk_clip_threshold=0.09"]  # the tiny model's heads reach about 0.1: many are clipped
+REFERENCES = {"dense": [], "moe": MOE, "dense, QK-clip": CLIP}
+LAYOUTS = {  # (arguments, the one-device reference)
     "tp2 SP x dp2, distributed optimizer": (["--parallel.tp=2", "--parallel.sequence_parallel=true",
-                                             "--parallel.distributed_optimizer=true"], False),
-    "pp2 x cp2": (["--parallel.pp=2", "--parallel.cp=2"], False),
-    "tp2 x ZeRO-3 over dp2": (["--parallel.tp=2", "--parallel.zero_stage=3"], False),
-    "ep2 x etp2": (["--parallel.ep=2", "--parallel.etp=2"], True),
-    "ep2 x edp2, distributed optimizer": (["--parallel.ep=2", "--parallel.distributed_optimizer=true"], True),
+                                             "--parallel.distributed_optimizer=true"], "dense"),
+    "pp2 x cp2": (["--parallel.pp=2", "--parallel.cp=2"], "dense"),
+    "tp2 x ZeRO-3 over dp2": (["--parallel.tp=2", "--parallel.zero_stage=3"], "dense"),
+    "ep2 x etp2": ([*MOE, "--parallel.ep=2", "--parallel.etp=2"], "moe"),
+    "ep2 x edp2, distributed optimizer": ([*MOE, "--parallel.ep=2", "--parallel.distributed_optimizer=true"], "moe"),
+    "tp2 SP x dp2, distributed optimizer, QK-clip": ([*CLIP, "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                                                      "--parallel.distributed_optimizer=true"], "dense, QK-clip"),
 }
 STEPS = 2
 # pretrain_gpt.py's runs: a Muon run saved at tp2 SP x dp2 (step 3 of 5) resumed at pp2 x tp2 as if never stopped,
@@ -64,18 +68,40 @@ def _pretrain(rank: int, world_size: int, root: str, runs: dict[str, list[str]])
     return errors
 
 
-def _train(rank: int, world_size: int, layouts: dict, root: str, runs: dict[str, list[str]]) -> dict:
+def _batches(cfg, topology, step: int) -> list:
+    data, gbs = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), cfg.batch_size(
+        topology.world_size)
+    return list(micro_batches(data, BatchMaker(), step * gbs, (step + 1) * gbs, 1, topology.dp, topology.dp_rank, 0,
+                              topology.device))
+
+
+def _capped(rank: int, world_size: int, extra: list[str]) -> tuple[list[float], float, list[float]]:
+    """QK-clip on a batch whose heads' largest logits are known: a step (learning rate ~0) measures them with the
+    threshold out of reach, one with the threshold at their median clips, and a third measures them again.
+    Returns this rank's heads' maxima before, the threshold, and after."""
+    cfg = parse_config([*MUON, *extra, "--optim.lr=1e-12", "--optim.min_lr=1e-12", "--optim.weight_decay=0",
+                        "--optim.qk_clip_threshold=1e9"])
+    topology = cpu_topology(rank, world_size, cfg)
+    with build_trainer(cfg, topology) as parts:
+        batches = _batches(cfg, topology, 0)
+        train_step(parts, batches)
+        before = parts.qk_clip.last[0]  # the first layer's heads: what clipping does to a layer changes the inputs
+        parts.qk_clip.threshold = threshold = before.median().item()  # of the later ones
+        train_step(parts, batches)
+        parts.qk_clip.threshold = 1e9
+        train_step(parts, batches)
+        return before.tolist(), threshold, parts.qk_clip.last[0].tolist()
+
+
+def _train(rank: int, world_size: int, layouts: dict, root: str, runs: dict[str, list[str]], caps: list[str]) -> dict:
     """Each layout's step losses (from the LM head's stage) and whole main weights after STEPS steps, then
-    pretrain_gpt.py's `runs` (their errors under "errors")."""
-    out = {"errors": _pretrain(rank, world_size, root, runs)}
-    for name, (extra, moe) in layouts.items():
-        cfg = parse_config([*MUON, *(MOE if moe else []), *extra])
+    pretrain_gpt.py's `runs` (their errors under "errors"), then QK-clip's caps at layout `caps`."""
+    out = {"errors": _pretrain(rank, world_size, root, runs), "caps": _capped(rank, world_size, caps)}
+    for name, extra in layouts.items():
+        cfg = parse_config([*MUON, *extra])
         topology = cpu_topology(rank, world_size, cfg)
-        data, gbs = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), cfg.batch_size(world_size)
         with build_trainer(cfg, topology) as parts:
-            losses = [train_step(parts, list(micro_batches(data, BatchMaker(), s * gbs, (s + 1) * gbs, 1, topology.dp,
-                                                           topology.dp_rank, 0, topology.device))).loss
-                      for s in range(STEPS)]
+            losses = [train_step(parts, _batches(cfg, topology, s)).loss for s in range(STEPS)]
             out[name] = (losses, whole_shards(parts, topology, lambda shard: shard.main))
     return out
 
@@ -83,12 +109,20 @@ def _train(rank: int, world_size: int, layouts: dict, root: str, runs: dict[str,
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("muon")
-    reference = run_ranks(1, _train, {"dense": ([], False), "moe": ([], True)}, str(root / "one"),
-                          {"uninterrupted": []})[0]
-    ranks = run_ranks(4, _train, LAYOUTS, str(root), RUNS)
+    reference = run_ranks(1, _train, REFERENCES, str(root / "one"), {"uninterrupted": []}, [])[0]
+    ranks = run_ranks(4, _train, {name: extra for name, (extra, _) in LAYOUTS.items()}, str(root), RUNS,
+                      ["--parallel.tp=2", "--parallel.distributed_optimizer=true"])
     weights = {name: {k: v for rank in reversed(ranks) for k, v in rank[name][1].items()} for name in LAYOUTS}
     return {"one device": reference, "layouts": {name: (ranks[-1][name][0], weights[name]) for name in LAYOUTS},
-            "errors": ranks[0]["errors"], "root": root}
+            "errors": ranks[0]["errors"], "root": root, "caps": [reference["caps"]] + [r["caps"] for r in ranks]}
+
+
+def test_qk_clip_caps_the_heads_over_the_threshold_and_leaves_the_others(runs):
+    """One device and tp 2 x dp 2 (each rank its half of the heads): after the clipping step every head's largest
+    logit (of the first layer) on the same batch is min(before, threshold), and there were heads on both sides."""
+    for before, threshold, after in runs["caps"]:
+        assert any(b > threshold * 1.01 for b in before) and any(b < threshold * 0.99 for b in before)
+        assert after == pytest.approx([min(b, threshold) for b in before], rel=1e-4)
 
 
 def test_muon_resumes_at_another_layout_as_if_never_stopped(runs):
@@ -112,9 +146,12 @@ def test_switching_the_optimizer_on_resume_is_refused_unless_asked(runs):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_muon_at_every_layout_equals_one_device(runs, layout):
     losses, weights = runs["layouts"][layout]
-    ref_losses, ref_weights = runs["one device"]["moe" if LAYOUTS[layout][1] else "dense"]
+    ref_losses, ref_weights = runs["one device"][LAYOUTS[layout][1]]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert weights.keys() == ref_weights.keys()
+    if "QK-clip" in layout:  # the clip changed the weights: the unclipped run's differ
+        qkv = "layers.0.attention.linear_qkv.weight"
+        assert not torch.allclose(ref_weights[qkv], runs["one device"]["dense"][1][qkv], rtol=1e-3, atol=0)
     for name, value in weights.items():
         # AdamW's steps (embedding, head, norms) turn rounding-level gradient differences into lr-sized ones
         # where a gradient is near zero (m / sqrt(v)): Muon's matrices are held to the tight tolerance.
@@ -185,11 +222,15 @@ def test_one_device_update_is_torch_muon_on_the_separate_matrices(precision, sca
 
 
 def test_muon_options_are_validated():
-    cfg = parse_config([*MUON, "--optim.muon_momentum=1.0", "--optim.muon_ns_steps=0"])
+    cfg = parse_config([*MUON, "--optim.muon_momentum=1.0", "--optim.muon_ns_steps=0", "--optim.qk_clip_threshold=0"])
     with pytest.raises(ConfigError) as error:
         validate(cfg, 1)
     assert error.value.problems == ["optim.muon_momentum=1.0 must be in [0, 1) (0.95 as released)",
-                                    "optim.muon_ns_steps=0 must be in [1, 99] (5 as released)"]
+                                    "optim.muon_ns_steps=0 must be in [1, 99] (5 as released)",
+                                    "optim.qk_clip_threshold=0.0 must be positive (Kimi K2 uses 100) or unset"]
+    cfg = parse_config([*MUON, "--model.family=qwen3", "--parallel.cp=2", "--optim.qk_clip_threshold=100"])
+    with pytest.raises(ConfigError, match=r"optim.qk_clip_threshold does not work with parallel.cp > 1, q/k norms"):
+        validate(cfg, 2)
 
 
 def _plans(model: list[tuple[str, list[int], Placement]], grid: RankGrid, distributed: bool) -> list[MuonPlan]:

@@ -23,7 +23,7 @@ resume silently restarted Adam's moments. One optimizer means one checkpoint for
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,7 @@ class DistributedOptimizer:
                                        topology.device)
         self._gathers: dict[int, dist.Work] = {}
         self._found_inf: torch.Tensor | None = None
+        self.after_update: Callable[[], None] | None = None  # changes the main weights before they are shared
         self.gather_in_background = overlap_param_gather and any(b.strategy.gathers_after_step for b in buffers)
         if self.gather_in_background:
             self._wait_before_use(model)
@@ -170,6 +171,8 @@ class DistributedOptimizer:
             self.optimizer.found_inf = self._found_inf.to(self.params[0].main.device) if self.params else None
         self.optimizer.step()
         self.optimizer.found_inf, self._found_inf = None, None
+        if self.after_update is not None:
+            self.after_update()
         self.finish_step()
 
     def finish_step(self) -> None:
