@@ -52,7 +52,9 @@ SAVED = ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.dis
 RUNS = {"saved": SAVED, "resumed at pp2 x tp2": ["--parallel.pp=2", "--parallel.tp=2", "--checkpoint.load={root}/muon"],
         "adamw refused": ["--optim.optimizer=adamw", "--checkpoint.load={root}/muon"],
         "adamw, fresh optimizer state": ["--optim.optimizer=adamw", "--checkpoint.load={root}/muon",
-                                         "--checkpoint.load_optimizer=false", "--train.train_iters=4"]}
+                                         "--checkpoint.load_optimizer=false", "--train.train_iters=4"],
+        "QK-clip at pp2 x tp2": ["--optim.qk_clip_threshold=0.09", "--parallel.pp=2", "--parallel.tp=2",
+                                 "--train.train_iters=1"]}
 
 
 def _pretrain(rank: int, world_size: int, root: str, runs: dict[str, list[str]]) -> dict[str, str]:
@@ -115,6 +117,12 @@ def runs(tmp_path_factory) -> dict:
     weights = {name: {k: v for rank in reversed(ranks) for k, v in rank[name][1].items()} for name in LAYOUTS}
     return {"one device": reference, "layouts": {name: (ranks[-1][name][0], weights[name]) for name in LAYOUTS},
             "errors": ranks[0]["errors"], "root": root, "caps": [reference["caps"]] + [r["caps"] for r in ranks]}
+
+
+def test_qk_clip_logs_each_layers_largest_logit(runs):
+    record = metrics(runs["root"] / "QK-clip at pp2 x tp2.jsonl")[0]
+    logits = {key: value for key, value in record.items() if key.startswith("max_logit/")}
+    assert sorted(logits) == [f"max_logit/layer_{i}" for i in range(4)] and all(v > 0 for v in logits.values())
 
 
 def test_qk_clip_caps_the_heads_over_the_threshold_and_leaves_the_others(runs):
