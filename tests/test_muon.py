@@ -29,7 +29,7 @@ from megalite.training.build import build_trainer
 from megalite.training.pretrain import pretrain
 from megalite.training.step import train_step
 
-MUON = [*TINY, *LLAMA, "--optim.optimizer=muon", "--optim.lr=0.01", "--optim.min_lr=0.01"]
+MUON = [*TINY, *LLAMA, "--optim.optimizer=muon", "--optim.lr=0.01", "--optim.min_lr=0.01", "--train.global_batch_size=4"]
 MOE = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden_size=32",
        "--model.moe_first_dense_layers=1"]
 CLIP = ["--optim.qk_clip_threshold=0.09"]  # the tiny model's heads reach about 0.1: many are clipped
@@ -39,6 +39,7 @@ LAYOUTS = {  # (arguments, the one-device reference)
                                              "--parallel.distributed_optimizer=true"], "dense"),
     "pp2 x cp2": (["--parallel.pp=2", "--parallel.cp=2"], "dense"),
     "tp2 x ZeRO-3 over dp2": (["--parallel.tp=2", "--parallel.zero_stage=3"], "dense"),
+    "ZeRO-2 over dp4, CPU offload": (["--parallel.zero_stage=2", "--optim.offload=cpu"], "dense"),
     "ep2 x etp2": ([*MOE, "--parallel.ep=2", "--parallel.etp=2"], "moe"),
     "ep2 x edp2, distributed optimizer": ([*MOE, "--parallel.ep=2", "--parallel.distributed_optimizer=true"], "moe"),
     "tp2 SP x dp2, distributed optimizer, QK-clip": ([*CLIP, "--parallel.tp=2", "--parallel.sequence_parallel=true",
