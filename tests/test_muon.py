@@ -29,7 +29,8 @@ from megalite.training.build import build_trainer
 from megalite.training.pretrain import pretrain
 from megalite.training.step import train_step
 
-MUON = [*TINY, *LLAMA, "--optim.optimizer=muon", "--optim.lr=0.01", "--optim.min_lr=0.01", "--train.global_batch_size=4"]
+MUON = [*TINY, *LLAMA, "--optim.optimizer=muon", "--optim.lr=0.01", "--optim.min_lr=0.01",
+        "--train.global_batch_size=4"]
 MOE = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden_size=32",
        "--model.moe_first_dense_layers=1"]
 CLIP = ["--optim.qk_clip_threshold=0.09"]  # the tiny model's heads reach about 0.1: many are clipped
