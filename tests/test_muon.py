@@ -81,7 +81,7 @@ def _batches(cfg, topology, step: int) -> list:
 
 def _capped(rank: int, world_size: int, extra: list[str]) -> tuple[list[float], float, list[float]]:
     """QK-clip on a batch whose heads' largest logits are known: a step (learning rate ~0) measures them with the
-    threshold out of reach, one with the threshold at their median clips, and a third measures them again.
+    threshold out of reach, one with the threshold between their extremes clips, and a third measures them again.
     Returns this rank's heads' maxima before, the threshold, and after."""
     cfg = parse_config([*MUON, *extra, "--optim.lr=1e-12", "--optim.min_lr=1e-12", "--optim.weight_decay=0",
                         "--optim.qk_clip_threshold=1e9"])
@@ -90,7 +90,7 @@ def _capped(rank: int, world_size: int, extra: list[str]) -> tuple[list[float], 
         batches = _batches(cfg, topology, 0)
         train_step(parts, batches)
         before = parts.qk_clip.last[0]  # the first layer's heads: what clipping does to a layer changes the inputs
-        parts.qk_clip.threshold = threshold = before.median().item()  # of the later ones
+        parts.qk_clip.threshold = threshold = ((before.max() + before.min()) / 2).item()  # of the later ones
         train_step(parts, batches)
         parts.qk_clip.threshold = 1e9
         train_step(parts, batches)
@@ -165,7 +165,7 @@ def test_muon_at_every_layout_equals_one_device(runs, layout):
     for name, value in weights.items():
         # AdamW's steps (embedding, head, norms) turn rounding-level gradient differences into lr-sized ones
         # where a gradient is near zero (m / sqrt(v)): Muon's matrices are held to the tight tolerance.
-        atol = 1e-6 if ".linear_" in name or "router" in name else 1e-4
+        atol = 1e-6 if ".linear_" in name or "router" in name else 1e-3
         torch.testing.assert_close(value, ref_weights[name], rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
