@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from megalite.parallel.muon_plan import MuonPlan, Unit
+from megalite.parallel.muon_plan import MuonPlan
 
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
 EPS = 1e-7
@@ -49,17 +49,16 @@ def update_scale(rows: int, cols: int, rule: str) -> float:
     return 0.2 * math.sqrt(max(rows, cols)) if rule == "rms" else math.sqrt(max(1.0, rows / cols))
 
 
-def orthogonalize(unit: Unit, whole: torch.Tensor, steps: int, dtype: torch.dtype, rule: str,
-                  per_head: bool) -> torch.Tensor:
-    """The scaled, orthogonalised update of every separate matrix of a whole unit [..., rows, cols], in fp32."""
+def orthogonalize(whole: torch.Tensor, separate: list[torch.Tensor] | None, steps: int, dtype: torch.dtype,
+                  rule: str) -> torch.Tensor:
+    """The scaled, orthogonalised update of every separate matrix (`separate`: their row indices, None: the whole
+    matrix) of each matrix of a whole unit [..., rows, cols], in fp32."""
     rows, cols = whole.shape[-2:]
     out = torch.empty(whole.shape, dtype=torch.float32, device=whole.device)
-    groups = unit.placement.separate_rows(unit.shape, per_head)
     for matrix, result in zip(whole.reshape(-1, rows, cols), out.view(-1, rows, cols)):
-        for index in groups or [None]:
-            rows_of = slice(None) if index is None else index.to(whole.device)
-            g = matrix[rows_of]
-            result[rows_of] = newton_schulz(g, steps, dtype).float() * update_scale(*g.shape, rule)
+        for index in separate or [slice(None)]:
+            g = matrix[index]
+            result[index] = newton_schulz(g, steps, dtype).float() * update_scale(*g.shape, rule)
     return out
 
 
@@ -78,8 +77,11 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw = adamw
         self._link()
         self.names = {id(t): n for n, t in matrices.items()}
-        self.plan, self.ns_steps, self.scale, self.per_head = plan, ns_steps, scale, per_head
-        self.dtype, self.device = dtype, device
+        self.plan, self.ns_steps, self.scale, self.dtype, self.device = plan, ns_steps, scale, dtype, device
+        self.separate = {}  # the row indices of the separate matrices of each unit this rank orthogonalises
+        for unit in plan.units:
+            rows = unit.placement.separate_rows(unit.shape, per_head) if unit.owner == plan.rank else None
+            self.separate[unit.key] = [r.to(device) for r in rows] if rows is not None else None
         self.found_inf: torch.Tensor | None = None  # set around step(), as for fused AdamW: 1.0 skips it
 
     def _link(self) -> None:
@@ -106,8 +108,8 @@ class MuonAdamW(torch.optim.Optimizer):
             moved.append((main, buf, buf.lerp(main.grad, 1 - mu)))
             updates[self.names[id(main)]] = main.grad.lerp(moved[-1][2], mu)
         whole = self.plan.gather(updates, self.dtype, self.device)
-        results = {key: orthogonalize(unit, whole[key], self.ns_steps, self.dtype, self.scale, self.per_head)
-                   for unit in self.plan.units if (key := unit.key) in whole}
+        results = {key: orthogonalize(tensor, self.separate[key], self.ns_steps, self.dtype, self.scale)
+                   for key, tensor in whole.items()}
         back = self.plan.scatter(results, self.device)
         skip = self.found_inf.bool() if self.found_inf is not None else None
         for main, buf, new_buf in moved:
