@@ -20,11 +20,13 @@ from megalite.config_validation import validate
 from megalite.data.batches import BatchMaker
 from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
+from megalite.dryrun.run import dry_run
 from megalite.model.gpt import GPTModel
 from megalite.parallel.muon import newton_schulz, update_scale
 from megalite.parallel.muon_plan import MuonPlan
 from megalite.parallel.placement import DATA_AXES, Fused, Placement
 from megalite.parallel.topology import RankGrid
+from megalite.planning.measure import measurement_config
 from megalite.training.build import build_trainer
 from megalite.training.pretrain import pretrain
 from megalite.training.step import train_step
@@ -298,3 +300,16 @@ def test_routers_take_muon_unless_asked_not_to():
                                       "layers.3.mlp.router.weight"}
     assert "layers.1.mlp.experts.linear_fc1.weight" in without and "layers.0.attention.linear_qkv.weight" in without
     assert not any(name.startswith(("embedding", "lm_head")) or "norm" in name for name in with_routers)
+
+
+def test_the_dry_run_steps_muon_under_nccl_rules():
+    """Each role's rank of tp2 SP x pp2 x dp2 (distributed optimizer, bf16) stepped on fake tensors at world size
+    8 obeys NCCL's rules. (What the update makes counts as optimizer state there: with Muon that includes the
+    owners' whole matrices and the iteration's temporaries, which the planner does not count yet.)"""
+    cfg = measurement_config(8, model={"family": "llama", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                                       "num_query_groups": 2, "seq_length": 32, "vocab_size": 256},
+                             parallel={"tp": 2, "pp": 2, "sequence_parallel": True, "distributed_optimizer": True},
+                             train={"micro_batch_size": 2, "global_batch_size": 8, "precision": "bf16",
+                                    "param_dtype": "bf16"}, optim={"optimizer": "muon"})
+    report = dry_run(cfg, 8, "peak")
+    assert report.ok and len(report.ranks) == 2
