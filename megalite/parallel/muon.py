@@ -80,7 +80,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.plan, self.ns_steps, self.scale, self.dtype, self.device = plan, ns_steps, scale, dtype, device
         self.separate = {}  # the row indices of the separate matrices of each unit this rank orthogonalises
         for unit in plan.units:
-            rows = unit.placement.separate_rows(unit.shape, per_head) if unit.owner == plan.rank else None
+            rows = unit.separate_rows(per_head) if unit.owner == plan.rank else None
             self.separate[unit.key] = [r.to(device) for r in rows] if rows is not None else None
         self.found_inf: torch.Tensor | None = None  # set around step(), as for fused AdamW: 1.0 skips it
 

@@ -2,9 +2,9 @@
 
 Muon needs every weight matrix whole, while tensor parallelism splits matrices over tp (etp for experts) and the
 distributed optimizer cuts each rank's flat slice of a bucket anywhere (bucket_layout.py). A *unit* is one
-parameter made whole along every axis that splits its matrix dimensions (the last two), one per coordinate along
-the axes that split a stack of matrices (ep splits the experts: each ep rank's experts are units of their own).
-Its *holders* are the ranks of the pipeline stage that hold pieces of it (tp x cp x dp for a dense weight,
+matrix of a parameter (each expert of a stack its own) made whole along every axis that splits its matrix
+dimensions (the last two; ep splits the stack, so an expert lives at one ep coordinate). Its *holders* are the
+ranks of the pipeline stage that hold pieces of it (tp x cp x dp for a dense weight,
 etp x edp at one ep coordinate for experts); where each holder's piece sits is read from the placement (its shard)
 and the bucket layout (its owned range), identical on every holder, so every rank derives the same plan alone.
 
@@ -18,31 +18,35 @@ holder's slice of the orthogonalised update back. Every rank calls both, in the 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.placement import DATA_AXES, Placement, shard, unshard
+from megalite.parallel.placement import DATA_AXES, Placement, ShardSpec, shard, unshard
 from megalite.parallel.topology import RankGrid
 
 
 @dataclass(frozen=True)
 class Piece:
     """Holder `rank`'s part of a unit: its shard (coordinates along the unit's gathered axes), the flat range
-    [lo, hi) of it that the rank steps, and whether it sends it (it writes those elements)."""
+    [lo, hi) of it that the rank steps, where that range starts in the rank's stepped slice of the parameter
+    (`at`), and whether it sends it (it writes those elements)."""
 
     rank: int
     shard: tuple[int, ...]
     lo: int
     hi: int
+    at: int
     sends: bool
 
 
 @dataclass
 class Unit:
-    """One parameter whole along its gathered axes (at one coordinate of its stack axes): `shape` its whole
-    shape, `local` a shard's shape; `gathered` the (axis, spec, size) its matrix dimensions are split along."""
+    """One matrix of a parameter (one of a stack: an expert) whole along its gathered axes: `shape` its whole
+    shape, `local` a shard's shape; `gathered` the (axis, spec, size) it is split along (spec dims counted in the
+    matrix); `stack` how many stack dimensions the parameter has (its placement's dims count them)."""
 
     key: tuple
     name: str
@@ -50,13 +54,18 @@ class Unit:
     shape: list[int]
     local: torch.Size
     gathered: list[tuple]
+    stack: int
     pieces: list[Piece]
     owner: int = -1
 
     @property
     def cost(self) -> int:
-        rows, cols = self.shape[-2:]
-        return rows * cols * min(rows, cols) * (self.local.numel() // (self.local[-2] * self.local[-1]))
+        rows, cols = self.shape
+        return rows * cols * min(rows, cols)
+
+    def separate_rows(self, per_head: bool) -> list[torch.Tensor] | None:
+        """The row indices of the separate matrices transformers has in this one (placement.py)."""
+        return self.placement.separate_rows([1] * self.stack + self.shape, per_head)
 
     def assemble(self, parts: dict[tuple[int, ...], torch.Tensor]) -> torch.Tensor:
         """The whole tensor from its flat shards by shard coordinates (inverse of `split`)."""
@@ -76,25 +85,30 @@ class Unit:
 
 def _units(name: str, param: torch.Tensor, placement: Placement, grid: RankGrid, stage: list[int],
            ranges: list[dict[int, tuple[int, int]]], distributed: bool) -> list[Unit]:
-    """`name`'s units in the stage (`stage`: its ranks); `ranges[i]`: data-parallel index i's owned range of it."""
-    matrix_dims = param.ndim - 2
+    """`name`'s units in the stage (`stage`: its ranks), one per matrix (each of a stack its own, whichever ranks
+    hold it); `ranges[i]`: data-parallel index i's owned range of the parameter."""
+    stack_dims = param.ndim - 2
     splits = [(axis, spec, grid.size(axis)) for axis, spec in placement.shards]
-    stack = [axis for axis, spec, _ in splits if spec.dim < matrix_dims]
-    gathered = [(axis, spec, size) for axis, spec, size in splits if spec.dim >= matrix_dims and size > 1]
-    shape = list(param.shape)
+    stack = [axis for axis, spec, _ in splits if spec.dim < stack_dims]
+    gathered = [(axis, ShardSpec(spec.dim - stack_dims, spec.blocks), size) for axis, spec, size in splits
+                if spec.dim >= stack_dims and size > 1]
+    local = param.shape[-2:]
+    shape = list(local)
     for _, spec, size in gathered:
         shape[spec.dim] *= size
-    units = {}
+    units, size = {}, local.numel()
     for rank in stage:
         coords = grid.coords(rank)
-        key = (name, *(coords[axis] for axis in stack))
-        if key not in units:
-            units[key] = Unit(key, name, placement, shape, param.shape, gathered, [])
-        owned = ranges[grid.index_in(rank, DATA_AXES[placement.grid])].get(name)
-        if owned is None:
-            continue
-        sends = placement.counted(grid.axes, distributed, lambda axis, c=coords: (c[axis], grid.size(axis)))
-        units[key].pieces.append(Piece(rank, tuple(coords[axis] for axis, _, _ in gathered), *owned, sends))
+        for m in range(math.prod(param.shape[:-2])):
+            key = (name, *(coords[axis] for axis in stack), m)
+            if key not in units:
+                units[key] = Unit(key, name, placement, shape, local, gathered, stack_dims, [])
+            owned = ranges[grid.index_in(rank, DATA_AXES[placement.grid])].get(name)
+            lo, hi = (max(owned[0], m * size), min(owned[1], (m + 1) * size)) if owned is not None else (0, 0)
+            if lo < hi:
+                sends = placement.counted(grid.axes, distributed, lambda axis, c=coords: (c[axis], grid.size(axis)))
+                units[key].pieces.append(Piece(rank, tuple(coords[axis] for axis, _, _ in gathered), lo - m * size,
+                                               hi - m * size, lo - owned[0], sends))
     return list(units.values())
 
 
@@ -120,7 +134,7 @@ class MuonPlan:
             name, param, placement, grids[placement.grid], stage, ranges[placement.grid], distributed)]
         balance(self.units)
         self.units.sort(key=lambda u: u.key)
-        self.mine = {u.name: u for u in self.units if any(p.rank == rank for p in u.pieces)}
+        self.mine = [(u, p) for u in self.units for p in u.pieces if p.rank == rank]  # what this rank steps
 
     def _sends(self, back: bool) -> list[tuple[int, int, Unit, Piece]]:
         """(source, destination, unit, piece) of every transfer, in the one order all ranks use."""
@@ -151,7 +165,7 @@ class MuonPlan:
                device: torch.device) -> dict[tuple, torch.Tensor]:
         """Each owned unit whole, from every holder's flat piece (`updates`, by name: this rank's)."""
         moves = self._sends(back=False)
-        payload = {(self.mine[n].key, self.rank): u for n, u in updates.items() if n in self.mine}
+        payload = {(u.key, p.rank): updates[u.name][p.at:p.at + p.hi - p.lo] for u, p in self.mine}
         into = sorted((m for m in moves if m[1] == self.rank), key=lambda m: m[0])
         parts: dict[tuple, dict[tuple[int, ...], torch.Tensor]] = {}
         for (_, _, unit, piece), values in zip(into, self._exchange(moves, payload, dtype, device)):
@@ -168,7 +182,8 @@ class MuonPlan:
         return whole
 
     def scatter(self, results: dict[tuple, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-        """Every holder's flat slice of its unit's result (`results`: this rank's owned units, whole), by name."""
+        """Every holder's stepped slice of each parameter's result (`results`: this rank's owned units, whole), by
+        name, put together from its units' pieces."""
         moves = self._sends(back=True)
         payload = {}
         for unit in self.units:
@@ -177,4 +192,10 @@ class MuonPlan:
                     payload[(unit.key, piece.rank)] = unit.split(results[unit.key], piece.shard)[piece.lo:piece.hi]
         into = sorted((m for m in moves if m[1] == self.rank), key=lambda m: m[0])
         arrived = self._exchange(moves, payload, torch.float32, device)
-        return {unit.name: values for (_, _, unit, _), values in zip(into, arrived)}
+        lengths: dict[str, int] = {}
+        for unit, piece in self.mine:
+            lengths[unit.name] = max(lengths.get(unit.name, 0), piece.at + piece.hi - piece.lo)
+        out = {name: torch.empty(length, device=device) for name, length in lengths.items()}
+        for (_, _, unit, piece), values in zip(into, arrived):
+            out[unit.name][piece.at:piece.at + piece.hi - piece.lo] = values
+        return out
