@@ -24,7 +24,7 @@ from megalite.dryrun.run import dry_run
 from megalite.model.gpt import GPTModel
 from megalite.parallel.muon import newton_schulz, update_scale
 from megalite.parallel.muon_plan import MuonPlan
-from megalite.parallel.placement import DATA_AXES, Fused, Placement
+from megalite.parallel.placement import DATA_AXES, Fused, Placement, ShardSpec
 from megalite.parallel.topology import RankGrid
 from megalite.planning.measure import measurement_config
 from megalite.training.build import build_trainer
@@ -313,3 +313,20 @@ def test_the_dry_run_steps_muon_under_nccl_rules():
                                     "param_dtype": "bf16"}, optim={"optimizer": "muon"})
     report = dry_run(cfg, 8, "peak")
     assert report.ok and len(report.ranks) == 2
+
+
+def test_each_expert_is_a_matrix_of_its_own_owned_at_its_ep_coordinate():
+    """ep2 x etp2 (world 4): the two experts each ep rank holds (split over etp, gate/up blocks) are four units,
+    each owned by one of the two ranks holding it, the two of an ep rank by different ranks."""
+    grids = {"dense": RankGrid.dense(dp=4), "expert": RankGrid.expert(etp=2, ep=2)}
+    placement = Placement((("ep", ShardSpec(0)), ("etp", ShardSpec(1, 2))), "expert")
+    param = ("layers.1.mlp.experts.linear_fc1.weight", torch.empty(2, 32, 16), placement)
+    plans = [MuonPlan([param], grids, rank, {"expert": [{param[0]: (0, param[1].numel())}]}, False)
+             for rank in range(4)]
+    units = plans[0].units
+    assert [u.key[1:] for u in units] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # (ep coordinate, local expert)
+    for unit in units:
+        holders = {p.rank for p in unit.pieces}
+        assert holders == {r for r in range(4) if grids["expert"].coords(r)["ep"] == unit.key[1]}
+        assert unit.shape == [64, 16] and sum(p.hi - p.lo for p in unit.pieces if p.sends) == 64 * 16
+    assert units[0].owner != units[1].owner and units[2].owner != units[3].owner
