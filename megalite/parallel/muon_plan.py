@@ -135,9 +135,11 @@ class MuonPlan:
         balance(self.units)
         self.units.sort(key=lambda u: u.key)
         self.mine = [(u, p) for u in self.units for p in u.pieces if p.rank == rank]  # what this rank steps
+        self.routes = {back: self._route(back) for back in (False, True)}
 
-    def _sends(self, back: bool) -> list[tuple[int, int, Unit, Piece]]:
-        """(source, destination, unit, piece) of every transfer, in the one order all ranks use."""
+    def _route(self, back: bool) -> tuple[list, list, list[int], list[int]]:
+        """One direction's transfers, planned once: what this rank sends (by destination) and receives (by source),
+        each (source, destination, unit, piece) in the one order all ranks use, and the split sizes."""
         moves = []
         for unit in self.units:
             for piece in unit.pieces:
@@ -145,30 +147,31 @@ class MuonPlan:
                     moves.append((unit.owner, piece.rank, unit, piece))
                 elif piece.sends:
                     moves.append((piece.rank, unit.owner, unit, piece))
-        return moves
-
-    def _exchange(self, moves: list, payload: dict, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-        """Send payload[(unit key, piece rank)] of each move from this rank; returns what arrives, in move order."""
         out = sorted((m for m in moves if m[0] == self.rank), key=lambda m: m[1])
         into = sorted((m for m in moves if m[1] == self.rank), key=lambda m: m[0])
-        sizes = lambda ms, end: [sum(m[3].hi - m[3].lo for m in ms if m[end] == r) for r in range(self.world)]
+        sizes = [[sum(m[3].hi - m[3].lo for m in ms if m[end] == r) for r in range(self.world)]
+                 for ms, end in ((out, 1), (into, 0))]
+        return out, into, *sizes
+
+    def _exchange(self, back: bool, payload: dict, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Send payload[(unit key, piece rank)] of each planned transfer from this rank; returns what arrives, in
+        the order of the direction's `into`."""
+        out, into, sent_sizes, received_sizes = self.routes[back]
         sent = [payload[(m[2].key, m[3].rank)].to(device, dtype) for m in out]
         flat = torch.cat(sent) if sent else torch.empty(0, dtype=dtype, device=device)
-        received = torch.empty(sum(m[3].hi - m[3].lo for m in into), dtype=dtype, device=device)
+        received = torch.empty(sum(received_sizes), dtype=dtype, device=device)
         if self.world == 1:
             received.copy_(flat)
         else:
-            dist.all_to_all_single(received, flat, sizes(into, 0), sizes(out, 1))
+            dist.all_to_all_single(received, flat, received_sizes, sent_sizes)
         return list(received.split([m[3].hi - m[3].lo for m in into]))
 
     def gather(self, updates: dict[str, torch.Tensor], dtype: torch.dtype,
                device: torch.device) -> dict[tuple, torch.Tensor]:
         """Each owned unit whole, from every holder's flat piece (`updates`, by name: this rank's)."""
-        moves = self._sends(back=False)
         payload = {(u.key, p.rank): updates[u.name][p.at:p.at + p.hi - p.lo] for u, p in self.mine}
-        into = sorted((m for m in moves if m[1] == self.rank), key=lambda m: m[0])
         parts: dict[tuple, dict[tuple[int, ...], torch.Tensor]] = {}
-        for (_, _, unit, piece), values in zip(into, self._exchange(moves, payload, dtype, device)):
+        for (_, _, unit, piece), values in zip(self.routes[False][1], self._exchange(False, payload, dtype, device)):
             shards = parts.setdefault(unit.key, {})
             flat = shards.setdefault(piece.shard, torch.zeros(unit.local.numel(), dtype=dtype, device=device))
             flat[piece.lo:piece.hi] = values
@@ -184,18 +187,16 @@ class MuonPlan:
     def scatter(self, results: dict[tuple, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         """Every holder's stepped slice of each parameter's result (`results`: this rank's owned units, whole), by
         name, put together from its units' pieces."""
-        moves = self._sends(back=True)
         payload = {}
         for unit in self.units:
             if unit.owner == self.rank:
                 for piece in unit.pieces:
                     payload[(unit.key, piece.rank)] = unit.split(results[unit.key], piece.shard)[piece.lo:piece.hi]
-        into = sorted((m for m in moves if m[1] == self.rank), key=lambda m: m[0])
-        arrived = self._exchange(moves, payload, torch.float32, device)
+        arrived = self._exchange(True, payload, torch.float32, device)
         lengths: dict[str, int] = {}
         for unit, piece in self.mine:
             lengths[unit.name] = max(lengths.get(unit.name, 0), piece.at + piece.hi - piece.lo)
         out = {name: torch.empty(length, device=device) for name, length in lengths.items()}
-        for (_, _, unit, piece), values in zip(into, arrived):
+        for (_, _, unit, piece), values in zip(self.routes[True][1], arrived):
             out[unit.name][piece.at:piece.at + piece.hi - piece.lo] = values
         return out
