@@ -108,9 +108,12 @@ class MuonAdamW(torch.optim.Optimizer):
             moved.append((main, buf, buf.lerp(main.grad, 1 - mu)))
             updates[self.names[id(main)]] = main.grad.lerp(moved[-1][2], mu)
         whole = self.plan.gather(updates, self.dtype, self.device)
-        results = {key: orthogonalize(tensor, self.separate[key], self.ns_steps, self.dtype, self.scale)
-                   for key, tensor in whole.items()}
+        del updates
+        results = {}
+        for key in list(whole):  # each whole matrix freed once orthogonalised
+            results[key] = orthogonalize(whole.pop(key), self.separate[key], self.ns_steps, self.dtype, self.scale)
         back = self.plan.scatter(results, self.device)
+        del results
         skip = self.found_inf.bool() if self.found_inf is not None else None
         for main, buf, new_buf in moved:
             stepped = main * (1 - lr * decay) - lr * back[self.names[id(main)]].to(main.device)
