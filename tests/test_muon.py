@@ -54,6 +54,7 @@ STEPS = 2
 SAVED = ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.distributed_optimizer=true",
          "--checkpoint.save={root}/muon", "--train.exit_interval=3"]
 RUNS = {"saved": SAVED, "resumed at pp2 x tp2": ["--parallel.pp=2", "--parallel.tp=2", "--checkpoint.load={root}/muon"],
+        "resumed at ZeRO-3 over dp4": ["--parallel.zero_stage=3", "--checkpoint.load={root}/muon"],
         "adamw refused": ["--optim.optimizer=adamw", "--checkpoint.load={root}/muon"],
         "adamw, fresh optimizer state": ["--optim.optimizer=adamw", "--checkpoint.load={root}/muon",
                                          "--checkpoint.load_optimizer=false", "--train.train_iters=4"],
@@ -138,14 +139,15 @@ def test_qk_clip_caps_the_heads_over_the_threshold_and_leaves_the_others(runs):
 
 
 def test_muon_resumes_at_another_layout_as_if_never_stopped(runs):
-    """Saved at tp2 SP x dp2 (distributed optimizer) after step 3, resumed at pp2 x tp2: steps 4 and 5 are the
-    uninterrupted one-device run's; Muon's momentum is in the checkpoint, layout-free."""
+    """Saved at tp2 SP x dp2 (distributed optimizer) after step 3, resumed at pp2 x tp2 and at ZeRO-3 over dp4:
+    steps 4 and 5 are the uninterrupted one-device run's; Muon's momentum is in the checkpoint, layout-free."""
     root = runs["root"]
     uninterrupted = [r["loss"] for r in metrics(root / "one" / "uninterrupted.jsonl")]
-    saved, resumed = ([r["loss"] for r in metrics(root / f"{name}.jsonl")]
-                      for name in ("saved", "resumed at pp2 x tp2"))
+    saved, *resumed = ([r["loss"] for r in metrics(root / f"{name}.jsonl")]
+                       for name in ("saved", "resumed at pp2 x tp2", "resumed at ZeRO-3 over dp4"))
     assert len(uninterrupted) == 5 and saved == pytest.approx(uninterrupted[:3], rel=1e-5)
-    assert resumed == pytest.approx(uninterrupted[3:], rel=1e-5)
+    for losses in resumed:
+        assert losses == pytest.approx(uninterrupted[3:], rel=1e-5)
 
 
 def test_switching_the_optimizer_on_resume_is_refused_unless_asked(runs):
