@@ -368,6 +368,18 @@ class OptimConfig:
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.95, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
+    optimizer: Literal["adamw", "muon"] = _f(
+        "adamw", "muon: Muon for the layers' hidden weight matrices (AdamW for embeddings, head, norms, biases)")
+    muon_momentum: float = _f(0.95, "Muon's Nesterov momentum")
+    muon_ns_steps: int = _f(5, "Muon's quintic Newton-Schulz iterations")
+    muon_scale: Literal["rms", "spectral"] = _f(
+        "rms", "Muon's update scale: rms = 0.2 * sqrt(max(A, B)) (Moonlight: AdamW's lr and weight decay carry "
+        "over); spectral = sqrt(max(1, A / B)) (Keller Jordan's)")
+    muon_split_heads: bool = _f(False, "Muon: orthogonalise each attention head's q, k and v rows separately")
+    muon_routers: bool = _f(True, "Muon for the MoE routers too (Moonlight); false keeps AdamW for them")
+    qk_clip_threshold: float | None = _f(
+        None, "MuonClip's QK-clip (Kimi K2: 100): after each step, rescale the q/k weights of heads whose largest "
+        "attention logit exceeded this")
     offload: Literal["none", "cpu"] = _f(
         "none", "cpu: keep fp32 main weights and Adam's state in host memory and step there (ZeRO-Offload)")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this; 0 disables")

@@ -217,7 +217,26 @@ def _check_optim(cfg: Config, world_size: int) -> list[str]:
                       f"[0, decay_iters - warmup_iters = {decay - o.warmup_iters}]")
     if o.clip_grad < 0 or o.weight_decay < 0:
         errors.append("optim.clip_grad and optim.weight_decay must be >= 0")
-    return errors
+    if not 0 <= o.muon_momentum < 1:
+        errors.append(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1) (0.95 as released)")
+    if not 1 <= o.muon_ns_steps < 100:
+        errors.append(f"optim.muon_ns_steps={o.muon_ns_steps} must be in [1, 99] (5 as released)")
+    return errors + _check_qk_clip(cfg)
+
+
+def _check_qk_clip(cfg: Config) -> list[str]:
+    """QK-clip measures logits in the plain causal attention of one context-parallel rank, on heads without q/k
+    norms (a norm would undo the weights' scaling)."""
+    threshold, m = cfg.optim.qk_clip_threshold, cfg.model
+    if threshold is None:
+        return []
+    if threshold <= 0:
+        return [f"optim.qk_clip_threshold={threshold} must be positive (Kimi K2 uses 100) or unset"]
+    unsupported = [name for name, on in (("parallel.cp > 1", cfg.parallel.cp > 1),
+                                         ("model.sliding_window", m.sliding_window is not None),
+                                         ("attention sinks", m.features.attention_sinks),
+                                         ("q/k norms (model.qk_norm)", m.features.qk_norm)) if on]
+    return [f"optim.qk_clip_threshold does not work with {', '.join(unsupported)} yet: unset it"] if unsupported else []
 
 
 def _check_checkpoint(cfg: Config, world_size: int) -> list[str]:

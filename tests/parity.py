@@ -56,15 +56,16 @@ def train_and_gather(cfg: Config, topology: Topology, steps: int = 3, data: Mock
                                          cfg.train.micro_batch_size, topology.dp, topology.dp_rank, 0, topology.device))
             parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, steps))
             records.append(record(parts, train_step(parts, batches)))
-        return records, _whole_gradients(parts, topology)
+        return records, whole_shards(parts, topology, lambda shard: shard.grad)
 
 
-def _whole_gradients(parts, topology: Topology) -> dict[str, torch.Tensor]:
+def whole_shards(parts, topology: Topology, of) -> dict[str, torch.Tensor]:
+    """`of(shard)` of every optimizer shard (its gradient, its main weights), whole, by one-device name."""
     named, placements = dict(parts.model.named_parameters()), parts.model.placements_by_name()
     sums = {name: torch.zeros(p.numel()) for name, p in named.items()}
     counts = {name: torch.zeros(p.numel()) for name, p in named.items()}
     for shard in parts.optimizer.shards():
-        sums[shard.name][shard.start:shard.end] += shard.grad.float().reshape(-1)
+        sums[shard.name][shard.start:shard.end] += of(shard).float().reshape(-1)
         counts[shard.name][shard.start:shard.end] += 1
     copies, grads = parts.model.tied_copies(), {}
     for name, param in named.items():

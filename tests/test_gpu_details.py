@@ -323,7 +323,8 @@ class _DataDependentShapes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _host_reads(rank: int, world_size: int, precision: str, parallel: dict, model: dict | None = None) -> int:
+def _host_reads(rank: int, world_size: int, precision: str, parallel: dict, model: dict | None = None,
+                optim: dict | None = None) -> int:
     """How many times one training step reads a tensor's value on the host (each would stall a GPU)."""
     from conftest import tiny_config
 
@@ -331,7 +332,7 @@ def _host_reads(rank: int, world_size: int, precision: str, parallel: dict, mode
     from megalite.training.build import build_trainer
     from megalite.training.step import train_step
 
-    cfg = tiny_config(train={"precision": precision}, parallel=parallel, model=model or {})
+    cfg = tiny_config(train={"precision": precision}, parallel=parallel, model=model or {}, optim=optim or {})
     topology = cpu_topology(rank, world_size, cfg)
     with build_trainer(cfg, topology) as trainer:
         batches = mock_batches(cfg, cfg.num_microbatches(2), seed=0)
@@ -362,6 +363,13 @@ def test_a_training_step_never_reads_the_device_on_the_host(precision, parallel)
     norm skips the update inside the fused AdamW kernel: no host read in a bf16 or fp32 step (fp16 alone
     votes on overflows)."""
     assert run_ranks(2, _host_reads, precision, parallel) == [0, 0]
+
+
+@pytest.mark.parametrize("precision, parallel", [("bf16", {"zero_stage": 1}), ("fp32", {"tp": 2})])
+def test_a_muon_step_never_reads_the_device_on_the_host(precision, parallel):
+    """Muon's traffic is planned at build (split sizes known on every rank) and a NaN/Inf norm skips its update
+    by a selection on the device."""
+    assert run_ranks(2, _host_reads, precision, parallel, None, {"optimizer": "muon"}) == [0, 0]
 
 
 MOE = {"num_experts": 4, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01}

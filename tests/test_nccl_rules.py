@@ -160,14 +160,14 @@ TINY = ["--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock
         "--train.eval_iters=1", "--checkpoint.save_interval=2"]
 # Whole runs (two training steps, an evaluation, a checkpoint save) at world size 8.
 RUNS = {
-    "llama MoE tp2 x pp2 (vp2) x dp2, SP, ep2 x etp2 (all-to-all and uneven all-gathers), ZeRO-1, bf16":
+    "llama MoE tp2 x pp2 (vp2) x dp2, SP, ep2 x etp2 (all-to-all and uneven all-gathers), ZeRO-1, bf16, Muon":
         ["--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--model.num_experts=8",
          "--model.moe_topk=2", "--model.moe_ffn_hidden_size=16", "--model.moe_first_dense_layers=1",
          "--model.moe_aux_loss_coeff=0.01", "--model.moe_shared_expert_size=16", "--model.moe_expert_bias=true",
          "--parallel.ep=2", "--parallel.etp=2",
          "--parallel.tp=2", "--parallel.pp=2", "--parallel.vp=2", "--parallel.sequence_parallel=true",
          "--parallel.distributed_optimizer=true", "--train.precision=bf16", "--train.param_dtype=bf16",
-         "--train.global_batch_size=8", "--parallel.bucket_size=2000"],
+         "--train.global_batch_size=8", "--parallel.bucket_size=2000", "--optim.optimizer=muon"],
     "gpt2 tp2 x pp2 (vp2) x dp2, SP, distributed optimizer, overlapped gathers, bf16 parameters":
         ["--model.family=gpt2", "--model.num_layers=4", "--parallel.tp=2", "--parallel.pp=2", "--parallel.vp=2",
          "--parallel.sequence_parallel=true", "--parallel.distributed_optimizer=true",
@@ -193,9 +193,9 @@ RUNS = {
         "--parallel.pp=2", "--parallel.vp=2", "--parallel.sequence_parallel=true", "--parallel.zero_stage=3",
         "--train.recompute=full", "--train.precision=bf16", "--train.param_dtype=bf16",
         "--train.global_batch_size=8", "--parallel.bucket_size=2000"],
-    "gpt2 pp2 x dp4, ZeRO-3, tied embeddings across stages, CPU offload": [
+    "gpt2 pp2 x dp4, ZeRO-3, tied embeddings across stages, CPU offload, Muon": [
         "--model.family=gpt2", "--model.num_layers=2", "--parallel.pp=2", "--parallel.zero_stage=3",
-        "--optim.offload=cpu", "--train.global_batch_size=8"],
+        "--optim.offload=cpu", "--train.global_batch_size=8", "--optim.optimizer=muon"],
     "llama cp2 x tp2 x pp2, SP, ring attention (selective recompute reruns the ring), bf16 parameters": [
         "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--parallel.cp=2",
         "--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true", "--train.recompute=selective",
@@ -230,6 +230,9 @@ def test_training_runs_obey_nccl_rules(tmp_path):
         if "all-to-all" in layout:
             assert any(call.name == "all_to_all_single" and call.splits[0] != call.splits[1]
                        for records in per_rank for call in records[index].calls), "no uneven all-to-all replayed"
+        if "Muon" in layout:  # its owners' exchange: one all-to-all each way over the world, every rank's call
+            assert all(any(call.name == "all_to_all_single" and len(call.members) == 8 and "muon" in call.where
+                           for call in records[index].calls) for records in per_rank), "no Muon exchange replayed"
         if "DualPipeV" in layout:
             assert all(_travelled(records[index]) for records in per_rank), "no all-to-all travelled in a pair"
 

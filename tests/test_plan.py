@@ -26,6 +26,7 @@ from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.parallel.zero import unit_index
+from megalite.planning.built import rank_model
 from megalite.planning.context_parallel import comm_bytes
 from megalite.planning.measure import held_for_w, rank_memory, saved_storages
 from megalite.planning.memory import (
@@ -37,7 +38,7 @@ from megalite.planning.memory import (
     state_bytes,
 )
 from megalite.planning.parameters import rank_parameters
-from megalite.planning.plan import format_plan, make_plan, schedule_plans
+from megalite.planning.plan import format_plan, make_plan, muon_exchange, schedule_plans
 from megalite.training.build import build_model, build_trainer
 from megalite.training.flops import training_flops_per_token
 from megalite.training.step import precision_context
@@ -149,6 +150,7 @@ def test_llama_8b_zero3_example_fits_only_at_stage_3():
     {"tp": 1, "pp": 2, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16", "zero_stage": 2},
     {"tp": 1, "pp": 1, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16", "zero_stage": 3},
     {"tp": 1, "pp": 2, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16", "zero_stage": 3},
+    {"tp": 2, "pp": 1, "dp": 2, "distributed_optimizer": True, "param_dtype": "bf16", "optimizer": "muon"},
 ])
 def test_model_state_matches_measured_tensors(layout):
     """State bytes within bucket padding; at ZeRO-3 also the most parameter elements gathered at once
@@ -156,11 +158,16 @@ def test_model_state_matches_measured_tensors(layout):
     cfg = _model_config("gpt2", parallel={"tp": layout["tp"], "pp": layout["pp"],
                                           "distributed_optimizer": layout["distributed_optimizer"],
                                           "zero_stage": layout.get("zero_stage")},
-                        train={"param_dtype": layout["param_dtype"], "precision": layout["param_dtype"]})
+                        train={"param_dtype": layout["param_dtype"], "precision": layout["param_dtype"]},
+                        optim={"optimizer": layout.get("optimizer", "adamw")})
     cfg.model.hidden_size, cfg.model.vocab_size = 128, 1000  # big enough that bucket padding is noise
     world = layout["tp"] * layout["pp"] * layout["dp"]
     cfg.train.global_batch_size = cfg.train.micro_batch_size * layout["dp"] * layout["pp"]
-    for measured in run_ranks(world, rank_memory, cfg):
+    ranks = run_ranks(world, rank_memory, cfg)
+    if "optimizer" in layout:  # a rank's share of each bucket may hold more Adam or more Muon elements: the mean
+        mean = sum(r["state"] for r in ranks) / len(ranks)
+        ranks = [{**r, "state": mean} for r in ranks]
+    for measured in ranks:
         pp_rank = measured["rank"] // (layout["tp"] * layout["dp"])
         planned = stage_memory(cfg, world, pp_rank, "cpu")
         assert measured["numel"] == planned.parameters.total
@@ -448,3 +455,17 @@ def test_a_layer_type_declared_only_in_a_test_is_planned(monkeypatch):
     h, layers, s = m.hidden_size, m.num_layers, m.seq_length
     weights = layers * (4 * h * h + 2 * h * 2 * m.ffn_size) + h * m.vocab_size
     assert training_flops_per_token(m) == 6 * weights + 3 * layers * 4 * s * h
+
+
+def test_muon_line_in_the_plan():
+    """Muon's matrices per GPU (the layers' linear weights) and its exchange: bf16 to the owners, fp32 back, each
+    element over the data-parallel ranks that share it under the distributed optimizer."""
+    cfg = _model_config("llama", parallel={"tp": 2, "distributed_optimizer": True}, optim={"optimizer": "muon"},
+                        train={"precision": "bf16", "param_dtype": "bf16"})
+    validate(cfg, 4)
+    plan = make_plan(cfg, 4)
+    matrices = sum(p.numel() for n, p in rank_model(cfg, 0).named_parameters() if ".linear_" in n)
+    assert plan.worst.parameters.muon == (matrices, 0)
+    assert muon_exchange(plan) == (matrices / 2 * 2, matrices / 2 * 4)
+    assert f"Muon: {matrices / 1e6:.1f} M matrix elements per GPU" in format_plan(plan)
+    assert "Muon" not in format_plan(make_plan(_model_config("llama"), 1))

@@ -12,9 +12,11 @@ and range (reader.py), so tp, pp, vp, dp and the distributed optimizer may all d
 save and load. Which rank writes which element is the placement's `counted` rule: each once.
 
 Kinds of piece per parameter: `model` (in the parameter's dtype), `main_param` (fp32 main
-weights when parameters are bf16/fp16), Adam's `exp_avg`, `exp_avg_sq` and `step`. The model's persistent
-buffers (a router's expert bias: state that training moves without gradients) are `model` pieces too, whole,
-written once by the first rank along every axis (they are replicated, like an undeclared parameter).
+weights when parameters are bf16/fp16), Adam's `exp_avg`, `exp_avg_sq` and `step`, or for the matrices Muon
+steps (optim.optimizer=muon) its `momentum_buffer`, in the same owned slices, so it too resumes at any layout.
+The model's persistent buffers (a router's expert bias: state that training moves without gradients) are `model`
+pieces too, whole, written once by the first rank along every axis (they are replicated, like an undeclared
+parameter).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from megalite.parallel.distributed_optimizer import DistributedOptimizer
 from megalite.parallel.placement import Placement
 from megalite.parallel.topology import Topology
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+ADAM = ("exp_avg", "exp_avg_sq")
+MUON = ("momentum_buffer",)
+MOMENTS = ADAM + MUON  # per-element optimizer state, of whichever update rule steps the parameter
 MAIN = "main_param"
 
 
@@ -71,6 +75,8 @@ class ShardedState:
         copies = model.tied_copies()
         order = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         self.distributed = optimizer.distributed
+        self.muon = {id(p) for g in self.optimizer.param_groups if g.get("muon") for p in g["params"]}
+        self.optimizer_name = "muon" if self.muon else "adamw"
         # Every parameter, also those whose optimizer shard another data-parallel rank owns (not stepped here).
         self.params = [(n, copies.get(n, n), p) for n, p in model.named_parameters()]
         self.entries = [Entry(m.name, copies.get(m.name, m.name), m.param, m.main, m.weights, order[id(m.main)],
@@ -142,16 +148,19 @@ class ShardedState:
             return False
         state: dict[int, dict[str, torch.Tensor]] = {}
         for e in self.entries:
-            values = {kind: reader.read_part(e.stored, kind, self._target(e)) for kind in MOMENTS}
-            values["step"] = reader.read_part(e.stored, "step", Target((1,), (), 0, 1))
+            muon = id(e.main) in self.muon
+            values = {kind: reader.read_part(e.stored, kind, self._target(e)) for kind in (MUON if muon else ADAM)}
+            if not muon:
+                values["step"] = reader.read_part(e.stored, "step", Target((1,), (), 0, 1))
             missing = [kind for kind, value in values.items() if value is None]
             if missing:
                 raise ValueError(f"checkpoint {reader.path} has optimizer state, but not {', '.join(missing)} of "
-                                 f"{e.stored} (saved by another optimizer implementation?): Adam would restart "
+                                 f"{e.stored}: saved by another optimizer (optim.optimizer={self.optimizer_name} "
+                                 "here, each matrix Muon's or AdamW's) or implementation, whose state would restart "
                                  "silently; pass --checkpoint.load_optimizer=false to resume the weights with fresh "
                                  "optimizer state")
-            state[e.index] = ({kind: values[kind].view_as(e.main) for kind in MOMENTS}
-                              | {"step": values["step"].reshape(())})
+            state[e.index] = {kind: value.view_as(e.main) if kind != "step" else value.reshape(())
+                              for kind, value in values.items()}
         current = self.optimizer.state_dict()
         self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
         return True

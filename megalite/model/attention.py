@@ -34,6 +34,8 @@ or with a sliding window the pairs the window keeps by the same measure (`attend
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,8 +49,19 @@ from megalite.model.windowed_attention import windowed_attention
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.parallel.placement import Placement
+from megalite.parallel.placement import Fused, Placement
 from megalite.parallel.random import checkpoint_with_rng
+
+
+@torch.no_grad()
+def max_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Each head's largest causal attention logit q.k / sqrt(d) (q [batch, heads, s, d], k [batch, groups, s, d]),
+    in fp32: an extra pass over QK^T, since the fused kernel returns no logits (its cost: one more QK^T matmul
+    and an s x s block of scores per head)."""
+    q, k = q.float(), k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    return scores.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
 
 
 class SelfAttention(nn.Module):
@@ -64,6 +77,8 @@ class SelfAttention(nn.Module):
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, bias or cfg.features.qkv_bias)
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, ctx, bias)
+        qkv = Fused(cfg.kv_heads, (cfg.num_attention_heads // cfg.kv_heads, 1, 1), heads=True)  # q.. k v per group
+        self.linear_qkv.placements["weight"] = dataclasses.replace(self.linear_qkv.placements["weight"], fused=qkv)
         self.q_norm = self.k_norm = None
         self.placements: dict[str, Placement] = {}
         if cfg.features.qk_norm:
@@ -78,6 +93,8 @@ class SelfAttention(nn.Module):
             self.placements["sinks"] = Placement.split("tp", 0)  # a logit per head: split with the heads
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
+        # MuonClip's QK-clip (training/qk_clip.py) sets a tensor here: each head's largest logit since it was reset
+        self.max_logits: torch.Tensor | None = None
         self.fused = True  # train.fusions: RoPE as model/fused.py's one kernel each way
         self.ctx = ctx
         self.rope = cfg.features.position_embedding == "rope"
@@ -96,6 +113,8 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope, fused=self.fused), apply_rope(k, *rope, fused=self.fused)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.max_logits is not None and self.training:
+            self.max_logits = torch.maximum(self.max_logits, max_logits(q, k))
         if cache is not None:
             k, v = cache.append(k, v, self.window)
         if self.recompute_core and self.training:

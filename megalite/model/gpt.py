@@ -21,12 +21,14 @@ from megalite.model.init import init_parameters
 from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.latent_attention import LatentAttention
 from megalite.model.mlp import MLP
+from megalite.model.moe.experts import ExpertLinear
 from megalite.model.moe.layer import MoELayer
+from megalite.model.moe.router import Router
 from megalite.model.mtp import MultiTokenPrediction
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.layers import VocabParallelEmbedding
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megalite.parallel.lookup import Lookup
 from megalite.parallel.mappings import local_rows
 from megalite.parallel.pipeline.stage import StageLayout
@@ -201,6 +203,17 @@ class GPTModel(nn.Module):
     def placements_by_name(self) -> dict[str, Placement]:
         """Where each of this rank's parameters lives (parallel/placement.py), by local name."""
         return parameter_placements(self, self.ctx.sequence_parallel, self.tied_copies())
+
+    def hidden_matrices(self, routers: bool) -> set[str]:
+        """The layers' weight matrices (Muon's; the embedding, head, norms and biases are not among them): every
+        linear layer's and expert projection's weight, and with `routers` the MoE routers' and shared-expert
+        gates' too (Moonlight's choice)."""
+        linear = (ColumnParallelLinear, RowParallelLinear, ExpertLinear) + ((Router,) if routers else ())
+        names = {f"layers.{name}.weight" for name, module in self.layers.named_modules() if isinstance(module, linear)}
+        if routers:
+            names |= {f"layers.{name}" for name, _ in self.layers.named_parameters()
+                      if name.endswith("shared_expert_gate")}
+        return names
 
     def tied_copies(self) -> dict[str, str]:
         """{copy name: original name} of the word embeddings' copy this stage holds (`embedding_copy`): on the

@@ -23,7 +23,7 @@ resume silently restarted Adam's moments. One optimizer means one checkpoint for
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ from megalite.config import OptimConfig
 from megalite.parallel.bucket_layout import Bucket
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.main_weights import MainParam, MainWeights, Owned
+from megalite.parallel.muon import MuonAdamW
+from megalite.parallel.muon_plan import MuonPlan
 from megalite.parallel.placement import Placement
 from megalite.parallel.topology import Topology
 
@@ -51,12 +53,30 @@ def adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=True)
 
 
+def _owned_by_index(buffers: list[GradBuffer], names: dict[int, str],
+                    placements: dict[str, Placement]) -> dict[str, list[dict[str, tuple[int, int]]]]:
+    """By grid, for each data-parallel index, the range of each parameter that index owns (by name): the
+    layouts are the same on every replica, so each rank knows what every other one steps."""
+    ranges: dict[str, list[dict[str, tuple[int, int]]]] = {}
+    for buffer in buffers:
+        layout = buffer.layout
+        grid = placements[names[id(layout.buckets[0].params[0])]].grid
+        per_index = ranges.setdefault(grid, [{} for _ in range(layout.replicas)])
+        for index, owned in enumerate(per_index):
+            sharded = buffer.strategy.sharded_optimizer
+            owned |= {names[id(p)]: (lo, hi) for p, lo, hi in layout.owned_ranges(index, sharded)}
+    return ranges
+
+
 class DistributedOptimizer:
     """`buffers`: the gradient buffers of data parallelism (ddp.py), whose layouts decide each rank's
     slices; `placements`: where each parameter lives (by name), which decides what the norm counts."""
 
     def __init__(self, model: nn.Module, buffers: list[GradBuffer], topology: Topology, cfg: OptimConfig,
-                 distributed: bool, overlap_param_gather: bool, placements: dict[str, Placement]) -> None:
+                 distributed: bool, overlap_param_gather: bool, placements: dict[str, Placement],
+                 matrices: frozenset[str] = frozenset(), ns_dtype: torch.dtype = torch.bfloat16) -> None:
+        """`matrices`: the names of the hidden weight matrices Muon steps (optim.optimizer=muon), `ns_dtype` the
+        precision of its Newton-Schulz iteration."""
         self.topology, self.buffers, self.distributed = topology, buffers, distributed
         names = {id(p): n for n, p in model.named_parameters()}
         owned = [[Owned(names[id(param)], param, buffer.owned_weights(param, lo, hi), buffer.owned_grad(param, lo, hi),
@@ -66,9 +86,18 @@ class DistributedOptimizer:
         self.params = self.main.params
         self._counted = [m for m in self.params if placements[m.name].counted(
             topology.axes(placements[m.name].grid), distributed, topology.placement_coord(placements[m.name].grid))]
-        self.optimizer = adamw(decay_groups(((m.name, m.param, m.main) for m in self.params), cfg.weight_decay), cfg)
+        muon = {m.name: m.main for m in self.params if m.name in matrices} if cfg.optimizer == "muon" else {}
+        self.optimizer = adamw(decay_groups(((m.name, m.param, m.main) for m in self.params if m.name not in muon),
+                                            cfg.weight_decay), cfg)
+        if cfg.optimizer == "muon":
+            plan = MuonPlan([(n, p, placements[n]) for n, p in model.named_parameters() if n in matrices],
+                            topology.grids, topology.rank, _owned_by_index(buffers, names, placements), distributed)
+            self.optimizer = MuonAdamW(self.optimizer, muon, plan, cfg.lr, cfg.weight_decay, cfg.muon_momentum,
+                                       cfg.muon_ns_steps, cfg.muon_scale, cfg.muon_split_heads, ns_dtype,
+                                       topology.device)
         self._gathers: dict[int, dist.Work] = {}
         self._found_inf: torch.Tensor | None = None
+        self.after_update: Callable[[], None] | None = None  # changes the main weights before they are shared
         self.gather_in_background = overlap_param_gather and any(b.strategy.gathers_after_step for b in buffers)
         if self.gather_in_background:
             self._wait_before_use(model)
@@ -142,6 +171,8 @@ class DistributedOptimizer:
             self.optimizer.found_inf = self._found_inf.to(self.params[0].main.device) if self.params else None
         self.optimizer.step()
         self.optimizer.found_inf, self._found_inf = None, None
+        if self.after_update is not None:
+            self.after_update()
         self.finish_step()
 
     def finish_step(self) -> None:

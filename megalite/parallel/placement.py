@@ -17,6 +17,7 @@ the planner counts bytes per rank. A new sharding is a new Placement, not a bran
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,16 +53,51 @@ def unshard(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Fused:
+    """How the rows of a fused weight (of each matrix of a stack) are the separate matrices transformers has:
+    `periods` repeats of `parts` rows (in proportion), part j of every repeat belonging to matrix j. megalite's
+    QKV is (query heads per group, 1, 1) repeated over the KV groups (model/attention.py), SwiGLU's gate/up two
+    blocks. With `heads` each unit of a part is one attention head's rows (Muon's per-head option)."""
+
+    periods: int
+    parts: tuple[int, ...]
+    heads: bool = False
+
+    def matrices(self, rows: int, per_head: bool) -> list[torch.Tensor]:
+        """The row indices of each separate matrix of a full weight with `rows` rows (each head's if `per_head`)."""
+        unit = rows // (self.periods * sum(self.parts))
+        period, split = unit * sum(self.parts), per_head and self.heads
+        out, offset = [], 0
+        for part in self.parts:
+            starts = [p * period + offset for p in range(self.periods)]
+            if split:
+                out += [torch.arange(s + h * unit, s + (h + 1) * unit) for s in starts for h in range(part)]
+            else:
+                out.append(torch.cat([torch.arange(s, s + part * unit) for s in starts]))
+            offset += part * unit
+        return out
+
+
+@dataclass(frozen=True)
 class Placement:
     shards: tuple[tuple[str, ShardSpec], ...] = ()  # (grid axis, how the full tensor splits along it), in order
     grid: str = "dense"
     partial: tuple[str, ...] = ()  # axes whose ranks hold partial sums of its gradient
     copy: bool = False  # a copy of another stage's parameter: its gradient joins the original's; never counted
+    fused: Fused | None = None  # the separate matrices of a fused weight (None: blocks of its split, else one)
 
     @classmethod
     def split(cls, axis: str, dim: int, blocks: int = 1, grid: str = "dense") -> Placement:
         """Split along one axis: what tensor-parallel layers declare."""
         return cls(((axis, ShardSpec(dim, blocks)),), grid)
+
+    def separate_rows(self, shape: torch.Size | list[int], per_head: bool) -> list[torch.Tensor] | None:
+        """The row indices of the separate matrices in each (full) matrix of shape [..., rows, cols]: `fused`'s,
+        else the blocks its rows are split in (gate/up), else None (one matrix)."""
+        rows_dim = len(shape) - 2
+        fused = self.fused or next((Fused(1, (1,) * spec.blocks) for _, spec in self.shards
+                                    if spec.dim == rows_dim and spec.blocks > 1), None)
+        return fused.matrices(shape[rows_dim], per_head) if fused is not None else None
 
     def local(self, full: torch.Tensor, coord: Coord) -> torch.Tensor:
         """This rank's slice of the full tensor."""
@@ -111,5 +147,5 @@ def parameter_placements(model: nn.Module, sequence_parallel: bool,
     default = default_placement(sequence_parallel)
     found = {name: declared.get(name, default) for name, _ in model.named_parameters()}
     for name in copies or {}:
-        found[name] = Placement(found[name].shards, found[name].grid, found[name].partial, copy=True)
+        found[name] = dataclasses.replace(found[name], copy=True)
     return found

@@ -3,7 +3,8 @@ of the micro batches the pipeline schedule keeps in flight, for the pipeline sta
 
 Model state follows megalite/parallel/grad_buffer.py and ddp.py: parameters in
 train.param_dtype; gradients in parallel.grad_reduce_dtype; fp32 main weights only when the
-parameters are not fp32 (fp32 parameters are stepped in place); Adam's two fp32 moments. Each
+parameters are not fp32 (fp32 parameters are stepped in place); Adam's two fp32 moments (Muon's matrices: one,
+its momentum). Each
 ZeRO stage shards one more of them over the ranks holding the same weights: dp x cp (context-
 parallel ranks are replicas too, parallel/topology.py dp_cp), written `dp` below and in the
 functions. For bf16 parameters with fp32 gradients, bytes per parameter are:
@@ -60,9 +61,10 @@ class StageMemory:
         return self.state + self.activations + self.transient
 
 
-def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, float]:
-    """(weights, gradients, main weights, optimizer state) device bytes for `numel` parameters on one rank;
-    offloaded (optim.offload=cpu) main weights and optimizer state live in host memory instead."""
+def state_bytes(cfg: Config, numel: int, dp: int, muon: int = 0) -> tuple[float, float, float, float]:
+    """(weights, gradients, main weights, optimizer state) device bytes for `numel` parameters on one rank, `muon`
+    of them stepped by Muon (one fp32 momentum instead of Adam's two moments); offloaded (optim.offload=cpu)
+    main weights and optimizer state live in host memory instead."""
     t, p = cfg.train, cfg.parallel
     shards = dp if p.zero >= 1 else 1
     grads = numel * BYTES[p.grad_reduce_dtype] / (dp if p.zero >= 2 else 1)
@@ -70,7 +72,7 @@ def state_bytes(cfg: Config, numel: int, dp: int) -> tuple[float, float, float, 
     if cfg.optim.offload == "cpu":
         return weights, grads, 0.0, 0.0
     main = 0 if t.param_dtype == "fp32" else 4
-    return weights, grads, numel * main / shards, numel * 8 / shards
+    return weights, grads, numel * main / shards, (numel * 8 - muon * 4) / shards
 
 
 def grid_replicas(cfg: Config, world_size: int) -> dict[str, int]:
@@ -84,7 +86,8 @@ def grid_replicas(cfg: Config, world_size: int) -> dict[str, int]:
 
 def grid_state_bytes(cfg: Config, params: Parameters, shards: dict[str, int]) -> dict[str, tuple[float, ...]]:
     """`state_bytes` of each grid's parameters, sharded over that grid's replicas (`shards`)."""
-    return {grid: state_bytes(cfg, numel, shards[grid]) for grid, numel in params.by_grid.items()}
+    return {grid: state_bytes(cfg, numel, shards[grid], params.muon_by_grid[grid])
+            for grid, numel in params.by_grid.items()}
 
 
 def gathered_elements(params: Parameters) -> tuple[int, int]:

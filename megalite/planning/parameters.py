@@ -29,6 +29,7 @@ class Parameters:
     units: tuple[int, ...] = ()  # elements of each gather unit with parameters of its own, in forward order
     tied_head: bool = False  # a later unit (a tied LM head, multi-token prediction) reads the word embeddings of
     # this rank's embedding unit (units[0])
+    muon: tuple[int, int] = (0, 0)  # (dense, expert) elements Muon steps (optim.optimizer=muon): one moment each
 
     @property
     def total(self) -> int:
@@ -39,13 +40,19 @@ class Parameters:
         """Elements on each rank grid (parallel/placement.py `Placement.grid`)."""
         return {"dense": self.dense, "expert": self.expert}
 
+    @property
+    def muon_by_grid(self) -> dict[str, int]:
+        return dict(zip(("dense", "expert"), self.muon))
+
 
 def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
     """What one tensor- and expert-parallel rank of pipeline stage `pp_rank` holds (same for every such rank)."""
     model = rank_model(cfg, pp_rank)
-    placements, grids = model.placements_by_name(), {"dense": 0, "expert": 0}
+    placements, grids, muon = model.placements_by_name(), {"dense": 0, "expert": 0}, {"dense": 0, "expert": 0}
+    matrices = model.hidden_matrices(cfg.optim.muon_routers) if cfg.optim.optimizer == "muon" else set()
     for name, param in model.named_parameters():
         grids[placements[name].grid] += param.numel()
+        muon[placements[name].grid] += param.numel() if name in matrices else 0
     index = unit_index(model.chunk_modules())
     units: dict[int, int] = {}
     for param in model.parameters():
@@ -54,7 +61,7 @@ def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
     read_later = any(p is table for chunk in model.chunk_modules() for module, params in chunk
                      if module is not model.embedding for p in params)
     return Parameters(grids["dense"], grids["expert"], max(p.numel() for p in model.parameters()),
-                      tuple(units[unit] for unit in sorted(units)), read_later)
+                      tuple(units[unit] for unit in sorted(units)), read_later, (muon["dense"], muon["expert"]))
 
 
 def model_parameters(m: ModelConfig) -> int:

@@ -186,6 +186,25 @@ def _moe_lines(plan: Plan) -> list[str]:
     return describe_moe(plan.cfg, token_rows(plan.cfg)[1], moe_layers(m), plan.expert_replicas)
 
 
+def muon_exchange(plan: Plan) -> tuple[float, float]:
+    """Muon's exchange per GPU and step (parallel/muon_plan.py), in bytes: (to the matrices' owners, back). Each
+    element goes to its owner once, from one of the ranks holding it (in the iteration's precision: fp32 in fp32
+    training, else bf16), and comes back in fp32 to every rank that steps it."""
+    cfg, parameters = plan.cfg, plan.worst.parameters
+    replicas = {"dense": plan.replicas, "expert": plan.expert_replicas}
+    sent = sum(n / replicas[grid] for grid, n in parameters.muon_by_grid.items())
+    stepped = sent if cfg.parallel.zero >= 1 else sum(parameters.muon)
+    return sent * (4 if cfg.train.precision == "fp32" else 2), stepped * 4
+
+
+def _muon_lines(plan: Plan) -> list[str]:
+    if plan.cfg.optim.optimizer != "muon":
+        return []
+    sent, back = muon_exchange(plan)
+    return [f"Muon: {sum(plan.worst.parameters.muon) / 1e6:.1f} M matrix elements per GPU (one fp32 momentum each); "
+            f"per step about {sent / 2**20:.1f} MiB sent to the matrices' owners and {back / 2**20:.1f} MiB back"]
+
+
 def _parameter_line(plan: Plan) -> str:
     active = f", {plan.active_parameters / 1e9:.3f} B active per token" if plan.cfg.model.num_experts else ""
     per_gpu = ", ".join(f"stage {s.pp_rank}: {s.parameters.total / 1e6:.1f} M" for s in plan.stages)
@@ -215,6 +234,7 @@ def format_plan(plan: Plan) -> str:
         *([describe_cp(cfg)] if p.cp > 1 else []),
         *_moe_lines(plan),
         _parameter_line(plan),
+        *_muon_lines(plan),
         f"memory per GPU, pipeline stage {w.pp_rank} (the largest):",
         f"  weights          {_gib(w.weights)}",
         f"  gradients        {_gib(w.gradients)}",

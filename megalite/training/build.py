@@ -23,6 +23,7 @@ from megalite.parallel.pipeline.runner import Pipeline
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero import GatherUnits, ShardedParameters, unit_index
 from megalite.training.loss_scaler import LossScaler
+from megalite.training.qk_clip import QKClip
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Trainer:
     scaler: LossScaler
     pipeline: Pipeline
     sharded_params: GatherUnits | None = None  # ZeRO-3 where a grid has more than one data-parallel replica
+    qk_clip: QKClip | None = None  # optim.qk_clip_threshold
 
     def sharded_state(self) -> ShardedState:
         """The checkpoint's view of the model and optimizer state this rank holds."""
@@ -112,9 +114,15 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     stage3 = any(isinstance(buffer.strategy, ShardedParameters) for buffer in grads.buffers)
     sharded = GatherUnits(modules, grads.buffers) if stage3 else None
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,
-                                     p.overlap_param_gather, placements)
+                                     p.overlap_param_gather, placements, model.hidden_matrices(cfg.optim.muon_routers),
+                                     torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16)
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
-    return Trainer(cfg, topology, model, model.ctx, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded)
+    clip = None
+    if cfg.optim.qk_clip_threshold is not None:
+        clip = QKClip(model, optimizer, topology, cfg.optim.qk_clip_threshold, cfg.model.num_layers)
+        optimizer.after_update = clip.apply
+    return Trainer(cfg, topology, model, model.ctx, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded,
+                   clip)
 
 
 def is_logging_rank(cfg: Config, topology: Topology) -> bool:

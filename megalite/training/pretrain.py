@@ -322,6 +322,8 @@ class Run:
             record |= self.routing.read(self.cfg.num_microbatches(self.topology.world_size))
         if self.mtp is not None:
             record |= self.mtp.read()
+        if self.trainer.qk_clip is not None:
+            record |= self.trainer.qk_clip.read()
         self.writer.log(record, self.console)
 
     def _write_trace(self, steps: int) -> None:
