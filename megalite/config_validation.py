@@ -235,7 +235,8 @@ def _check_qk_clip(cfg: Config) -> list[str]:
     unsupported = [name for name, on in (("parallel.cp > 1", cfg.parallel.cp > 1),
                                          ("model.sliding_window", m.sliding_window is not None),
                                          ("attention sinks", m.features.attention_sinks),
-                                         ("q/k norms (model.qk_norm)", m.features.qk_norm)) if on]
+                                         ("q/k norms (model.qk_norm)", m.features.qk_norm),
+                                         ("model.multi_latent_attention", m.multi_latent_attention)) if on]
     return [f"optim.qk_clip_threshold does not work with {', '.join(unsupported)} yet: unset it"] if unsupported else []
 
 

@@ -35,8 +35,13 @@ MUON = [*TINY, *LLAMA, "--optim.optimizer=muon", "--optim.lr=0.01", "--optim.min
         "--train.global_batch_size=4"]
 MOE = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden_size=32",
        "--model.moe_first_dense_layers=1"]
+# DeepSeek-V3's shape in miniature: latent attention (its down-projections whole on every tensor-parallel rank)
+# and multi-token prediction (its layer and projection are matrices too), over experts.
+DEEPSEEK = [*MOE, "--model.multi_latent_attention=true", "--model.num_query_groups=null", "--model.kv_lora_rank=16",
+            "--model.q_lora_rank=12", "--model.qk_head_dim=8", "--model.qk_pos_emb_head_dim=4",
+            "--model.v_head_dim=6", "--model.mtp_num_layers=1"]
 CLIP = ["--optim.qk_clip_threshold=0.09"]  # the tiny model's heads reach about 0.1: many are clipped
-REFERENCES = {"dense": [], "moe": MOE, "dense, QK-clip": CLIP}
+REFERENCES = {"dense": [], "moe": MOE, "dense, QK-clip": CLIP, "deepseek": DEEPSEEK}
 LAYOUTS = {  # (arguments, the one-device reference)
     "tp2 SP x dp2, distributed optimizer": (["--parallel.tp=2", "--parallel.sequence_parallel=true",
                                              "--parallel.distributed_optimizer=true"], "dense"),
@@ -47,6 +52,11 @@ LAYOUTS = {  # (arguments, the one-device reference)
     "ep2 x edp2, distributed optimizer": ([*MOE, "--parallel.ep=2", "--parallel.distributed_optimizer=true"], "moe"),
     "tp2 SP x dp2, distributed optimizer, QK-clip": ([*CLIP, "--parallel.tp=2", "--parallel.sequence_parallel=true",
                                                       "--parallel.distributed_optimizer=true"], "dense, QK-clip"),
+    "latent attention + MTP, tp2 SP x ep2, distributed optimizer": ([*DEEPSEEK, "--parallel.tp=2",
+                                                                      "--parallel.sequence_parallel=true",
+                                                                      "--parallel.ep=2",
+                                                                      "--parallel.distributed_optimizer=true"],
+                                                                     "deepseek"),
 }
 STEPS = 2
 # pretrain_gpt.py's runs: a Muon run saved at tp2 SP x dp2 (step 3 of 5) resumed at pp2 x tp2 as if never stopped,
@@ -245,6 +255,9 @@ def test_muon_options_are_validated():
     cfg = parse_config([*MUON, "--model.family=qwen3", "--parallel.cp=2", "--optim.qk_clip_threshold=100"])
     with pytest.raises(ConfigError, match=r"optim.qk_clip_threshold does not work with parallel.cp > 1, q/k norms"):
         validate(cfg, 2)
+    cfg = parse_config([*MUON, *DEEPSEEK, "--optim.qk_clip_threshold=100"])
+    with pytest.raises(ConfigError, match=r"optim.qk_clip_threshold does not work with model.multi_latent_attention"):
+        validate(cfg, 1)
 
 
 def _plans(model: list[tuple[str, list[int], Placement]], grid: RankGrid, distributed: bool) -> list[MuonPlan]:

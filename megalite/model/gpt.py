@@ -24,11 +24,11 @@ from megalite.model.mlp import MLP
 from megalite.model.moe.experts import ExpertLinear
 from megalite.model.moe.layer import MoELayer
 from megalite.model.moe.router import Router
-from megalite.model.mtp import MultiTokenPrediction
+from megalite.model.mtp import EHProjection, MultiTokenPrediction
 from megalite.model.norms import build_norm
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megalite.parallel.layers import ColumnParallelLinear, DuplicatedLinear, RowParallelLinear, VocabParallelEmbedding
 from megalite.parallel.lookup import Lookup
 from megalite.parallel.mappings import local_rows
 from megalite.parallel.pipeline.stage import StageLayout
@@ -206,12 +206,16 @@ class GPTModel(nn.Module):
 
     def hidden_matrices(self, routers: bool) -> set[str]:
         """The layers' weight matrices (Muon's; the embedding, head, norms and biases are not among them): every
-        linear layer's and expert projection's weight, and with `routers` the MoE routers' and shared-expert
+        linear layer's and expert projection's weight, latent attention's down-projections and multi-token
+        prediction's layers and projections included, and with `routers` the MoE routers' and shared-expert
         gates' too (Moonlight's choice)."""
-        linear = (ColumnParallelLinear, RowParallelLinear, ExpertLinear) + ((Router,) if routers else ())
-        names = {f"layers.{name}.weight" for name, module in self.layers.named_modules() if isinstance(module, linear)}
+        linear = (ColumnParallelLinear, RowParallelLinear, DuplicatedLinear, ExpertLinear, EHProjection)
+        linear += (Router,) if routers else ()
+        owners = [("layers", self.layers)] + ([] if self.mtp is None else [("mtp.layers", self.mtp.layers)])
+        names = {f"{prefix}.{name}.weight" for prefix, modules in owners
+                 for name, module in modules.named_modules() if isinstance(module, linear)}
         if routers:
-            names |= {f"layers.{name}" for name, _ in self.layers.named_parameters()
+            names |= {f"{prefix}.{name}" for prefix, modules in owners for name, _ in modules.named_parameters()
                       if name.endswith("shared_expert_gate")}
         return names
 
