@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import TORCH_DTYPES, Config
-from megalite.parallel.pipeline.registry import pipeline_stage, stage_layout
-from megalite.planning import context_parallel, experts
 from megalite.parallel.bucket_layout import BucketLayout
+from megalite.parallel.pipeline.registry import pipeline_stage, stage_layout
 from megalite.parallel.zero import unit_index
+from megalite.planning import context_parallel, experts
 from megalite.planning.built import rank_model, token_rows
 from megalite.planning.memory import grid_replicas
 
