@@ -95,8 +95,8 @@ def _schedules(m: ModelConfig, pp: int) -> Iterator[tuple[str, int]]:
     for name in training_schedules():
         fixed = SCHEDULES[name].vp
         chunks = m.num_layers // pp
-        interleaved = name == INTERLEAVED
-        vps = [fixed] if fixed else [v for v in range(1, min(chunks, 8) + 1) if chunks % v == 0 and (interleaved or v == 1)]
+        most = min(chunks, 8) if name == INTERLEAVED else 1
+        vps = [fixed] if fixed else [v for v in range(1, most + 1) if chunks % v == 0]
         for vp in vps:
             yield name, vp
 
@@ -120,8 +120,8 @@ def _valid(cfg: Config, world_size: int) -> bool:
 
 @functools.lru_cache(maxsize=8)
 def _part_sizes(model: tuple) -> tuple[int, int, int, int]:
-    """(dense and expert elements of a layer, averaged over the layers; embedding; final norm and LM head) of the one-device
-    model of ModelConfig(*model)."""
+    """(dense and expert elements of a layer, averaged over the layers; embedding; final norm and LM head) of the
+    one-device model of ModelConfig(*model)."""
     built = one_device_model(ModelConfig(*model))
     placements = built.placements_by_name()
     dense = expert = 0
@@ -167,7 +167,8 @@ def estimated_gib(cfg: Config, world_size: int, buffers: list[dict[str, list[int
 
 
 def candidates(cfg: Config, cluster: Cluster, mfu: float) -> tuple[list[Candidate], int, int]:
-    """(the timed candidates, fastest first; how many the validator accepted; how many were pruned on estimated memory)."""
+    """(the timed candidates, fastest first; how many the validator accepted; how many were pruned on estimated
+    memory)."""
     world, room = cluster.world_size, GPUS[cluster.gpu][0] / 1024 - RESERVED_GIB
     timed, considered, pruned = [], 0, 0
     for parallel in layouts(cfg, cluster):

@@ -43,8 +43,13 @@ class AxisTime:
     axis: str
     payload: int  # bytes, as planning/traffic.py counts them
     seconds: float
-    exposed: float
+    waits: float  # exposed seconds that recur with the micro batches (stretched by the bubble)
+    once: float  # exposed seconds once a step
     network: bool  # its groups cross nodes
+
+    @property
+    def exposed(self) -> float:
+        return self.waits + self.once
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,16 @@ class StepTime:
     @property
     def seconds(self) -> float:
         return self.microbatches * self.per_microbatch * (1 + self.bubble) + self.step_exposed
+
+    def terms(self) -> dict[str, float]:
+        """The step's seconds by cause, summing to `seconds`: compute, the bubble, and each axis's exposed
+        communication (a per-micro-batch wait stretched by the bubble as the compute is)."""
+        stretch = 1 + self.bubble
+        terms = {"compute": self.microbatches * self.compute,
+                 "bubble": self.microbatches * self.per_microbatch * self.bubble}
+        for axis in self.axes:
+            terms[axis.axis] = axis.waits * stretch + axis.once
+        return terms
 
 
 def peak_flops(cfg: Config, gpu: str) -> float:
@@ -115,8 +130,6 @@ def stage_step(cfg: Config, world_size: int, cluster: Cluster, mfu: float, pp_ra
     replicas = grid_replicas(cfg, world_size)
     m = cfg.num_microbatches(world_size)
     compute, attention = compute_seconds(cfg, pp_rank, cluster.gpu, mfu)
-    waits: dict[str, float] = {}
-    once: dict[str, float] = {}
     axes = []
     for call in step_traffic(cfg, pp_rank, buffers, replicas, m):
         grid, group = GROUP_AXES[call.axis]
@@ -124,12 +137,11 @@ def stage_step(cfg: Config, world_size: int, cluster: Cluster, mfu: float, pp_ra
         bandwidth, network = cluster.bandwidth(grids[grid], group)
         seconds = transfer_seconds(call, size, bandwidth)
         exposed = _exposed(cfg, call, seconds, m, compute, attention)
-        bucket = waits if call.per_microbatch else once
-        bucket[call.axis] = bucket.get(call.axis, 0.0) + exposed
-        axes.append(AxisTime(call.axis, call.payload, seconds, exposed, network))
-    per_microbatch = compute + sum(waits.values()) / m
+        waits, once = (exposed, 0.0) if call.per_microbatch else (0.0, exposed)
+        axes.append(AxisTime(call.axis, call.payload, seconds, waits, once, network))
+    per_microbatch = compute + sum(a.waits for a in axes) / m
     bubble = bubble_fraction(p.pipeline_schedule, p.pp, p.vp, m) if p.pp > 1 else 0.0
-    return StepTime(pp_rank, m, compute, per_microbatch, bubble, sum(once.values()), tuple(_merge(axes)))
+    return StepTime(pp_rank, m, compute, per_microbatch, bubble, sum(a.once for a in axes), tuple(_merge(axes)))
 
 
 def _exposed(cfg: Config, call: Traffic, seconds: float, m: int, compute: float, attention: float) -> float:
@@ -152,7 +164,7 @@ def _merge(axes: list[AxisTime]) -> list[AxisTime]:
     for a in axes:
         b = merged.get(a.axis)
         merged[a.axis] = a if b is None else AxisTime(a.axis, a.payload + b.payload, a.seconds + b.seconds,
-                                                      a.exposed + b.exposed, a.network or b.network)
+                                                      a.waits + b.waits, a.once + b.once, a.network or b.network)
     return list(merged.values())
 
 
