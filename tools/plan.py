@@ -42,6 +42,7 @@ from megalite.config_cli import parse_config, set_field  # noqa: E402
 from megalite.config_validation import validate  # noqa: E402
 from megalite.planning.cluster import Cluster  # noqa: E402
 from megalite.planning.plan import GPUS, format_plan, make_plan  # noqa: E402
+from megalite.planning.search import with_data  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -104,7 +105,7 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
-        cfg, cluster = load_config(args, overrides), cluster_of(args)
+        cfg, cluster = with_data(load_config(args, overrides)), cluster_of(args)
         if not args.search:
             validate(cfg, cluster.world_size)
     except ConfigError as err:

@@ -188,11 +188,21 @@ def candidates(cfg: Config, cluster: Cluster, mfu: float) -> tuple[list[Candidat
     return timed, considered, pruned
 
 
+def with_data(cfg: Config) -> Config:
+    """`cfg`, with synthetic tokens where it names no corpus (a model from a Hugging Face config): the layout does
+    not depend on the data, and the validator asks for some."""
+    d = cfg.data
+    if d.mock or d.paths or d.train_paths:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, mock=True))
+
+
 def search(cfg: Config, cluster: Cluster, mfu: float, top: int = 5) -> SearchResult:
     """The `top` fastest layouts of `cfg`'s model and global batch that fit on `cluster` (module docstring)."""
     if cfg.train.global_batch_size is None:
         raise ConfigError("train.global_batch_size is not set: the search keeps the tokens per step fixed; set "
                           "--train.global_batch_size=N (samples per step)")
+    cfg = with_data(cfg)
     timed, considered, pruned = candidates(cfg, cluster, mfu)
     ranked, planned = [], 0
     for candidate in timed[:MAX_PLANNED]:

@@ -72,8 +72,7 @@ class StepTime:
         """The step's seconds by cause, summing to `seconds`: compute, the bubble, and each axis's exposed
         communication (a per-micro-batch wait stretched by the bubble as the compute is)."""
         stretch = 1 + self.bubble
-        terms = {"compute": self.microbatches * self.compute,
-                 "bubble": self.microbatches * self.per_microbatch * self.bubble}
+        terms = {"compute": self.microbatches * self.compute, "bubble": self.microbatches * self.compute * self.bubble}
         for axis in self.axes:
             terms[axis.axis] = axis.waits * stretch + axis.once
         return terms
