@@ -79,26 +79,34 @@ def layouts(cfg: Config, cluster: Cluster) -> Iterator[dict]:
         for pp in (d for d in range(1, world // (tp * cp) + 1) if (world // (tp * cp)) % d == 0):
             if pp > m.num_layers:
                 break
-            for schedule, vp in _schedules(m, pp):
-                yield {"tp": tp, "cp": cp, "ep": ep, "etp": 1, "pp": pp, "vp": vp, "pipeline_schedule": schedule,
-                       "sequence_parallel": tp > 1, "first_stage_layers": None, "last_stage_layers": None}
+            for schedule, vp in _schedules(pp):
+                ends = _end_layers(m.num_layers, pp * vp)
+                if ends is not False:
+                    yield {"tp": tp, "cp": cp, "ep": ep, "etp": 1, "pp": pp, "vp": vp, "pipeline_schedule": schedule,
+                           "sequence_parallel": tp > 1, "first_stage_layers": ends, "last_stage_layers": ends}
 
 
 def _powers(limit: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
-def _schedules(m: ModelConfig, pp: int) -> Iterator[tuple[str, int]]:
+def _end_layers(layers: int, chunks: int) -> int | None | bool:
+    """Layers of the first and the last chunk: None (an even split), one fewer than the others where that splits
+    evenly (the embedding and the head take a layer's place: Llama 3 405B's 126 = 1 + 62 x 2 + 1 at pp 16 x vp 4),
+    or False when neither does."""
+    if layers % chunks == 0:
+        return None
+    share = (layers + 2) // chunks
+    return share - 1 if chunks > 2 and (layers + 2) % chunks == 0 and share > 1 else False
+
+
+def _schedules(pp: int) -> Iterator[tuple[str, int]]:
     if pp == 1:
         yield "1f1b", 1
         return
     for name in training_schedules():
         fixed = SCHEDULES[name].vp
-        chunks = m.num_layers // pp
-        most = min(chunks, 8) if name == INTERLEAVED else 1
-        vps = [fixed] if fixed else [v for v in range(1, most + 1) if chunks % v == 0]
-        for vp in vps:
-            yield name, vp
+        yield from ((name, vp) for vp in ([fixed] if fixed else range(1, (8 if name == INTERLEAVED else 1) + 1)))
 
 
 def variants(cfg: Config, parallel: dict) -> Iterator[Config]:
