@@ -1,0 +1,162 @@
+"""What one rank of a pipeline stage sends in a training step, axis by axis: the calls its layers, pipeline and
+gradient buffers make, as the dry run records them (megalite/dryrun/: a collective's whole tensor, a rank's
+point-to-point sends), held to its recorded calls in tests/test_plan_search.py.
+
+- tp, per region (attention; a dense MLP), per micro batch: under sequence parallelism the column-parallel layer
+  all-gathers its input and the row-parallel one reduce-scatters its output; backward all-gathers the output
+  gradient, all-gathers the input again (only the local shard was kept: parallel/gemm.py) and reduce-scatters the
+  input gradient. Without it, one all-reduce forward and one backward. The embedding reduces (scatters) its
+  output, the LM head gathers its input. Full recompute runs each layer's forward again up to the last tensor its
+  backward needs (torch's checkpoint stops there): every region's gather, but not the last region's reduction. A
+  mixture-of-experts block keeps its tokens on their tp rank (each routes its own rows): its traffic is ep's.
+- cp: planning/context_parallel.py `comm_bytes` per layer per micro batch.
+- ep: planning/experts.py `comm_bytes` per mixture-of-experts layer per micro batch.
+- pp: each micro batch's activation to the next chunk and its gradient to the previous one, [rows, hidden] in the
+  parameters' dtype, where that chunk lives on another rank.
+- dp (and edp for the experts' buffers): per gradient buffer (one per model chunk and rank grid, padded as
+  parallel/bucket_layout.py pads it): ZeRO 0 all-reduces it once; 1 reduce-scatters it once and all-gathers the
+  updated parameters; 2 reduce-scatters after every backward, then gathers; 3 gathers the parameters in every
+  forward and backward and reduce-scatters after every backward (parallel/zero/).
+Left out: the few small all-reduces (the loss's, the norm's, sequence-parallel norm weights', ZeRO-3 gathers of
+replicated norms), and the expert counts sent before each all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import TORCH_DTYPES, Config
+from megalite.parallel.bucket_layout import BucketLayout
+from megalite.parallel.pipeline.registry import pipeline_stage, stage_layout
+from megalite.parallel.zero import unit_index
+from megalite.planning import context_parallel, experts
+from megalite.planning.built import rank_model, token_rows
+from megalite.planning.memory import grid_replicas
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """`count` calls of kind `call` over `axis` in one step of one rank, `payload` bytes in all (module
+    docstring); `per_microbatch`: they recur with every micro batch (on the schedule's critical path), else once a
+    step."""
+
+    axis: str  # tp, cp, ep, pp, dp, edp
+    call: str  # all_gather, reduce_scatter, all_reduce, all_to_all, send
+    count: int
+    payload: int
+    per_microbatch: bool = True
+
+
+def stage_layers(cfg: Config, pp_rank: int) -> tuple[int, int]:
+    """(layers, of them mixture-of-experts layers) on pipeline rank `pp_rank`, over all its chunks."""
+    ranges = stage_layout(cfg, pp_rank).chunks
+    indices = [i for a, b in ranges for i in range(a, b)]
+    moe = set(cfg.model.moe_layers) if cfg.model.num_experts else set()
+    return len(indices), sum(i in moe for i in indices)
+
+
+def tensor_parallel(cfg: Config, pp_rank: int, microbatches: int) -> list[Traffic]:
+    p = cfg.parallel
+    if p.tp == 1:
+        return []
+    layers, moe = stage_layers(cfg, pp_rank)
+    stage = pipeline_stage(p, pp_rank)
+    regions = 2 * layers - moe  # attention in every layer, the MLP in the dense ones
+    ends = stage.has_embedding + stage.has_head
+    tokens = token_rows(cfg)[0]
+    full = tokens * cfg.model.hidden_size * TORCH_DTYPES[cfg.train.precision].itemsize
+    again = cfg.train.recompute == "full"
+    if p.sequence_parallel_active:
+        gathers, scatters = regions * (3 + again) + ends, regions * 2 + again * layers + ends
+        return [Traffic("tp", "all_gather", gathers * microbatches, gathers * microbatches * full),
+                Traffic("tp", "reduce_scatter", scatters * microbatches, scatters * microbatches * full)]
+    reduces = regions * 2 + again * layers + ends
+    return [Traffic("tp", "all_reduce", reduces * microbatches, reduces * microbatches * full)]
+
+
+def context_parallel_traffic(cfg: Config, pp_rank: int, microbatches: int) -> list[Traffic]:
+    if cfg.parallel.cp == 1:
+        return []
+    forward, backward = context_parallel.comm_bytes(cfg)
+    layers = stage_layers(cfg, pp_rank)[0]
+    cp, ring = cfg.parallel.cp, cfg.parallel.cp_comm == "p2p"
+    forward_calls = cp - 1 if ring else 1  # the ring's hops, or one all-gather
+    backward_calls = 2 * cp - 1 if ring else 1  # K/V again and dK/dV home, or one reduce-scatter
+    hops = forward_calls * (1 + (cfg.train.recompute != "none")) + backward_calls
+    calls = "send" if ring else "all_gather"
+    return [Traffic("cp", calls, layers * microbatches * hops, layers * microbatches * (forward + backward))]
+
+
+def expert_parallel(cfg: Config, pp_rank: int, microbatches: int) -> list[Traffic]:
+    if cfg.parallel.ep == 1:
+        return []
+    moe = stage_layers(cfg, pp_rank)[1]
+    forward, backward = experts.comm_bytes(cfg, token_rows(cfg)[1])
+    calls = 4 + 2 * (cfg.train.recompute == "full")
+    return [Traffic("ep", "all_to_all", moe * microbatches * calls, moe * microbatches * (forward + backward))]
+
+
+def pipeline_parallel(cfg: Config, pp_rank: int, microbatches: int) -> list[Traffic]:
+    """The sends of pipeline rank `pp_rank`: a forward's output and a backward's input gradient per micro batch
+    and chunk, where the neighbouring chunk is held by another rank."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return []
+    stage = pipeline_stage(p, pp_rank)
+    rows = token_rows(cfg)[1]
+    size = rows * cfg.model.hidden_size * TORCH_DTYPES[cfg.train.param_dtype].itemsize
+    sends = 0
+    for chunk in range(stage.vp):
+        g = stage.global_chunk(chunk)
+        sends += g + 1 < stage.model_chunks and stage.holder(g + 1)[0] != pp_rank
+        sends += g > 0 and stage.holder(g - 1)[0] != pp_rank
+    return [Traffic("pp", "send", sends * microbatches, sends * microbatches * size)]
+
+
+def data_parallel(cfg: Config, buffers: dict[str, list[int]], replicas: dict[str, int],
+                  microbatches: int) -> list[Traffic]:
+    """The gradient buffers' calls: `buffers` the padded elements of each buffer by rank grid, `replicas` the
+    ranks each grid's buffers are reduced over (planning/memory.py grid_replicas)."""
+    p = cfg.parallel
+    grad = TORCH_DTYPES[p.grad_reduce_dtype].itemsize
+    param = TORCH_DTYPES[cfg.train.param_dtype].itemsize
+    calls = []
+    for grid, sizes in buffers.items():
+        axis, n = ("dp" if grid == "dense" else "edp"), len(sizes)
+        if replicas[grid] == 1 or not n:
+            continue
+        stage, elements = p.zero, sum(sizes)
+        if stage == 0:
+            calls.append(Traffic(axis, "all_reduce", n, elements * grad, False))
+            continue
+        reduces = microbatches if stage >= 2 else 1
+        calls.append(Traffic(axis, "reduce_scatter", n * reduces, elements * grad * reduces, stage >= 2))
+        gathers = 2 * microbatches if stage == 3 else 1
+        calls.append(Traffic(axis, "all_gather", n * gathers, elements * param * gathers, stage == 3))
+    return calls
+
+
+def gradient_buffers(cfg: Config, world_size: int, pp_rank: int) -> dict[str, list[int]]:
+    """Elements of each gradient buffer of pipeline rank `pp_rank` by rank grid, padded as parallel/ddp.py lays
+    them out (one buffer per model chunk and grid), read from the rank's model built on the meta device."""
+    model = rank_model(cfg, pp_rank)
+    placements = model.placements_by_name()
+    grid_of = {id(p): placements[name].grid for name, p in model.named_parameters()}
+    replicas = grid_replicas(cfg, world_size)
+    units = unit_index(model.chunk_modules()) if cfg.parallel.zero >= 3 else None
+    buffers: dict[str, list[int]] = {"dense": [], "expert": []}
+    for params in model.chunk_parameters():
+        for grid in buffers:
+            mine = [p for p in params if grid_of[id(p)] == grid]
+            if mine:
+                layout = BucketLayout(list(reversed(mine)), cfg.parallel.bucket_size, replicas[grid], units)
+                buffers[grid].append(layout.size)
+    return buffers
+
+
+def step_traffic(cfg: Config, pp_rank: int, buffers: dict[str, list[int]], replicas: dict[str, int],
+                 microbatches: int) -> list[Traffic]:
+    """Every axis's calls of one rank of pipeline stage `pp_rank` in a step of `microbatches` micro batches."""
+    return [*tensor_parallel(cfg, pp_rank, microbatches), *context_parallel_traffic(cfg, pp_rank, microbatches),
+            *expert_parallel(cfg, pp_rank, microbatches), *pipeline_parallel(cfg, pp_rank, microbatches),
+            *data_parallel(cfg, buffers, replicas, microbatches)]
