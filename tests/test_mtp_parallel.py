@@ -1,6 +1,7 @@
 """Multi-token prediction at every layout equals one device (fp32): the losses, each depth's loss and every
-gradient, for a DeepSeek-V3-shaped tiny model (experts with a shared expert and a dense first layer, two MTP
-depths whose layers have experts), on documents (end-of-document tokens masked, positions restarting) so that
+gradient, for a DeepSeek-V3-shaped tiny model (latent attention with query compression, experts routed as
+released with a shared expert and a dense first layer, two MTP depths whose layers have latent attention and
+experts), on documents (end-of-document tokens masked, positions restarting) so that
 each depth's document masks are tested too. The pipeline's head stage holds MTP and its copy of the word
 embeddings (on the first rank under ZB-V); context parallelism cuts the targets from whole sequences. All layouts
 run one after another on one group of four spawned ranks."""
@@ -33,11 +34,13 @@ class _Documents(MockDataset):
 
 
 def _config(train: dict | None = None, tied: bool = False, **parallel) -> Config:
-    model = {"tie_embeddings": tied, "num_layers": 4, "num_attention_heads": 8, "num_query_groups": 4,
-             "vocab_size": VOCAB, "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32,
-             "moe_shared_expert_size": 32,
-             "moe_first_dense_layers": 1, "moe_aux_loss_coeff": 0.01, "mtp_num_layers": 2,
-             "mtp_loss_scaling_factor": 0.5}
+    model = {"tie_embeddings": tied, "num_layers": 4, "num_attention_heads": 8, "num_query_groups": None,
+             "multi_latent_attention": True, "q_lora_rank": 12, "kv_lora_rank": 16, "qk_head_dim": 8,
+             "qk_pos_emb_head_dim": 4, "v_head_dim": 6, "vocab_size": VOCAB, "num_experts": 4, "moe_topk": 2,
+             "moe_ffn_hidden_size": 32, "moe_shared_expert_size": 32, "moe_router": "sigmoid", "moe_router_groups": 2,
+             "moe_router_group_topk": 1, "moe_router_group_experts": 2, "moe_scaling_factor": 2.5,
+             "moe_norm_topk_prob": True, "moe_expert_bias": True, "moe_first_dense_layers": 1,
+             "moe_aux_loss_coeff": 0.01, "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}
     cfg = tiny_config("llama", model=model, parallel=parallel, train={"micro_batch_size": 1, "global_batch_size": 8,
                                                                       **(train or {})})
     cfg.data.reset_position_ids = cfg.data.eod_mask_loss = True
