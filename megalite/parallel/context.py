@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from megalite.parallel.gemm import OperandSplits
 from megalite.parallel.random import RNGTracker, model_parallel_tracker
 from megalite.parallel.topology import Topology
 
@@ -39,6 +40,7 @@ class ParallelContext:
     ep_etp: AxisView = field(default_factory=AxisView)  # the etp x ep ranks that together hold every expert
     sequence_ranks: AxisView = field(default_factory=AxisView)  # ranks holding parts of each sequence (tp under SP, cp)
     expert_dispatcher: str = "alltoall"  # how tokens reach their experts' ranks (parallel.moe_dispatcher)
+    tp_cp: AxisView = field(default_factory=AxisView)  # the tp x cp ranks (an FP8 scale may span both)
 
     @classmethod
     def from_topology(cls, topology: Topology, sequence_parallel: bool, seed: int, cp_comm: str = "p2p",
@@ -53,16 +55,29 @@ class ParallelContext:
         sequence_ranks = AxisView()
         if axes:
             sequence_ranks = AxisView(topology.group(*axes), topology.coord(*axes), topology.size(*axes))
+        tp_cp = AxisView(topology.group("tp", "cp"), topology.coord("tp", "cp"), topology.size("tp", "cp"))
         return cls(AxisView(topology.tp_group, topology.tp_rank, topology.tp),
                    AxisView(topology.cp_group, topology.cp_rank, topology.cp), sequence_parallel, cp_comm,
                    model_parallel_tracker(seed, topology.tp_rank, topology.device), ep, etp, ep_etp,
-                   sequence_ranks, expert_dispatcher)
+                   sequence_ranks, expert_dispatcher, tp_cp)
 
     @classmethod
     def tensor_parallel(cls, group: dist.ProcessGroup | None, rank: int, size: int,
                         sequence_parallel: bool = False) -> ParallelContext:
         """Tensor parallelism alone (tests and benchmarks of single layers)."""
         return cls(AxisView(group, rank, size), sequence_parallel=sequence_parallel)
+
+    def operand_splits(self, out: str | None = None, in_: str | None = None,
+                       tokens_split: bool = True) -> OperandSplits:
+        """Where a matmul layer's operands lie (gemm.OperandSplits): its weight split along its output (`out`) or
+        input features (`in_`) over that axis ("tp" or "etp"), its tokens over cp where `tokens_split` (a dense
+        layer's; an expert's tokens are all on its rank); axes of one rank split nothing."""
+        views = {"tp": self.tp, "cp": self.cp, "etp": self.etp}
+        groups = {(axis,): view.group for axis, view in views.items() if view.size > 1}
+        if self.tp.size > 1 and self.cp.size > 1:
+            groups[("tp", "cp")] = self.tp_cp.group
+        live = [axis if axis is not None and views[axis].size > 1 else None for axis in (out, in_)]
+        return OperandSplits(*live, "cp" if tokens_split and self.cp.size > 1 else None, groups)
 
     def coord(self, axis: str) -> tuple[int, int]:
         """(this rank's index, the size) along a grid axis the model splits along."""

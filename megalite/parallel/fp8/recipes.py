@@ -47,7 +47,8 @@ from megalite.parallel.fp8.quantize import (
     Scaling,
     quantize,
 )
-from megalite.parallel.gemm import Recipe, RowGroups
+from megalite.parallel.fp8.sharded import ShardedAmax
+from megalite.parallel.gemm import OperandSplits, Recipe, RowGroups
 
 BLOCK = 128  # DeepSeek-V3's tile width and weight block
 
@@ -60,6 +61,12 @@ class Float8(Recipe):
     def __init__(self, name: str, scalings: dict[Operand, Scaling], power_of_two: bool,
                  amax: AmaxReduction = LOCAL_AMAX) -> None:
         self.name, self.scalings, self.power_of_two, self.amax = name, scalings, power_of_two, amax
+
+    def at_layout(self, splits: OperandSplits) -> Float8:
+        """This recipe with its amax agreed over the ranks that `splits` spreads the layer's operands over."""
+        if not (splits.out or splits.in_ or splits.tokens):
+            return self
+        return Float8(self.name, self.scalings, self.power_of_two, ShardedAmax(splits))
 
     def quantize(self, t: torch.Tensor, operand: Operand, matmul: Matmul) -> Quantized:
         return quantize(t, self.scalings[operand], self.power_of_two, self.amax, operand, matmul)
