@@ -67,10 +67,10 @@ class RowGroups:
 class OperandSplits:
     """Where the rest of a layer's matmul operands lies at a layout, as the layer declares it: its weight
     [out, in] split along its output features (`out`) or input features (`in_`) over a grid axis, its tokens (the
-    rows of x and grad) over another (context parallelism), each named by its axis (None: whole on this rank,
-    or the same on every rank), and the process group of each set of these axes (`groups`, keyed by the axes
-    in the order ("tp", "cp", "etp")). A recipe whose scales span a split operand (FP8's) agrees them over it;
-    `OperandSplits()` is one device's."""
+    rows of x and grad) over another (context parallelism, or an expert's sequence ranks), each named by its
+    axis (None: whole on this rank, or the same on every rank), and the process group of each set of these
+    axes (`groups`, keyed by the axes in the order ("tp", "cp", "etp", "sequence")). A recipe whose scales span
+    a split operand (FP8's) agrees them over it; `OperandSplits()` is one device's."""
 
     out: str | None = None
     in_: str | None = None

@@ -41,7 +41,7 @@ class ExpertLinear(nn.Module):
         self.placements = {"weight": Placement((("ep", ShardSpec(0)), ("etp", ShardSpec(dim, blocks))), "expert")}
         self.recipe = gemm.HIGH_PRECISION
         self.operand_splits = gemm.ONE_DEVICE if ctx is None else ctx.operand_splits(
-            *(("etp", None) if dim == 1 else (None, "etp")), tokens_split=False)
+            *(("etp", None) if dim == 1 else (None, "etp")), experts=True)
         self.bias = nn.Parameter(torch.empty(experts, out_features)) if bias else None
         self.adds_bias = bias and (dim == 1 or ctx is None or ctx.etp.rank == 0)
         if bias and dim == 1:

@@ -6,7 +6,8 @@ it on several ranks: a tensor-parallel layer's weight, split along its output fe
 input features (row-parallel; then also x, and the contraction of the forward); the output gradient of a
 column-parallel layer (split along its features, the contraction of the input gradient); a context-parallel
 rank's chunks of the tokens (the rows of x and grad, and the contraction of the weight gradient); an expert's
-weight split over expert-tensor-parallel ranks. The layer declares which axis splits its weight's dimensions
+weight split over expert-tensor-parallel ranks; an expert's tokens over the sequence ranks when every rank runs
+every expert on its own part of the sequences. The layer declares which axis splits its weight's dimensions
 and its tokens (gemm.OperandSplits); here a tile that spans a split dimension (a tensorwise tile spans both,
 a rowwise tile its contraction) has its amax reduced by MAX over the ranks along that axis, one all-reduce over
 the group of all the axes it spans (tp and cp together where both), on the device (no host read). A tile of
@@ -16,7 +17,8 @@ tiles (config_fp8.py), so nothing is reduced.
 What needs nothing: sequence parallelism gathers a column-parallel layer's input (and a row-parallel layer's
 output gradient) before the matmul, so the whole token dimension is there; pipeline stages hold whole layers;
 data-parallel ranks (and ZeRO's slices, gathered whole before a matmul) each run micro batches of their own,
-quantised on their own as one device's micro batches are; an expert's tokens are gathered on its rank.
+quantised on their own as one device's micro batches are; an expert's tokens are gathered on its rank where the
+expert ranks span the sequence ranks.
 
 Every rank along an axis runs the same layers in the same order with the same recipe, so each all-reduce is
 posted by all its ranks in the same order (the NCCL rule; tests/test_fp8_layouts.py replays it).
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from megalite.parallel.fp8.quantize import Matmul, Operand
 from megalite.parallel.gemm import OperandSplits
 
-AXIS_ORDER = ("tp", "cp", "etp")  # the order OperandSplits.groups' keys list their axes in
+AXIS_ORDER = ("tp", "cp", "etp", "sequence")  # the order OperandSplits.groups' keys list their axes in
 
 
 class ShardedAmax:
