@@ -230,3 +230,15 @@ def _tensors(obj) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
+
+
+def test_an_empty_operand_is_one_tile_of_zeros():
+    """A rank may hold none of an operand whose scale it agrees with other ranks (an expert no token of its chunk
+    chose): it still gives one amax per whole-spanning dimension (zero), the shape the ranks holding the rest
+    give, and quantises to an empty tensor."""
+    for name, shape in (("tensorwise", (1, 1)), ("rowwise", (160, 1))):
+        seen = []
+        recipe = RECIPES[name](lambda amax, operand, matmul, whole, seen=seen: seen.append(amax.clone()) or amax)
+        quantized = recipe.quantize(torch.zeros(160, 0), "input", "weight_grad")  # x^T of an expert without tokens
+        assert quantized.data.shape == (160, 0) and quantized.dequantize().shape == (160, 0)
+        assert seen[0].shape == shape and not seen[0].any(), name

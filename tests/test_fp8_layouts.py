@@ -152,6 +152,10 @@ LAYOUTS = {
     "experts: tp2 SP x ep2": (True, ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2"],
                               True),
 }
+# Every rank running every expert on its own chunks of the sequences: an expert's tokens of a micro batch split
+# over the cp ranks (their amax reduced over them). Not under blockwise: an expert's 128-row tiles along the
+# tokens would hold other tokens than one device's (the rows each rank routes are data-dependent).
+SPLIT_EXPERTS = {"experts: cp2 (ep1)": (True, ["--parallel.cp=2"], True)}
 
 
 def _args(recipe: str, experts: bool, *extra: str) -> list[str]:
@@ -179,20 +183,24 @@ def model_runs(tmp_path_factory):
     references = {f"{recipe} one device {experts}": _args(recipe, experts)
                   for recipe in RECIPES for experts in (False, True)}
     layouts = {f"{recipe} {layout}": _args(recipe, experts, *extra)
-               for recipe in RECIPES for layout, (experts, extra, _) in LAYOUTS.items()}
+               for recipe in RECIPES for layout, (experts, extra, _) in _layouts(recipe).items()}
     run_ranks(1, _pretrain_runs, str(root), references)
     run_ranks(2, _pretrain_runs, str(root), layouts)
     return {name: [r["loss"] for r in metrics(root / f"{_file(name)}.jsonl")] for name in [*references, *layouts]}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def _layouts(recipe: str) -> dict:
+    return LAYOUTS if recipe == "blockwise" else LAYOUTS | SPLIT_EXPERTS
+
+
+@pytest.mark.parametrize(("recipe", "layout"), [(recipe, layout) for recipe in sorted(RECIPES)
+                                                for layout in _layouts(recipe)])
 def test_each_recipe_at_each_layout_reproduces_the_one_device_run(model_runs, recipe, layout):
     """Layouts whose ranks sum in the one device's order (pp, dp, ZeRO-3) give its losses to 1e-6. Those that
     sum partial products (tp's row-parallel layers, cp's attention) differ in fp32 rounding, and where that
     moves a value across an FP8 rounding boundary, the value moves by an FP8 step (1/8 to 1/4 of itself): step
     1's loss within 1e-5, step 2's within 2e-4 (a missing amax reduction moves step 1 by 5e-5 to 3e-4)."""
-    experts, _, reorders = LAYOUTS[layout]
+    experts, _, reorders = _layouts(recipe)[layout]
     reference, losses = model_runs[f"{recipe} one device {experts}"], model_runs[f"{recipe} {layout}"]
     assert len(reference) == len(losses) == 2
     assert losses[0] == pytest.approx(reference[0], rel=1e-5 if reorders else 1e-6)

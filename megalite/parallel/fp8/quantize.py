@@ -123,10 +123,15 @@ def quantize(t: torch.Tensor, scaling: Scaling, power_of_two: bool, amax: AmaxRe
 
 def _blocks(t: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """t [rows, k] as [tile rows, rows per tile, tile columns, columns per tile], partial tiles padded with
-    zeros."""
+    zeros; an empty dimension is one tile of zeros, so that a rank holding none of an operand (an expert no
+    token of its chunk chose) still agrees that tile's amax with the ranks holding the rest."""
     rows, cols = tile
-    padded = F.pad(t, (0, -t.shape[1] % cols, 0, -t.shape[0] % rows))
+    padded = F.pad(t, (0, _padding(t.shape[1], cols), 0, _padding(t.shape[0], rows)))
     return padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+
+
+def _padding(size: int, tile: int) -> int:
+    return -size % tile if size else tile
 
 
 def _unblocked(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
