@@ -18,7 +18,7 @@ from megalite.config_cli import parse_config
 from megalite.config_validation import validate
 from megalite.parallel import gemm
 from megalite.parallel.fp8 import RECIPES
-from megalite.parallel.fp8.recipes import scaled_mm
+from megalite.parallel.fp8.recipes import kernel_for, kernel_mm
 from megalite.parallel.weight_grads import set_sink
 from megalite.training.run_summary import fp8_line
 
@@ -141,14 +141,17 @@ def test_scales_are_the_references_bit_for_bit(name):
 
 def test_cpu_kernel_equals_the_emulation_and_refuses_blockwise():
     """torch._scaled_mm takes tensorwise (e4m3 and e5m2) and rowwise scales on the CPU and equals the emulation
-    (dequantise, fp32 matmul) bit for bit; DeepSeek's 1 x 128 / 128 x 128 scales it refuses on the CPU, which is
+    (dequantise, fp32 matmul) bit for bit (so a CPU runs the faster emulation, and CUDA's kernel is held to
+    it); DeepSeek's 1 x 128 / 128 x 128 scales it refuses on the CPU, which is
     why blockwise runs the emulation (parallel/fp8/recipes.py)."""
     x, w, g = _operands(134, 144, 160, seed=3)
     for name in ("tensorwise", "rowwise"):
         recipe = RECIPES[name]()
         for a, a_is, b, b_is in ((x, "input", w, "weight"), (g, "grad", w.t(), "weight")):
             qa, qb = recipe.quantize(a, a_is, "forward"), recipe.quantize(b, b_is, "forward")
-            assert torch.equal(scaled_mm(qa, qb), qa.dequantize() @ qb.dequantize().t()), (name, a_is)
+            kernel = kernel_for(qa, qb)
+            assert kernel == {"tensorwise": "tensor", "rowwise": "row"}[name], (name, a_is)
+            assert torch.equal(kernel_mm(qa, qb, kernel), qa.dequantize() @ qb.dequantize().t()), (name, a_is)
     blockwise = RECIPES["blockwise"]()
     qx, qw = blockwise.quantize(x[:128, :128], "input", "forward"), blockwise.quantize(w[:128, :128], "weight",
                                                                                       "forward")
@@ -227,3 +230,15 @@ def _tensors(obj) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
+
+
+def test_an_empty_operand_is_one_tile_of_zeros():
+    """A rank may hold none of an operand whose scale it agrees with other ranks (an expert no token of its chunk
+    chose): it still gives one amax per whole-spanning dimension (zero), the shape the ranks holding the rest
+    give, and quantises to an empty tensor."""
+    for name, shape in (("tensorwise", (1, 1)), ("rowwise", (160, 1))):
+        seen = []
+        recipe = RECIPES[name](lambda amax, operand, matmul, whole, seen=seen: seen.append(amax.clone()) or amax)
+        quantized = recipe.quantize(torch.zeros(160, 0), "input", "weight_grad")  # x^T of an expert without tokens
+        assert quantized.data.shape == (160, 0) and quantized.dequantize().shape == (160, 0)
+        assert seen[0].shape == shape and not seen[0].any(), name

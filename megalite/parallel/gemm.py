@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -62,6 +63,34 @@ class RowGroups:
         return torch.searchsorted(self.offsets, index, right=True).clamp_max_(len(self.offsets) - 1)
 
 
+@dataclass(frozen=True)
+class OperandSplits:
+    """Where the rest of a layer's matmul operands lies at a layout, as the layer declares it: its weight
+    [out, in] split along its output features (`out`) or input features (`in_`) over a grid axis, its tokens (the
+    rows of x and grad) over another (context parallelism, or an expert's sequence ranks), each named by its
+    axis (None: whole on this rank, or the same on every rank), and the process group of each set of these
+    axes (`groups`, keyed by the axes in the order ("tp", "cp", "etp", "sequence")). A recipe whose scales span
+    a split operand (FP8's) agrees them over it; `OperandSplits()` is one device's."""
+
+    out: str | None = None
+    in_: str | None = None
+    tokens: str | None = None
+    groups: dict[tuple[str, ...], dist.ProcessGroup | None] = field(default_factory=dict, compare=False, repr=False)
+
+    def axes(self, operand: str, matmul: str) -> tuple[str | None, str | None]:
+        """The axes that split the rows and the contraction k of `operand` ("input", "weight", "grad") as
+        `matmul` ("forward", "input_grad", "weight_grad") multiplies it, a b^T of [rows, k] operands: x [tokens,
+        in] and W [out, in] forward, grad [tokens, out] and W^T [in, out] for the input gradient, grad^T
+        [out, tokens] and x^T [in, tokens] for the weight gradient."""
+        rows, k = {"input": (self.tokens, self.in_), "weight": (self.out, self.in_),
+                   "grad": (self.tokens, self.out)}[operand]
+        transposed = matmul == "weight_grad" or (matmul == "input_grad" and operand == "weight")
+        return (k, rows) if transposed else (rows, k)
+
+
+ONE_DEVICE = OperandSplits()
+
+
 class Recipe(ABC):
     """How a matmul's operands are cast and multiplied: dense x [n, in] by weight [out, in], or grouped, rows
     offsets[e-1]:offsets[e] of x by weight[e] of weight [experts, out, in] (`RowGroups`). Outputs and input
@@ -71,6 +100,11 @@ class Recipe(ABC):
     def __repr__(self) -> str:
         settings = ", ".join(f"{name}={value!r}" for name, value in sorted(vars(self).items()))
         return f"{type(self).__qualname__}({settings})"
+
+    def at_layout(self, splits: OperandSplits) -> Recipe:
+        """This recipe for a layer whose operands lie as `splits` says; one whose numbers do not depend on the
+        rest of an operand (HighPrecision) is itself."""
+        return self
 
     @abstractmethod
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -187,18 +221,19 @@ HIGH_PRECISION = HighPrecision()
 
 @runtime_checkable
 class RecipeSlot(Protocol):
-    """A module whose matmuls run with its `recipe` (set by `apply_recipe`)."""
+    """A module whose matmuls run with its `recipe` (set by `apply_recipe`); where its operands are split over
+    ranks, it says how in `operand_splits` (an `OperandSplits`; without one, whole on every rank)."""
 
     recipe: Recipe
 
 
 def apply_recipe(module: nn.Module, recipe: Recipe) -> None:
-    """Every matmul of `module` and its submodules that holds a recipe (`RecipeSlot`) runs with `recipe`: applied
-    to a built model (or a part of it: the transformer layers, not the head), as model/recompute.py applies
-    activation recompute."""
+    """Every matmul of `module` and its submodules that holds a recipe (`RecipeSlot`) runs with `recipe` at the
+    slot's layout (`Recipe.at_layout` of its `operand_splits`): applied to a built model (or a part of it: the
+    transformer layers, not the head), as model/recompute.py applies activation recompute."""
     for child in module.modules():
         if isinstance(child, RecipeSlot):
-            child.recipe = recipe
+            child.recipe = recipe.at_layout(getattr(child, "operand_splits", ONE_DEVICE))
 
 
 def weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, recipe: Recipe,

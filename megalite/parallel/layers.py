@@ -52,6 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(local)) if bias else None
         self.placements = {"weight": Placement.split("tp", 0, blocks), "bias": Placement.split("tp", 0, blocks)}
         self.recipe = gemm.HIGH_PRECISION
+        self.operand_splits = ctx.operand_splits(out="tp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, group = in_compute_dtype(x), self.ctx.tp.group
@@ -72,6 +73,7 @@ class RowParallelLinear(nn.Module):
         self.placements = {"weight": Placement.split("tp", 1)}
         self.recompute_bias = False  # the bias after the reduction keeps nothing and hands its gradient to W
         self.recipe = gemm.HIGH_PRECISION
+        self.operand_splits = ctx.operand_splits(in_="tp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.ctx.tp

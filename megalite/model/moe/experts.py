@@ -40,6 +40,8 @@ class ExpertLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
         self.placements = {"weight": Placement((("ep", ShardSpec(0)), ("etp", ShardSpec(dim, blocks))), "expert")}
         self.recipe = gemm.HIGH_PRECISION
+        self.operand_splits = gemm.ONE_DEVICE if ctx is None else ctx.operand_splits(
+            *(("etp", None) if dim == 1 else (None, "etp")), experts=True)
         self.bias = nn.Parameter(torch.empty(experts, out_features)) if bias else None
         self.adds_bias = bias and (dim == 1 or ctx is None or ctx.etp.rank == 0)
         if bias and dim == 1:
@@ -59,7 +61,7 @@ class GroupedExperts(nn.Module):
         self.local, self.topk = cfg.num_experts // ctx.ep.size, cfg.moe_topk
         width, blocks = cfg.expert_ffn_size // ctx.etp.size, 2 if features.gated_mlp else 1
         self.linear_fc1 = ExpertLinear(self.local, cfg.hidden_size, blocks * width, dim=1, blocks=blocks,
-                                       bias=features.bias)
+                                       bias=features.bias, ctx=ctx)
         self.linear_fc2 = ExpertLinear(self.local, width, cfg.hidden_size, dim=2, bias=features.bias, ctx=ctx)
         # Selective recompute (model/recompute.py): keep fc1's output only; backward reruns the activation and fc2's
         # forward (one more grouped GEMM, about a ninth of the experts' work) instead of keeping fc2's input.

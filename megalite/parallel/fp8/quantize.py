@@ -20,7 +20,8 @@ Which ranks share a scale is the `AmaxReduction`'s business: a tile's amax is ha
 made, naming the operand and the matmul, so that a layout whose ranks each hold part of a tile (a tensor-parallel
 shard of a tensorwise tensor, a row split along its contraction dimension by a row-parallel layer, a sequence
 shard along the tokens of a weight gradient) can reduce the amax over exactly those ranks and get the one-device
-scale. On one device nothing is shared: `LOCAL_AMAX` returns the amax as it is.
+scale. On one device nothing is shared: `LOCAL_AMAX` returns the amax as it is; parallel/fp8/sharded.py reduces
+it over the ranks a layout spreads an operand over.
 """
 
 from __future__ import annotations
@@ -42,15 +43,19 @@ Matmul = Literal["forward", "input_grad", "weight_grad"]
 class AmaxReduction(Protocol):
     """Agrees the amax of tiles that several ranks hold parts of: returns `amax` [tile rows, tile columns]
     (fp32, this rank's amax of each tile) reduced by max over the ranks that share `operand`'s tiles in `matmul`.
-    Called on every rank that holds a part, in the same order (a collective, where there is one)."""
+    `whole`: whether a tile spans all of this rank's rows and all of its k (a tensorwise tile both, a rowwise
+    tile k; a tile of fixed size neither, and then it lies on this rank: the validator makes every rank's share
+    whole tiles). Called on every rank that holds a part, in the same order (a collective, where there is one)."""
 
-    def __call__(self, amax: torch.Tensor, operand: Operand, matmul: Matmul) -> torch.Tensor: ...
+    def __call__(self, amax: torch.Tensor, operand: Operand, matmul: Matmul,
+                 whole: tuple[bool, bool]) -> torch.Tensor: ...
 
 
 class LocalAmax:
     """One device, or a layout whose tiles each lie on one rank: every amax is already the whole tile's."""
 
-    def __call__(self, amax: torch.Tensor, operand: Operand, matmul: Matmul) -> torch.Tensor:
+    def __call__(self, amax: torch.Tensor, operand: Operand, matmul: Matmul,
+                 whole: tuple[bool, bool]) -> torch.Tensor:
         return amax
 
     def __repr__(self) -> str:
@@ -109,7 +114,8 @@ def quantize(t: torch.Tensor, scaling: Scaling, power_of_two: bool, amax: AmaxRe
     """t [rows, k] in FP8 (contiguous) with one scale per tile, the tiles' amax agreed by `amax`."""
     tile = scaling.tile(tuple(t.shape))
     blocks = _blocks(t.float(), tile)
-    scale = amax_to_scale(amax(blocks.abs().amax(dim=(1, 3)), operand, matmul), scaling.dtype, power_of_two)
+    whole = (scaling.rows is None, scaling.cols is None)
+    scale = amax_to_scale(amax(blocks.abs().amax(dim=(1, 3)), operand, matmul, whole), scaling.dtype, power_of_two)
     limit = torch.finfo(scaling.dtype).max
     data = (blocks * scale[:, None, :, None]).clamp(-limit, limit).to(scaling.dtype)
     return Quantized(_unblocked(data, t.shape).contiguous(), scale.reciprocal(), tile)
@@ -117,10 +123,15 @@ def quantize(t: torch.Tensor, scaling: Scaling, power_of_two: bool, amax: AmaxRe
 
 def _blocks(t: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """t [rows, k] as [tile rows, rows per tile, tile columns, columns per tile], partial tiles padded with
-    zeros."""
+    zeros; an empty dimension is one tile of zeros, so that a rank holding none of an operand (an expert no
+    token of its chunk chose) still agrees that tile's amax with the ranks holding the rest."""
     rows, cols = tile
-    padded = F.pad(t, (0, -t.shape[1] % cols, 0, -t.shape[0] % rows))
+    padded = F.pad(t, (0, _padding(t.shape[1], cols), 0, _padding(t.shape[0], rows)))
     return padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+
+
+def _padding(size: int, tile: int) -> int:
+    return -size % tile if size else tile
 
 
 def _unblocked(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -24,12 +24,14 @@ Products are exact fp32 sums of the dequantised operands; outputs and input grad
 dtype, weight gradients are added into the fp32 main gradient (weight_grads.deliver's contract, as
 HighPrecision's).
 
-Kernels: tensorwise and rowwise operands go through torch._scaled_mm (CPU and CUDA; on the CPU it equals the
-emulation bit for bit, tests/test_fp8.py). On CUDA rowwise returns bf16 (CUTLASS's rowwise kernel takes no fp32
-output before cuBLAS 12.9), so there its products, the weight gradient included, are rounded to bf16 as
-torchao's are. Blockwise runs the emulation everywhere (quantise, dequantise, fp32 matmul): torch 2.11's
-_scaled_mm takes 1 x 128 / 128 x 128 scales on SM90 with cuBLAS >= 12.9, in outer-dim-major layouts padded to
-four blocks, which is not wired in yet; nor is torch._scaled_grouped_mm for the experts (they loop over experts).
+Kernels: on CUDA tensorwise and rowwise operands go through torch._scaled_mm. Its CPU kernel takes them too and
+equals the emulation bit for bit (tests/test_fp8.py), but runs several times slower than the emulation's fp32
+matmul (about 3 GFLOP/s on one core), so a CPU runs the emulation. On CUDA rowwise returns bf16 (CUTLASS's
+rowwise kernel takes no fp32 output before cuBLAS 12.9), so there its products, the weight gradient included,
+are rounded to bf16 as torchao's are. Blockwise runs the emulation everywhere (quantise, dequantise, fp32
+matmul): torch 2.11's _scaled_mm takes 1 x 128 / 128 x 128 scales on SM90 with cuBLAS >= 12.9, in outer-dim-major
+layouts padded to four blocks, which is not wired in yet; nor is torch._scaled_grouped_mm for the experts (they
+loop over experts).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from megalite.parallel.fp8.quantize import (
     Scaling,
     quantize,
 )
-from megalite.parallel.gemm import Recipe, RowGroups
+from megalite.parallel.fp8.sharded import ShardedAmax
+from megalite.parallel.gemm import OperandSplits, Recipe, RowGroups
 
 BLOCK = 128  # DeepSeek-V3's tile width and weight block
 
@@ -60,6 +63,12 @@ class Float8(Recipe):
     def __init__(self, name: str, scalings: dict[Operand, Scaling], power_of_two: bool,
                  amax: AmaxReduction = LOCAL_AMAX) -> None:
         self.name, self.scalings, self.power_of_two, self.amax = name, scalings, power_of_two, amax
+
+    def at_layout(self, splits: OperandSplits) -> Float8:
+        """This recipe with its amax agreed over the ranks that `splits` spreads the layer's operands over."""
+        if not (splits.out or splits.in_ or splits.tokens):
+            return self
+        return Float8(self.name, self.scalings, self.power_of_two, ShardedAmax(splits))
 
     def quantize(self, t: torch.Tensor, operand: Operand, matmul: Matmul) -> Quantized:
         return quantize(t, self.scalings[operand], self.power_of_two, self.amax, operand, matmul)
@@ -99,18 +108,26 @@ class Float8(Recipe):
 
 
 def scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
-    """a b^T of two quantised [m, k] and [n, k] operands: torch._scaled_mm where it takes their scales, else
-    the exact emulation (both dequantised, multiplied in fp32)."""
-    kernel = _kernel_for(a, b)
+    """a b^T of two quantised [m, k] and [n, k] operands: on CUDA torch._scaled_mm where it takes their scales,
+    else the exact emulation (both dequantised, multiplied in fp32)."""
+    kernel = kernel_for(a, b)
+    if kernel is None or not a.data.is_cuda:
+        return a.dequantize() @ b.dequantize().t()
+    return kernel_mm(a, b, kernel)
+
+
+def kernel_mm(a: Quantized, b: Quantized, kernel: str) -> torch.Tensor:
+    """a b^T through torch._scaled_mm with `kernel`'s scaling ("tensor" or "row", kernel_for's), fp32 (bf16
+    from CUDA's rowwise kernel)."""
     if kernel == "tensor":
         return torch._scaled_mm(a.data, b.data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.float32)
     if kernel == "row":
         out = torch.bfloat16 if a.data.is_cuda else torch.float32
         return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale.t(), out_dtype=out)
-    return a.dequantize() @ b.dequantize().t()
+    raise ValueError(f"torch._scaled_mm has no {kernel!r} scaling here; kernel_for names the one it takes")
 
 
-def _kernel_for(a: Quantized, b: Quantized) -> str | None:
+def kernel_for(a: Quantized, b: Quantized) -> str | None:
     """Which scaling of torch._scaled_mm multiplies these operands: "tensor" (both per tensor), "row" (both per
     row, a tile spanning the whole contraction), or None; on CUDA k and n must be multiples of 16, as
     torch._scaled_mm's checks ask (torch/_meta_registrations.py)."""
