@@ -23,19 +23,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from megalite.model.cross_entropy import ACCELERATOR_CHUNK_BYTES
 from megalite.model.head import LMHead
 from megalite.parallel import observed
-from megalite.parallel.topology import release_process_groups
 
 
 @contextlib.contextmanager
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
-    """This process is rank `rank` of `world_size` on the fake backend (CPU and meta tensors) inside the block."""
+    """This process is rank `rank` of `world_size` on the fake backend (CPU and meta tensors) inside the block.
+    Its groups are destroyed without release_process_groups' garbage collection: fake groups run no worker
+    threads to join, and a full collection costs a large process a second, once per simulated rank."""
     if dist.is_initialized():
         raise RuntimeError("the dry run needs a process without a process group: it builds the fake one itself")
     dist.init_process_group(observed.FAKE, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
-        release_process_groups()
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

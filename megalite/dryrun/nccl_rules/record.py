@@ -100,10 +100,13 @@ def _caller() -> str:
 class CommRecorder(CommObserver):
     """While active, records every call the observed process groups of this process post and every wait on them
     (one recorder per process). One call of torch's (a `batch_isend_irecv` with all its sends and receives, an
-    `all_gather_object` with its two gathers) is one recorded call, named as torch's function is."""
+    `all_gather_object` with its two gathers) is one recorded call, named as torch's function is. `digests`: hash
+    the bytes each message carries; off where no bytes move (real tensors on the fake process group, whose
+    receives stay as they were allocated), so that only sizes and order are checked, as for fake tensors."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, digests: bool = True) -> None:
         self.record = RankRecord(rank)
+        self._digests = digests
         self._posted = 0  # calls posted so far: the next call's index
         self._waited: set[int] = set()
         # each operation in flight: its call and its receives (gone with the operation's work, as its buffers)
@@ -140,7 +143,7 @@ class CommRecorder(CommObserver):
             self._waited.add(call.index)
             self.record.events.append(("wait", call.index))
         for message, buffer in received:
-            message.digest = _digest(buffer)
+            message.digest = _digest(buffer) if self._digests else None
 
     def _new_call(self, operation: GroupCall, name: str) -> Call:
         group = operation.group
@@ -169,7 +172,7 @@ class CommRecorder(CommObserver):
                           str(tensor.dtype))
         call.messages.append(message)
         if send:
-            message.digest = _digest(tensor)
+            message.digest = _digest(tensor) if self._digests else None
             return []
         return [(message, tensor)]
 
