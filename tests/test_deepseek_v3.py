@@ -9,7 +9,8 @@
   them), which transformers loads with no missing or unexpected weights and megalite's logits.
 - The hub's MTP layer (layer num_hidden_layers: experts one by one, `shared_head.norm`, copies of the embedding
   and head), which transformers skips, converts into megalite's MTP with the depth's loss computed by hand with
-  transformers' modules on the hub tensors, and back out with every tensor bit for bit and num_nextn_predict_layers.
+  transformers' modules on the hub tensors, and back out with every tensor bit for bit and num_nextn_predict_layers;
+  published in FP8, it comes in dequantised.
 - Its published FP8 layout (E4M3 weights, an fp32 `weight_scale_inv` per 128 x 128 block) converts to exactly the
   checkpoint of the model holding the dequantised values (each FP8 value times its block's scale, in fp32).
 """
@@ -225,3 +226,19 @@ def test_hub_mtp_layer_converts_in_with_its_loss_and_back_bit_for_bit(tmp_path):
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub_back", output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"]  # transformers skips the MTP layer alone
     assert all(name.startswith("model.layers.2.") for name in info["unexpected_keys"])
+
+
+def test_hub_mtp_layer_in_block_fp8_dequantises_at_import(tmp_path):
+    """The MTP layer as published in FP8 comes in as its dequantised values: written back, each FP8 weight is its
+    value times its block's scale, every other tensor as it was."""
+    hf = _tiny_deepseek(12)
+    hf.save_pretrained(tmp_path / "fp8")
+    _, mtp = _hub_mtp_layer(hf)
+    (weights,) = (tmp_path / "fp8").glob("*.safetensors")
+    save_file(load_file(weights) | mtp, weights, metadata={"format": "pt"})
+    dequantised = _block_fp8(tmp_path / "fp8")
+    convert("--from-hf", "--load", str(tmp_path / "fp8"), "--save", str(tmp_path / "megalite"))
+    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "back"))
+    back = hf_tensors(tmp_path / "back")
+    assert any(name in dequantised for name in mtp)
+    assert all(torch.equal(back[name], dequantised.get(name, value)) for name, value in mtp.items())
