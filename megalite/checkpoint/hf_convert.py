@@ -25,6 +25,7 @@ import torch
 from megalite.checkpoint.files import readable_as_umask
 from megalite.checkpoint.hf_config import hf_config
 from megalite.checkpoint.hf_config_read import model_config_from_hf
+from megalite.checkpoint.hf_deepseek import MODEL_TYPES as DEEPSEEK_TYPES
 from megalite.checkpoint.hf_deepseek import hub_config
 from megalite.checkpoint.hf_mapping import from_hf, to_hf
 from megalite.checkpoint.hf_mtp import hub_mtp_depths, mtp_from_hub, mtp_to_hub, read_hub_mtp, write_hub_mtp
@@ -131,12 +132,13 @@ def hf_to_megalite(load: str | Path, save: str | Path, make_vocab_size_divisible
 
 
 def _hub_mtp(directory: Path, hf) -> dict[str, torch.Tensor]:
-    """The multi-token prediction layers' tensors of a DeepseekV3 directory (which transformers does not load),
-    dequantised as _dequantized's FP8 weights are; {} for other models."""
-    declared = getattr(hf, "num_mtp_layers", 0) if hf.model_type in ("deepseek_v3", "kimi_k2") else 0
+    """The tensors of a DeepseekV3 directory's layers after the main ones (its multi-token prediction layers, which
+    transformers does not load), dequantised as _dequantized's FP8 weights are; {} for other models."""
+    if hf.model_type not in DEEPSEEK_TYPES:
+        return {}
     quantization = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
     block = quantization.get("weight_block_size") if quantization.get("quant_method") == "fp8" else None
-    return read_hub_mtp(directory, hf.num_hidden_layers, declared or 0, tuple(block) if block else None)
+    return read_hub_mtp(directory, hf.num_hidden_layers, tuple(block) if block else None)
 
 
 def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_vocab_size_divisible_by: int = 128,

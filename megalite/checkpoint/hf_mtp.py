@@ -56,15 +56,24 @@ def mtp_from_hub(hub: StateDict, main: StateDict, cfg: ModelConfig, rope_interle
     model, whose embedding and head the layers' copies must equal (`source` names the checkpoint in errors)."""
     out = {}
     for d in range(cfg.mtp_num_layers):
-        i, ours, theirs = cfg.num_layers + d, f"mtp.layers.{d}.", f"model.layers.{cfg.num_layers + d}."
-        for name, expected in _shared(main, cfg).items():
-            if not torch.equal(hub[theirs + name].float(), expected):
-                raise ValueError(f"{source}: {theirs}{name} differs from the main model's, but megalite's multi-token "
-                                 "prediction shares the embedding and the output head; this model cannot be converted")
-        layer = layer_from_hf(_fused_experts(hub, i, cfg), cfg, i, rope_interleave)
-        out |= {f"{ours}transformer_layer.{k.removeprefix(f'layers.{i}.')}": v for k, v in layer.items()}
-        out |= {ours + name: hub[theirs + name_hub] for name, name_hub in _OWN.items()}
+        try:
+            out |= _depth_from_hub(hub, main, cfg, d, rope_interleave, source)
+        except KeyError as missing:
+            raise ValueError(f"{source}: its multi-token prediction layer model.layers.{cfg.num_layers + d}.* lacks "
+                             f"{missing}; this checkpoint is incomplete and cannot be converted") from None
     return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def _depth_from_hub(hub: StateDict, main: StateDict, cfg: ModelConfig, d: int, rope_interleave: bool,
+                    source: str) -> StateDict:
+    i, ours, theirs = cfg.num_layers + d, f"mtp.layers.{d}.", f"model.layers.{cfg.num_layers + d}."
+    for name, expected in _shared(main, cfg).items():
+        if not torch.equal(hub[theirs + name].float(), expected):
+            raise ValueError(f"{source}: {theirs}{name} differs from the main model's, but megalite's multi-token "
+                             "prediction shares the embedding and the output head; this model cannot be converted")
+    layer = layer_from_hf(_fused_experts(hub, i, cfg), cfg, i, rope_interleave)
+    out = {f"{ours}transformer_layer.{k.removeprefix(f'layers.{i}.')}": v for k, v in layer.items()}
+    return out | {ours + name: hub[theirs + name_hub] for name, name_hub in _OWN.items()}
 
 
 def _experts_one_by_one(hf: StateDict) -> StateDict:
@@ -117,11 +126,17 @@ def _dequantised(tensors: StateDict, block: tuple[int, int] | None) -> StateDict
     return out
 
 
-def read_hub_mtp(directory: Path, num_layers: int, declared: int, block: tuple[int, int] | None) -> StateDict:
-    """The tensors of the MTP layers (num_layers .. num_layers + declared - 1, `declared`: the config's
-    num_nextn_predict_layers) that `directory`'s files hold, dequantised (`block`: the FP8 scales' block size)."""
-    prefixes = tuple(f"model.layers.{num_layers + d}." for d in range(declared))
-    files = {name: file for name, file in _weight_files(directory).items() if name.startswith(prefixes)}
+def _layer_index(name: str) -> int:
+    """The layer a `model.layers.{i}.*` tensor belongs to; -1 for the others."""
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else -1
+
+
+def read_hub_mtp(directory: Path, num_layers: int, block: tuple[int, int] | None) -> StateDict:
+    """The tensors `directory`'s files hold of layers num_layers and after (the MTP layers, which transformers does
+    not load: every one of them, so that none the conversion does not place goes unnoticed), dequantised
+    (`block`: the FP8 scales' block size)."""
+    files = {name: file for name, file in _weight_files(directory).items() if _layer_index(name) >= num_layers}
     tensors = {}
     for file in set(files.values()):
         with safe_open(file, "pt") as opened:
