@@ -10,7 +10,8 @@
 - The hub's MTP layer (layer num_hidden_layers: experts one by one, `shared_head.norm`, copies of the embedding
   and head), which transformers skips, converts into megalite's MTP with the depth's loss computed by hand with
   transformers' modules on the hub tensors, and back out with every tensor bit for bit and num_nextn_predict_layers;
-  published in FP8, it comes in dequantised.
+  published in FP8, it comes in dequantised; an incomplete one, one whose embedding or head copy differs from the
+  shared one, or a layer past num_nextn_predict_layers is refused by name.
 - Its published FP8 layout (E4M3 weights, an fp32 `weight_scale_inv` per 128 x 128 block) converts to exactly the
   checkpoint of the model holding the dequantised values (each FP8 value times its block's scale, in fp32).
 """
@@ -35,6 +36,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3TopkRouter,
 )
 
+from megalite.checkpoint.hf_convert import hf_model_to_megalite
 from megalite.config import ModelConfig
 from megalite.data.mtp_targets import mtp_targets
 from megalite.inference.generate import load_model
@@ -242,3 +244,20 @@ def test_hub_mtp_layer_in_block_fp8_dequantises_at_import(tmp_path):
     back = hf_tensors(tmp_path / "back")
     assert any(name in dequantised for name in mtp)
     assert all(torch.equal(back[name], dequantised.get(name, value)) for name, value in mtp.items())
+
+
+def test_a_hub_mtp_layer_megalite_cannot_hold_is_refused_by_name(tmp_path):
+    hf = _tiny_deepseek(12)
+    _, mtp = _hub_mtp_layer(hf)
+
+    def refused(hub: dict[str, torch.Tensor], save: str) -> str:
+        with pytest.raises(ValueError) as error:
+            hf_model_to_megalite(hf, None, tmp_path / save, "hub", hub_mtp=hub)
+        return str(error.value)
+
+    incomplete = {k: v for k, v in mtp.items() if k != "model.layers.2.eh_proj.weight"}
+    assert "model.layers.2.* lacks 'model.layers.2.eh_proj.weight'" in refused(incomplete, "incomplete")
+    other_head = mtp | {"model.layers.2.shared_head.head.weight": mtp["model.layers.2.shared_head.head.weight"] + 1}
+    assert "model.layers.2.shared_head.head.weight differs from the main model's" in refused(other_head, "head")
+    beyond = mtp | {"model.layers.3.enorm.weight": mtp["model.layers.2.enorm.weight"]}  # num_nextn_predict_layers=1
+    assert "'model.layers.3.enorm.weight'] have no place" in refused(beyond, "beyond")

@@ -97,11 +97,12 @@ def _fused_experts(hub: StateDict, i: int, cfg: ModelConfig) -> StateDict:
     experts = f"model.layers.{i}{_EXPERTS}"
     if not cfg.has_experts(i):
         return hub
-    stack = {kind: [hub[f"{experts}{e}.{kind}.weight"] for e in range(cfg.num_experts)]
-             for kind in ("gate_proj", "up_proj", "down_proj")}
-    return hub | {f"{experts}gate_up_proj": torch.stack([torch.cat(gu) for gu in zip(stack["gate_proj"],
-                                                                                     stack["up_proj"])]),
-                  f"{experts}down_proj": torch.stack(stack["down_proj"])}
+    def stacked(*kinds: str) -> torch.Tensor:
+        return torch.stack([torch.cat([hub[f"{experts}{e}.{kind}.weight"] for kind in kinds])
+                            for e in range(cfg.num_experts)])
+
+    return hub | {f"{experts}gate_up_proj": stacked("gate_proj", "up_proj"),
+                  f"{experts}down_proj": stacked("down_proj")}
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
