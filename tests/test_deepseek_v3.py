@@ -221,9 +221,15 @@ def test_hub_mtp_layer_converts_in_with_its_loss_and_back_bit_for_bit(tmp_path):
         model(tokens[:, :-1], labels, None, mtp=mtp_targets(labels, torch.ones(labels.shape), None, 1))
     assert float(model.aux_losses.totals["mtp_1"]) == pytest.approx(_depth_1_loss_by_hand(hf_in, layer, tokens),
                                                                     rel=1e-5)
-    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "hub_back"))
-    before, after = hf_tensors(tmp_path / "hub"), hf_tensors(tmp_path / "hub_back")
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    before = hf_tensors(tmp_path / "hub")
+    for shards, save in (("2GB", "hub_back"), ("100KB", "hub_sharded")):  # one file, or shards with their index
+        convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / save),
+                "--max-shard-size", shards)
+        after = hf_tensors(tmp_path / save)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        index = json.loads((tmp_path / save / "model.safetensors.index.json").read_text())["weight_map"]
+        assert index.keys() == before.keys()
+    assert len(list((tmp_path / "hub_sharded").glob("*.safetensors"))) > 2
     assert json.loads((tmp_path / "hub_back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub_back", output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"]  # transformers skips the MTP layer alone
