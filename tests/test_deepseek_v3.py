@@ -7,6 +7,11 @@
   a shared expert, expert biases), with and without query compression, converts in (tools/convert_checkpoint.py)
   with transformers' logits, and out to the very tensors it came from (experts one by one, as the hub stores
   them), which transformers loads with no missing or unexpected weights and megalite's logits.
+- The hub's MTP layer (layer num_hidden_layers: experts one by one, `shared_head.norm`, copies of the embedding
+  and head), which transformers skips, converts into megalite's MTP with the depth's loss computed by hand with
+  transformers' modules on the hub tensors, and back out with every tensor bit for bit and num_nextn_predict_layers;
+  published in FP8, it comes in dequantised; an incomplete one, one whose embedding or head copy differs from the
+  shared one, or a layer past num_nextn_predict_layers is refused by name.
 - Its published FP8 layout (E4M3 weights, an fp32 `weight_scale_inv` per 128 x 128 block) converts to exactly the
   checkpoint of the model holding the dequantised values (each FP8 value times its block's scale, in fp32).
 """
@@ -18,14 +23,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from hf_models import spread_routers_and_norms
 from safetensors.torch import load_file, save_file
 from test_hf_convert import _same_logits, convert, hf_tensors
 from transformers import DeepseekV3Config
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.modeling_layers import MtpLayer
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3DecoderLayer,
+    DeepseekV3RMSNorm,
+    DeepseekV3TopkRouter,
+)
 
+from megalite.checkpoint.hf_convert import hf_model_to_megalite
 from megalite.config import ModelConfig
+from megalite.data.mtp_targets import mtp_targets
 from megalite.inference.generate import load_model
 from megalite.model.moe.router import route
 
@@ -144,3 +157,113 @@ def test_block_fp8_weights_dequantise_exactly_at_import(tmp_path):
     unquantised = _tiny_deepseek(12).state_dict()
     assert all(not torch.equal(value, unquantised[name]) for name, value in dequantised.items()
                if name in unquantised)  # FP8 rounded every weight it holds
+
+
+# ------------------------------------------------------------------------------ the hub's MTP layer
+
+def _hub_mtp_layer(hf: transformers.PreTrainedModel) -> tuple[MtpLayer, dict[str, torch.Tensor]]:
+    """A random MTP layer of transformers' kind (MoE: layer num_hidden_layers is past first_k_dense_replace) and
+    its tensors as DeepSeek's hub stores them: `model.layers.{num_hidden_layers}.*`, experts one by one, the final
+    norm as `shared_head.norm`, with copies of the embedding and the head."""
+    config, n = hf.config, hf.config.num_hidden_layers
+    layer = MtpLayer(config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, n).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
+            t.copy_(1 + 0.2 * torch.randn(t.shape, generator=gen) if "norm" in name
+                    else 0.15 * torch.randn(t.shape, generator=gen))
+    hub, prefix = {}, f"model.layers.{n}."
+    for name, t in layer.state_dict().items():
+        name = name.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+        if name.endswith("experts.gate_up_proj"):
+            for e, expert in enumerate(t):
+                gate, up = expert.chunk(2)
+                hub |= {f"{prefix}mlp.experts.{e}.{part}_proj.weight": w for part, w in (("gate", gate), ("up", up))}
+        elif name.endswith("experts.down_proj"):
+            hub |= {f"{prefix}mlp.experts.{e}.down_proj.weight": expert for e, expert in enumerate(t)}
+        else:
+            hub[prefix + name] = t
+    hub[prefix + "embed_tokens.weight"] = hf.model.embed_tokens.weight
+    hub[prefix + "shared_head.head.weight"] = hf.lm_head.weight
+    return layer, {k: v.detach().clone().contiguous() for k, v in hub.items()}
+
+
+def _depth_1_loss_by_hand(hf, layer: MtpLayer, tokens: torch.Tensor) -> float:
+    """The summed cross-entropy of the MTP layer computed with transformers' modules on the hub tensors: at
+    position i, [enorm(Emb(t_{i+1})); hnorm(h_i)] through eh_proj, the decoder layer and shared_head.norm, scored
+    by the head against t_{i+2} (h: the main model's normed output)."""
+    seq = tokens.shape[1] - 1
+    with torch.no_grad():
+        hidden = hf.model(tokens[:, :seq]).last_hidden_state
+        embedded = hf.model.embed_tokens(tokens[:, 1:])
+        positions = torch.arange(seq)[None]
+        causal = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1)[None, None]
+        out = layer(embedded, hidden, position_embeddings=hf.model.rotary_emb(embedded, positions),
+                    attention_mask=causal, position_ids=positions, cache=None)
+        logits = hf.lm_head(out)[:, : seq - 1]
+    return float(F.cross_entropy(logits.flatten(0, 1), tokens[:, 2:].flatten(), reduction="sum"))
+
+
+def test_hub_mtp_layer_converts_in_with_its_loss_and_back_bit_for_bit(tmp_path):
+    hf_in = _tiny_deepseek(12)
+    hf_in.save_pretrained(tmp_path / "hub")
+    layer, mtp = _hub_mtp_layer(hf_in)
+    (weights,) = (tmp_path / "hub").glob("*.safetensors")
+    save_file(load_file(weights) | mtp, weights, metadata={"format": "pt"})
+    assert json.loads((tmp_path / "hub" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    convert("--from-hf", "--load", str(tmp_path / "hub"), "--save", str(tmp_path / "megalite"))
+    model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
+    assert cfg.model.mtp_num_layers == 1
+    tokens = torch.randint(0, 250, (2, 17), generator=torch.Generator().manual_seed(0))
+    labels = tokens[:, 1:]
+    model.aux_losses.start_step(1.0, torch.device("cpu"))
+    with torch.no_grad():
+        model(tokens[:, :-1], labels, None, mtp=mtp_targets(labels, torch.ones(labels.shape), None, 1))
+    assert float(model.aux_losses.totals["mtp_1"]) == pytest.approx(_depth_1_loss_by_hand(hf_in, layer, tokens),
+                                                                    rel=1e-5)
+    before = hf_tensors(tmp_path / "hub")
+    for shards, save in (("2GB", "hub_back"), ("100KB", "hub_sharded")):  # one file, or shards with their index
+        convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / save),
+                "--max-shard-size", shards)
+        after = hf_tensors(tmp_path / save)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        index = json.loads((tmp_path / save / "model.safetensors.index.json").read_text())["weight_map"]
+        assert index.keys() == before.keys()
+    assert len(list((tmp_path / "hub_sharded").glob("*.safetensors"))) > 2
+    assert json.loads((tmp_path / "hub_back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub_back", output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"]  # transformers skips the MTP layer alone
+    assert all(name.startswith("model.layers.2.") for name in info["unexpected_keys"])
+
+
+def test_hub_mtp_layer_in_block_fp8_dequantises_at_import(tmp_path):
+    """The MTP layer as published in FP8 comes in as its dequantised values: written back, each FP8 weight is its
+    value times its block's scale, every other tensor as it was."""
+    hf = _tiny_deepseek(12)
+    hf.save_pretrained(tmp_path / "fp8")
+    _, mtp = _hub_mtp_layer(hf)
+    (weights,) = (tmp_path / "fp8").glob("*.safetensors")
+    save_file(load_file(weights) | mtp, weights, metadata={"format": "pt"})
+    dequantised = _block_fp8(tmp_path / "fp8")
+    convert("--from-hf", "--load", str(tmp_path / "fp8"), "--save", str(tmp_path / "megalite"))
+    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "back"))
+    back = hf_tensors(tmp_path / "back")
+    assert any(name in dequantised for name in mtp)
+    assert all(torch.equal(back[name], dequantised.get(name, value)) for name, value in mtp.items())
+
+
+def test_a_hub_mtp_layer_megalite_cannot_hold_is_refused_by_name(tmp_path):
+    hf = _tiny_deepseek(12)
+    _, mtp = _hub_mtp_layer(hf)
+
+    def refused(hub: dict[str, torch.Tensor], save: str) -> str:
+        with pytest.raises(ValueError) as error:
+            hf_model_to_megalite(hf, None, tmp_path / save, "hub", hub_mtp=hub)
+        return str(error.value)
+
+    incomplete = {k: v for k, v in mtp.items() if k != "model.layers.2.eh_proj.weight"}
+    assert "model.layers.2.* lacks 'model.layers.2.eh_proj.weight'" in refused(incomplete, "incomplete")
+    other_head = mtp | {"model.layers.2.shared_head.head.weight": mtp["model.layers.2.shared_head.head.weight"] + 1}
+    assert "model.layers.2.shared_head.head.weight differs from the main model's" in refused(other_head, "head")
+    beyond = mtp | {"model.layers.3.enorm.weight": mtp["model.layers.2.enorm.weight"]}  # num_nextn_predict_layers=1
+    assert "'model.layers.3.enorm.weight'] have no place" in refused(beyond, "beyond")

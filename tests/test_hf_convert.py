@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import tiny_config
 from distributed import pretrain_torchrun
 from hf_models import CLASSES, MODELS, random_hf, routing_margin
 from safetensors.torch import load_file
@@ -20,10 +21,11 @@ from trained import passage, tokenizer
 
 from megalite.checkpoint.hf_convert import megalite_to_hf
 from megalite.checkpoint.hf_tokenizer import hf_tokenizer
-from megalite.checkpoint.model_io import read_model_tensors
+from megalite.checkpoint.model_io import read_model_tensors, write_model_checkpoint
 from megalite.config import DataConfig, ModelConfig
 from megalite.data.build import tokenizer_from_config
 from megalite.inference.generate import Sampling, generate, load_model
+from megalite.model.gpt import GPTModel
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
@@ -195,3 +197,21 @@ def test_an_hf_moe_model_megalite_does_not_compute_is_refused_with_the_reason(tm
     assert ("model_type='olmoe' computes a q/k norm over all heads together, not per head, "
             "which megalite does not; this model cannot be converted") in capsys.readouterr().err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_mtp_export_to_an_architecture_without_it_is_refused_or_dropped_when_asked(tmp_path, capsys):
+    """LlamaForCausalLM stores no multi-token prediction layers: exporting a model with them is refused, naming
+    model.mtp_num_layers and --drop-mtp, which writes the main model alone and says the MTP weights are left out."""
+    cfg = tiny_config("llama", model={"mtp_num_layers": 1})
+    model = GPTModel(cfg.model, torch.device("cpu"), seed=0)
+    write_model_checkpoint(tmp_path / "ckpt", cfg, dict(model.named_parameters()))
+    with pytest.raises(SystemExit):
+        convert("--to-hf", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "hf"))
+    err = capsys.readouterr().err
+    assert "model.mtp_num_layers=1, but LlamaForCausalLM has no multi-token prediction layers" in err
+    assert "--drop-mtp" in err and not (tmp_path / "hf").exists()
+    with pytest.warns(UserWarning, match="multi-token prediction weights are not written"):
+        convert("--to-hf", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "hf"), "--drop-mtp")
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert not any("eh_proj" in name or "layers.2." in name for name in hf_tensors(tmp_path / "hf"))

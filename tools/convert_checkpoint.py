@@ -3,8 +3,11 @@
 --to-hf reads a megalite checkpoint saved at any parallel layout (its root, which means its
 latest iteration, or one iter_* directory) and writes a Hugging Face model directory: config.json,
 sharded model.safetensors with its index, generation_config.json and the tokenizer the run was
-trained with. --from-hf reads a Hugging Face model directory (or a .gguf file; gpt-oss's MXFP4 experts
-are dequantised as they come in) and writes a weights-only megalite checkpoint that pretrain_gpt.py resumes
+trained with; multi-token prediction layers as DeepSeek-V3's hub layers after the main ones (other
+architectures have none: --drop-mtp leaves them out).
+--from-hf reads a Hugging Face model directory (or a .gguf file; gpt-oss's MXFP4 experts are dequantised as
+they come in; DeepSeek-V3's MTP layers become model.mtp_num_layers depths) and writes a weights-only megalite
+checkpoint that pretrain_gpt.py resumes
 at any tp/pp/vp/dp, with the model config derived from config.json saved in its config.yaml. Which
 architectures map, and what is refused because one side does not compute it, is
 megalite/checkpoint/hf_config.py's to say.
@@ -47,6 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load", required=True, help="what to convert")
     parser.add_argument("--save", required=True, help="the output directory (must not exist or be empty)")
     parser.add_argument("--max-shard-size", default="2GB", help="--to-hf: largest safetensors shard (default 2GB)")
+    parser.add_argument("--drop-mtp", action="store_true",
+                        help="--to-hf: write the main model without its multi-token prediction weights (needed for "
+                             "architectures other than DeepseekV3, which alone stores them)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                         help="--from-hf: pad the vocabulary to a multiple of this "
                              "(it must be divisible by the tp you train at)")
@@ -55,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.to_hf:
-            out = megalite_to_hf(args.load, args.save, args.max_shard_size)
+            out = megalite_to_hf(args.load, args.save, args.max_shard_size, args.drop_mtp)
             print(f"wrote Hugging Face model {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
         elif args.from_megatron:
             converted = megatron_to_megalite(args.load, args.save, not args.no_optimizer)

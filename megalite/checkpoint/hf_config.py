@@ -85,6 +85,10 @@ def check_hf_features(cfg: ModelConfig) -> None:
         raise ValueError(f"model.head_dim={cfg.head_dim} x num_attention_heads={cfg.num_attention_heads} != "
                          f"hidden_size={cfg.hidden_size}, but GPT2LMHeadModel's heads split the width; this model "
                          "has no Hugging Face equivalent and cannot be converted")
+    if cfg.mtp_num_layers and architecture != hf_deepseek.ARCHITECTURE:
+        raise ValueError(f"model.mtp_num_layers={cfg.mtp_num_layers}, but {architecture} has no multi-token "
+                         f"prediction layers ({hf_deepseek.ARCHITECTURE} alone stores them); convert with --drop-mtp "
+                         "(megalite_to_hf(..., drop_mtp=True)) to write the main model without its MTP weights")
     if architecture == hf_deepseek.ARCHITECTURE:
         hf_deepseek.check_deepseek(cfg)
     elif cfg.num_experts:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,15 +25,21 @@ import torch
 from megalite.checkpoint.files import readable_as_umask
 from megalite.checkpoint.hf_config import hf_config
 from megalite.checkpoint.hf_config_read import model_config_from_hf
-from megalite.checkpoint.hf_deepseek import hub_config, warn_unread_mtp_layer
+from megalite.checkpoint.hf_deepseek import MODEL_TYPES as DEEPSEEK_TYPES
+from megalite.checkpoint.hf_deepseek import hub_config
 from megalite.checkpoint.hf_mapping import from_hf, to_hf
+from megalite.checkpoint.hf_mtp import hub_mtp_depths, mtp_from_hub, mtp_to_hub, read_hub_mtp, write_hub_mtp
 from megalite.checkpoint.hf_tokenizer import has_tokenizer, hf_tokenizer, keep_tokenizer, save_tokenizer
 from megalite.checkpoint.model_io import fresh_target, read_model_tensors, write_model_checkpoint
 from megalite.config import Config, DataConfig
 
 
-def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2GB") -> Path:
+def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2GB", drop_mtp: bool = False) -> Path:
     """Write the HF directory of a megalite checkpoint (root or iter_* directory); returns `save`.
+
+    Multi-token prediction's depths are written as DeepseekV3's hub layers after the main ones (hf_mtp.py); an
+    architecture without such layers refuses a model with them (hf_config.check_hf_features) unless `drop_mtp`,
+    which writes the main model alone and warns that the MTP weights are left out.
 
     The model is built on the meta device and takes the checkpoint's tensors as they are, so
     converting costs no random initialisation and no second copy of the weights. Files go to a
@@ -43,6 +50,10 @@ def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2G
 
     save = fresh_target(save)
     cfg, tensors = read_model_tensors(load)
+    if drop_mtp and cfg.model.mtp_num_layers:
+        warnings.warn(f"{load}: model.mtp_num_layers={cfg.model.mtp_num_layers}: its multi-token prediction weights "
+                      "are not written (drop_mtp / --drop-mtp); the main model is", stacklevel=2)
+        cfg.model.mtp_num_layers = 0
     tokenizer = hf_tokenizer(cfg.data, cfg.model.vocab_size, f"{load} (config.yaml)")
     ids = {} if tokenizer is None else {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     with torch.device("meta"):
@@ -57,6 +68,8 @@ def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2G
     tmp = save.with_name(save.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    if cfg.model.mtp_num_layers:  # transformers' model holds no MTP layers: they go in a file of their own
+        write_hub_mtp(tmp, mtp_to_hub(tensors, cfg.model))
     for weights in tmp.glob("*.safetensors"):
         readable_as_umask(weights)
     if tokenizer is not None:
@@ -82,8 +95,6 @@ def load_hf(source: str | Path):
     kimi = {} if gguf or hub_config(directory) is None else {"config": hub_config(directory)}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True, **gguf,
                                                  **quantized, **kimi)
-    if not gguf and model.config.model_type == "deepseek_v3":
-        warn_unread_mtp_layer(directory, model.config.num_hidden_layers)
     tokenizer = (AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
                  if gguf or has_tokenizer(directory) else None)
     return model, tokenizer
@@ -115,23 +126,41 @@ def hf_to_megalite(load: str | Path, save: str | Path, make_vocab_size_divisible
     fresh_target(save)  # before the (slow) load
     model, tokenizer = load_hf(load)
     directory = None if Path(load).suffix == ".gguf" else Path(load)
+    hub_mtp = {} if directory is None else _hub_mtp(directory, model.config)
     return hf_model_to_megalite(model, tokenizer, save, f"{load} (config.json)", make_vocab_size_divisible_by,
-                                directory)
+                                directory, hub_mtp)
+
+
+def _hub_mtp(directory: Path, hf) -> dict[str, torch.Tensor]:
+    """The tensors of a DeepseekV3 directory's layers after the main ones (its multi-token prediction layers, which
+    transformers does not load), dequantised as _dequantized's FP8 weights are; {} for other models."""
+    if hf.model_type not in DEEPSEEK_TYPES:
+        return {}
+    quantization = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
+    block = quantization.get("weight_block_size") if quantization.get("quant_method") == "fp8" else None
+    return read_hub_mtp(directory, hf.num_hidden_layers, tuple(block) if block else None)
 
 
 def hf_model_to_megalite(model, tokenizer, save: str | Path, source: str, make_vocab_size_divisible_by: int = 128,
-                         tokenizer_dir: Path | None = None) -> Path:
+                         tokenizer_dir: Path | None = None, hub_mtp: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a weights-only megalite checkpoint of a loaded transformers model (hf_config.ARCHITECTURES), with its
     tokenizer (if any) under save/tokenizer (the files of HF directory `tokenizer_dir` unchanged, when given);
     returns the iteration directory, whose config.yaml holds the derived model config and names the tokenizer.
-    `source` names the model in errors."""
+    `source` names the model in errors; `hub_mtp`: the hub's multi-token prediction layers (hf_mtp.py), which
+    become model.mtp_num_layers depths."""
     save = fresh_target(save)
     cfg = Config(model=model_config_from_hf(model.config, source))
     cfg.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     hf_state = model.state_dict()
-    tensors = from_hf(hf_state, cfg.model, bool(getattr(model.config, "rope_interleave", False)))
+    interleaved = bool(getattr(model.config, "rope_interleave", False))
+    tensors = from_hf(hf_state, cfg.model, interleaved)
+    hub_mtp = hub_mtp or {}
+    declared = getattr(model.config, "num_mtp_layers", 0) or 0
+    cfg.model.mtp_num_layers = hub_mtp_depths(hub_mtp, cfg.model.num_layers, declared)
+    tensors |= mtp_from_hub(hub_mtp, tensors, cfg.model, interleaved, source)
     tied = {"lm_head.weight"} if cfg.model.tied else set()
     unused = set(hf_state) - set(to_hf(tensors, cfg.model)) - tied
+    unused |= set(hub_mtp) - set(mtp_to_hub(tensors, cfg.model))
     if unused:
         raise ValueError(f"{source}: tensors {sorted(unused)} have no place in megalite's {cfg.model.family}; "
                          "this model cannot be converted")

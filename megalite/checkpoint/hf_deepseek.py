@@ -10,14 +10,13 @@ expert n_shared_experts x moe_intermediate_size wide, the first first_k_dense_re
 
 transformers' latent norms (q_a_layernorm, kv_a_layernorm) have epsilon 1e-6 whatever rms_norm_eps says (Moonlight's
 is 1e-5): megalite's model.latent_norm_epsilon, set where it differs from model.norm_epsilon. The multi-token
-prediction layer the released checkpoints store as layer num_hidden_layers (`model.layers.61.*` in DeepSeek-V3) is
-not read yet: transformers drops it at load, and the conversion says so.
+prediction layers the released checkpoints store as layers num_hidden_layers + d (`model.layers.61.*` in
+DeepSeek-V3; `num_nextn_predict_layers` of them) are megalite's model.mtp_num_layers depths (hf_mtp.py).
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 from megalite.config import ModelConfig
@@ -78,7 +77,7 @@ def check_deepseek(cfg: ModelConfig) -> None:
 
 def deepseek_hf_config(cfg: ModelConfig, common: dict):
     """The DeepseekV3Config of `cfg`; `common`: the fields every rope family shares (hf_config.py), rope
-    interleaving on (hf_mla.py writes the rotary rows so, as released). No multi-token prediction layers yet."""
+    interleaving on (hf_mla.py writes the rotary rows so, as released), num_nextn_predict_layers the MTP depths."""
     import transformers
 
     experts = cfg.num_experts > 0
@@ -91,7 +90,7 @@ def deepseek_hf_config(cfg: ModelConfig, common: dict):
         **fields, num_key_value_heads=cfg.num_attention_heads, intermediate_size=cfg.ffn_size,
         q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
         qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=True,
-        attention_bias=False, num_mtp_layers=0,
+        attention_bias=False, num_mtp_layers=cfg.mtp_num_layers,
         n_routed_experts=cfg.num_experts if experts else 1, num_experts_per_tok=cfg.moe_topk if experts else 1,
         moe_intermediate_size=cfg.expert_ffn_size, first_k_dense_replace=min(cfg.moe_layers, default=cfg.num_layers),
         n_shared_experts=cfg.moe_shared_expert_size // cfg.expert_ffn_size if experts else 1,
@@ -112,19 +111,3 @@ def hub_config(directory: Path):
     """kimi_k2_config of a `model_type: kimi_k2` directory; None for other types."""
     raw = json.loads((directory / "config.json").read_text())
     return kimi_k2_config(raw) if raw.get("model_type") == "kimi_k2" else None
-
-
-def warn_unread_mtp_layer(directory: Path, num_layers: int) -> None:
-    """Say so when the checkpoint holds a multi-token prediction layer (layer `num_layers`), which is not read."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        names = json.loads(index.read_text())["weight_map"]
-    else:
-        from safetensors import safe_open
-
-        names = [n for f in directory.glob("*.safetensors") for n in safe_open(f, "pt").keys()]
-    mtp = sorted({n for n in names if n.startswith(f"model.layers.{num_layers}.")})
-    if mtp:
-        warnings.warn(f"{directory}: its multi-token prediction layer ({len(mtp)} tensors model.layers.{num_layers}.*)"
-                      " is not converted (megalite's conversion of it is still to come); the main model is",
-                      stacklevel=2)

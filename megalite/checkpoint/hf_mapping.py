@@ -75,7 +75,7 @@ def _llama_layer_names(i: int, cfg: ModelConfig) -> dict[str, str]:
     if cfg.features.qk_norm:
         names |= {f"{ml}attention.{p}_norm.weight": f"{hf}self_attn.{p}_norm.weight" for p in "qk"}
     names |= {f"{ours}linear_fc2.weight": f"{theirs}down_proj.weight" for ours, theirs in _gated_mlps(i, cfg)}
-    if i not in cfg.moe_layers:
+    if not cfg.has_experts(i):
         return names
     if cfg.moe_shared_expert_gate:
         names[f"{ml}mlp.shared_expert_gate"] = f"{hf}mlp.shared_expert_gate.weight"
@@ -111,23 +111,22 @@ def _gpt_oss_experts_from_hf(hf: StateDict, i: int) -> StateDict:
 def _gated_mlps(i: int, cfg: ModelConfig) -> list[tuple[str, str]]:
     """(megalite, HF) name prefixes of layer i's gated MLPs: the dense MLP, or a mixture of experts' shared one."""
     ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
-    if i not in cfg.moe_layers:
+    if not cfg.has_experts(i):
         return [(ours, theirs)]
     shared = "shared_experts." if cfg.multi_latent_attention else "shared_expert."  # DeepseekV3's plural
     return [(f"{ours}shared_expert.", f"{theirs}{shared}")] if cfg.moe_shared_expert_size else []
 
 
 def _plain_names(cfg: ModelConfig) -> dict[str, str]:
+    """megalite name -> HF name of the tensors outside the layers that map without reshaping."""
     if cfg.family == "gpt2":
         names = {"embedding.position_embeddings.weight": "transformer.wpe.weight"}
-        names |= {f"final_norm.{p}": f"transformer.ln_f.{p}" for p in ("weight", "bias")}
-        for i in range(cfg.num_layers):
-            names |= _gpt2_layer_names(i)
-        return names
-    names = {"final_norm.weight": "model.norm.weight"}
-    for i in range(cfg.num_layers):
-        names |= _llama_layer_names(i, cfg)
-    return names
+        return names | {f"final_norm.{p}": f"transformer.ln_f.{p}" for p in ("weight", "bias")}
+    return {"final_norm.weight": "model.norm.weight"}
+
+
+def _layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+    return _gpt2_layer_names(i) if cfg.family == "gpt2" else _llama_layer_names(i, cfg)
 
 
 def _embedding_name(cfg: ModelConfig) -> str:
@@ -141,34 +140,38 @@ def _is_conv1d(hf_name: str) -> bool:
 def to_hf(state: StateDict, cfg: ModelConfig) -> StateDict:
     """megalite full state dict -> HF state dict."""
     check_hf_features(cfg)
-    out = {}
-    for ours, theirs in _plain_names(cfg).items():
-        out[theirs] = state[ours].t() if _is_conv1d(theirs) else state[ours]
+    out = {theirs: state[ours] for ours, theirs in _plain_names(cfg).items()}
     out[_embedding_name(cfg)] = state["embedding.word_embeddings.weight"][: cfg.vocab]
     if not cfg.tied:
         out["lm_head.weight"] = state["lm_head.weight"][: cfg.vocab]
     for i in range(cfg.num_layers):
-        if cfg.multi_latent_attention:
-            out |= mla_to_hf(state, cfg, i)
-            if i in cfg.moe_layers and not cfg.moe_expert_bias:  # DeepseekV3's router always adds one
-                out[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts)
-            out |= _gated_mlps_to_hf(state, cfg, i)
-            continue
-        qkv = f"layers.{i}.attention.linear_qkv."
-        q, k, v = _ungroup_qkv(state[f"{qkv}weight"], cfg)
-        if cfg.family == "gpt2":
-            qb, kb, vb = _ungroup_qkv(state[f"{qkv}bias"], cfg)
-            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat((q, k, v)).t()
-            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat((qb, kb, vb))
-            continue
-        attn = f"model.layers.{i}.self_attn."
-        out |= {f"{attn}q_proj.weight": q, f"{attn}k_proj.weight": k, f"{attn}v_proj.weight": v}
-        if cfg.features.qkv_bias or cfg.features.bias:
-            out |= dict(zip((f"{attn}{p}_proj.bias" for p in "qkv"), _ungroup_qkv(state[f"{qkv}bias"], cfg)))
-        if cfg.family == "gpt_oss" and i in cfg.moe_layers:
-            out |= _gpt_oss_experts_to_hf(state, i)
-        out |= _gated_mlps_to_hf(state, cfg, i)
+        out |= layer_to_hf(state, cfg, i)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def layer_to_hf(state: StateDict, cfg: ModelConfig, i: int) -> StateDict:
+    """Layer i's tensors (`layers.{i}.*` in `state`) in HF's names (multi-token prediction's layers too: their
+    index continues after num_layers)."""
+    names = _layer_names(cfg, i)
+    out = {theirs: state[ours].t() if _is_conv1d(theirs) else state[ours] for ours, theirs in names.items()}
+    if cfg.multi_latent_attention:
+        out |= mla_to_hf(state, cfg, i)
+        if cfg.has_experts(i) and not cfg.moe_expert_bias:  # DeepseekV3's router always adds one
+            out[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts)
+        return out | _gated_mlps_to_hf(state, cfg, i)
+    qkv = f"layers.{i}.attention.linear_qkv."
+    q, k, v = _ungroup_qkv(state[f"{qkv}weight"], cfg)
+    if cfg.family == "gpt2":
+        qb, kb, vb = _ungroup_qkv(state[f"{qkv}bias"], cfg)
+        return out | {f"transformer.h.{i}.attn.c_attn.weight": torch.cat((q, k, v)).t(),
+                      f"transformer.h.{i}.attn.c_attn.bias": torch.cat((qb, kb, vb))}
+    attn = f"model.layers.{i}.self_attn."
+    out |= {f"{attn}q_proj.weight": q, f"{attn}k_proj.weight": k, f"{attn}v_proj.weight": v}
+    if cfg.features.qkv_bias or cfg.features.bias:
+        out |= dict(zip((f"{attn}{p}_proj.bias" for p in "qkv"), _ungroup_qkv(state[f"{qkv}bias"], cfg)))
+    if cfg.family == "gpt_oss" and cfg.has_experts(i):
+        out |= _gpt_oss_experts_to_hf(state, i)
+    return out | _gated_mlps_to_hf(state, cfg, i)
 
 
 def _gated_mlps_to_hf(state: StateDict, cfg: ModelConfig, i: int) -> StateDict:
@@ -183,21 +186,27 @@ def from_hf(hf: StateDict, cfg: ModelConfig, rope_interleave: bool = False) -> S
     """HF state dict -> megalite full state dict (padded vocabulary rows are zero); `rope_interleave`: a
     DeepseekV3 config's, whose rotary rows hf_mla.py permutes."""
     check_hf_features(cfg)
-    out = {}
-    for ours, theirs in _plain_names(cfg).items():
-        out[ours] = hf[theirs].t() if _is_conv1d(theirs) else hf[theirs]
+    out = {ours: hf[theirs] for ours, theirs in _plain_names(cfg).items()}
     out["embedding.word_embeddings.weight"] = _pad_vocab(hf[_embedding_name(cfg)], cfg)
     if not cfg.tied:
         out["lm_head.weight"] = _pad_vocab(hf["lm_head.weight"], cfg)
     for i in range(cfg.num_layers):
-        out |= mla_from_hf(hf, cfg, i, rope_interleave) if cfg.multi_latent_attention else _qkv_from_hf(hf, cfg, i)
-        if cfg.family == "gpt2":
-            continue
-        if cfg.family == "gpt_oss" and i in cfg.moe_layers:
-            out |= _gpt_oss_experts_from_hf(hf, i)
-        for ours, theirs in _gated_mlps(i, cfg):
-            out[f"{ours}linear_fc1.weight"] = torch.cat([hf[f"{theirs}{p}_proj.weight"] for p in ("gate", "up")])
+        out |= layer_from_hf(hf, cfg, i, rope_interleave)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def layer_from_hf(hf: StateDict, cfg: ModelConfig, i: int, rope_interleave: bool = False) -> StateDict:
+    """Layer i's tensors in megalite's names (`layers.{i}.*`) from HF's (`model.layers.{i}.*`)."""
+    names = _layer_names(cfg, i)
+    out = {ours: hf[theirs].t() if _is_conv1d(theirs) else hf[theirs] for ours, theirs in names.items()}
+    out |= mla_from_hf(hf, cfg, i, rope_interleave) if cfg.multi_latent_attention else _qkv_from_hf(hf, cfg, i)
+    if cfg.family == "gpt2":
+        return out
+    if cfg.family == "gpt_oss" and cfg.has_experts(i):
+        out |= _gpt_oss_experts_from_hf(hf, i)
+    for ours, theirs in _gated_mlps(i, cfg):
+        out[f"{ours}linear_fc1.weight"] = torch.cat([hf[f"{theirs}{p}_proj.weight"] for p in ("gate", "up")])
+    return out
 
 
 def _qkv_from_hf(hf: StateDict, cfg: ModelConfig, i: int) -> StateDict:
