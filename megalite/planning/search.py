@@ -1,11 +1,11 @@
-"""The layout search: every tp, cp, pp, vp, schedule, ep, ZeRO stage, recompute and micro batch size the validator
+"""The layout search: every tp, cp, pp, vp, schedule, ep, etp, ZeRO stage, recompute and micro batch size the validator
 accepts for a model, a global batch and a cluster, ranked by predicted step time (planning/step_time.py) among
 those that fit with the planner's reserve (planning/plan.py).
 
 Fast by pruning, not by a second planner:
 1. candidates are the grid of choices, each one validated (megalite/config_validation.py: every candidate is a
-   config pretrain_gpt.py accepts); tp stays within a node (its collectives are not overlapped) and cp keeps at
-   least MIN_CP_TOKENS tokens of a sample per rank;
+   config pretrain_gpt.py accepts); tp stays within a node (its collectives are not overlapped), etp is 1 or tp,
+   vp a power of two, and cp keeps at least MIN_CP_TOKENS tokens of a sample per rank;
 2. a candidate whose estimated memory leaves no room is dropped unplanned: its model state (each rank's parameters:
    the one-device model's layers, embedding and head divided as its layout divides them, at its ZeRO stage:
    planning/memory.py state_bytes) and the activations of the micro batches in flight (`estimated_gib`);
