@@ -72,12 +72,13 @@ LATENT = {"num_query_groups": None, "multi_latent_attention": True, "q_lora_rank
     (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 2}, "full",
      {**MOE, **LATENT, "moe_shared_expert_size": 32}),
     (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "moe_dispatcher": "allgather"}, "selective", MOE),
+    (4, {"cp": 2, "pp": 2}, "selective", LATENT),
 ])
 def test_predicted_traffic_is_what_the_dry_run_records(world_size, parallel, recompute, model):
     """Every axis's bytes per step on each simulated rank equal the recorded calls' (experts' all-to-alls and
-    all-gathers over ep and etp, latent attention's narrow gathers included); what the prediction leaves out is
-    only the small all-reduces (the loss's, the norm's, partial norm and down-projection weights'), under 1% of
-    the step's bytes."""
+    all-gathers over ep and etp, latent attention's narrow gathers and its ring's K/V included); what the
+    prediction leaves out is only the small all-reduces (the loss's, the norm's, partial norm and down-projection
+    weights'), under 1% of the step's bytes."""
     cfg = measurement_config(world_size, model={**TINY_MODEL, **model}, parallel=parallel,
                              train={"micro_batch_size": 2, "global_batch_size": max(world_size, 8), "precision": "bf16",
                                     "param_dtype": "bf16", "recompute": recompute})
