@@ -30,6 +30,9 @@ TINY_MODEL = {"family": "llama", "num_layers": 4, "hidden_size": 64, "num_attent
 GROUP_AXES = {"tensor-parallel": "tp", "context-parallel": "cp", "pipeline-pair": "pp", "data-parallel": "dp",
               "expert-tensor-parallel": "etp", "expert-tensor-and-expert-parallel": "ep",
               "data-and-context-parallel": "dp", "expert-parallel": "ep", "expert-data-parallel": "edp"}
+MOE = {"num_experts": 4, "moe_topk": 2}
+LATENT = {"num_query_groups": None, "multi_latent_attention": True, "q_lora_rank": 8, "kv_lora_rank": 8,
+          "qk_head_dim": 16, "qk_pos_emb_head_dim": 4, "v_head_dim": 16, "seq_length": 64}
 CALLS = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter", "all_reduce": "all_reduce",
          "batch_isend_irecv": "send", "all_to_all_single": "all_to_all"}
 
@@ -50,6 +53,17 @@ def test_every_candidate_is_a_config_the_validator_accepts():
     assert {(1, 1, 1), (2, 2, 3), (2, 4, 2)} <= layouts
 
 
+def test_expert_layouts_enumerated_are_configs_the_validator_accepts():
+    """ep over the experts' divisors, etp at 1 or tp, each candidate validated."""
+    cfg = measurement_config(1, model={**TINY_MODEL, **MOE}, train={"micro_batch_size": 1, "global_batch_size": 16})
+    timed = candidates(cfg, Cluster(1, 4), 0.4)[0]
+    for candidate in timed:
+        validate(candidate.cfg, 4)
+    shapes = {(c.cfg.parallel.tp, c.cfg.parallel.ep, c.cfg.parallel.etp) for c in timed}
+    assert {(1, 4, 1), (2, 2, 2), (2, 2, 1), (2, 4, 1)} <= shapes
+    assert all(etp in (1, tp) for tp, _, etp in shapes)
+
+
 def recorded(run) -> dict[tuple[str, str], int]:
     """The dry run's bytes of each (axis, call) of a rank's step."""
     totals: dict[tuple[str, str], int] = defaultdict(int)
@@ -57,11 +71,6 @@ def recorded(run) -> dict[tuple[str, str], int]:
         if call.desc in GROUP_AXES:
             totals[(GROUP_AXES[call.desc], CALLS[call.name])] += call.payload
     return dict(totals)
-
-
-MOE = {"num_experts": 4, "moe_topk": 2}
-LATENT = {"num_query_groups": None, "multi_latent_attention": True, "q_lora_rank": 8, "kv_lora_rank": 8,
-          "qk_head_dim": 16, "qk_pos_emb_head_dim": 4, "v_head_dim": 16, "seq_length": 64}
 
 
 @pytest.mark.parametrize("world_size, parallel, recompute, model", [
