@@ -28,7 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = {"family": "llama", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
               "seq_length": 32, "vocab_size": 256}
 GROUP_AXES = {"tensor-parallel": "tp", "context-parallel": "cp", "pipeline-pair": "pp", "data-parallel": "dp",
+              "expert-tensor-parallel": "etp", "expert-tensor-and-expert-parallel": "ep",
               "data-and-context-parallel": "dp", "expert-parallel": "ep", "expert-data-parallel": "edp"}
+MOE = {"num_experts": 4, "moe_topk": 2}
+LATENT = {"num_query_groups": None, "multi_latent_attention": True, "q_lora_rank": 8, "kv_lora_rank": 8,
+          "qk_head_dim": 16, "qk_pos_emb_head_dim": 4, "v_head_dim": 16, "seq_length": 64}
 CALLS = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter", "all_reduce": "all_reduce",
          "batch_isend_irecv": "send", "all_to_all_single": "all_to_all"}
 
@@ -49,6 +53,17 @@ def test_every_candidate_is_a_config_the_validator_accepts():
     assert {(1, 1, 1), (2, 2, 3), (2, 4, 2)} <= layouts
 
 
+def test_expert_layouts_enumerated_are_configs_the_validator_accepts():
+    """ep over the experts' divisors, etp at 1 or tp, each candidate validated."""
+    cfg = measurement_config(1, model={**TINY_MODEL, **MOE}, train={"micro_batch_size": 1, "global_batch_size": 16})
+    timed = candidates(cfg, Cluster(1, 4), 0.4)[0]
+    for candidate in timed:
+        validate(candidate.cfg, 4)
+    shapes = {(c.cfg.parallel.tp, c.cfg.parallel.ep, c.cfg.parallel.etp) for c in timed}
+    assert {(1, 4, 1), (2, 2, 2), (2, 2, 1), (2, 4, 1)} <= shapes
+    assert all(etp in (1, tp) for tp, _, etp in shapes)
+
+
 def recorded(run) -> dict[tuple[str, str], int]:
     """The dry run's bytes of each (axis, call) of a rank's step."""
     totals: dict[tuple[str, str], int] = defaultdict(int)
@@ -58,17 +73,24 @@ def recorded(run) -> dict[tuple[str, str], int]:
     return dict(totals)
 
 
-@pytest.mark.parametrize("world_size, parallel, recompute", [
-    (8, {"tp": 2, "pp": 2, "sequence_parallel": True, "distributed_optimizer": True}, "none"),
-    (16, {"tp": 2, "pp": 2, "cp": 2, "sequence_parallel": True, "distributed_optimizer": True}, "full"),
-    (8, {"tp": 2, "pp": 2, "zero_stage": 0}, "selective"),
+@pytest.mark.parametrize("world_size, parallel, recompute, model", [
+    (8, {"tp": 2, "pp": 2, "sequence_parallel": True, "distributed_optimizer": True}, "none", {}),
+    (16, {"tp": 2, "pp": 2, "cp": 2, "sequence_parallel": True, "distributed_optimizer": True}, "full", {}),
+    (8, {"tp": 2, "pp": 2, "zero_stage": 0}, "selective", {}),
+    (4, {"ep": 2}, "none", MOE),
+    (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 2}, "full",
+     {**MOE, **LATENT, "moe_shared_expert_size": 32}),
+    (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "moe_dispatcher": "allgather"}, "selective", MOE),
+    (4, {"cp": 2, "pp": 2}, "selective", LATENT),
 ])
-def test_predicted_traffic_is_what_the_dry_run_records(world_size, parallel, recompute):
-    """Every axis's bytes per step on each simulated rank equal the recorded calls'; what the prediction leaves out
-    is only the small all-reduces (the loss's, the norm's, partial norm weights'), under 1% of the step's bytes."""
-    cfg = tiny(world_size, parallel=parallel, train={"micro_batch_size": 2, "global_batch_size": world_size,
-                                                     "precision": "bf16", "param_dtype": "bf16",
-                                                     "recompute": recompute})
+def test_predicted_traffic_is_what_the_dry_run_records(world_size, parallel, recompute, model):
+    """Every axis's bytes per step on each simulated rank equal the recorded calls' (experts' all-to-alls and
+    all-gathers over ep and etp, latent attention's narrow gathers and its ring's K/V included); what the
+    prediction leaves out is only the small all-reduces (the loss's, the norm's, partial norm and down-projection
+    weights'), under 1% of the step's bytes."""
+    cfg = measurement_config(world_size, model={**TINY_MODEL, **model}, parallel=parallel,
+                             train={"micro_batch_size": 2, "global_batch_size": max(world_size, 8), "precision": "bf16",
+                                    "param_dtype": "bf16", "recompute": recompute})
     report = dry_run(cfg, world_size, "all")
     assert report.ok, report.failures
     for run in report.ranks:

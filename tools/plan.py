@@ -16,8 +16,8 @@ and DualPipeV at vp 2) with its bubble, activations and verdict, FLOPs per step 
 assumed MFU, then "fits: X GiB of Y GiB" or "does not fit: X GiB needed, Y GiB available" and the cheapest
 single changes that would make it fit.
 
---search keeps the model and the global batch and tries every tp, cp, pp, vp, schedule, ep, ZeRO stage, recompute
-and micro batch size the validator accepts, and prints the five fastest that fit with each one's step time by
+--search keeps the model and the global batch and tries every tp, cp, pp, vp, schedule, ep, etp, ZeRO stage,
+recompute and micro batch size the validator accepts, and prints the five fastest that fit with each one's step time by
 cause and why the first wins. --explain prints the time model's terms for the config's own layout. The time
 model (megalite/planning/step_time.py): compute at --assumed-mfu of the GPU's dense peak over the hardware FLOPs
 (recompute included), the schedule's bubble, and each axis's traffic on the link its groups cross (NVLink inside a
@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): NVLink's reach")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="device type: its memory and peak TFLOP/s")
     p.add_argument("--assumed-mfu", type=float, default=0.4,
-                   help="share of the dense peak the matmuls reach (default 0.4; tools/gpu_check.py measured 0.46-0.50 "
-                        "on one H100 for 1B models)")
+                   help="share of the dense peak a GPU reaches on the model's FLOPs (default 0.4, below the 0.465 "
+                        "tools/gpu_check.py measured for eager training of GPT-2 1.3B and Llama-3.2-1B on one H100, "
+                        "0.539 compiled: docs/benchmarks.md; pass 0.465 for the measured figure)")
     p.add_argument("--nvlink-gbs", type=float, help="NVLink GB/s per GPU, both ways (default: the GPU's, 900 on H100)")
     p.add_argument("--network-gbits", type=float, help="network Gb/s per GPU (default: 400, InfiniBand NDR; A100 200)")
     p.add_argument("--search", action="store_true", help="find the fastest layouts that fit")

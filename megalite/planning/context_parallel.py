@@ -27,11 +27,15 @@ COMM_NAMES = {"p2p": "ring attention", "allgather": "all-gather"}
 
 
 def _sizes(cfg: Config) -> tuple[int, int, int, int]:
-    """(local tokens of a micro batch, local query heads, local KV groups, local K/V elements of one layer), from the
-    attention of the rank's model (planning/built.py)."""
+    """(local tokens of a micro batch, local query heads, a query head's width, local K/V elements of one layer),
+    from the attention of the rank's model (planning/built.py). Latent attention (model/latent_attention.py) runs
+    the core on every head's own keys (qk width: nope + rope) and values (v width)."""
     attention = first_layer(cfg).attention
     tokens = token_rows(cfg)[0]
-    return tokens, attention.heads, attention.groups, 2 * tokens * attention.groups * attention.head_dim
+    if hasattr(attention, "kv_rank"):
+        query = attention.nope + attention.rope_dim
+        return tokens, attention.heads, query, tokens * attention.heads * (query + attention.v_dim)
+    return tokens, attention.heads, attention.head_dim, 2 * tokens * attention.groups * attention.head_dim
 
 
 def comm_bytes(cfg: Config) -> tuple[int, int]:
@@ -67,8 +71,8 @@ def attention_transient_bytes(cfg: Config, compute: int) -> int:
     p = cfg.parallel
     if p.cp == 1:
         return 0
-    tokens, heads, _, kv = _sizes(cfg)
-    dq = tokens * heads * first_layer(cfg).attention.head_dim
+    tokens, heads, query, kv = _sizes(cfg)
+    dq = tokens * heads * query
     if p.cp_comm == "p2p":
         return 2 * kv * (compute + 4) + dq * 4
     cast = compute if compute != 4 else 0  # .to() an fp32 tensor to fp32 returns the tensor itself

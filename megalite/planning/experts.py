@@ -41,6 +41,36 @@ def comm_bytes(cfg: Config, tokens: int) -> tuple[int, int]:
     return forward, backward + (forward if cfg.train.recompute == "full" else 0)
 
 
+def dispatch_calls(cfg: Config, rows: int) -> list[tuple[str, str, int, int]]:
+    """(axis, call, calls, bytes per call) of one mixture-of-experts layer per micro batch on a rank routing `rows`
+    tokens, each tensor whole as the dry run records it (what leaves the rank: `comm_bytes`), balanced routing
+    assumed; full recompute runs each forward call again.
+
+    all-to-all (parallel/expert_parallel.py ExpertAllToAll): over ep, the expert counts (int64 per expert) once
+    and the rows (k per token, the compute dtype) to their experts and back, forward and backward; over etp the
+    counts and rows of the ranks sharing the experts' matrices gathered, and the partial outputs reduce-scattered,
+    both ways. all-gather (ExpertAllGather): over the etp x ep group (axis "ep"), the tokens gathered and their
+    sums reduce-scattered both ways, the fp32 combine weights gathered (their gradients scattered back), the
+    int64 expert ids gathered."""
+    m, p = cfg.model, cfg.parallel
+    again = int(cfg.train.recompute == "full")
+    tokens = rows * m.hidden_size * TORCH_DTYPES[cfg.train.precision].itemsize
+    if p.moe_dispatcher == "allgather":
+        n = p.etp * p.ep
+        routed = n * rows * m.moe_topk
+        return [] if n == 1 else [
+            ("ep", "all_gather", 2 + again, n * tokens), ("ep", "reduce_scatter", 2 + again, n * tokens),
+            ("ep", "all_gather", 1 + again, routed * 4), ("ep", "reduce_scatter", 1, routed * 4),
+            ("ep", "all_gather", 1 + again, routed * 8)]
+    counts, routed, calls = m.num_experts * 8, tokens * m.moe_topk, []
+    if p.ep > 1:
+        calls += [("ep", "all_to_all", 1 + again, counts), ("ep", "all_to_all", 4 + 2 * again, routed)]
+    if p.etp > 1:
+        calls += [("etp", "all_gather", 1 + again, p.etp * counts), ("etp", "all_gather", 2 + again, p.etp * routed),
+                  ("etp", "reduce_scatter", 2 + again, p.etp * routed)]
+    return calls
+
+
 def describe(cfg: Config, tokens: int, layers: int, replicas: int) -> list[str]:
     """The plan's lines for mixture-of-experts layers: `layers` of them, `tokens` routed per rank and micro batch,
     the experts' state sharded over `replicas` (edp) ranks."""

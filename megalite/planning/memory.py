@@ -77,10 +77,10 @@ def state_bytes(cfg: Config, numel: int, dp: int, muon: int = 0) -> tuple[float,
 
 def grid_replicas(cfg: Config, world_size: int) -> dict[str, int]:
     """Per rank grid, how many ranks hold the same parameters and see different data: the sizes of the grid's
-    data axes (placement.py DATA_AXES) in this layout. Dense: dp x cp; expert: edp = world / (ep x pp)."""
+    data axes (placement.py DATA_AXES) in this layout. Dense: dp x cp; expert: edp = world / (etp x ep x pp)."""
     p = cfg.parallel
     grids = {"dense": RankGrid.for_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp),
-             "expert": RankGrid.experts_for_world(world_size, ep=p.ep, pp=p.pp)}
+             "expert": RankGrid.experts_for_world(world_size, etp=p.etp, ep=p.ep, pp=p.pp)}
     return {name: math.prod(grid.size(axis) for axis in DATA_AXES[name]) for name, grid in grids.items()}
 
 

@@ -1,11 +1,11 @@
-"""The layout search: every tp, cp, pp, vp, schedule, ep, ZeRO stage, recompute and micro batch size the validator
+"""The layout search: every tp, cp, pp, vp, schedule, ep, etp, ZeRO stage, recompute and micro batch size the validator
 accepts for a model, a global batch and a cluster, ranked by predicted step time (planning/step_time.py) among
 those that fit with the planner's reserve (planning/plan.py).
 
 Fast by pruning, not by a second planner:
 1. candidates are the grid of choices, each one validated (megalite/config_validation.py: every candidate is a
-   config pretrain_gpt.py accepts); tp stays within a node (its collectives are not overlapped) and cp keeps at
-   least MIN_CP_TOKENS tokens of a sample per rank;
+   config pretrain_gpt.py accepts); tp stays within a node (its collectives are not overlapped), etp is 1 or tp,
+   vp a power of two, and cp keeps at least MIN_CP_TOKENS tokens of a sample per rank;
 2. a candidate whose estimated memory leaves no room is dropped unplanned: its model state (each rank's parameters:
    the one-device model's layers, embedding and head divided as its layout divides them, at its ZeRO stage:
    planning/memory.py state_bytes) and the activations of the micro batches in flight (`estimated_gib`);
@@ -35,6 +35,7 @@ from megalite.planning.step_time import StepTime, step_time
 GIB = 2**30
 MIN_CP_TOKENS = 4096  # tokens of a sample per context-parallel rank: below, the ring's hops outrun its blocks
 INTERLEAVED = "1f1b"  # the schedule tried at vp > 1 (the others run one chunk per rank, or their spec's vp)
+VIRTUAL_STAGES = (1, 2, 4, 8)  # its vp
 ZERO_STAGES = (1, 2, 3)  # stage 0 moves what stage 1 moves (an all-reduce is a reduce-scatter and an all-gather)
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4)
@@ -76,28 +77,37 @@ def layouts(cfg: Config, cluster: Cluster) -> Iterator[dict]:
     cps = [c for c in _powers(world) if m.seq_length // c >= MIN_CP_TOKENS or c == 1]
     eps = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0] if m.num_experts else [1]
     for tp, cp, ep in itertools.product(tps, cps, eps):
-        for pp in (d for d in range(1, world // (tp * cp) + 1) if (world // (tp * cp)) % d == 0):
-            if pp > m.num_layers:
-                break
+        pps = [d for d in range(1, min(world // (tp * cp), m.num_layers) + 1) if (world // (tp * cp)) % d == 0]
+        for etp, pp in itertools.product(_expert_tp(cfg, tp), pps):
             for schedule, vp in _schedules(pp):
                 ends = _end_layers(m.num_layers, pp * vp)
-                if ends is not False:
-                    yield {"tp": tp, "cp": cp, "ep": ep, "etp": 1, "pp": pp, "vp": vp, "pipeline_schedule": schedule,
-                           "sequence_parallel": tp > 1, "first_stage_layers": ends, "last_stage_layers": ends}
+                if ends is not None:
+                    yield {"tp": tp, "cp": cp, "ep": ep, "etp": etp, "pp": pp, "vp": vp,
+                           "pipeline_schedule": schedule, "sequence_parallel": tp > 1,
+                           "first_stage_layers": ends[0], "last_stage_layers": ends[1]}
+
+
+def _expert_tp(cfg: Config, tp: int) -> list[int]:
+    """etp sizes: 1 (whole experts: DeepSeek-V3, torchtitan's default) or tp (Megatron-Core's default), where it
+    divides the experts' width."""
+    m = cfg.model
+    return sorted({1, tp}) if m.num_experts and m.expert_ffn_size % tp == 0 else [1]
 
 
 def _powers(limit: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
-def _end_layers(layers: int, chunks: int) -> int | None | bool:
-    """Layers of the first and the last chunk: None (an even split), one fewer than the others where that splits
-    evenly (the embedding and the head take a layer's place: Llama 3 405B's 126 = 1 + 62 x 2 + 1 at pp 16 x vp 4),
-    or False when neither does."""
+def _end_layers(layers: int, chunks: int) -> tuple[int | None, int | None] | None:
+    """Layers of the first and the last chunk: (None, None) for an even split; else the middle chunks take
+    ceil(layers / chunks) each and the ends share the rest, the first (the embedding's, lighter than the head's)
+    the larger half: Llama 3 405B's 126 = 1 + 62 x 2 + 1 at pp 16 x vp 4, DeepSeek-V3's 61 = 3 + 14 x 4 + 2 at
+    pp 16. None when an end would be left empty."""
     if layers % chunks == 0:
-        return None
-    share = (layers + 2) // chunks
-    return share - 1 if chunks > 2 and (layers + 2) % chunks == 0 and share > 1 else False
+        return None, None
+    share = -(-layers // chunks)
+    rest = layers - (chunks - 2) * share
+    return (rest - rest // 2, rest // 2) if chunks > 2 and rest >= 2 else None
 
 
 def _schedules(pp: int) -> Iterator[tuple[str, int]]:
@@ -106,7 +116,8 @@ def _schedules(pp: int) -> Iterator[tuple[str, int]]:
         return
     for name in training_schedules():
         fixed = SCHEDULES[name].vp
-        yield from ((name, vp) for vp in ([fixed] if fixed else range(1, (8 if name == INTERLEAVED else 1) + 1)))
+        vps = [fixed] if fixed else VIRTUAL_STAGES if name == INTERLEAVED else [1]
+        yield from ((name, vp) for vp in vps)
 
 
 def variants(cfg: Config, parallel: dict) -> Iterator[Config]:
@@ -162,12 +173,14 @@ def stage_buffers(cfg: Config, pp_rank: int) -> dict[str, list[int]]:
 
 
 def estimated_gib(cfg: Config, world_size: int, buffers: list[dict[str, list[int]]]) -> float:
-    """The first stage's model state (weights, gradients, main weights, optimizer) and the activations of the
-    micro batches a 1F1B-like schedule keeps there (min(m, pp) of its whole stage: planning/memory.py plays the
-    schedule's op lists out instead), from one layer's declaration (model/costs.py), in GiB: a quick estimate
-    that only decides which candidates are planned exactly."""
+    """The largest stage's model state (weights, gradients, main weights, optimizer: the first stage may hold
+    dense layers where the others hold experts) and the activations of the micro batches a 1F1B-like schedule
+    keeps on the first stage (min(m, pp) of its whole stage: planning/memory.py plays the schedule's op lists out
+    instead), from one layer's declaration (model/costs.py), in GiB: a quick estimate that only decides which
+    candidates are planned exactly."""
     replicas, p = grid_replicas(cfg, world_size), cfg.parallel
-    state = sum(sum(state_bytes(cfg, sum(sizes), replicas[grid])) for grid, sizes in buffers[0].items())
+    state = max(sum(sum(state_bytes(cfg, sum(sizes), replicas[grid])) for grid, sizes in stage.items())
+                for stage in buffers)
     layers = sum(b - a for a, b in stage_layout(cfg, 0).chunks)
     in_flight = min(cfg.num_microbatches(world_size), p.pp)
     activations = in_flight * layers * costs.saved_bytes(first_layer(cfg), micro_batch(cfg))

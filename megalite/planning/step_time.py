@@ -14,7 +14,8 @@ Per pipeline stage (the slowest sets the step):
   and ZeRO-1/2's parameter all-gather, exposed unless parallel.overlap_param_gather hides it behind a forward.
 A collective's time on a link of B bytes/s (planning/cluster.py) is as NCCL's tests count bus bandwidth: an
 all-gather or reduce-scatter of a P-byte tensor over n ranks moves (n-1)/n P per rank, an all-reduce twice that;
-point-to-point and all-to-all payloads are already what a rank sends.
+an all-to-all of a P-byte tensor sends (n-1)/n P (balanced), a point-to-point payload is what a rank sends. The
+all-gather expert dispatcher's "ep" calls run over the etp x ep group.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from megalite.planning.traffic import Traffic, step_traffic
 from megalite.training.flops import PEAK_TFLOPS, hardware_flops_per_token, matmul_parameters, training_flops_per_token
 
 GROUP_AXES = {"tp": ("dense", ("tp",)), "cp": ("dense", ("cp",)), "dp": ("dense", ("cp", "dp")),
-              "pp": ("dense", ("pp",)), "ep": ("expert", ("ep",)), "edp": ("expert", ("edp",))}
-RING_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}  # x (n-1)/n of the payload
+              "pp": ("dense", ("pp",)), "ep": ("expert", ("ep",)), "etp": ("expert", ("etp",)),
+              "edp": ("expert", ("edp",))}
+RING_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "all_to_all": 1.0}  # x (n-1)/n
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ def stage_step(cfg: Config, world_size: int, cluster: Cluster, mfu: float, pp_ra
     axes = []
     for call in step_traffic(cfg, pp_rank, buffers, replicas, m):
         grid, group = GROUP_AXES[call.axis]
+        group = ("etp", "ep") if call.axis == "ep" and p.moe_dispatcher == "allgather" else group
         size = math.prod(grids[grid].size(axis) for axis in group)
         bandwidth, network = cluster.bandwidth(grids[grid], group)
         seconds = transfer_seconds(call, size, bandwidth)

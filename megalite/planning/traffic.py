@@ -8,9 +8,12 @@ point-to-point sends), held to its recorded calls in tests/test_plan_search.py.
   input gradient. Without it, one all-reduce forward and one backward. The embedding reduces (scatters) its
   output, the LM head gathers its input. Full recompute runs each layer's forward again up to the last tensor its
   backward needs (torch's checkpoint stops there): every region's gather, but not the last region's reduction. A
-  mixture-of-experts block keeps its tokens on their tp rank (each routes its own rows): its traffic is ep's.
+  mixture-of-experts block keeps its tokens on their tp rank (each routes its own rows): its traffic is ep's and
+  etp's, its shared expert's a dense MLP's. Latent attention's up-projections gather the latents (q_lora_rank,
+  kv_lora_rank wide) instead of the hidden states, and its rotary key (qk_pos_emb_head_dim) is gathered forward
+  and reduce-scattered backward (model/latent_attention.py); without SP each is one backward all-reduce.
 - cp: planning/context_parallel.py `comm_bytes` per layer per micro batch.
-- ep: planning/experts.py `comm_bytes` per mixture-of-experts layer per micro batch.
+- ep, etp: planning/experts.py `dispatch_calls` per mixture-of-experts layer per micro batch.
 - pp: each micro batch's activation to the next chunk and its gradient to the previous one, [rows, hidden] in the
   parameters' dtype, where that chunk lives on another rank.
 - dp (and edp for the experts' buffers): per gradient buffer (one per model chunk and rank grid, padded as
@@ -18,7 +21,7 @@ point-to-point sends), held to its recorded calls in tests/test_plan_search.py.
   updated parameters; 2 reduce-scatters after every backward, then gathers; 3 gathers the parameters in every
   forward and backward and reduce-scatters after every backward (parallel/zero/).
 Left out: the few small all-reduces (the loss's, the norm's, sequence-parallel norm weights', ZeRO-3 gathers of
-replicated norms), and the expert counts sent before each all-to-all.
+replicated norms).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class Traffic:
     docstring); `per_microbatch`: they recur with every micro batch (on the schedule's critical path), else once a
     step."""
 
-    axis: str  # tp, cp, ep, pp, dp, edp
+    axis: str  # tp, cp, ep, etp, pp, dp, edp
     call: str  # all_gather, reduce_scatter, all_reduce, all_to_all, send
     count: int
     payload: int
@@ -56,22 +59,27 @@ def stage_layers(cfg: Config, pp_rank: int) -> tuple[int, int]:
 
 
 def tensor_parallel(cfg: Config, pp_rank: int, microbatches: int) -> list[Traffic]:
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
     if p.tp == 1:
         return []
     layers, moe = stage_layers(cfg, pp_rank)
     stage = pipeline_stage(p, pp_rank)
-    regions = 2 * layers - moe  # attention in every layer, the MLP in the dense ones
-    ends = stage.has_embedding + stage.has_head
-    tokens = token_rows(cfg)[0]
-    full = tokens * cfg.model.hidden_size * TORCH_DTYPES[cfg.train.precision].itemsize
-    again = cfg.train.recompute == "full"
-    if p.sequence_parallel_active:
-        gathers, scatters = regions * (3 + again) + ends, regions * 2 + again * layers + ends
-        return [Traffic("tp", "all_gather", gathers * microbatches, gathers * microbatches * full),
-                Traffic("tp", "reduce_scatter", scatters * microbatches, scatters * microbatches * full)]
-    reduces = regions * 2 + again * layers + ends
-    return [Traffic("tp", "all_reduce", reduces * microbatches, reduces * microbatches * full)]
+    mlps = layers - moe + (moe if m.moe_shared_expert_size else 0)  # dense MLPs and shared experts
+    outputs, ends, again = layers + mlps, stage.has_embedding + stage.has_head, cfg.train.recompute == "full"
+    inputs, widths, ropes = layers + mlps, m.hidden_size * (layers + mlps), 0  # column-parallel inputs, their widths
+    if m.multi_latent_attention:  # the up-projections take the latents; the rotary key enters the heads alone
+        inputs, ropes = inputs + layers, layers
+        widths += layers * ((m.q_lora_rank or m.hidden_size) + m.kv_lora_rank - m.hidden_size)
+    row = token_rows(cfg)[0] * TORCH_DTYPES[cfg.train.precision].itemsize * microbatches  # bytes per unit of width
+    rope = ropes * m.qk_pos_emb_head_dim
+    reduced = (inputs + ropes + outputs + again * layers + ends,
+               row * (widths + rope + m.hidden_size * (outputs + again * layers + ends)))
+    if not p.sequence_parallel_active:
+        return [Traffic("tp", "all_reduce", reduced[0] * microbatches, reduced[1])]
+    gathers = inputs * (2 + again) + ropes * (1 + again) + outputs + ends
+    gathered = row * (widths * (2 + again) + rope * (1 + again) + m.hidden_size * (outputs + ends))
+    return [Traffic("tp", "all_gather", gathers * microbatches, gathered),
+            Traffic("tp", "reduce_scatter", reduced[0] * microbatches, reduced[1])]
 
 
 def context_parallel_traffic(cfg: Config, pp_rank: int, microbatches: int) -> list[Traffic]:
@@ -88,12 +96,12 @@ def context_parallel_traffic(cfg: Config, pp_rank: int, microbatches: int) -> li
 
 
 def expert_parallel(cfg: Config, pp_rank: int, microbatches: int) -> list[Traffic]:
-    if cfg.parallel.ep == 1:
-        return []
-    moe = stage_layers(cfg, pp_rank)[1]
-    forward, backward = experts.comm_bytes(cfg, token_rows(cfg)[1])
-    calls = 4 + 2 * (cfg.train.recompute == "full")
-    return [Traffic("ep", "all_to_all", moe * microbatches * calls, moe * microbatches * (forward + backward))]
+    moe = stage_layers(cfg, pp_rank)[1] * microbatches
+    merged: dict[tuple[str, str], tuple[int, int]] = {}
+    for axis, call, count, size in experts.dispatch_calls(cfg, token_rows(cfg)[1]) if moe else []:
+        calls, payload = merged.get((axis, call), (0, 0))
+        merged[(axis, call)] = (calls + count * moe, payload + count * moe * size)
+    return [Traffic(axis, call, calls, payload) for (axis, call), (calls, payload) in merged.items()]
 
 
 def pipeline_parallel(cfg: Config, pp_rank: int, microbatches: int) -> list[Traffic]:
