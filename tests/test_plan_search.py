@@ -4,7 +4,9 @@ worked out by hand."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -190,6 +192,12 @@ def test_the_tool_reads_a_hugging_face_config(tmp_path):
     assert "top layouts" in found.stdout
     unset = _tool("--hf-config", str(tmp_path), "--world-size", "2", "--search")
     assert unset.returncode == 2 and "train.global_batch_size" in unset.stderr
+    spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")
+    plan_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_tool)
+    args = argparse.Namespace(config=None, hf_config=str(tmp_path))
+    assert plan_tool.load_config(args, []).train.precision == "bf16"  # as released models train, unless asked
+    assert plan_tool.load_config(args, ["--train.precision=fp32"]).train.precision == "fp32"
 
 
 def test_a_layout_search_needs_a_global_batch():

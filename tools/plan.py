@@ -25,7 +25,9 @@ node, the network between nodes: --nvlink-gbs, --network-gbits; defaults per GPU
 hidden where megalite overlaps it.
 Exit status: 0 when it fits (or a layout was found), 1 when not, 2 for an invalid config. Extra
 `--section.field=value` arguments override the config as in pretrain_gpt.py (with --hf-config, model fields in
-the `--model.field=value` form).
+the `--model.field=value` form). With --hf-config the run is planned in bf16 (train.precision=bf16, the precision
+the released models train in; megalite's own default, fp32, would time compute at the fp32 peak, ~15x slower):
+pass --train.precision=fp32 to plan fp32.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def load_config(args: argparse.Namespace, overrides: list[str]):
         raise ConfigError(f"--hf-config {path}: no such file; give a Hugging Face config.json")
     data = json.loads(path.read_text())
     hf = AutoConfig.for_model(data.pop("model_type"), **data)
-    cfg = parse_config([arg for arg in overrides if not arg.startswith("--model.")])
+    cfg = parse_config(["--train.precision=bf16", *(arg for arg in overrides if not arg.startswith("--model."))])
     try:
         cfg.model = model_config_from_hf(hf, str(path))
     except ValueError as err:
