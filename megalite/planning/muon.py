@@ -82,15 +82,25 @@ def iteration_flops(rows: int, cols: int, steps: int) -> int:
     return steps * (4 * n * n * m + 2 * n ** 3)
 
 
-def rank_step(cfg: Config, plan: MuonPlan, rank: int) -> MuonStep:
-    """Rank `rank`'s Muon step under `plan` (see the module docstring for the moments counted)."""
+def _exchanged(plan: MuonPlan) -> dict[str, dict[int, int]]:
+    """Elements by rank, in one pass over the pieces: what it steps, sends to owners, receives as an owner, and
+    returns to the holders as an owner."""
+    counts: dict[str, dict[int, int]] = {key: {} for key in ("stepped", "sent", "received", "back")}
+    for unit in plan.units:
+        for piece in unit.pieces:
+            n = piece.hi - piece.lo
+            for key, rank, counted in (("stepped", piece.rank, True), ("sent", piece.rank, piece.sends),
+                                       ("received", unit.owner, piece.sends), ("back", unit.owner, True)):
+                counts[key][rank] = counts[key].get(rank, 0) + n * counted
+    return counts
+
+
+def rank_step(cfg: Config, plan: MuonPlan, rank: int, counts: dict[str, dict[int, int]]) -> MuonStep:
+    """Rank `rank`'s Muon step under `plan` (`counts`: `_exchanged`; see the module docstring for the moments)."""
     e = 4 if cfg.train.precision == "fp32" else 2
     per_head, steps = cfg.optim.muon_split_heads, cfg.optim.muon_ns_steps
-    stepped = sum(n for unit, (piece, n) in _pieces(plan) if piece.rank == rank)
-    sent = sum(n for unit, (piece, n) in _pieces(plan) if piece.rank == rank and piece.sends)
+    stepped, sent, received, back = (counts[key].get(rank, 0) for key in ("stepped", "sent", "received", "back"))
     owned = [unit for unit in plan.units if unit.owner == rank]
-    received = sum(n for unit, (piece, n) in _pieces(plan) if unit.owner == rank and piece.sends)
-    back = sum(n for unit, (piece, n) in _pieces(plan) if unit.owner == rank)
     whole = [math.prod(unit.shape) for unit in owned]
     total = sum(whole)
     exchange = e * sent * (1 + (e != 4)) + e * received
@@ -107,14 +117,10 @@ def rank_step(cfg: Config, plan: MuonPlan, rank: int) -> MuonStep:
     return MuonStep(rank, 4 * stepped + max(gather, orthogonalise, scatter), flops, e * sent, 4 * back)
 
 
-def _pieces(plan: MuonPlan):
-    return [(unit, (piece, piece.hi - piece.lo)) for unit in plan.units for piece in unit.pieces]
-
-
 def stage_steps(cfg: Config, world_size: int, pp_rank: int) -> list[MuonStep]:
     """Every rank of stage `pp_rank`'s Muon step; none without Muon."""
     if cfg.optim.optimizer != "muon":
         return []
     plan = stage_plan(cfg, world_size, pp_rank)
-    ranks = sorted({piece.rank for unit in plan.units for piece in unit.pieces})
-    return [rank_step(cfg, plan, rank) for rank in ranks]
+    counts = _exchanged(plan)
+    return [rank_step(cfg, plan, rank, counts) for rank in sorted(counts["stepped"])]
