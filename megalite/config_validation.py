@@ -225,15 +225,14 @@ def _check_optim(cfg: Config, world_size: int) -> list[str]:
 
 
 def _check_qk_clip(cfg: Config) -> list[str]:
-    """QK-clip measures logits in the plain causal attention of one context-parallel rank, on heads without q/k
-    norms (a norm would undo the weights' scaling)."""
+    """QK-clip measures logits in plain causal attention (context-parallel too), on heads without q/k norms (a norm
+    would undo the weights' scaling)."""
     threshold, m = cfg.optim.qk_clip_threshold, cfg.model
     if threshold is None:
         return []
     if threshold <= 0:
         return [f"optim.qk_clip_threshold={threshold} must be positive (Kimi K2 uses 100) or unset"]
-    unsupported = [name for name, on in (("parallel.cp > 1", cfg.parallel.cp > 1),
-                                         ("model.sliding_window", m.sliding_window is not None),
+    unsupported = [name for name, on in (("model.sliding_window", m.sliding_window is not None),
                                          ("attention sinks", m.features.attention_sinks),
                                          ("q/k norms (model.qk_norm)", m.features.qk_norm),
                                          ("model.multi_latent_attention", m.multi_latent_attention)) if on]

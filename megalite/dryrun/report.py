@@ -51,6 +51,9 @@ def _memory_lines(report: DryRun, run: RankRun) -> list[str]:
                  f"  ({difference(run, stage):+.1%}; planner with CUDA's kernels {cuda.total / GIB:.3f} G)")
     if run.host:
         lines.append(f"  host (offloaded)      {run.host / GIB:>10.3f} G")
+    lines += [f"  Muon's update as planned for this rank: {step.peak / GIB:.3f} G held in the optimizer step, "
+              f"{step.flops:.3e} Newton-Schulz FLOPs, {step.sent / 2**20:.1f} MiB sent to owners, "
+              f"{step.back / 2**20:.1f} MiB returned" for step in stage.muon if step.rank == run.role.rank]
     lines += [f"    {nbytes / GIB:8.3f} G {kind:<13} made at {site}" for nbytes, kind, site in run.largest]
     device, host = run.build
     lines.append(f"  building it takes up to {device / GIB:.3f} G on the device, and draws up to {host / GIB:.3f} G at "

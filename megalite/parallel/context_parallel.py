@@ -67,6 +67,17 @@ def local_positions(seq_length: int, cp: int, cp_rank: int, device: torch.device
     return torch.cat([cp_rank * c + offsets, (2 * cp - 1 - cp_rank) * c + offsets])
 
 
+@torch.no_grad()
+def whole_sequence(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every cp rank's `t` [batch, heads, 2c, d] (each in its local order) as the whole sequence, in position order:
+    for measurements that need every key (QK-clip's largest logits, model/attention.py), whichever `comm` the
+    attention itself uses; one all-gather of `t` over the cp group."""
+    cp, local = dist.get_world_size(group), t.shape[2]
+    gathered = gather_from_cp(t.contiguous(), group).unflatten(0, (cp, -1))  # [cp, batch, heads, 2c, d]
+    order = torch.cat([local_positions(cp * local, cp, r, t.device) for r in range(cp)])
+    return gathered.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, torch.argsort(order)]
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                                comm: str = "p2p", window: int | None = None,
                                sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:

@@ -34,7 +34,7 @@ from megalite.parallel.bucket_layout import Bucket
 from megalite.parallel.grad_buffer import GradBuffer
 from megalite.parallel.main_weights import MainParam, MainWeights, Owned
 from megalite.parallel.muon import MuonAdamW
-from megalite.parallel.muon_plan import MuonPlan
+from megalite.parallel.muon_plan import MuonPlan, owned_by_index
 from megalite.parallel.placement import Placement
 from megalite.parallel.topology import Topology
 
@@ -55,17 +55,9 @@ def adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
 
 def _owned_by_index(buffers: list[GradBuffer], names: dict[int, str],
                     placements: dict[str, Placement]) -> dict[str, list[dict[str, tuple[int, int]]]]:
-    """By grid, for each data-parallel index, the range of each parameter that index owns (by name): the
-    layouts are the same on every replica, so each rank knows what every other one steps."""
-    ranges: dict[str, list[dict[str, tuple[int, int]]]] = {}
-    for buffer in buffers:
-        layout = buffer.layout
-        grid = placements[names[id(layout.buckets[0].params[0])]].grid
-        per_index = ranges.setdefault(grid, [{} for _ in range(layout.replicas)])
-        for index, owned in enumerate(per_index):
-            sharded = buffer.strategy.sharded_optimizer
-            owned |= {names[id(p)]: (lo, hi) for p, lo, hi in layout.owned_ranges(index, sharded)}
-    return ranges
+    """muon_plan.owned_by_index of the gradient buffers' layouts."""
+    return owned_by_index([(placements[names[id(b.layout.buckets[0].params[0])]].grid, b.layout,
+                            b.strategy.sharded_optimizer) for b in buffers], names)
 
 
 class DistributedOptimizer:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite.parallel.bucket_layout import BucketLayout
 from megalite.parallel.placement import DATA_AXES, Placement, ShardSpec, shard, unshard
 from megalite.parallel.topology import RankGrid
 
@@ -81,6 +82,19 @@ class Unit:
         for (_, spec, size), index in zip(self.gathered, coords):
             whole = shard(whole, spec, index, size)
         return whole.reshape(-1)
+
+
+def owned_by_index(layouts: list[tuple[str, BucketLayout, bool]],
+                   names: dict[int, str]) -> dict[str, list[dict[str, tuple[int, int]]]]:
+    """By grid, for each data-parallel index, the range of each parameter that index owns (by name), from each
+    gradient buffer's (grid, layout, whether the optimizer is sharded): the layouts are the same on every replica,
+    so each rank knows what every other one steps (and the planner what every rank of a stage does)."""
+    ranges: dict[str, list[dict[str, tuple[int, int]]]] = {}
+    for grid, layout, sharded in layouts:
+        per_index = ranges.setdefault(grid, [{} for _ in range(layout.replicas)])
+        for index, owned in enumerate(per_index):
+            owned |= {names[id(p)]: (lo, hi) for p, lo, hi in layout.owned_ranges(index, sharded)}
+    return ranges
 
 
 def _units(name: str, param: torch.Tensor, placement: Placement, grid: RankGrid, stage: list[int],
@@ -190,8 +204,9 @@ class MuonPlan:
         payload = {}
         for unit in self.units:
             if unit.owner == self.rank:
+                shards = {c: unit.split(results[unit.key], c) for c in dict.fromkeys(p.shard for p in unit.pieces)}
                 for piece in unit.pieces:
-                    payload[(unit.key, piece.rank)] = unit.split(results[unit.key], piece.shard)[piece.lo:piece.hi]
+                    payload[(unit.key, piece.rank)] = shards[piece.shard][piece.lo:piece.hi]
         arrived = self._exchange(True, payload, torch.float32, device)
         lengths: dict[str, int] = {}
         for unit, piece in self.mine:

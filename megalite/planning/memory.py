@@ -34,6 +34,7 @@ from megalite.parallel.topology import RankGrid
 from megalite.planning.activations import chunk_costs
 from megalite.planning.built import BYTES, micro_batch, rank_model
 from megalite.planning.context_parallel import attention_transient_bytes
+from megalite.planning.muon import MuonStep, stage_steps
 from megalite.planning.parameters import Parameters, rank_parameters
 
 
@@ -51,6 +52,7 @@ class StageMemory:
     in_flight: int  # (chunk, micro batch) forwards whose activations or weight-gradient inputs are held then
     transient: float  # short-lived: see `transient_bytes`
     expert_state: float = 0.0  # the experts' share of weights + gradients + main weights + optimizer state
+    muon: tuple[MuonStep, ...] = ()  # each rank's Muon step (planning/muon.py), with optim.optimizer=muon
 
     @property
     def state(self) -> float:
@@ -113,7 +115,7 @@ def gathered_bytes(cfg: Config, params: Parameters, dp: int) -> tuple[float, flo
 
 
 def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[str, int], activations: float,
-                    device: str = "cuda") -> float:
+                    device: str = "cuda", muon_peak: int = 0) -> float:
     """Memory above state + activations at the worst moment on pipeline stage `pp_rank`: in backward, the largest
     parameter's gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
     activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`), plus
@@ -121,7 +123,8 @@ def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[
     head saved (its backward runs first and frees it, before any layer is recomputed); there, as the loss's forward
     ends with every activation held, its temporaries (the head's `transient_bytes`, model/costs.py) and the units
     gathered then; in the optimizer step (activations and whole units freed), fp32 copies of bf16-reduced gradient
-    slices for the fp32 main weights (each grid's over its own `shards`, the replicas)."""
+    slices for the fp32 main weights (each grid's over its own `shards`, the replicas) and, with Muon, its update's
+    `muon_peak` (planning/muon.py: the whole matrices and their iteration on the stage's busiest owner rank)."""
     model, batch = rank_model(cfg, pp_rank), micro_batch(cfg, device)
     gathered_weights, gathered_grads = gathered_bytes(cfg, params, shards["dense"])
     head = model.lm_head is not None
@@ -134,8 +137,9 @@ def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[
         backward += max((costs.saved_bytes(layer, batch) for layer in layers), default=0)
         backward -= costs.saved_bytes(model.final_norm, batch) + costs.saved_bytes(model.lm_head, batch) if head else 0
     sharded = cfg.parallel.zero >= 1
-    step = sum(numel * 4 / (shards[grid] if sharded else 1) for grid, numel in params.by_grid.items())
-    return max(backward, loss, step - activations if cfg.parallel.grad_reduce_dtype != "fp32" else 0)
+    copies = sum(numel * 4 / (shards[grid] if sharded else 1) for grid, numel in params.by_grid.items())
+    step = (copies if cfg.parallel.grad_reduce_dtype != "fp32" else 0) + muon_peak
+    return max(backward, loss, step - activations)
 
 
 def chunk_activation_bytes(cfg: Config, pp_rank: int, device: str = "cuda") -> list[int]:
@@ -179,8 +183,10 @@ def stage_memory(cfg: Config, world_size: int, pp_rank: int, device: str = "cuda
     grids = grid_state_bytes(cfg, params, shards)
     state = [sum(parts) for parts in zip(*grids.values())]  # weights, gradients, main weights, optimizer
     activations, in_flight = peak_activations(cfg, world_size, pp_rank, device)
-    transient = transient_bytes(cfg, pp_rank, params, shards, activations, device)
-    return StageMemory(pp_rank, params, *state, activations, in_flight, transient, sum(grids["expert"]))
+    muon = stage_steps(cfg, world_size, pp_rank)
+    transient = transient_bytes(cfg, pp_rank, params, shards, activations, device,
+                                max((step.peak for step in muon), default=0))
+    return StageMemory(pp_rank, params, *state, activations, in_flight, transient, sum(grids["expert"]), tuple(muon))
 
 
 def memory_per_stage(cfg: Config, world_size: int, device: str = "cuda") -> list[StageMemory]:

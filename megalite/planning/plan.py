@@ -201,8 +201,16 @@ def _muon_lines(plan: Plan) -> list[str]:
     if plan.cfg.optim.optimizer != "muon":
         return []
     sent, back = muon_exchange(plan)
+    steps = plan.worst.muon
+    busiest = max(steps, key=lambda step: step.peak)
     return [f"Muon: {sum(plan.worst.parameters.muon) / 1e6:.1f} M matrix elements per GPU (one fp32 momentum each); "
-            f"per step about {sent / 2**20:.1f} MiB sent to the matrices' owners and {back / 2**20:.1f} MiB back"]
+            f"per step about {sent / 2**20:.1f} MiB sent to the matrices' owners and {back / 2**20:.1f} MiB back",
+            f"  its update (planning/muon.py, stage {plan.worst.pp_rank}): at most {_gib(busiest.peak)} held during "
+            f"the optimizer step (rank {busiest.rank}: whole matrices, Newton-Schulz temporaries, the exchange; in "
+            f"the transient once activations are freed); Newton-Schulz {sum(s.flops for s in steps):.3e} FLOPs "
+            f"per step over the stage, "
+            f"at most {max(s.flops for s in steps):.3e} on one rank (not in MFU); that rank sends "
+            f"{busiest.sent / 2**20:.1f} MiB to owners and returns {busiest.back / 2**20:.1f} MiB"]
 
 
 def _parameter_line(plan: Plan) -> str:

@@ -2,17 +2,19 @@
 logit of the step exceeded the threshold t has its query and key weights rescaled so that its logits shrink by
 gamma = t / max_logit, the other heads' left alone.
 
-Each attention layer tracks its heads' largest logit over the step's forwards (model/attention.py `max_logits`:
-an extra QK^T pass, as the fused kernel returns no logits); heads are split over tp, so the maxima are reduced
-over the data- and context-parallel ranks only, in one all-reduce for every layer of the stage. The split follows
-Kimi K2 (sqrt(gamma) on q and on k), generalised to grouped-query attention, where a key head serves several
-query heads: the shared key head is scaled by sqrt(g), g the smallest gamma of its group, and each query head by
-gamma / sqrt(g), so every query head's logits are scaled by exactly its own gamma (1 for heads under the
-threshold). The scaling multiplies the owned slices of the fused QKV weight (and its bias) in the optimizer's
-main weights, before they are written back and shared, so it holds at every layout. A head with no finite
-maximum (a NaN forward) is left alone. `last` keeps each head's reduced maximum of the last step; each layer's
-largest logit since the last log step is logged as `max_logit/layer_i` (`read`: one all-reduce, one host read,
-at log steps only).
+Each attention layer tracks its heads' largest logit over the step's forwards and micro batches (model/attention.py
+`max_logits`: an extra QK^T pass, as the fused kernel returns no logits); heads are split over tp, so the maxima are
+reduced over the data- and context-parallel ranks only, in one all-reduce for every layer of the stage. Under
+context parallelism (ring or all-gather) a rank's queries are measured against the whole sequence's keys, gathered
+over cp for the measurement: per layer and micro batch one all-gather of k (groups x s x d elements in all, which
+ring attention otherwise never holds at once) and an s/cp x s block of scores per head. The split follows Kimi K2
+(sqrt(gamma) on q and on k), generalised to grouped-query attention, where a key head serves several query heads:
+the shared key head is scaled by sqrt(g), g the smallest gamma of its group, and each query head by gamma / sqrt(g),
+so every query head's logits are scaled by exactly its own gamma (1 for heads under the threshold). The scaling
+multiplies the owned slices of the fused QKV weight (and its bias) in the optimizer's main weights, before they are
+written back and shared, so it holds at every layout. A head with no finite maximum (a NaN forward) is left alone.
+`last` keeps each head's reduced maximum of the last step; each layer's largest logit since the last log step is
+logged as `max_logit/layer_i` (`read`: one all-reduce, one host read, at log steps only).
 """
 
 from __future__ import annotations

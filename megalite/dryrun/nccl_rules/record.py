@@ -136,6 +136,8 @@ class CommRecorder(CommObserver):
         received = self._messages(call, operation)
         call.payload = _payload(call, operation)
         self._calls[operation] = (call, received)
+        if operation.operation == "all_to_all_single":  # one operation per call: hold no frame (its buffers) past it
+            self._open = None
 
     def waited(self, operation: GroupCall) -> None:
         call, received = self._calls[operation]
