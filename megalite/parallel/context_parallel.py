@@ -27,8 +27,9 @@ attention needs the other ranks' keys and values. Two ways to bring them (`comm`
   latency-bound hops.
 
 K/V travel as their query groups (grouped-query attention) and reach CUDA's flash kernel so; only a
-kernel that needs every head's K/V (the CPU's, see KERNELS_TAKING_GROUPS) gets them expanded. K and V travel
-packed along the width: v may be narrower than q and k (latent attention), padded only for the kernel.
+kernel that needs every head's K/V (the CPU's, see KERNELS_TAKING_GROUPS) gets them expanded. K and V travel as
+one tensor (`_pack`): stacked when as wide (each block reaches the kernel contiguous), else side by side along the
+width, so a v narrower than q and k (latent attention) travels unpadded and is padded only for the kernel.
 The data pipeline slices tokens, labels, masks and position ids with `local_positions`.
 
 With a sliding window (`window`) each (local chunk, source chunk) pair is a block of its own, trimmed to what the
@@ -95,7 +96,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if comm == "allgather":
         cp = dist.get_world_size(group)
-        gathered = gather_from_cp(torch.cat([k, v], -1), group)  # [cp * b, ...] rank-major; backward reduce-scatters
+        gathered = gather_from_cp(_pack(k, v), group)  # rank-major along dim 0; backward reduce-scatters
         return _GatheredAttention.apply(q, gathered.unflatten(0, (cp, -1)), group, window, sinks, scale)
     return _RingAttention.apply(q, k, v, group, window, sinks, scale)
 
@@ -179,6 +180,17 @@ def _shifted(rows: slice, by: int) -> slice:
 # enable_gqa relies on. The CPU kernel gained groups only in recent torch releases (pytorch#157893; 2.13's has
 # them), so there K/V are expanded to every head: a copy of each block per step, dK/dV summed back by _fold.
 KERNELS_TAKING_GROUPS = {"cuda"}
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V [b, groups, 2c, d or dv] as the one tensor that travels: [2, b, groups, 2c, d] when as wide,
+    else [b, groups, 2c, d + dv]."""
+    return torch.stack([k, v]) if k.shape[-1] == v.shape[-1] else torch.cat([k, v], -1)
+
+
+def _unpack(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_pack`'s K and V (views), given k's width `d`."""
+    return (kv[0], kv[1]) if kv.dim() == 5 else (kv[..., :d], kv[..., d:])
 
 
 def _for_kernel(kv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -286,19 +298,27 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
     lse[:, :, rows] = new
 
 
+def _zeros_laid_out_as(q: torch.Tensor, width: int) -> torch.Tensor:
+    """fp32 zeros [b, heads, rows, width] whose dimensions lie in memory in q's order (as zeros_like keeps it): the
+    output then goes back to the layout q came from as a view, where a contiguous one would cost a saved copy."""
+    order = sorted(range(q.dim()), key=q.stride, reverse=True)
+    shape = [*q.shape[:-1], width]
+    return q.new_zeros([shape[i] for i in order], dtype=torch.float32).permute([order.index(i) for i in range(q.dim())])
+
+
 def _attend(q: torch.Tensor, ring: _Ring, blocks: Iterator[torch.Tensor], window: int | None,
             sinks: torch.Tensor | None, scale: float, width: int) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """Forward over the K/V blocks of every cp rank, in ring order (step j: cp rank i-j's packed [b, g, 2c, d + dv]),
+    """Forward over the K/V blocks of every cp rank, in ring order (step j: cp rank i-j's, as `_pack` packs them),
     merged by log-sum-exp, then the sinks: the output (v's `width`) in q's dtype, the fp32 log-sum-exp, and each step's
     pieces' kernel extras."""
     c, d, metas = q.shape[2] // 2, q.shape[-1], []
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    out = q.new_zeros(*q.shape[:3], width, dtype=torch.float32)
+    out = _zeros_laid_out_as(q, width)
     for step, kv in enumerate(blocks):
+        k, v = _unpack(kv, d)
         metas.append([])
         for rows, cols, band in _pieces(ring, step, c, window):
-            block_out, block_lse, meta = _flash_forward(q[:, :, rows], kv[:, :, cols, :d], kv[:, :, cols, d:], band,
-                                                        scale)
+            block_out, block_lse, meta = _flash_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], band, scale)
             metas[-1].append(meta)
             _merge(out, lse, rows, block_out, block_lse)
     if sinks is not None:
@@ -311,9 +331,9 @@ def _block_grads(ctx, saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor], do
     """Step `step`'s block backward: adds into dq, returns each piece's columns and its dK, dV (per KV group).
     `saved`: q, out, lse (read from ctx.saved_tensors once: a recompute lets them be unpacked only once)."""
     q, out, lse = saved
-    grads, d = [], q.shape[-1]
+    grads, (k, v) = [], _unpack(kv, q.shape[-1])
     for (rows, cols, band), meta in zip(_pieces(ctx.ring, step, q.shape[2] // 2, ctx.window), ctx.metas[step]):
-        block_dq, dk, dv = _flash_backward(dout[:, :, rows], q[:, :, rows], kv[:, :, cols, :d], kv[:, :, cols, d:],
+        block_dq, dk, dv = _flash_backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
                                            out[:, :, rows], lse[:, :, rows], band, meta, ctx.scale)
         dq[:, :, rows] += block_dq
         grads.append((cols, dk, dv))
@@ -334,7 +354,7 @@ def _sinks_backward(ctx, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tenso
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention; K/V (and dK/dV) travel as one [b, groups, 2c, d + dv] tensor."""
+    """Ring attention; K/V (and dK/dV) travel as one tensor (`_pack`)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, window: int | None,
@@ -342,7 +362,7 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group)
 
         def blocks() -> Iterator[torch.Tensor]:
-            kv = torch.cat([k, v], -1)
+            kv = _pack(k, v)
             for step in range(ring.size):
                 pending = ring.shift(kv) if step < ring.size - 1 else None
                 yield kv  # attended while the shift is in flight
@@ -362,7 +382,7 @@ class _RingAttention(torch.autograd.Function):
         next step's batch; after the last step one hop returns each accumulator to its owner."""
         q, k, v, out, lse = ctx.saved_tensors
         dout, ring, d = dout.contiguous(), ctx.ring, q.shape[-1]
-        kv, grads = torch.cat([k, v], -1), None
+        kv, grads = _pack(k, v), None
         dq = torch.zeros_like(q, dtype=torch.float32)
         for step in range(ring.size):
             last = step == ring.size - 1
@@ -371,18 +391,20 @@ class _RingAttention(torch.autograd.Function):
             incoming = pending.wait()
             next_kv = None if last else incoming.pop(0)
             grads = incoming.pop(0) if grads is not None else torch.zeros_like(kv, dtype=torch.float32)
+            grad_k, grad_v = _unpack(grads, d)
             for cols, dk, dv in pieces:
-                grads[:, :, cols, :d] += dk
-                grads[:, :, cols, d:] += dv
+                grad_k[:, :, cols] += dk
+                grad_v[:, :, cols] += dv
             kv = next_kv
         if ring.size > 1:
             grads = ring.shift(grads).wait()[0]
         _sinks_backward(ctx, dout, out, lse)
-        return dq.to(q.dtype), grads[..., :d].to(k.dtype), grads[..., d:].to(v.dtype), None, None, None, None
+        grad_k, grad_v = _unpack(grads, d)
+        return dq.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
 class _GatheredAttention(torch.autograd.Function):
-    """The same blocks as the ring, over K/V already gathered from every cp rank ([cp, b, g, 2c, d + dv]):
+    """The same blocks as the ring, over K/V already gathered from every cp rank ([cp, ...] of `_pack`'s):
     no whole-sequence mask is materialised and the fused kernels run as in the ring; backward returns every rank's
     dK/dV, which the all-gather's backward reduce-scatters to their owners."""
 
@@ -391,7 +413,8 @@ class _GatheredAttention(torch.autograd.Function):
                 sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
         ring = _Ring(group)
         blocks = (gathered[ring.source(step)] for step in range(ring.size))
-        out, lse, metas = _attend(q, ring, blocks, window, sinks, scale, gathered.shape[-1] - q.shape[-1])
+        width = _unpack(gathered[0], q.shape[-1])[1].shape[-1]
+        out, lse, metas = _attend(q, ring, blocks, window, sinks, scale, width)
         ctx.save_for_backward(q, gathered, out, lse)
         _keep(ctx, ring, window, sinks, metas, scale)
         return out
@@ -404,8 +427,9 @@ class _GatheredAttention(torch.autograd.Function):
         grads = torch.zeros_like(gathered, dtype=torch.float32)
         for step in range(ring.size):
             source = ring.source(step)
+            grad_k, grad_v = _unpack(grads[source], d)
             for cols, dk, dv in _block_grads(ctx, (q, out, lse), dout, dq, step, gathered[source]):
-                grads[source, :, :, cols, :d] += dk
-                grads[source, :, :, cols, d:] += dv
+                grad_k[:, :, cols] += dk
+                grad_v[:, :, cols] += dv
         _sinks_backward(ctx, dout, out, lse)
         return dq.to(q.dtype), grads.to(gathered.dtype), None, None, None, None
