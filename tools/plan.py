@@ -13,8 +13,8 @@ batches the schedule keeps in flight), under context parallelism the bytes its a
 per rank, the pipeline bubble (the schedule's op lists played out at F = B = W, which the pipeline benchmark
 measures, and its formula beside it), with pp > 1 every schedule the layout allows (1F1B, GPipe, ZB-H1, ZB-V
 and DualPipeV at vp 2) with its bubble, activations and verdict, FLOPs per step and the step time at an
-assumed MFU, then "fits: X GiB of Y GiB" or "does not fit: X GiB needed, Y GiB available" and the cheapest
-single changes that would make it fit.
+assumed MFU, then (when it does not fit) the cheapest single changes that would make it fit, and last the verdict:
+"fits: X GiB of Y GiB" or "does not fit: X GiB needed, Y GiB available".
 
 --search keeps the model and the global batch and tries every tp, cp, pp, vp, schedule, ep, etp, ZeRO stage,
 recompute and micro batch size the validator accepts, and prints the five fastest that fit with each one's step time by
@@ -108,9 +108,10 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
-        cfg, cluster = with_data(load_config(args, overrides)), cluster_of(args)
-        if not args.search:
-            validate(cfg, cluster.world_size)
+        cfg = with_data(load_config(args, overrides))
+        if not args.search and (args.world_size or args.nodes):  # the config's own errors first: they name its fix
+            validate(cfg, args.world_size or args.nodes * args.gpus_per_node)
+        cluster = cluster_of(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -129,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         print(format_explain(cfg, cluster, args.assumed_mfu))
         return 0
     plan = make_plan(cfg, cluster.world_size, args.gpu, args.assumed_mfu)
-    print(format_plan(plan))
-    if not plan.fits:
-        print(format_fixes(cfg, cluster, args.assumed_mfu))
+    report, verdict = format_plan(plan).rsplit("\n", 1)
+    fixes = [] if plan.fits else [format_fixes(cfg, cluster, args.assumed_mfu)]
+    print("\n".join([report, *fixes, verdict]))  # the verdict stays the last line: scripts read it
     return 0 if plan.fits else 1
 
 
