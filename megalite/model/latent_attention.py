@@ -24,6 +24,9 @@ Context parallelism runs the core through parallel/context_parallel.py with the 
 this layer's softmax scale. A generation cache (model/kv_cache.py) keeps per token the compressed latent and the
 rotary key (kv_lora_rank + qk_pos_emb_head_dim numbers per layer), and each step expands every cached token's keys
 and values again through W_UKV.
+
+Under MuonClip's QK-clip (training/qk_clip.py) training forwards also track each head's largest logit, at this
+layer's softmax scale, against the whole sequence's keys (model/attention.py tracked_max_logits).
 """
 
 from __future__ import annotations
