@@ -225,8 +225,8 @@ def _check_optim(cfg: Config, world_size: int) -> list[str]:
 
 
 def _check_qk_clip(cfg: Config) -> list[str]:
-    """QK-clip measures logits in plain causal attention (context-parallel too), on heads without q/k norms (a norm
-    would undo the weights' scaling)."""
+    """QK-clip measures logits in plain causal attention, standard or latent (context-parallel too), on heads
+    without q/k norms (a norm would undo the weights' scaling)."""
     threshold, m = cfg.optim.qk_clip_threshold, cfg.model
     if threshold is None:
         return []
@@ -234,8 +234,7 @@ def _check_qk_clip(cfg: Config) -> list[str]:
         return [f"optim.qk_clip_threshold={threshold} must be positive (Kimi K2 uses 100) or unset"]
     unsupported = [name for name, on in (("model.sliding_window", m.sliding_window is not None),
                                          ("attention sinks", m.features.attention_sinks),
-                                         ("q/k norms (model.qk_norm)", m.features.qk_norm),
-                                         ("model.multi_latent_attention", m.multi_latent_attention)) if on]
+                                         ("q/k norms (model.qk_norm)", m.features.qk_norm)) if on]
     return [f"optim.qk_clip_threshold does not work with {', '.join(unsupported)} yet: unset it"] if unsupported else []
 
 

@@ -37,11 +37,14 @@ MOE = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden_si
        "--model.moe_first_dense_layers=1"]
 # DeepSeek-V3's shape in miniature: latent attention (its down-projections whole on every tensor-parallel rank)
 # and multi-token prediction (its layer and projection are matrices too), over experts.
-DEEPSEEK = [*MOE, "--model.multi_latent_attention=true", "--model.num_query_groups=null", "--model.kv_lora_rank=16",
-            "--model.q_lora_rank=12", "--model.qk_head_dim=8", "--model.qk_pos_emb_head_dim=4",
-            "--model.v_head_dim=6", "--model.mtp_num_layers=1"]
+LATENT = ["--model.multi_latent_attention=true", "--model.num_query_groups=null", "--model.kv_lora_rank=16",
+          "--model.q_lora_rank=12", "--model.qk_head_dim=8", "--model.qk_pos_emb_head_dim=4", "--model.v_head_dim=6",
+          "--model.mtp_num_layers=1"]
+DEEPSEEK = [*MOE, *LATENT]
 CLIP = ["--optim.qk_clip_threshold=0.09"]  # the tiny model's heads reach about 0.1: many are clipped
-REFERENCES = {"dense": [], "moe": MOE, "dense, QK-clip": CLIP, "deepseek": DEEPSEEK}
+LATENT_CLIP = ["--optim.qk_clip_threshold=0.028"]  # latent attention's heads reach about 0.03 in the tiny model
+REFERENCES = {"dense": [], "moe": MOE, "dense, QK-clip": CLIP, "deepseek": DEEPSEEK, "latent": LATENT,
+              "latent, QK-clip": [*LATENT, *LATENT_CLIP]}
 LAYOUTS = {  # (arguments, the one-device reference)
     "tp2 SP x dp2, distributed optimizer": (["--parallel.tp=2", "--parallel.sequence_parallel=true",
                                              "--parallel.distributed_optimizer=true"], "dense"),
@@ -60,7 +63,10 @@ LAYOUTS = {  # (arguments, the one-device reference)
                                                                       "--parallel.ep=2",
                                                                       "--parallel.distributed_optimizer=true"],
                                                                      "deepseek"),
+    "latent attention + MTP, tp2 x dp2, QK-clip": ([*LATENT, *LATENT_CLIP, "--parallel.tp=2"], "latent, QK-clip"),
 }
+# QK-clip's caps on one device and at tp2 x dp2, for standard and latent attention
+CAPS = {"dense": ["--parallel.tp=2", "--parallel.distributed_optimizer=true"], "latent": [*LATENT, "--parallel.tp=2"]}
 STEPS = 2
 # pretrain_gpt.py's runs: a Muon run saved at tp2 SP x dp2 (step 3 of 5) resumed at pp2 x tp2 as if never stopped,
 # and refused by an AdamW run unless its optimizer state is left behind.
@@ -113,10 +119,12 @@ def _capped(rank: int, world_size: int, extra: list[str]) -> tuple[list[float], 
         return before.tolist(), threshold, parts.qk_clip.last[0].tolist()
 
 
-def _train(rank: int, world_size: int, layouts: dict, root: str, runs: dict[str, list[str]], caps: list[str]) -> dict:
+def _train(rank: int, world_size: int, layouts: dict, root: str, runs: dict[str, list[str]],
+           caps: dict[str, list[str]]) -> dict:
     """Each layout's step losses (from the LM head's stage) and whole main weights after STEPS steps, then
-    pretrain_gpt.py's `runs` (their errors under "errors"), then QK-clip's caps at layout `caps`."""
-    out = {"errors": _pretrain(rank, world_size, root, runs), "caps": _capped(rank, world_size, caps)}
+    pretrain_gpt.py's `runs` (their errors under "errors"), then QK-clip's caps at each of the layouts `caps`."""
+    out = {"errors": _pretrain(rank, world_size, root, runs),
+           "caps": {name: _capped(rank, world_size, extra) for name, extra in caps.items()}}
     for name, extra in layouts.items():
         cfg = parse_config([*MUON, *extra])
         topology = cpu_topology(rank, world_size, cfg)
@@ -129,9 +137,9 @@ def _train(rank: int, world_size: int, layouts: dict, root: str, runs: dict[str,
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("muon")
-    reference = run_ranks(1, _train, REFERENCES, str(root / "one"), {"uninterrupted": []}, [])[0]
-    ranks = run_ranks(4, _train, {name: extra for name, (extra, _) in LAYOUTS.items()}, str(root), RUNS,
-                      ["--parallel.tp=2", "--parallel.distributed_optimizer=true"])
+    reference = run_ranks(1, _train, REFERENCES, str(root / "one"), {"uninterrupted": []},
+                          {"dense": [], "latent": LATENT})[0]
+    ranks = run_ranks(4, _train, {name: extra for name, (extra, _) in LAYOUTS.items()}, str(root), RUNS, CAPS)
     weights = {name: {k: v for rank in reversed(ranks) for k, v in rank[name][1].items()} for name in LAYOUTS}
     return {"one device": reference, "layouts": {name: (ranks[-1][name][0], weights[name]) for name in LAYOUTS},
             "errors": ranks[0]["errors"], "root": root, "caps": [reference["caps"]] + [r["caps"] for r in ranks]}
@@ -143,10 +151,12 @@ def test_qk_clip_logs_each_layers_largest_logit(runs):
     assert sorted(logits) == [f"max_logit/layer_{i}" for i in range(4)] and all(v > 0 for v in logits.values())
 
 
-def test_qk_clip_caps_the_heads_over_the_threshold_and_leaves_the_others(runs):
+@pytest.mark.parametrize("attention", sorted(CAPS))
+def test_qk_clip_caps_the_heads_over_the_threshold_and_leaves_the_others(runs, attention):
     """One device and tp 2 x dp 2 (each rank its half of the heads): after the clipping step every head's largest
-    logit (of the first layer) on the same batch is min(before, threshold), and there were heads on both sides."""
-    for before, threshold, after in runs["caps"]:
+    logit (of the first layer) on the same batch is min(before, threshold), and there were heads on both sides;
+    latent attention's too, whose rotary key, shared by the heads, is left alone (Kimi K2's rule)."""
+    for before, threshold, after in (caps[attention] for caps in runs["caps"]):
         assert any(b > threshold * 1.01 for b in before) and any(b < threshold * 0.99 for b in before)
         assert after == pytest.approx([min(b, threshold) for b in before], rel=1e-4)
 
@@ -177,8 +187,10 @@ def test_muon_at_every_layout_equals_one_device(runs, layout):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert weights.keys() == ref_weights.keys()
     if "QK-clip" in layout:  # the clip changed the weights: the unclipped run's differ
-        qkv = "layers.0.attention.linear_qkv.weight"
-        assert not torch.allclose(ref_weights[qkv], runs["one device"]["dense"][1][qkv], rtol=1e-3, atol=0)
+        unclipped = runs["one device"][LAYOUTS[layout][1].removesuffix(", QK-clip")][1]
+        query = next(f"layers.0.attention.{p}.weight" for p in ("linear_qkv", "linear_q_up_proj")
+                     if f"layers.0.attention.{p}.weight" in ref_weights)
+        assert not torch.allclose(ref_weights[query], unclipped[query], rtol=1e-3, atol=0)
     for name, value in weights.items():
         # AdamW's steps (embedding, head, norms) turn rounding-level gradient differences into lr-sized ones
         # where a gradient is near zero (m / sqrt(v)): Muon's matrices are held to the tight tolerance.
@@ -258,9 +270,6 @@ def test_muon_options_are_validated():
     cfg = parse_config([*MUON, "--model.family=qwen3", "--parallel.cp=2", "--optim.qk_clip_threshold=100"])
     with pytest.raises(ConfigError, match=r"optim.qk_clip_threshold does not work with q/k norms"):
         validate(cfg, 2)
-    cfg = parse_config([*MUON, *DEEPSEEK, "--optim.qk_clip_threshold=100"])
-    with pytest.raises(ConfigError, match=r"optim.qk_clip_threshold does not work with model.multi_latent_attention"):
-        validate(cfg, 1)
 
 
 def _plans(model: list[tuple[str, list[int], Placement]], grid: RankGrid, distributed: bool) -> list[MuonPlan]:

@@ -46,7 +46,7 @@ from megalite.model.kv_cache import LayerCache
 from megalite.model.norms import build_norm, recomputed_held
 from megalite.model.rope import apply_rope
 from megalite.model.windowed_attention import windowed_attention
-from megalite.parallel.context import ParallelContext
+from megalite.parallel.context import AxisView, ParallelContext
 from megalite.parallel.context_parallel import context_parallel_attention, local_positions, whole_sequence
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.placement import Fused, Placement
@@ -54,16 +54,28 @@ from megalite.parallel.random import checkpoint_with_rng
 
 
 @torch.no_grad()
-def max_logits(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Each head's largest causal attention logit q.k / sqrt(d) (q [batch, heads, s, d], k [batch, groups, t, d]),
-    in fp32: an extra pass over QK^T, since the fused kernel returns no logits (its cost: one more QK^T matmul
-    and an s x t block of scores per head). `positions`: the queries' positions among the keys (default: the last
-    s), each seeing the keys up to its own."""
+def max_logits(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None,
+               scale: float | None = None) -> torch.Tensor:
+    """Each head's largest causal attention logit q.k * scale, the softmax's input (scale default 1/sqrt(d);
+    q [batch, heads, s, d], k [batch, groups, t, d]), in fp32: an extra pass over QK^T, since the fused kernel
+    returns no logits (its cost: one more QK^T matmul and an s x t block of scores per head). `positions`: the
+    queries' positions among the keys (default: the last s), each seeing the keys up to its own."""
     q, k = q.float(), k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     keys = torch.arange(k.shape[2], device=q.device)
     positions = keys[k.shape[2] - q.shape[2]:] if positions is None else positions.to(q.device)
     return scores.masked_fill(keys > positions[:, None], float("-inf")).amax(dim=(0, 2, 3))
+
+
+def tracked_max_logits(q: torch.Tensor, k: torch.Tensor, cp: AxisView,
+                       scale: float | None = None) -> torch.Tensor:
+    """`max_logits` of this rank's queries against every key they attend to: under context parallelism the whole
+    sequence's keys, gathered over cp (context_parallel.py whole_sequence), whether the attention rings or gathers.
+    QK-clip's measurement (training/qk_clip.py), for standard and latent attention alike."""
+    if cp.size == 1:
+        return max_logits(q, k, scale=scale)
+    keys = whole_sequence(k, cp.group)
+    return max_logits(q, keys, local_positions(keys.shape[2], cp.size, cp.rank, q.device), scale)
 
 
 class SelfAttention(nn.Module):
@@ -116,7 +128,7 @@ class SelfAttention(nn.Module):
             q, k = apply_rope(q, *rope, fused=self.fused), apply_rope(k, *rope, fused=self.fused)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.max_logits is not None and self.training:
-            self.max_logits = torch.maximum(self.max_logits, self._max_logits(q, k))
+            self.max_logits = torch.maximum(self.max_logits, tracked_max_logits(q, k, self.ctx.cp))
         if cache is not None:
             k, v = cache.append(k, v, self.window)
         if self.recompute_core and self.training:
@@ -124,15 +136,6 @@ class SelfAttention(nn.Module):
         else:
             out = self._core(q, k, v)
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
-
-    def _max_logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """This rank's queries against every key they attend to: under context parallelism the whole sequence's
-        keys, gathered over cp (context_parallel.py whole_sequence), whether the attention rings or gathers."""
-        cp = self.ctx.cp
-        if cp.size == 1:
-            return max_logits(q, k)
-        keys = whole_sequence(k, cp.group)
-        return max_logits(q, keys, local_positions(keys.shape[2], cp.size, cp.rank, q.device))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [batch, heads, new, d]; k, v [batch, groups, past + new, d]: new token i sees keys up to past + i.

@@ -53,8 +53,10 @@ def embedding_copy(cfg: ModelConfig) -> str | None:
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device, ctx: ParallelContext,
                  aux_losses: AuxLosses | None = None, index: int = 0) -> None:
-        """`index`: the layer's global index (which layers have experts)."""
+        """`index`: the layer's global index (which layers have experts; multi-token prediction's depth d is
+        num_layers + d)."""
         super().__init__()
+        self.index = index
         norm = cfg.features.norm
         self.ctx, self.aux_losses = ctx, aux_losses or AuxLosses()  # the model's: terms the layer adds in forward
         self.input_norm = build_norm(norm, cfg.hidden_size, cfg.norm_epsilon, device)

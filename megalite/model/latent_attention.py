@@ -24,6 +24,9 @@ Context parallelism runs the core through parallel/context_parallel.py with the 
 this layer's softmax scale. A generation cache (model/kv_cache.py) keeps per token the compressed latent and the
 rotary key (kv_lora_rank + qk_pos_emb_head_dim numbers per layer), and each step expands every cached token's keys
 and values again through W_UKV.
+
+Under MuonClip's QK-clip (training/qk_clip.py) training forwards also track each head's largest logit, at this
+layer's softmax scale, against the whole sequence's keys (model/attention.py tracked_max_logits).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.model.attention import tracked_max_logits
 from megalite.model.costs import MicroBatch, matmul_held, weights_multiplied
 from megalite.model.kv_cache import LayerCache
 from megalite.model.norms import build_norm
@@ -74,6 +78,8 @@ class LatentAttention(nn.Module):
         self.linear_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, ctx, False)
         self.scale, self.dropout, self.ctx = softmax_scale(cfg), cfg.attention_dropout, ctx
         self.recompute_core = False
+        # MuonClip's QK-clip (training/qk_clip.py) sets a tensor here: each head's largest logit since it was reset
+        self.max_logits: torch.Tensor | None = None
         self.fused = True  # train.fusions: RoPE as model/fused.py's one kernel each way
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -96,11 +102,17 @@ class LatentAttention(nn.Module):
         q_nope, q_rope, k_nope, k_rope, v = (t.permute(1, 2, 0, 3) for t in (q_nope, q_rope, k_nope, k_rope, v))
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, self.heads, -1, -1)), dim=-1)
+        if self.max_logits is not None and self.training:
+            self.max_logits = torch.maximum(self.max_logits, tracked_max_logits(q, k, self.ctx.cp, self.scale))
         if self.recompute_core and self.training:
             out = checkpoint_with_rng(self._core, q, k, v, tracker=self.ctx.rng)
         else:
             out = self._core(q, k, v)
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
+
+    def query_projection(self) -> str:
+        """The name of the projection whose rows are the heads' queries, [q_nope; q_rope] per head."""
+        return "linear_q_proj" if hasattr(self, "linear_q_proj") else "linear_q_up_proj"
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """[seq, batch, heads/tp * qk head dim], the whole sequence (column-parallel layers gather it under SP)."""

@@ -119,7 +119,8 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     scaler = LossScaler.for_precision(cfg.train.precision, cfg.optim)
     clip = None
     if cfg.optim.qk_clip_threshold is not None:
-        clip = QKClip(model, optimizer, topology, cfg.optim.qk_clip_threshold, cfg.model.num_layers)
+        clip = QKClip(model, optimizer, topology, cfg.optim.qk_clip_threshold,
+                      cfg.model.num_layers + cfg.model.mtp_num_layers)
         optimizer.after_update = clip.apply
     return Trainer(cfg, topology, model, model.ctx, grads, optimizer, scaler, Pipeline.build(cfg, topology), sharded,
                    clip)
