@@ -19,7 +19,7 @@ from megalite.data.batches import BatchMaker
 from megalite.data.loader import micro_batches
 from megalite.data.mock import MockDataset
 from megalite.parallel.placement import DATA_AXES, unshard
-from megalite.parallel.topology import Topology
+from megalite.parallel.topology import Topology, release_process_groups
 from megalite.training.build import Trainer, build_trainer
 from megalite.training.lr_schedule import learning_rate
 from megalite.training.step import StepResult, train_step
@@ -57,6 +57,16 @@ def train_and_gather(cfg: Config, topology: Topology, steps: int = 3, data: Mock
             parts.optimizer.set_lr(learning_rate(step + 1, cfg.optim, steps))
             records.append(record(parts, train_step(parts, batches)))
         return records, whole_shards(parts, topology, lambda shard: shard.grad)
+
+
+def on_one_device(cfg: Config, run: Callable[[Config, Topology], Any] = train_and_gather) -> Any:
+    """`run(cfg, topology)` in this (the test's) process as one device, its process groups released after: the
+    reference a spawned layout is compared with."""
+    topology = Topology.from_environment("cpu", cfg.parallel, cfg.model.num_experts > 0)
+    try:
+        return run(cfg, topology)
+    finally:
+        release_process_groups()
 
 
 def whole_shards(parts, topology: Topology, of) -> dict[str, torch.Tensor]:

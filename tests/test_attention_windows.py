@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from conftest import tiny_config
 from distributed import cpu_topology, run_ranks
-from parity import assert_equals_one_device, train_and_gather
+from parity import assert_equals_one_device, on_one_device, train_and_gather
 
 from megalite.config import Config
 from megalite.dryrun.nccl_rules.record import CommRecorder
@@ -33,7 +33,7 @@ from megalite.model.kv_cache import KVCache
 from megalite.model.windowed_attention import windowed_attention
 from megalite.parallel.attention_masks import additive_mask, visible
 from megalite.parallel.context_parallel import context_parallel_attention, local_positions
-from megalite.parallel.topology import Topology, release_process_groups
+from megalite.parallel.topology import Topology
 from megalite.training.build import is_logging_rank
 
 
@@ -212,12 +212,7 @@ def test_context_parallel_windows_and_sinks_equal_one_device_at_cp4(four_ranks):
 
 @pytest.fixture(scope="module")
 def one_device() -> tuple[list[float], dict[str, torch.Tensor]]:
-    cfg = _gpt_oss()
-    topology = Topology.from_environment("cpu", cfg.parallel, True)
-    try:
-        return train_and_gather(cfg, topology)
-    finally:
-        release_process_groups()
+    return on_one_device(_gpt_oss())
 
 
 def test_windows_and_sinks_train_at_every_layout_as_on_one_device(four_ranks, one_device):

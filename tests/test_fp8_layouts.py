@@ -6,11 +6,11 @@ pass the NCCL-rule replay."""
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import pytest
 import torch
-from distributed import cpu_topology, metrics, run_ranks
+from distributed import cpu_topology, metrics, pretrain_each, run_ranks
 
 from megalite.dryrun.nccl_rules.record import CommRecorder
 from megalite.dryrun.nccl_rules.replay import replay
@@ -162,13 +162,8 @@ def _args(recipe: str, experts: bool, *extra: str) -> list[str]:
     return [*RUN, *SHAPES[recipe], *(EXPERTS if experts else []), *extra, f"--train.fp8_recipe={recipe}"]
 
 
-def _pretrain_runs(rank: int, world_size: int, root: str, runs: dict[str, list[str]]) -> None:
-    from megalite.config_cli import parse_config  # the training stack takes seconds to import: only where it runs
-    from megalite.training.pretrain import pretrain
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    for name, args in runs.items():
-        pretrain(parse_config([*args, f"--logging.metrics_file={root}/{_file(name)}.jsonl"]))
+def _with_metrics(root: Path, runs: dict[str, list[str]]) -> list[list[str]]:
+    return [[*args, f"--logging.metrics_file={root}/{_file(name)}.jsonl"] for name, args in runs.items()]
 
 
 def _file(name: str) -> str:
@@ -184,8 +179,8 @@ def model_runs(tmp_path_factory):
                   for recipe in RECIPES for experts in (False, True)}
     layouts = {f"{recipe} {layout}": _args(recipe, experts, *extra)
                for recipe in RECIPES for layout, (experts, extra, _) in _layouts(recipe).items()}
-    run_ranks(1, _pretrain_runs, str(root), references)
-    run_ranks(2, _pretrain_runs, str(root), layouts)
+    run_ranks(1, pretrain_each, _with_metrics(root, references))
+    run_ranks(2, pretrain_each, _with_metrics(root, layouts))
     return {name: [r["loss"] for r in metrics(root / f"{_file(name)}.jsonl")] for name in [*references, *layouts]}
 
 

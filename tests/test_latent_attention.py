@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from distributed import cpu_topology, run_ranks
-from parity import assert_equals_one_device, train_and_gather
+from parity import assert_equals_one_device, on_one_device, train_and_gather
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
@@ -30,7 +30,7 @@ from megalite.model.kv_cache import KVCache
 from megalite.model.latent_attention import LatentAttention
 from megalite.model.rope import rope_for, rope_tables
 from megalite.parallel.context import ParallelContext
-from megalite.parallel.topology import Topology, release_process_groups
+from megalite.parallel.topology import Topology
 from megalite.training.build import is_logging_rank
 
 MLA = {"multi_latent_attention": True, "num_query_groups": None, "kv_lora_rank": 16, "qk_head_dim": 8,
@@ -163,15 +163,7 @@ def _two_ranks(rank: int, world_size: int) -> list:
 @pytest.fixture(scope="module")
 def one_device() -> dict[bool, tuple[list[float], dict[str, torch.Tensor]]]:
     """The one-device runs, without and with DEEPSEEK_MOE."""
-    runs = {}
-    for moe in (False, True):
-        cfg = _mla(moe)
-        topology = Topology.from_environment("cpu", cfg.parallel, moe)
-        try:
-            runs[moe] = train_and_gather(cfg, topology)
-        finally:
-            release_process_groups()
-    return runs
+    return {moe: on_one_device(_mla(moe)) for moe in (False, True)}
 
 
 def test_latent_attention_trains_at_every_layout_as_on_one_device(one_device):

@@ -12,13 +12,13 @@ import pytest
 import torch
 from conftest import tiny_config
 from distributed import cpu_topology, run_ranks
-from parity import assert_equals_one_device, train_and_gather
+from parity import assert_equals_one_device, on_one_device, train_and_gather
 
 from megalite.config import Config
 from megalite.config_validation import validate
 from megalite.data.batches import BatchMaker
 from megalite.data.mock import MockDataset
-from megalite.parallel.topology import Topology, release_process_groups
+from megalite.parallel.topology import Topology
 from megalite.training.build import is_logging_rank
 from megalite.training.mtp_metrics import MTPMetrics
 
@@ -93,15 +93,7 @@ def four_ranks() -> list:
 @pytest.fixture(scope="module")
 def one_device() -> dict[bool, tuple[list, dict[str, torch.Tensor]]]:
     """The one-device runs, untied and tied."""
-    runs = {}
-    for tied in (False, True):
-        cfg = _config(tied=tied)
-        topology = Topology.from_environment("cpu", cfg.parallel, True)
-        try:
-            runs[tied] = _train(cfg, topology)
-        finally:
-            release_process_groups()
-    return runs
+    return {tied: on_one_device(_config(tied=tied), _train) for tied in (False, True)}
 
 
 def test_mtp_losses_are_logged_per_depth_and_train(one_device):

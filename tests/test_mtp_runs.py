@@ -5,14 +5,9 @@ spawned ranks."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from distributed import metrics, run_ranks
+from distributed import metrics, pretrain_each, run_ranks
 from parity import LLAMA, TINY
-
-from megalite.config_cli import parse_config
-from megalite.training.pretrain import pretrain
 
 MTP = [*LLAMA, "--model.mtp_num_layers=2", "--model.mtp_loss_scaling_factor=0.3", "--train.train_iters=4"]
 RUNS = {
@@ -22,17 +17,12 @@ RUNS = {
 }
 
 
-def _runs(rank: int, world_size: int, root: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    for index, extra in enumerate(RUNS.values()):
-        args = [arg.format(root=root) for arg in extra]
-        pretrain(parse_config([*TINY, *MTP, *args, f"--logging.metrics_file={root}/run-{index}.jsonl"]))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
-    run_ranks(2, _runs, str(root))
+    run_ranks(2, pretrain_each, [[*TINY, *MTP, *(arg.format(root=root) for arg in extra),
+                                  f"--logging.metrics_file={root}/run-{index}.jsonl"]
+                                 for index, extra in enumerate(RUNS.values())])
     return {name: metrics(root / f"run-{i}.jsonl") for i, name in enumerate(RUNS)}
 
 

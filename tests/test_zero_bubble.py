@@ -32,7 +32,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from distributed import cpu_topology, run_ranks, tiny_run
-from parity import assert_equals_one_device, train_and_gather
+from parity import assert_equals_one_device, on_one_device, train_and_gather
 
 from megalite.config import Config
 from megalite.dryrun.pipeline_plan import check_pipeline
@@ -43,7 +43,7 @@ from megalite.parallel.context import ParallelContext
 from megalite.parallel.pipeline.ops import B, F, W
 from megalite.parallel.pipeline.plan import communication_plan
 from megalite.parallel.pipeline.registry import bubble_fraction, schedule_ops
-from megalite.parallel.topology import Topology, release_process_groups
+from megalite.parallel.topology import Topology
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.planning.bubble import simulated_bubble
 from megalite.training.build import is_logging_rank
@@ -229,15 +229,7 @@ def _parity_ranks(rank: int, world_size: int) -> list:
 
 @pytest.fixture(scope="module")
 def one_device() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
-    refs = {}
-    for family in ("gpt2", "llama", "llama MoE"):
-        cfg = _layout(family, 1, 1, "1f1b")
-        topology = Topology.from_environment("cpu", cfg.parallel, cfg.model.num_experts > 0)
-        try:
-            refs[family] = train_and_gather(cfg, topology)
-        finally:
-            release_process_groups()
-    return refs
+    return {family: on_one_device(_layout(family, 1, 1, "1f1b")) for family in ("gpt2", "llama", "llama MoE")}
 
 
 def test_zero_bubble_layouts_match_one_device(one_device):

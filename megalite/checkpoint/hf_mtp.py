@@ -97,6 +97,7 @@ def _fused_experts(hub: StateDict, i: int, cfg: ModelConfig) -> StateDict:
     experts = f"model.layers.{i}{_EXPERTS}"
     if not cfg.has_experts(i):
         return hub
+
     def stacked(*kinds: str) -> torch.Tensor:
         return torch.stack([torch.cat([hub[f"{experts}{e}.{kind}.weight"] for kind in kinds])
                             for e in range(cfg.num_experts)])
