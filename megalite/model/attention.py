@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.model.costs import MicroBatch, matmul_held, row_bias_held, weights_multiplied
+from megalite.model.costs import MicroBatch, kept_input_bytes, matmul_held, row_bias_held, weights_multiplied
 from megalite.model.kv_cache import LayerCache
 from megalite.model.norms import build_norm, recomputed_held
 from megalite.model.rope import apply_rope
@@ -154,13 +154,23 @@ class SelfAttention(nn.Module):
     def saved_bytes(self, batch: MicroBatch) -> int:
         """The QKV input (this rank's rows under SP), the fused QKV output (v, and q and k without RoPE, are views of
         it), q and k after RoPE, the projection's input, the flash kernel's logsumexp unless the core is recomputed,
-        what the q/k norms keep; under all-gather context parallelism `_allgather_change`."""
+        what the q/k norms keep; under all-gather context parallelism `_allgather_change`. Both projections'
+        inputs as their recipe keeps them (FP8 `tensorwise`: an FP8 copy; `_projection_input_bytes`)."""
         tokens, c, d = batch.tokens, batch.compute, self.head_dim
         heads, groups = self.heads, self.groups
-        size = batch.rows * self.linear_qkv.weight.shape[1] * c + tokens * (heads + 2 * groups) * d * c
+        size = kept_input_bytes(self.linear_qkv, batch.rows, c) + tokens * (heads + 2 * groups) * d * c
         size += tokens * (heads + groups) * d * c if self.rope else 0
-        size += tokens * heads * d * c + (tokens * heads * 4 if not self.recompute_core else 0)
+        size += self._projection_input_bytes(batch) + (tokens * heads * 4 if not self.recompute_core else 0)
         return size + self._qk_norm_bytes(batch) + self._allgather_change(batch)
+
+    def _projection_input_bytes(self, batch: MicroBatch) -> int:
+        """The projection's input is the core's output (a view of it), which the core keeps unless it is
+        recomputed: the projection's own copy (FP8 `tensorwise`'s) is kept beside it, not instead of it."""
+        output = batch.tokens * self.heads * self.head_dim * batch.compute
+        kept = kept_input_bytes(self.linear_proj, batch.tokens, batch.compute)
+        if self.recompute_core:
+            return kept
+        return output + (kept if kept != output else 0)
 
     def _qk_norm_bytes(self, batch: MicroBatch) -> int:
         """torch's RMSNorm of each q and k head keeps x * rstd in fp32 and rstd per head, and its input in fp32: in

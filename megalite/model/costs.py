@@ -95,6 +95,13 @@ def matmul_held(weight: nn.Parameter, rows: int, width: int) -> int:
     return rows * (in_features + out_features) * width
 
 
+def kept_input_bytes(linear: nn.Module, rows: int, width: int) -> int:
+    """What a linear keeps of its input, `rows` rows of `width` bytes per element, for its weight gradient: as its
+    recipe keeps it (parallel/gemm.py Recipe.kept_input_bytes: x itself, or under FP8 `tensorwise` an FP8 copy and
+    its scale)."""
+    return linear.recipe.kept_input_bytes(rows, linear.weight.shape[1], width)
+
+
 def weights_multiplied(*linears: nn.Module) -> int:
     """The weights of these linear layers, each multiplied once per token."""
     return sum(linear.weight.numel() for linear in linears)

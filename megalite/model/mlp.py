@@ -10,7 +10,8 @@ tensor parallelism splits each half separately so every rank holds matching slic
 Its costs (model/costs.py): fc1 keeps its input (this rank's rows under SP); the activation keeps fc1's output
 and what it makes, for every local token (column-parallel layers gather them under SP): gate|up, silu(gate)
 and the product (fc2's input) when gated (fused SwiGLU recomputes silu(gate)), the GELU input and output
-otherwise (`activation_bytes`).
+otherwise (`activation_bytes`). fc1's and fc2's inputs are kept as their recipe keeps them (FP8 `tensorwise`:
+an FP8 copy).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import Features, ModelConfig
-from megalite.model.costs import MicroBatch, matmul_held, row_bias_held, weights_multiplied
+from megalite.model.costs import MicroBatch, kept_input_bytes, matmul_held, row_bias_held, weights_multiplied
 from megalite.model.fused import swiglu
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -89,12 +90,15 @@ class MLP(nn.Module):
         return self.linear_fc2(activate(self.linear_fc1(x), self.features, self.fused))
 
     def saved_bytes(self, batch: MicroBatch) -> int:
-        return batch.rows * self.linear_fc1.weight.shape[1] * batch.compute + self.activation_bytes(batch)
+        return kept_input_bytes(self.linear_fc1, batch.rows, batch.compute) + self.activation_bytes(batch)
 
     def activation_bytes(self, batch: MicroBatch) -> int:
-        """What the MLP keeps past its input: fc1's output and the activation's tensors, fc2's input among them."""
+        """What the MLP keeps past its input: fc1's output and the activation's tensors, and fc2's input, which
+        only fc2 keeps: as its recipe keeps it."""
         width = self.linear_fc2.weight.shape[1]  # this rank's share of the hidden width
-        return activation_bytes(self.features, self.fused, batch.tokens, width, batch.compute)
+        fc2_input = batch.tokens * width * batch.compute
+        return (activation_bytes(self.features, self.fused, batch.tokens, width, batch.compute) - fc2_input
+                + kept_input_bytes(self.linear_fc2, batch.tokens, batch.compute))
 
     def held_bytes(self, batch: MicroBatch) -> int:
         return self.matmuls_held(batch.tokens, batch.compute) + row_bias_held(self.linear_fc2, batch)

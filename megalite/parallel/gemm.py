@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -91,6 +91,15 @@ class OperandSplits:
 ONE_DEVICE = OperandSplits()
 
 
+class KeptInput(NamedTuple):
+    """A matmul's input kept for its weight gradient in the form that gradient multiplies it, instead of x: an
+    FP8 copy `data` [rows, in] (x's rows, flattened) and its decode `scale`, which every row shares (a recipe's
+    `linear_keeping` says when it can)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
 class Recipe(ABC):
     """How a matmul's operands are cast and multiplied: dense x [n, in] by weight [out, in], or grouped, rows
     offsets[e-1]:offsets[e] of x by weight[e] of weight [experts, out, in] (`RowGroups`). Outputs and input
@@ -110,15 +119,26 @@ class Recipe(ABC):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + b for x [..., in]."""
 
+    def linear_keeping(self, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> tuple[torch.Tensor, KeptInput | None]:
+        """`linear`, and what backward keeps of x for the weight gradient when that is not x itself (None: x)."""
+        return self.linear(x, weight, bias), None
+
+    def kept_input_bytes(self, rows: int, features: int, width: int) -> int:
+        """Bytes backward keeps of a linear's input of `rows` x `features` elements, `width` bytes each (the
+        planner's figure, model/costs.py kept_input_bytes): x itself."""
+        return rows * features * width
+
     @abstractmethod
     def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """grad W for grad [..., out]."""
 
     @abstractmethod
-    def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor,
+    def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor | KeptInput,
                            out: torch.Tensor | None = None) -> torch.Tensor:
-        """grad^T x for [n, out] grad and [n, in] x: added into `out` (a main gradient, or what waits for one)
-        in out's dtype, and returned; without `out`, a new tensor in grad's dtype."""
+        """grad^T x for [n, out] grad and [n, in] x (or what `linear_keeping` kept of it): added into `out`
+        (a main gradient, or what waits for one) in out's dtype, and returned; without `out`, a new tensor in
+        grad's dtype."""
 
     @abstractmethod
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
@@ -236,16 +256,18 @@ def apply_recipe(module: nn.Module, recipe: Recipe) -> None:
             child.recipe = recipe.at_layout(getattr(child, "operand_splits", ONE_DEVICE))
 
 
-def weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, recipe: Recipe,
+def weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | KeptInput, recipe: Recipe,
                 groups: RowGroups | None = None) -> None:
-    """dW = grad^T x of [..., out] grad and [..., in] x (with `groups`: per expert), handed to
+    """dW = grad^T x of [..., out] grad and [..., in] x (or the [n, in] `KeptInput` the recipe kept of it; with
+    `groups`: per expert), handed to
     weight_grads.deliver: now or in W, into the weight's buffer (a dense dW added straight into the target the
     buffer chooses) or, without one, into weight.grad in the weight's dtype. Reads the weight's shape and dtype,
     never its values (ZeRO-3 may have freed them by W)."""
     if groups is not None:
         deliver(weight, lambda: recipe.grouped_weight_grad(grad, x, groups).to(weight.dtype))
         return
-    grad, x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad = grad.reshape(-1, grad.shape[-1])
+    x = x if isinstance(x, KeptInput) else x.reshape(-1, x.shape[-1])
     deliver(weight, lambda: recipe.linear_weight_grad(grad, x).to(weight.dtype),
             lambda target: recipe.linear_weight_grad(grad, x, target.view(weight.shape)))
 
@@ -258,33 +280,51 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: dist.ProcessGroup | None, recipe: Recipe) -> torch.Tensor:
-        ctx.save_for_backward(x)
+        y, kept = recipe.linear_keeping(x if group is None else gather_rows(x, group), weight, bias)
+        ctx.input_dtype = None if kept is None else x.dtype
+        ctx.save_for_backward(*([x] if kept is None else [_rows_of_this_rank(kept.data, group).view(x.shape),
+                                                           kept.scale]))
         ctx.params = (weight,) if bias is None else (weight, bias)  # on ctx: a checkpoint's recompute would save copies
         ctx.group, ctx.recipe = group, recipe
-        return recipe.linear(x if group is None else gather_rows(x, group), weight, bias)
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         needs = tuple(ctx.needs_input_grad[:3])
-        (x,) = ctx.saved_tensors
-        grad_input = opaque_backward(_linear_backward, [x, grad.contiguous(), *ctx.params], group=ctx.group,
-                                     recipe=ctx.recipe, needs=needs)
+        x, *scale = ctx.saved_tensors
+        grad_input = opaque_backward(_linear_backward, [x, grad.contiguous(), *scale, *ctx.params], group=ctx.group,
+                                     recipe=ctx.recipe, needs=needs, input_dtype=ctx.input_dtype)
         return (grad_input if needs[0] else None), None, None, None, None
 
 
-def _linear_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     group: dist.ProcessGroup | None, recipe: Recipe, needs: tuple[bool, bool, bool]) -> torch.Tensor:
+def _rows_of_this_rank(rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's share of `rows` gathered along the sequence over `group` (all of them without one), a copy
+    that keeps no other rank's rows alive."""
+    if group is None:
+        return rows
+    return rows.chunk(dist.get_world_size(group))[dist.get_rank(group)].clone()
+
+
+def _linear_backward(x: torch.Tensor, grad: torch.Tensor, *tensors: torch.Tensor, group: dist.ProcessGroup | None,
+                     recipe: Recipe, needs: tuple[bool, bool, bool], input_dtype: torch.dtype | None) -> torch.Tensor:
     """The input gradient, returned; the weight and bias gradients, handed to weight_grads (at once, or in W).
-    Under sequence parallelism x is this rank's rows: gathered again here, overlapped with the input gradient's
-    matmul, whose reduce-scatter overlaps the weight gradient's when that runs now."""
+    `tensors`: the weight and the bias (if any), after the scale of x when the recipe kept x in FP8 (`input_dtype`
+    is then x's dtype, and x the FP8 bytes, shaped as x). Under sequence parallelism x is this rank's rows:
+    gathered again here (in FP8 where kept so: half of bf16's bytes), overlapped with the input gradient's matmul,
+    whose reduce-scatter overlaps the weight gradient's when that runs now."""
+    scale, (weight, *bias) = (None, tensors) if input_dtype is None else (tensors[0], tensors[1:])
+    bias = bias[0] if bias else None
     gathering = None
     if group is not None:
         whole = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        gathering = all_gather_single(whole, x.contiguous(), group, async_op=True)
-    grad_input = recipe.linear_input_grad(grad, weight) if needs[0] else torch.empty_like(x)  # overlaps the gather
+        gathering = all_gather_single(_as_bytes(whole), _as_bytes(x.contiguous()), group, async_op=True)
+    grad_input = (recipe.linear_input_grad(grad, weight) if needs[0]  # overlaps the gather
+                  else torch.empty_like(x, dtype=input_dtype or x.dtype))
     if gathering is not None:
         gathering.wait()
         x = whole
+    if scale is not None:
+        x = KeptInput(x.reshape(-1, x.shape[-1]), scale)
     scattering = None
     if group is not None and needs[0]:  # launched first, so it overlaps the dW matmul
         grad_input, scattering = start_reduce_scatter_rows(grad_input, group)
@@ -295,6 +335,11 @@ def _linear_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, 
     if scattering is not None:
         scattering.wait()
     return grad_input
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 values as their bytes, which every backend's collectives carry (gloo has no FP8 dtypes)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

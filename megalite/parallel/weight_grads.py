@@ -186,11 +186,12 @@ _BACKWARDS: dict[str, tuple[Callable[..., torch.Tensor], dict[str, Any]]] = {}
 
 
 def opaque_backward(impl: Callable[..., torch.Tensor], tensors: list[torch.Tensor], **static: Any) -> torch.Tensor:
-    """impl(*tensors, **static), a layer's backward that returns the input gradient (shaped and typed as
-    tensors[0]) and hands weight gradients to `deliver`. Eagerly it is called; while torch.compile traces
-    a backward it becomes one call of the opaque op `megalite::opaque_backward`, which calls it when the
-    compiled backward runs, so that `deferred` decides then. `static` (groups, flags) is registered under a
-    name the traced graph keeps; the tensors, parameters included, are passed at every call."""
+    """impl(*tensors, **static), a layer's backward that returns the input gradient (shaped as tensors[0], typed
+    as it or as `static`'s input_dtype where that is set) and hands weight gradients to `deliver`. Eagerly it is
+    called; while torch.compile traces a backward it becomes one call of the opaque op
+    `megalite::opaque_backward`, which calls it when the compiled backward runs, so that `deferred` decides then.
+    `static` (groups, flags) is registered under a name the traced graph keeps; the tensors, parameters included,
+    are passed at every call."""
     if not torch.compiler.is_compiling():
         return impl(*tensors, **static)
     name = f"{impl.__module__}.{impl.__qualname__}:{sorted(static.items(), key=lambda kv: kv[0])!r}"
@@ -206,4 +207,5 @@ def _opaque_backward_op(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 @_opaque_backward_op.register_fake
 def _(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.empty_like(tensors[0])
+    dtype = _BACKWARDS[name][1].get("input_dtype") or tensors[0].dtype  # an input kept in FP8 (gemm.py)
+    return torch.empty_like(tensors[0], dtype=dtype)

@@ -24,6 +24,18 @@ Products are exact fp32 sums of the dequantised operands; outputs and input grad
 dtype, weight gradients are added into the fp32 main gradient (weight_grads.deliver's contract, as
 HighPrecision's).
 
+What backward keeps of a linear's input x for the weight gradient: under `tensorwise` x's forward FP8 copy and
+its scale (1 byte an element instead of bf16's 2 or fp32's 4), as Transformer Engine keeps its FP8 inputs: x^T's
+one scale is x's (the same amax over the same elements and ranks), so the copy is the one the weight gradient
+would make, byte for byte, and is not made twice; under sequence parallelism each rank keeps its rows of it and
+gathers the FP8 bytes again in backward (half of bf16's traffic). `rowwise` and `blockwise` keep x in the
+compute dtype, as torchao keeps it: their weight gradient scales x^T along the tokens (one scale per feature, or
+per 128 tokens of a feature), not along the features as the forward does, so the forward copy cannot serve. A
+second, token-tiled quantisation made in forward (Transformer Engine's column-wise copy for block scaling) would
+keep 1 + 4/128 bytes an element under `blockwise` (1 under `rowwise`) instead of 2, moving that quantisation
+and, under sequence parallelism, its scales' gather into the forward; not built yet. Grouped (expert) matmuls
+keep their x in the compute dtype under every recipe.
+
 Kernels: on CUDA tensorwise and rowwise operands go through torch._scaled_mm. Its CPU kernel takes them too and
 equals the emulation bit for bit (tests/test_fp8.py), but runs several times slower than the emulation's fp32
 matmul (about 3 GFLOP/s on one core), so a CPU runs the emulation. On CUDA rowwise returns bf16 (CUTLASS's
@@ -50,7 +62,7 @@ from megalite.parallel.fp8.quantize import (
     quantize,
 )
 from megalite.parallel.fp8.sharded import ShardedAmax
-from megalite.parallel.gemm import OperandSplits, Recipe, RowGroups
+from megalite.parallel.gemm import KeptInput, OperandSplits, Recipe, RowGroups
 
 BLOCK = 128  # DeepSeek-V3's tile width and weight block
 
@@ -77,19 +89,41 @@ class Float8(Recipe):
         """a b^T of a [m, k] and b [n, k], each quantised as what it is, fp32 (bf16 from CUDA's rowwise kernel)."""
         return scaled_mm(self.quantize(a, a_is, matmul), self.quantize(b, b_is, matmul))
 
+    @property
+    def keeps_fp8_input(self) -> bool:
+        """Whether backward keeps x's forward FP8 copy for the weight gradient instead of x (the module's
+        docstring says when)."""
+        return self.scalings["input"].per_tensor
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.product(x.reshape(-1, x.shape[-1]), "input", weight, "weight", "forward")
+        return self.linear_keeping(x, weight, bias)[0]
+
+    def linear_keeping(self, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> tuple[torch.Tensor, KeptInput | None]:
+        qx = self.quantize(x.reshape(-1, x.shape[-1]), "input", "forward")
+        y = scaled_mm(qx, self.quantize(weight, "weight", "forward"))
         if bias is not None:
             y = y + bias.to(y.dtype)
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        kept = KeptInput(qx.data, qx.scale) if self.keeps_fp8_input else None
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0]), kept
+
+    def kept_input_bytes(self, rows: int, features: int, width: int) -> int:
+        if self.keeps_fp8_input:
+            return rows * features + 4  # e4m3 bytes and one fp32 scale
+        return super().kept_input_bytes(rows, features, width)
 
     def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dx = self.product(grad.reshape(-1, grad.shape[-1]), "grad", weight.t(), "weight", "input_grad")
         return dx.to(grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
 
-    def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor,
+    def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor | KeptInput,
                            out: torch.Tensor | None = None) -> torch.Tensor:
-        dw = self.product(grad.t(), "grad", x.t(), "input", "weight_grad")
+        if isinstance(x, KeptInput):  # x^T's quantisation is x's, transposed: same amax, scale and bytes
+            quantized_grad = self.quantize(grad.t(), "grad", "weight_grad")
+            data = x.data.t().contiguous()
+            dw = scaled_mm(quantized_grad, Quantized(data, x.scale, self.scalings["input"].tile(tuple(data.shape))))
+        else:
+            dw = self.product(grad.t(), "grad", x.t(), "input", "weight_grad")
         if out is None:
             return dw.to(grad.dtype)
         return out.add_(dw)
