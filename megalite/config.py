@@ -342,6 +342,17 @@ class TrainConfig:
         "none", "FP8 matmuls in the transformer layers' linears and experts (embeddings, head, routers stay in "
                 "train.precision): tensorwise (a scale per tensor), rowwise (per row), blockwise (DeepSeek-V3's "
                 "1x128 / 128x128 tiles); needs train.precision bf16 or fp32 (parallel/fp8/recipes.py)")
+    fp8_first_last_layers_bf16: bool = _f(
+        False, "keep the first train.fp8_num_layers_at_start_in_bf16 and the last "
+               "train.fp8_num_layers_at_end_in_bf16 transformer layers out of FP8, in train.precision "
+               "(Megatron-LM's --first-last-layers-bf16)")
+    fp8_num_layers_at_start_in_bf16: int = _f(
+        1, "with train.fp8_first_last_layers_bf16: how many of the first transformer layers stay out of FP8")
+    fp8_num_layers_at_end_in_bf16: int = _f(
+        1, "with train.fp8_first_last_layers_bf16: how many of the last transformer layers stay out of FP8")
+    fp8_output_head: bool = _f(
+        False, "run the LM head's matmuls in FP8 too (default: the head stays in train.precision, as DeepSeek-V3 "
+               "and torchtitan keep it)")
     recompute: Literal["none", "selective", "full"] = _f(
         "none", "activation recompute: selective = core attention, full = whole layers")
     eval_interval: int | None = _f(

@@ -23,19 +23,63 @@ from megalite.parallel.fp8.recipes import BLOCK
 def fp8_errors(cfg: Config, world_size: int) -> list[str]:
     t = cfg.train
     if t.fp8_recipe == "none":
-        return []
+        return _options_without_a_recipe(cfg)
     if t.precision == "fp16":
         return [f"train.fp8_recipe={t.fp8_recipe} needs train.precision=bf16 (or fp32), got fp16; set "
                 "train.precision=bf16 (and train.param_dtype=fp32 or bf16)"]
+    errors = _layer_count_errors(cfg)
     if t.fp8_recipe != "blockwise":
-        return []
-    return [f"train.fp8_recipe=blockwise tiles {what} into {BLOCK}-wide blocks, but {problem}"
-            for what, problem in _untileable_widths(cfg) + _untileable_tokens(cfg)]
+        return errors
+    return errors + [f"train.fp8_recipe=blockwise tiles {what} into {BLOCK}-wide blocks, but {problem}"
+                     for what, problem in _untileable_widths(cfg) + _untileable_tokens(cfg)]
+
+
+def fp8_layer_numbers(cfg: Config) -> range:
+    """The transformer layers, numbered along the whole model from 0 (whatever the pipeline stages hold), whose
+    matmuls run train.fp8_recipe: every layer, less the first train.fp8_num_layers_at_start_in_bf16 and the last
+    train.fp8_num_layers_at_end_in_bf16 with train.fp8_first_last_layers_bf16 (as Megatron-LM counts them over
+    its model's --num-layers); none without a recipe. Multi-token prediction's layers follow model.num_layers,
+    outside this numbering, and keep the recipe."""
+    t, layers = cfg.train, cfg.model.num_layers
+    if t.fp8_recipe == "none":
+        return range(0)
+    if not t.fp8_first_last_layers_bf16:
+        return range(layers)
+    return range(t.fp8_num_layers_at_start_in_bf16, layers - t.fp8_num_layers_at_end_in_bf16)
+
+
+_COUNTS = ("fp8_num_layers_at_start_in_bf16", "fp8_num_layers_at_end_in_bf16")
+
+
+def _options_without_a_recipe(cfg: Config) -> list[str]:
+    t = cfg.train
+    return [f"train.{name}=true changes which matmuls run in FP8, but train.fp8_recipe=none runs none; set "
+            f"train.fp8_recipe (tensorwise, rowwise or blockwise) or drop train.{name}"
+            for name in ("fp8_first_last_layers_bf16", "fp8_output_head") if getattr(t, name)]
+
+
+def _layer_count_errors(cfg: Config) -> list[str]:
+    """The counts of layers kept out of FP8: set only with the switch that reads them, each >= 0, together
+    leaving a matmul in FP8 (a transformer layer, or the head with train.fp8_output_head)."""
+    t, layers = cfg.train, cfg.model.num_layers
+    counts = {name: getattr(t, name) for name in _COUNTS}
+    if not t.fp8_first_last_layers_bf16:
+        return [f"train.{name}={value} is read only with train.fp8_first_last_layers_bf16=true; set that too, "
+                f"or drop train.{name}" for name, value in counts.items() if value != 1]
+    errors = [f"train.{name}={value} must be >= 0" for name, value in counts.items() if value < 0]
+    kept_out, most = sum(counts.values()), layers if t.fp8_output_head else layers - 1
+    if not errors and kept_out > most:
+        problem = (f"asks for more layers than model.num_layers={layers}" if kept_out > layers else
+                   f"keeps every one of model.num_layers={layers} out of FP8, and the head too "
+                   "(train.fp8_output_head=false): nothing would run in FP8")
+        errors.append(f"train.fp8_num_layers_at_start_in_bf16 + train.fp8_num_layers_at_end_in_bf16 = {kept_out} "
+                      f"{problem}; lower them (together at most {most}) or set train.fp8_recipe=none")
+    return errors
 
 
 def _untileable_widths(cfg: Config) -> list[tuple[str, str]]:
-    """Each per-rank contraction width of the transformer layers' matmuls that is not whole tiles, with the
-    field that sets it and a value that tiles."""
+    """Each per-rank contraction width of the transformer layers' matmuls (and the head's, with
+    train.fp8_output_head) that is not whole tiles, with the field that sets it and a value that tiles."""
     m, p = cfg.model, cfg.parallel
     dense_mlp = len(m.moe_layers) < m.num_layers
     widths = [  # (width per rank, ranks it is split over, field, field's value)
@@ -56,6 +100,10 @@ def _untileable_widths(cfg: Config) -> list[tuple[str, str]]:
             split = f" split over {ranks} ranks is {width / ranks:g} per rank," if ranks > 1 else ""
             problems.append(("the contracted widths", f"{field} = {width}{split} not a multiple of {BLOCK}; "
                                                       f"{_fix(field, value, width, BLOCK * ranks)}"))
+    if cfg.train.fp8_output_head and m.padded_vocab_size % (BLOCK * p.tp):
+        problems.append(("the contracted widths", f"with train.fp8_output_head the LM head's padded vocabulary "
+                         f"{m.padded_vocab_size} over parallel.tp={p.tp} is {m.padded_vocab_size / p.tp:g} rows per "
+                         f"rank, not a multiple of {BLOCK}; set model.make_vocab_size_divisible_by={BLOCK * p.tp}"))
     return problems
 
 

@@ -46,6 +46,7 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size)) if owns_weight else None
         self.placements = {"weight": Placement.split("tp", 0)}
         self.recipe = gemm.HIGH_PRECISION
+        self.operand_splits = ctx.operand_splits(out="tp")  # vocabulary rows over tp, as a column-parallel layer's
         self.loss_chunk_bytes: int | None = None
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,10 +76,11 @@ class LMHead(nn.Module):
         loss mask."""
         tokens = batch.tokens
         if self.ctx.tp.size == 1:
-            logits = tokens * self.rows * batch.compute
-        else:
+            logits, kept = tokens * self.rows * batch.compute, tokens * self.hidden_size * batch.compute
+        else:  # the gathered input, as the recipe keeps it (parallel/gemm.py)
             logits = tokens * (self.rows * 4 + 8 + 1)
-        return tokens * self.hidden_size * batch.compute + logits + tokens * 8
+            kept = self.recipe.kept_input_bytes(tokens, self.hidden_size, batch.compute)
+        return kept + logits + tokens * 8
 
     def transient_bytes(self, batch: MicroBatch) -> int:
         """One device turns the logits into their gradient a chunk of rows at a time (model/cross_entropy.py): each

@@ -286,7 +286,9 @@ class _Linear(torch.autograd.Function):
                                                            kept.scale]))
         ctx.params = (weight,) if bias is None else (weight, bias)  # on ctx: a checkpoint's recompute would save copies
         ctx.group, ctx.recipe = group, recipe
-        return y
+        # Not a view to autograd, as F.linear's output is not: a caller may write into it (the vocabulary-parallel
+        # cross-entropy does, in fp32), which autograd forbids on a view made inside a custom Function.
+        return y if y._base is None else torch.ops.aten._unsafe_view(y, y.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

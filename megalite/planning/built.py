@@ -50,7 +50,8 @@ def section_values(section: object) -> tuple:
 BUILT_FIELDS = {
     "parallel": ("tp", "pp", "cp", "cp_comm", "ep", "etp", "moe_dispatcher", "vp", "pipeline_schedule",
                  "first_stage_layers", "last_stage_layers", "sequence_parallel"),
-    "train": ("precision", "param_dtype", "fp8_recipe", "recompute", "fusions"),
+    "train": ("precision", "param_dtype", "fp8_recipe", "fp8_first_last_layers_bf16", "fp8_num_layers_at_start_in_bf16",
+              "fp8_num_layers_at_end_in_bf16", "fp8_output_head", "recompute", "fusions"),
 }
 
 

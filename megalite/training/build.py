@@ -8,6 +8,7 @@ import torch
 
 from megalite.checkpoint.sharded_state import ShardedState
 from megalite.config import TORCH_DTYPES, Config
+from megalite.config_fp8 import fp8_layer_numbers
 from megalite.model.fused import apply_fusions
 from megalite.model.gpt import TIED_COPY, GPTModel, embedding_copy
 from megalite.model.recompute import apply_recompute
@@ -68,7 +69,8 @@ def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank
     """Pipeline rank `pp_rank`'s model chunks, its shards (`ctx`), in train.param_dtype, with train.recompute
     applied, train.fp8_recipe on the transformer layers' linears and experts, multi-token prediction's included
     (the embedding, the head, the routers and MTP's projection keep train.precision, as DeepSeek-V3 and torchtitan
-    keep them), and the split backward where the schedule splits it (model/split_backward.py)."""
+    keep them; `_apply_fp8` says which layers and when the head), and the split backward where the schedule
+    splits it (model/split_backward.py)."""
     # Each parameter is drawn in fp32 on every layout and rounded once into train.param_dtype as it is copied in
     # (model/init.py); its storage is made in that dtype, so no fp32 copy of the model is ever on the device.
     model = GPTModel(cfg.model, device, ctx, stage_layout(cfg, pp_rank), seed=cfg.train.seed,
@@ -76,12 +78,25 @@ def build_model(cfg: Config, device: torch.device, ctx: ParallelContext, pp_rank
     apply_recompute(model, cfg.train.recompute)
     apply_fusions(model, cfg.train.fusions)
     if cfg.train.fp8_recipe != "none":
-        recipe = RECIPES[cfg.train.fp8_recipe]()
-        for layer in model.transformer_layers():  # multi-token prediction's too
-            apply_recipe(layer, recipe)
+        _apply_fp8(model, cfg)
     if schedule_spec(cfg.parallel.pipeline_schedule).split_backward:
         apply_split_backward(model)
     return model
+
+
+def _apply_fp8(model: GPTModel, cfg: Config) -> None:
+    """train.fp8_recipe on the transformer layers config_fp8.fp8_layer_numbers names (numbered along the whole
+    model, so every pipeline layout runs the same layers in FP8) and multi-token prediction's, and on the LM head
+    with train.fp8_output_head."""
+    recipe = RECIPES[cfg.train.fp8_recipe]()
+    in_fp8 = fp8_layer_numbers(cfg)
+    for number, layer in model.layers.items():
+        if int(number) in in_fp8:
+            apply_recipe(layer, recipe)
+    for depth in model.mtp.layers if model.mtp is not None else ():
+        apply_recipe(depth.transformer_layer, recipe)
+    if cfg.train.fp8_output_head and model.lm_head is not None:
+        apply_recipe(model.lm_head, recipe)
 
 
 def build_rank_model(cfg: Config, topology: Topology) -> GPTModel:

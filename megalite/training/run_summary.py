@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.config import Config
+from megalite.config_fp8 import fp8_layer_numbers
 from megalite.parallel.topology import device_memory
 from megalite.planning.memory import memory_per_stage
 from megalite.planning.parameters import active_parameters, model_parameters, rank_parameters
@@ -39,12 +40,23 @@ def parameters_line(cfg: Config) -> str:
 
 
 def fp8_line(cfg: Config) -> str | None:
-    """Whether FP8 is on, with which recipe, and what stays in the compute precision (build_model applies it)."""
-    t = cfg.train
+    """Whether FP8 is on, with which recipe, in which layers, and what stays in the compute precision
+    (build_model applies it)."""
+    t, layers = cfg.train, cfg.model.num_layers
     if t.fp8_recipe == "none":
         return None
-    return (f"FP8 on: train.fp8_recipe={t.fp8_recipe} in the transformer layers' linears and experts (forward, input "
-            f"and weight gradients); embeddings, the LM head and the routers in {t.precision}")
+    numbers = fp8_layer_numbers(cfg)
+    where = "every transformer layer"
+    if len(numbers) < layers:
+        kept = (f"layers {', '.join(map(str, sorted(set(range(layers)) - set(numbers))))} in {t.precision}: "
+                "train.fp8_first_last_layers_bf16")
+        where = (f"transformer layers {numbers.start}-{numbers.stop - 1} of 0-{layers - 1} ({kept})" if numbers
+                 else f"no transformer layer ({kept})")
+    mtp = " and multi-token prediction's layers" if cfg.model.mtp_num_layers else ""
+    head = ("the LM head in FP8 too (train.fp8_output_head); embeddings and the routers" if t.fp8_output_head
+            else "embeddings, the LM head and the routers")
+    return (f"FP8 on: train.fp8_recipe={t.fp8_recipe} (forward, input and weight gradients) in the linears and "
+            f"experts of {where}{mtp}; {head} in {t.precision}")
 
 
 def memory_line(cfg: Config, world_size: int, device_name: str, device_bytes: int) -> str:
