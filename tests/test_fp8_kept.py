@@ -5,16 +5,24 @@ count what is kept (tests/test_plan.py's measurement of saved tensors, FP8 cases
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from distributed import cpu_topology, run_ranks
 from test_plan import PRECISIONS, _model_config, one_device_model, saved_bytes
 
 from megalite.config import Config
+from megalite.config_validation import validate
 from megalite.parallel import gemm
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.fp8 import RECIPES
-from megalite.planning.memory import chunk_activation_bytes
-from megalite.training.build import build_trainer
+from megalite.parallel.weight_grads import WeightGradients, deferred
+from megalite.planning.measure import held_for_w
+from megalite.planning.memory import chunk_activation_bytes, chunk_held_bytes, peak_activations
+from megalite.planning.plan import format_plan, make_plan
+from megalite.training.build import build_model, build_trainer
+from megalite.training.step import precision_context
 
 DTYPES = {torch.float32: 4, torch.bfloat16: 2}
 
@@ -95,3 +103,39 @@ def test_planned_fp8_activations_under_sequence_parallelism():
     for (plain, plain_planned), (fp8, fp8_planned) in run_ranks(2, _sequence_parallel_activations, cfgs):
         assert fp8 == pytest.approx(fp8_planned, rel=0.01)
         assert plain - fp8 == plain_planned - fp8_planned > 0
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_planned_fp8_weight_gradient_inputs_under_a_zero_bubble_schedule(family):
+    """zb-h1 under tensorwise: a B leaves its W each linear's FP8 copy and scale (not x), as the planner counts
+    (test_plan's zero-bubble measurement, within its 1% and 2%)."""
+    cfg = _config(family, "tensorwise", "bf16", "fp32", "none")
+    cfg.parallel.pipeline_schedule = "zb-h1"
+    model = build_model(cfg, torch.device("cpu"), ParallelContext(), 0).train()
+    assert saved_bytes(model, cfg) == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.01)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),
+                           generator=torch.Generator().manual_seed(0))
+    with precision_context(cfg.train.precision, torch.device("cpu")):
+        loss = model(tokens, tokens).sum()
+    queue = WeightGradients()
+    with deferred(queue):
+        loss.backward()
+    held = sum(held_for_w(queue, model.parameters()).values())
+    assert held == pytest.approx(chunk_held_bytes(cfg, 0, "cpu")[0], rel=0.02)
+    unquantised = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8_recipe="none"))
+    assert chunk_held_bytes(cfg, 0, "cpu")[0] < chunk_held_bytes(unquantised, 0, "cpu")[0]
+
+
+def test_the_plan_shows_the_fp8_saving():
+    """tools/plan.py's report: the recipe, its layers and the activations it saves against linear inputs kept
+    in train.precision (none under rowwise)."""
+    for recipe in ("tensorwise", "rowwise"):
+        cfg = _config("llama", recipe, "bf16", "fp32", "none")
+        validate(cfg, 1)
+        plan = make_plan(cfg, 1)
+        unquantised = peak_activations(dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, fp8_recipe="none")), 1, 0, "cuda")[0]
+        saving = unquantised - plan.worst.activations
+        assert (saving > 0) == (recipe == "tensorwise")
+        assert (f"  FP8 {recipe} (4 of 4 layers): {saving / 2**30:.2f} GiB of activations saved against linear "
+                f"inputs in bf16 ({unquantised / 2**30:.2f} GiB; ") in format_plan(plan)

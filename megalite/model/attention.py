@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.model.costs import MicroBatch, kept_input_bytes, matmul_held, row_bias_held, weights_multiplied
+from megalite.model.costs import MicroBatch, kept_input_bytes, linear_held, row_bias_held, weights_multiplied
 from megalite.model.kv_cache import LayerCache
 from megalite.model.norms import build_norm, recomputed_held
 from megalite.model.rope import apply_rope
@@ -203,8 +203,8 @@ class SelfAttention(nn.Module):
     def held_bytes(self, batch: MicroBatch) -> int:
         """Both projections' input and output gradient (the QKV input gathered whole under SP), the q/k norms'
         input and output gradient, and the projection's bias gradient, added after the reduction."""
-        size = matmul_held(self.linear_qkv.weight, batch.tokens, batch.compute)
-        size += matmul_held(self.linear_proj.weight, batch.tokens, batch.compute)
+        size = linear_held(self.linear_qkv, batch.tokens, batch.compute)
+        size += linear_held(self.linear_proj, batch.tokens, batch.compute)
         if self.q_norm is not None:
             size += recomputed_held(batch.tokens * (self.heads + self.groups) * self.head_dim, batch.compute, batch)
         return size + row_bias_held(self.linear_proj, batch)

@@ -102,6 +102,11 @@ def kept_input_bytes(linear: nn.Module, rows: int, width: int) -> int:
     return linear.recipe.kept_input_bytes(rows, linear.weight.shape[1], width)
 
 
+def linear_held(linear: nn.Module, rows: int, width: int) -> int:
+    """`matmul_held` of a linear whose input is kept as its recipe keeps it (`kept_input_bytes`)."""
+    return kept_input_bytes(linear, rows, width) + rows * linear.weight.shape[0] * width
+
+
 def weights_multiplied(*linears: nn.Module) -> int:
     """The weights of these linear layers, each multiplied once per token."""
     return sum(linear.weight.numel() for linear in linears)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import Features, ModelConfig
-from megalite.model.costs import MicroBatch, kept_input_bytes, matmul_held, row_bias_held, weights_multiplied
+from megalite.model.costs import MicroBatch, kept_input_bytes, linear_held, row_bias_held, weights_multiplied
 from megalite.model.fused import swiglu
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -105,7 +105,7 @@ class MLP(nn.Module):
 
     def matmuls_held(self, tokens: int, width: int) -> int:
         """fc1's and fc2's input and output gradient for `tokens` tokens, `width` bytes per element."""
-        return matmul_held(self.linear_fc1.weight, tokens, width) + matmul_held(self.linear_fc2.weight, tokens, width)
+        return linear_held(self.linear_fc1, tokens, width) + linear_held(self.linear_fc2, tokens, width)
 
     def matmul_parameters(self) -> int:
         return weights_multiplied(self.linear_fc1, self.linear_fc2)

@@ -19,13 +19,14 @@ import functools
 from dataclasses import dataclass
 
 from megalite.config import Config, ConfigError
+from megalite.config_fp8 import fp8_layer_numbers
 from megalite.config_validation import validate
 from megalite.parallel.pipeline.registry import SCHEDULES, bubble_fraction, training_schedules
 from megalite.planning.activations import token_rows
 from megalite.planning.bubble import simulated_bubble
 from megalite.planning.context_parallel import describe as describe_cp
 from megalite.planning.experts import describe as describe_moe
-from megalite.planning.memory import StageMemory, gathered_bytes, grid_replicas, memory_per_stage
+from megalite.planning.memory import StageMemory, gathered_bytes, grid_replicas, memory_per_stage, peak_activations
 from megalite.planning.parameters import active_parameters, model_parameters, moe_layers
 from megalite.training.flops import PEAK_TFLOPS, training_flops_per_token
 
@@ -213,6 +214,21 @@ def _muon_lines(plan: Plan) -> list[str]:
             f"{busiest.sent / 2**20:.1f} MiB to owners and returns {busiest.back / 2**20:.1f} MiB"]
 
 
+def _fp8_lines(plan: Plan) -> list[str]:
+    """Where FP8 runs and what it saves of the activations: the peak against the same run keeping every linear's
+    input in train.precision (the saving is tensorwise's FP8 copies, parallel/fp8/recipes.py)."""
+    t, w = plan.cfg.train, plan.worst
+    if t.fp8_recipe == "none":
+        return []
+    kept = dataclasses.replace(plan.cfg, train=dataclasses.replace(t, fp8_recipe="none"))
+    unquantised = peak_activations(kept, plan.world_size, w.pp_rank)[0]
+    how = "e4m3 copies and scales kept" if t.fp8_recipe == "tensorwise" else "this recipe keeps them"
+    layers = f"{len(fp8_layer_numbers(plan.cfg))} of {plan.cfg.model.num_layers} layers"
+    return [f"  FP8 {t.fp8_recipe} ({layers}{', the LM head' if t.fp8_output_head else ''}): "
+            f"{_gib(unquantised - w.activations)} of activations saved against linear inputs in {t.precision} "
+            f"({_gib(unquantised)}; {how})"]
+
+
 def _parameter_line(plan: Plan) -> str:
     active = f", {plan.active_parameters / 1e9:.3f} B active per token" if plan.cfg.model.num_experts else ""
     per_gpu = ", ".join(f"stage {s.pp_rank}: {s.parameters.total / 1e6:.1f} M" for s in plan.stages)
@@ -251,6 +267,7 @@ def format_plan(plan: Plan) -> str:
         *_expert_state(plan),
         f"  activations      {_gib(w.activations)} (peak: {w.in_flight} forward{'s' if w.in_flight != 1 else ''} "
         f"held for backward, recompute {cfg.train.recompute})",
+        *_fp8_lines(plan),
         f"  transient        {_gib(w.transient)}{_gathered(plan)}",
         f"  reserved         {RESERVED_GIB:.2f} GiB (CUDA context, NCCL, fragmentation)",
         f"  total            {plan.needed_gib:.2f} GiB",
