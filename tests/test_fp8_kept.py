@@ -11,6 +11,7 @@ import pytest
 import torch
 from distributed import cpu_topology, run_ranks
 from test_plan import PRECISIONS, _model_config, one_device_model, saved_bytes
+from test_plan_experts import FEATURES, block_config, block_saved_bytes, planned_block_bytes
 
 from megalite.config import Config
 from megalite.config_validation import validate
@@ -139,3 +140,16 @@ def test_the_plan_shows_the_fp8_saving():
         assert (saving > 0) == (recipe == "tensorwise")
         assert (f"  FP8 {recipe} (4 of 4 layers): {saving / 2**30:.2f} GiB of activations saved against linear "
                 f"inputs in bf16 ({unquantised / 2**30:.2f} GiB; ") in format_plan(plan)
+
+
+@pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
+@pytest.mark.parametrize("features", FEATURES[:4], ids=lambda f: ",".join(f) or "default")
+def test_planned_fp8_moe_block_activations_to_the_byte(precision, param_dtype, features):
+    """An MoE block under tensorwise (test_plan_experts' block, to its bytes): the shared expert's fc1 keeps an FP8
+    copy beside the input the gate or the router still keeps, or instead of the copy it would have cast; the
+    routed experts keep their rows in the compute dtype."""
+    cfg = block_config(precision, param_dtype, features)
+    cfg.train.fp8_recipe = "tensorwise"
+    validate(cfg, 1)
+    model = build_model(cfg, torch.device("cpu"), ParallelContext(), 0).train()
+    assert block_saved_bytes(model, cfg) == pytest.approx(planned_block_bytes(cfg), abs=16 * 8)

@@ -16,7 +16,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
-from megalite.model.costs import MicroBatch, matmul_held, row_bias_held
+from megalite.model.costs import MicroBatch, kept_input_bytes, matmul_held, row_bias_held
 from megalite.model.mlp import MLP
 from megalite.model.moe.dispatch import DISPATCHERS, AllToAll
 from megalite.model.moe.experts import GroupedExperts
@@ -54,16 +54,21 @@ class MoELayer(nn.Module):
         """The routed part for the rank's rows, and the shared expert: its MLP's tensors past the input and, gated,
         the gate's input and output; the router keeps the input as fp32, the shared expert's fc1 and gate keep it
         in the compute dtype: the same tensor when no cast is needed (the router's when that is fp32), else a copy
-        each."""
+        each; fc1 keeps an FP8 copy instead where its recipe says (parallel/fp8/recipes.py)."""
         hidden, rows = self.router.weight.shape[1], self.dispatcher.routed_rows(batch.rows)
         size = (self.router.saved_bytes(batch) + self.dispatcher.saved_bytes(rows, hidden)
                 + self.experts.rows_saved(rows, batch.compute))
         if self.shared_expert is None:
             return size
         gated, c = self.shared_expert_gate is not None, batch.compute
-        copies = (2 if gated else 1) if c != batch.residual else int(c != 4)
+        own, fc1 = batch.rows * hidden * c, kept_input_bytes(self.shared_expert.linear_fc1, batch.rows, c)
+        quantised = fc1 != own  # fc1 keeps an FP8 copy (its recipe's), not the input
+        if c != batch.residual:  # fc1 and the gate each cast a copy
+            inputs = fc1 + (own if gated else 0)
+        else:  # one tensor: the router's when fp32 (counted there), else kept by the gate, or by fc1 if not in FP8
+            inputs = (own if c != 4 and (gated or not quantised) else 0) + (fc1 if quantised else 0)
         gate = batch.rows * (hidden + 1) * c if gated else 0
-        return size + copies * batch.rows * hidden * c + self.shared_expert.activation_bytes(batch) + gate
+        return size + inputs + self.shared_expert.activation_bytes(batch) + gate
 
     def held_bytes(self, batch: MicroBatch) -> int:
         """The router's, the experts' over their routed rows, the shared expert's and its gate's."""
