@@ -9,7 +9,8 @@
 
 Prints parameters (total and per GPU of each pipeline stage), memory per GPU of the stage that
 needs most (weights, gradients, fp32 main weights, optimizer state, activations of the micro
-batches the schedule keeps in flight), under context parallelism the bytes its attention sends
+batches the schedule keeps in flight; with train.fp8_recipe an FP8 line: the recipe, its layers and the
+activations its kept FP8 inputs save), under context parallelism the bytes its attention sends
 per rank, the pipeline bubble (the schedule's op lists played out at F = B = W, which the pipeline benchmark
 measures, and its formula beside it), with pp > 1 every schedule the layout allows (1F1B, GPipe, ZB-H1, ZB-V
 and DualPipeV at vp 2) with its bubble, activations and verdict, FLOPs per step and the step time at an
