@@ -175,3 +175,18 @@ def test_kernel_dispatch_decisions(monkeypatch):
     qx = blockwise.quantize(torch.randn(4, 256), "input", "forward")
     qw = blockwise.quantize(torch.randn(256, 256), "weight", "forward")
     assert block_kernel.takes(qx, qw) and qx.data.dtype == E4M3
+
+
+def test_a_contraction_padded_with_zeros_multiplies_the_same():
+    """An expert's 37 tokens in a weight gradient padded to 48 (what kernel_mm does on CUDA, whose torch._scaled_mm
+    asks k to be a multiple of 16): the CPU's torch._scaled_mm on the padded FP8 bytes equals the emulation of
+    the unpadded operands bit for bit, tensorwise and rowwise."""
+    for name in ("tensorwise", "rowwise"):
+        recipe = RECIPES[name]()
+        qa = recipe.quantize(_integers(37, 48, seed=9).t(), "grad", "weight_grad")
+        qb = recipe.quantize(_integers(37, 32, seed=10).t(), "input", "weight_grad")
+        a, b = block_kernel.zero_padded(qa.data, 1, 16), block_kernel.zero_padded(qb.data, 1, 16)
+        assert a.shape == (48, 48) and b.shape == (32, 48) and not a[:, 37:].float().any()
+        scales = (qa.scale.reshape(()), qb.scale.reshape(())) if name == "tensorwise" else (qa.scale, qb.scale.t())
+        product = torch._scaled_mm(a, b.t(), *scales, out_dtype=torch.float32)
+        assert torch.equal(product, qa.dequantize() @ qb.dequantize().t()), name

@@ -34,6 +34,13 @@ def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
+def zero_padded(data: torch.Tensor, row_multiple: int, col_multiple: int) -> torch.Tensor:
+    """FP8 data [rows, k] padded with zeros to multiples of `row_multiple` rows and `col_multiple` columns (through
+    its bytes: a zero byte is FP8's +0), contiguous."""
+    rows, cols = _round_up(data.shape[0], row_multiple) - data.shape[0], _round_up(data.shape[1], col_multiple)
+    return F.pad(data.view(torch.uint8), (0, cols - data.shape[1], 0, rows)).view(data.dtype)
+
+
 def tile_scales_a(scale: torch.Tensor) -> torch.Tensor:
     """1 x 128 scales [m, k/128] of a as scale_a: the same values, outer-dim-major (stride (1, m))."""
     return scale.t().contiguous().t()
@@ -57,10 +64,9 @@ def kernel_operands(a: Quantized, b: Quantized) -> tuple[torch.Tensor, torch.Ten
     """(a data, b^T data, scale_a, scale_b) for torch._scaled_mm of a [m, k] (1 x 128 tiles) by b^T, b [n, k]
     (1 x 128 tiles or 128 x 128 blocks): data padded with zeros to whole 128-tiles along k and rows to a multiple
     of 16, the scales in the kernel's layouts (a's padded rows scaled by one)."""
-    (m, k), n = a.data.shape, b.data.shape[0]
-    cols, rows_a, rows_b = _round_up(k, BLOCK) - k, _round_up(m, 16) - m, _round_up(n, 16) - n
-    a_data = F.pad(a.data.view(torch.uint8), (0, cols, 0, rows_a)).view(a.data.dtype)
-    b_data = F.pad(b.data.view(torch.uint8), (0, cols, 0, rows_b)).view(b.data.dtype)
+    m, n = a.data.shape[0], b.data.shape[0]
+    rows_a, rows_b = _round_up(m, 16) - m, _round_up(n, 16) - n
+    a_data, b_data = zero_padded(a.data, 16, BLOCK), zero_padded(b.data, 16, BLOCK)
     scale_a = tile_scales_a(F.pad(a.scale, (0, 0, 0, rows_a), value=1.0))
     if b.tile == WEIGHT_BLOCK:
         scale_b = block_scales_b(b.scale)

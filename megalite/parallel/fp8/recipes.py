@@ -31,8 +31,10 @@ rowwise kernel takes no fp32 output before cuBLAS 12.9), so there its products, 
 are rounded to bf16 as torchao's are. Blockwise goes through torch._scaled_mm's 1 x 128 / 128 x 128 scaling where
 torch 2.11 has it (SM90, CUDA >= 12.9; the scales in the layouts block_kernel.py makes, bf16 out), else the
 emulation (quantise, dequantise, fp32 matmul). Rowwise grouped matmuls on CUDA (SM90 / SM100) run as one
-torch._scaled_grouped_mm call each, every expert's rows padded to 16 (grouped_kernel.py); tensorwise (e5m2 gradients)
-and blockwise (no grouped kernel in torch 2.11) loop over the experts, each a dense matmul as above.
+torch._scaled_grouped_mm call each, every expert's rows padded to 16 (grouped_kernel.py); tensorwise (e5m2
+gradients, which that kernel does not take) and blockwise (no grouped kernel in torch 2.11) loop over the experts,
+each a dense matmul as above, an expert's tokens padded with zeros to 16 (tensorwise, rowwise) or 128 (blockwise)
+where they are the contraction.
 """
 
 from __future__ import annotations
@@ -125,12 +127,16 @@ def scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
 
 def kernel_mm(a: Quantized, b: Quantized, kernel: str) -> torch.Tensor:
     """a b^T through torch._scaled_mm with `kernel`'s scaling ("tensor" or "row", kernel_for's), fp32 (bf16
-    from CUDA's rowwise kernel)."""
+    from CUDA's rowwise kernel). On CUDA a contraction that is not a multiple of 16 (an expert's tokens in a
+    weight gradient) is padded with zeros to one, which the kernel asks for and no sum notices."""
+    a_data, b_data = a.data, b.data
+    if a_data.is_cuda and a_data.shape[1] % 16:
+        a_data, b_data = block_kernel.zero_padded(a_data, 1, 16), block_kernel.zero_padded(b_data, 1, 16)
     if kernel == "tensor":
-        return torch._scaled_mm(a.data, b.data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.float32)
+        return torch._scaled_mm(a_data, b_data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.float32)
     if kernel == "row":
-        out = torch.bfloat16 if a.data.is_cuda else torch.float32
-        return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale.t(), out_dtype=out)
+        out = torch.bfloat16 if a_data.is_cuda else torch.float32
+        return torch._scaled_mm(a_data, b_data.t(), a.scale, b.scale.t(), out_dtype=out)
     raise ValueError(f"torch._scaled_mm has no {kernel!r} scaling here; kernel_for names the one it takes")
 
 
@@ -138,12 +144,12 @@ def kernel_for(a: Quantized, b: Quantized) -> str | None:
     """Which scaling of torch._scaled_mm multiplies these operands: "tensor" (both per tensor), "row" (both per
     row, a tile spanning the whole contraction), "block" (1 x 128 tiles by 1 x 128 tiles or 128 x 128 blocks,
     on a device whose torch._scaled_mm has them: block_kernel.kernel_available; block_kernel.py pads the data), or
-    None; for the others k and n must be multiples of 16 on CUDA, as torch._scaled_mm's checks ask
-    (torch/_meta_registrations.py)."""
+    None; for the others n must be a multiple of 16 on CUDA, as torch._scaled_mm's checks ask
+    (torch/_meta_registrations.py), and kernel_mm pads k to one."""
     (m, k), n = a.data.shape, b.data.shape[0]
     if min(m, n, k) == 0:
         return None
-    aligned = not a.data.is_cuda or (k % 16 == 0 and n % 16 == 0)
+    aligned = not a.data.is_cuda or n % 16 == 0  # kernel_mm pads k
     if aligned and a.tile == (m, k) and b.tile == (n, k):
         return "tensor"
     if aligned and a.tile == (1, k) and b.tile == (1, k):
