@@ -7,6 +7,8 @@ decisions. The CUDA calls are run by tools/gpu_check.py's FP8 step (fp8 kernels 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -157,7 +159,7 @@ def test_kernel_dispatch_decisions(monkeypatch):
     """Which kernel each recipe's operands get: blockwise on CUDA >= 12.9 and SM90 only (else the emulation),
     never on the CPU; the grouped kernel for rowwise on SM90 / SM100 with 16-aligned widths only."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(major=9, minor=0))
     for version, expected in (("12.9", True), ("13.0", True), ("12.8", False), (None, False)):
         monkeypatch.setattr(torch.version, "cuda", version)
         assert block_kernel.kernel_available(cuda) is expected, version
@@ -168,7 +170,7 @@ def test_kernel_dispatch_decisions(monkeypatch):
     assert not grouped_kernel.kernel_takes(rowwise, torch.device("cpu"), 2048, 1408)
     for name in ("tensorwise", "blockwise"):
         assert not grouped_kernel.kernel_takes(RECIPES[name]().scalings, cuda, 2048, 1408), name
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(major=10, minor=0))
     monkeypatch.setattr(torch.version, "cuda", "12.9")
     assert not block_kernel.kernel_available(cuda) and grouped_kernel.kernel_takes(rowwise, cuda, 2048, 1408)
     blockwise = RECIPES["blockwise"]()

@@ -88,7 +88,8 @@ def kernel_available(device: torch.device) -> bool:
     if device.type != "cuda" or torch.version.cuda is None:
         return False
     major, minor = (int(part) for part in torch.version.cuda.split(".")[:2])
-    return (major, minor) >= (12, 9) and torch.cuda.get_device_capability(device) == (9, 0)
+    gpu = torch.cuda.get_device_properties(device)  # a constant to torch.compile
+    return (major, minor) >= (12, 9) and (gpu.major, gpu.minor) == (9, 0)
 
 
 def blockwise_mm(a: Quantized, b: Quantized) -> torch.Tensor:
