@@ -8,11 +8,13 @@ fast accumulation). For a [m, k] times b [k, n] (our b^T of a [n, k] operand):
 - 1 x 128 tiles of b^T [n, k]: scale_b^T [n, k/128] stride (1, n), so scale_b is [k/128, n] row-major.
 - 128 x 128 blocks of b^T: scale_b^T [n/128, k/128] row-major with rows padded to a multiple of four blocks
   (stride (round_up(k/128, 4), 1)), so scale_b is [k/128, n/128] with stride (1, round_up(k/128, 4)).
-(k/128 and n/128 round up.) Where k/128 is a multiple of four the padded and unpadded 128 x 128 layouts (torch
-versions differ on the padding) are the same memory. The kernel asks k and n to be multiples of 16 (and the tiles
-whole along k), so `blockwise_mm` pads the data with zeros to whole 128-tiles along k and a multiple of 16 rows
-(an expert's token count in a weight gradient), which changes no product. Rows the padding adds to a get a scale
-of one; they multiply zeros.
+(k/128 and n/128 round up.) Copies of ScaledBlas.cpp differ on the four-block padding of the 128 x 128 layout
+(the v2.11 tag could not be read here; recipes.py's earlier reading of 2.11 says padded, which this follows);
+where k/128 is a multiple of four, as at Llama-3.1-8B's widths, the two are the same memory, and
+tools/gpu_check.py's fp8 step multiplies k = 256 (two blocks, padded to four) against the emulation. The kernel
+asks k and n to be multiples of 16 (and the tiles whole along k), so `blockwise_mm` pads the data with zeros to
+whole 128-tiles along k (an expert's token count in a weight gradient) and a multiple of 16 rows, which changes no
+product. Rows the padding adds to a get a scale of one; they multiply zeros.
 
 Layouts are pure functions of the scales (tested on the CPU, which has no such kernel: tests/test_fp8_kernels.py
 reads them back from memory as cuBLAS would); the CUDA call runs where `kernel_available` says so, else

@@ -1,6 +1,8 @@
 """Grouped (expert) FP8 matmuls in one kernel call: torch._scaled_grouped_mm, rowwise, on CUDA (SM90 / SM100).
 
-The kernel (torch 2.11, aten/src/ATen/native/cuda/GroupedBlas.cpp `_scaled_grouped_mm_cuda`, the same in 2.13)
+The kernel (aten/src/ATen/native/cuda/GroupedBlas.cpp `_scaled_grouped_mm_cuda`, and torch 2.13's checks of it in
+torch/_meta_registrations.py `_meta_grouped_mm_common`; the v2.11 tag itself could not be read here, and its
+rowwise path has had this signature since 2.8, while 2.13 adds `_scaled_grouped_mm_v2` with explicit recipes)
 takes e4m3 operands, fp32 rowwise scales and int32 cumulative `offs`, returns bf16 only, and asks every matrix
 dimension it reads whole to be a multiple of 16: a [rows, k] x [experts, k, n] product per expert's rows (forward
 and input gradient: scale_a one per row, scale_b [experts, n]) and a [m, tokens] x [tokens, n] product per expert's
