@@ -61,6 +61,9 @@ def test_padded_layout_puts_each_experts_rows_on_16_row_boundaries():
     rows = grouped_kernel.pad_rows(x, padded)
     assert torch.equal(grouped_kernel.unpad_rows(rows, padded), x)
     assert rows.abs().sum() == x.abs().sum()  # the padding is zeros
+    tiles = grouped_kernel.pad_groups(_offsets(SIZES), sum(SIZES), 128)  # blockwise's whole 128-token tiles
+    assert tiles.offsets.tolist() == [128, 256, 384, 512] and tiles.rows == 640
+    assert torch.equal(grouped_kernel.unpad_rows(grouped_kernel.pad_rows(x, tiles), tiles), x)
 
 
 def test_padding_never_changes_an_experts_result():
