@@ -138,6 +138,7 @@ def test_peers_dry_run_from_a_bare_copy_prints_the_wheels_and_every_command(tmp_
 
 @pytest.mark.parametrize("command", [["pretrain_gpt.py", "--help"], ["tools/benchmark_throughput.py", "--help"],
                                      ["tools/benchmark_attention.py", "--help"],
+                                     ["tools/fp8_convergence.py", "--help"],
                                      ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                       "tests/test_cuda.py"], ["tools/peers/megatron_driver.py", "--help"],
                                      ["tools/peers/torchtitan_driver.py", "--help"]])

@@ -17,7 +17,7 @@ from megalite.parallel.context import AxisView, ParallelContext
 from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.zero import unit_index
 from megalite.planning.activations import Widths, moe_block_bytes, token_rows
-from megalite.planning.experts import comm_bytes
+from megalite.planning.experts import comm_bytes, fp8_padding_rows
 from megalite.planning.measure import rank_memory, saved_storages
 from megalite.planning.memory import chunk_activation_bytes, gathered_bytes, grid_replicas, stage_memory
 from megalite.planning.parameters import active_parameters, model_parameters, rank_parameters
@@ -234,3 +234,19 @@ def test_moe_lines_in_the_plan():
     dense = moe_config(model={"num_experts": 0})
     validate(dense, 2)
     assert not {"active", "experts"} & set(format_plan(make_plan(dense, 2)).replace(",", " ").split())
+
+
+def test_fp8_expert_padding_in_the_plan():
+    """FP8 pads each local expert's rows to its kernel's alignment on CUDA (16 for torch._scaled_grouped_mm and the
+    tensorwise kernel, 128 for blockwise tiles): the planner counts one block per local expert as the worst case,
+    the bound parallel/fp8/grouped_kernel.pad_groups allocates (tests/test_fp8_kernels.py), and the plan says it."""
+    cfg = moe_config(parallel={"ep": 4}, train={"global_batch_size": 16})
+    assert fp8_padding_rows(cfg, 128) == 0
+    for recipe, rows in (("tensorwise", 32), ("rowwise", 32), ("blockwise", 256)):
+        cfg.train.fp8_recipe = recipe
+        assert fp8_padding_rows(cfg, 128) == rows, recipe  # 2 experts per GPU, 128 rows already aligned
+    cfg.train.fp8_recipe = "rowwise"
+    assert fp8_padding_rows(cfg, 130) == 46  # 130 + 32 rounded up to 16 = 176
+    validate(cfg, 8)
+    text = format_plan(make_plan(cfg, 8))
+    assert "FP8 (rowwise) pads each expert's rows to 16: up to 32 more rows per GPU per layer" in text

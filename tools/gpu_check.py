@@ -20,6 +20,9 @@ Steps, ranked (tools/gpu_check_plan.py; each PASS, FAIL or SKIP with its time; -
   train       pretrain_gpt.py under torchrun, one GPU, mock data, bf16 parameters: a few steps of the GPT-2 1.3B
               and Llama-3.2-1B examples; losses, tokens/s, MFU and peak memory from the metrics file.
   memory      each training run's peak allocated memory against the planner's prediction.
+  fp8         tools/fp8_convergence.py: bf16 against the tensorwise, rowwise and blockwise FP8 recipes on Llama-3.1-8B's
+              layer cut to 6 layers, compiled, 30 steps each: tokens/s, MFU (against the bf16 peak) and the loss
+              gap; each recipe's CUDA kernels against the CPU emulation first (tools/gpu_check_fp8.py).
   profile     benchmark_throughput.py --profile-json: where megalite's eager step loses its time
               (tools/gpu_check_profile.py).
   throughput  tools/benchmark_throughput.py at the GPT-2 1.3B and Llama-3.2-1B examples' models against Hugging

@@ -13,7 +13,8 @@ A new feature that needs a GPU figure (FP8 recipes against bf16, a DeepSeek-V3-s
 attention and multi-token prediction, Muon against AdamW, windowed / sink attention at 8k) adds its step here: a
 function (Context) -> CheckResult, its dry-run lines, and one Step at the rank its figure deserves. Windowed / sink
 attention has its step (attention, never run yet: its estimate is expected), ranked after the goals it does not
-block.
+block; so has FP8 (fp8, never run yet: bf16 and three recipes, each compiled), ranked after the memory step: its
+figures are issue 38's, and `--only fp8` runs it alone.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from megalite.planning.plan import make_plan
 from tools.gpu_check_attention import COMMAND as ATTENTION_COMMAND
 from tools.gpu_check_attention import step_attention
+from tools.gpu_check_fp8 import NEED as FP8_NEED
+from tools.gpu_check_fp8 import fp8_dry_run, step_fp8
 from tools.gpu_check_fusions import fusions_dry_run, step_fusions
 from tools.gpu_check_peers import local_attention_runs, peer_dry_run, peer_runs, run_peers
 from tools.gpu_check_profile import profile_dry_run, step_profile
@@ -85,6 +88,9 @@ RANKED = (
          step_train, _train_dry_run, estimate=65, need=NEEDS["train"]),
     Step("memory", "the train step's peak memory against the planner", step_memory, _memory_dry_run,
          estimate=0, need=0),
+    Step("fp8", "tools/fp8_convergence.py: bf16 against each FP8 recipe on Llama-3.1-8B's layer cut to 6 layers, "
+         "compiled, 30 steps each (tokens/s, MFU, loss gap), each recipe's kernels against the emulation first",
+         step_fp8, fp8_dry_run, estimate=300, need=FP8_NEED),
     Step("attention", "tools/benchmark_attention.py: a sliding window with sinks at 8k and 32k tokens against causal "
          "flash and SDPA with the window as a mask", step_attention,
          lambda ctx: [f"$ {display(ATTENTION_COMMAND)}"], estimate=40, need=30),

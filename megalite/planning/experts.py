@@ -13,6 +13,8 @@ dispatch, experts and combine keep for backward each declares beside its code (m
 from __future__ import annotations
 
 from megalite.config import TORCH_DTYPES, Config
+from megalite.parallel.fp8.block_kernel import BLOCK
+from megalite.parallel.fp8.grouped_kernel import ALIGN, padded_rows_bound
 from megalite.planning.built import moe_block
 
 DISPATCHER_NAMES = {"alltoall": "all-to-all", "allgather": "all-gather"}
@@ -71,6 +73,21 @@ def dispatch_calls(cfg: Config, rows: int) -> list[tuple[str, str, int, int]]:
     return calls
 
 
+def fp8_row_alignment(cfg: Config) -> int:
+    """The multiple an FP8 recipe pads each expert's rows to on CUDA (0: no padding): rowwise for
+    torch._scaled_grouped_mm and tensorwise for torch._scaled_mm where an expert's tokens are the contraction, 16;
+    blockwise, whole 128-token tiles of its weight gradient (parallel/fp8/grouped_kernel.py, block_kernel.py)."""
+    return {"tensorwise": ALIGN, "rowwise": ALIGN, "blockwise": BLOCK}.get(cfg.train.fp8_recipe, 0)
+
+
+def fp8_padding_rows(cfg: Config, rows: int) -> int:
+    """The worst-case rows FP8's expert padding adds to a rank's `rows` routed rows per MoE layer and micro batch:
+    at most one alignment block per local expert (an expert's last partial block, or a block of zeros for an
+    expert without rows), the fixed bound the padded layout is allocated at. Transient: held for one matmul."""
+    align = fp8_row_alignment(cfg)
+    return padded_rows_bound(rows, cfg.model.num_experts // cfg.parallel.ep, align) - rows if align else 0
+
+
 def describe(cfg: Config, tokens: int, layers: int, replicas: int) -> list[str]:
     """The plan's lines for mixture-of-experts layers: `layers` of them, `tokens` routed per rank and micro batch,
     the experts' state sharded over `replicas` (edp) ranks."""
@@ -88,4 +105,8 @@ def describe(cfg: Config, tokens: int, layers: int, replicas: int) -> list[str]:
         recomputed = ", layer forward recomputed" if cfg.train.recompute == "full" else ""
         line += (f"; {forward / 2**20:.1f} MiB sent per GPU per layer (forward), "
                  f"{backward / 2**20:.1f} MiB (backward{recomputed})")
+    padding = fp8_padding_rows(cfg, rows)
+    if padding:
+        line += (f"; FP8 ({cfg.train.fp8_recipe}) pads each expert's rows to {fp8_row_alignment(cfg)}: up to "
+                 f"{padding} more rows per GPU per layer (worst case, held for one matmul)")
     return [*lines, line]

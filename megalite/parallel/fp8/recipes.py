@@ -40,16 +40,21 @@ Kernels: on CUDA tensorwise and rowwise operands go through torch._scaled_mm. It
 equals the emulation bit for bit (tests/test_fp8.py), but runs several times slower than the emulation's fp32
 matmul (about 3 GFLOP/s on one core), so a CPU runs the emulation. On CUDA rowwise returns bf16 (CUTLASS's
 rowwise kernel takes no fp32 output before cuBLAS 12.9), so there its products, the weight gradient included,
-are rounded to bf16 as torchao's are. Blockwise runs the emulation everywhere (quantise, dequantise, fp32
-matmul): torch 2.11's _scaled_mm takes 1 x 128 / 128 x 128 scales on SM90 with cuBLAS >= 12.9, in outer-dim-major
-layouts padded to four blocks, which is not wired in yet; nor is torch._scaled_grouped_mm for the experts (they
-loop over experts).
+are rounded to bf16 as torchao's are. Blockwise goes through torch._scaled_mm's 1 x 128 / 128 x 128 scaling where
+torch 2.11 has it (SM90, CUDA >= 12.9; the scales in the layouts block_kernel.py makes, bf16 out), else the
+emulation (quantise, dequantise, fp32 matmul). Rowwise grouped matmuls on CUDA (SM90 / SM100) run as one
+torch._scaled_grouped_mm call each, every expert's rows padded to 16 (grouped_kernel.py); tensorwise (e5m2
+gradients, which that kernel does not take) and blockwise (no grouped kernel in torch 2.11) loop over the experts,
+each a dense matmul as above, an expert's tokens padded with zeros to 16 (tensorwise, rowwise) or 128 (blockwise)
+where they are the contraction.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megalite.parallel.fp8 import block_kernel, grouped_kernel
+from megalite.parallel.fp8.block_kernel import BLOCK
 from megalite.parallel.fp8.quantize import (
     E4M3,
     E5M2,
@@ -63,8 +68,6 @@ from megalite.parallel.fp8.quantize import (
 )
 from megalite.parallel.fp8.sharded import ShardedAmax
 from megalite.parallel.gemm import KeptInput, OperandSplits, Recipe, RowGroups
-
-BLOCK = 128  # DeepSeek-V3's tile width and weight block
 
 
 class Float8(Recipe):
@@ -129,14 +132,20 @@ class Float8(Recipe):
         return out.add_(dw)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        if grouped_kernel.kernel_takes(self.scalings, x.device, weight.shape[-1], weight.shape[-2]):
+            return grouped_kernel.grouped_forward(self, x, weight, groups.offsets).to(x.dtype)
         parts = x.split(groups.sizes)
         return torch.cat([self.linear(part, weight[e], None) for e, part in enumerate(parts)])
 
     def grouped_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        if grouped_kernel.kernel_takes(self.scalings, grad.device, weight.shape[-1], weight.shape[-2]):
+            return grouped_kernel.grouped_input_grad(self, grad, weight, groups.offsets).to(grad.dtype)
         parts = grad.split(groups.sizes)
         return torch.cat([self.linear_input_grad(part, weight[e]) for e, part in enumerate(parts)])
 
     def grouped_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        if grouped_kernel.kernel_takes(self.scalings, x.device, x.shape[-1], grad.shape[-1]):
+            return grouped_kernel.grouped_weight_grad(self, grad, x, groups.offsets).to(grad.dtype)
         sizes = groups.sizes
         return torch.stack([self.linear_weight_grad(g, part) for g, part in zip(grad.split(sizes), x.split(sizes))])
 
@@ -147,31 +156,40 @@ def scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
     kernel = kernel_for(a, b)
     if kernel is None or not a.data.is_cuda:
         return a.dequantize() @ b.dequantize().t()
-    return kernel_mm(a, b, kernel)
+    return block_kernel.blockwise_mm(a, b) if kernel == "block" else kernel_mm(a, b, kernel)
 
 
 def kernel_mm(a: Quantized, b: Quantized, kernel: str) -> torch.Tensor:
     """a b^T through torch._scaled_mm with `kernel`'s scaling ("tensor" or "row", kernel_for's), fp32 (bf16
-    from CUDA's rowwise kernel)."""
+    from CUDA's rowwise kernel). On CUDA a contraction that is not a multiple of 16 (an expert's tokens in a
+    weight gradient) is padded with zeros to one, which the kernel asks for and no sum notices."""
+    a_data, b_data = a.data, b.data
+    if a_data.is_cuda and a_data.shape[1] % 16:
+        a_data, b_data = block_kernel.zero_padded(a_data, 1, 16), block_kernel.zero_padded(b_data, 1, 16)
     if kernel == "tensor":
-        return torch._scaled_mm(a.data, b.data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.float32)
+        return torch._scaled_mm(a_data, b_data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.float32)
     if kernel == "row":
-        out = torch.bfloat16 if a.data.is_cuda else torch.float32
-        return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale.t(), out_dtype=out)
+        out = torch.bfloat16 if a_data.is_cuda else torch.float32
+        return torch._scaled_mm(a_data, b_data.t(), a.scale, b.scale.t(), out_dtype=out)
     raise ValueError(f"torch._scaled_mm has no {kernel!r} scaling here; kernel_for names the one it takes")
 
 
 def kernel_for(a: Quantized, b: Quantized) -> str | None:
     """Which scaling of torch._scaled_mm multiplies these operands: "tensor" (both per tensor), "row" (both per
-    row, a tile spanning the whole contraction), or None; on CUDA k and n must be multiples of 16, as
-    torch._scaled_mm's checks ask (torch/_meta_registrations.py)."""
+    row, a tile spanning the whole contraction), "block" (1 x 128 tiles by 1 x 128 tiles or 128 x 128 blocks,
+    on a device whose torch._scaled_mm has them: block_kernel.kernel_available; block_kernel.py pads the data), or
+    None; for the others n must be a multiple of 16 on CUDA, as torch._scaled_mm's checks ask
+    (torch/_meta_registrations.py), and kernel_mm pads k to one."""
     (m, k), n = a.data.shape, b.data.shape[0]
-    if min(m, n, k) == 0 or (a.data.is_cuda and (k % 16 or n % 16)):
+    if min(m, n, k) == 0:
         return None
-    if a.tile == (m, k) and b.tile == (n, k):
+    aligned = not a.data.is_cuda or n % 16 == 0  # kernel_mm pads k
+    if aligned and a.tile == (m, k) and b.tile == (n, k):
         return "tensor"
-    if a.tile == (1, k) and b.tile == (1, k):
+    if aligned and a.tile == (1, k) and b.tile == (1, k):
         return "row"
+    if block_kernel.takes(a, b) and block_kernel.kernel_available(a.data.device):
+        return "block"
     return None
 
 
