@@ -342,6 +342,11 @@ class TrainConfig:
         "none", "FP8 matmuls in the transformer layers' linears and experts (embeddings, head, routers stay in "
                 "train.precision): tensorwise (a scale per tensor), rowwise (per row), blockwise (DeepSeek-V3's "
                 "1x128 / 128x128 tiles); needs train.precision bf16 or fp32 (parallel/fp8/recipes.py)")
+    fp8_param_gather: bool = _f(
+        False, "all-gather the FP8 matmuls' weights as FP8 bytes (half of bf16's traffic), quantised once per step "
+               "by the ranks owning their slices and used as the matmuls' weight operand (Megatron-LM's "
+               "--fp8-param-gather); needs train.fp8_recipe tensorwise or blockwise and the distributed optimizer "
+               "or ZeRO-3 (parallel/fp8/param_gather.py)")
     recompute: Literal["none", "selective", "full"] = _f(
         "none", "activation recompute: selective = core attention, full = whole layers")
     eval_interval: int | None = _f(

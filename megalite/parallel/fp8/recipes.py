@@ -41,6 +41,7 @@ import torch
 from megalite.parallel.fp8.quantize import (
     E4M3,
     E5M2,
+    GATHERED,
     LOCAL_AMAX,
     AmaxReduction,
     Matmul,
@@ -77,14 +78,24 @@ class Float8(Recipe):
         """a b^T of a [m, k] and b [n, k], each quantised as what it is, fp32 (bf16 from CUDA's rowwise kernel)."""
         return scaled_mm(self.quantize(a, a_is, matmul), self.quantize(b, b_is, matmul))
 
+    def weight(self, weight: torch.Tensor, matmul: Matmul) -> Quantized:
+        """The weight operand of the forward (W) or the input gradient (W^T): the copy gathered in FP8 where the
+        weight has one (train.fp8_param_gather: quantised from the same values with the same scales, so the same
+        operand), else the weight quantised now."""
+        gathered = getattr(weight, GATHERED, None)
+        if gathered is not None:
+            return gathered if matmul == "forward" else gathered.t()
+        return self.quantize(weight if matmul == "forward" else weight.t(), "weight", matmul)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.product(x.reshape(-1, x.shape[-1]), "input", weight, "weight", "forward")
+        y = scaled_mm(self.quantize(x.reshape(-1, x.shape[-1]), "input", "forward"), self.weight(weight, "forward"))
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dx = self.product(grad.reshape(-1, grad.shape[-1]), "grad", weight.t(), "weight", "input_grad")
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        dx = scaled_mm(self.quantize(grad_2d, "grad", "input_grad"), self.weight(weight, "input_grad"))
         return dx.to(grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
 
     def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor,

@@ -1,0 +1,179 @@
+"""FP8 parameter gathers (train.fp8_param_gather, Megatron-LM's --fp8-param-gather): under the distributed
+optimizer and ZeRO-3 the weights of FP8 matmuls are all-gathered as FP8 bytes, half of bf16's traffic (a quarter
+of fp32's), and the matmuls use the gathered copy as their weight operand, not quantising the weight again.
+
+Each rank quantises the slice of a bucket it owns (bucket_layout.py: FP8 weights have buckets of their own) from
+the values the weight holds, the main weights written back into the parameter's dtype: the values the matmul
+would otherwise quantise. The scale of a tile comes from the whole tile's amax, which the ranks owning parts of it
+agree on before quantising: every rank computes the amax of its part of every tile of the bucket's weights (zero
+where it owns none), one all-reduce by MAX over the bucket's data-parallel group agrees all of them (and hands
+every rank every tile's scale, so the scales need no gather of their own), and a tile that also spans a
+tensor-parallel split (a tensorwise weight's) is reduced further over those ranks by the recipe's own amax
+reduction (sharded.py), as the matmul would reduce it. Tensorwise's tile is the weight, blockwise's 128 x 128
+blocks may straddle two ranks' slices: both get one device's amax, hence its scale and its FP8 bytes, bit for bit.
+So a run with FP8 gathers equals one without (tests/test_fp8_param_gather.py); all of it runs on the device.
+
+A weight's 128 x 128 blocks (and its one tensorwise scale) are the same for W and W^T, so the gathered copy
+serves the forward and, transposed, the input gradient (quantize.Quantized.t). Rowwise cannot: its backward
+needs the weight scaled along the other axis (config_fp8.py refuses it). The weight gradient reads no weight.
+
+Grouped expert weights are gathered in their dtype (their matmuls quantise each expert's weight; config_fp8.py
+and the run's FP8 line say so). The high-precision copy of an FP8-gathered weight is current only in the slices
+this rank owns (what the optimizer and checkpoints read); under ZeRO-3 its whole storage is never regrown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.parallel.bucket_layout import Bucket, BucketLayout
+from megalite.parallel.fp8.quantize import GATHERED, Quantized, amax_to_scale, encode, tiled, untiled
+from megalite.parallel.fp8.recipes import Float8
+from megalite.parallel.gemm import RecipeSlot
+from megalite.parallel.mappings import all_gather_single
+from megalite.parallel.storage import resize_storage
+
+OwnedWeights = Callable[[nn.Parameter, int, int], torch.Tensor]  # elements [lo, hi) of a parameter, as stored
+
+
+@dataclass
+class _Weight:
+    """One FP8-gathered weight of a bucket: its recipe (at its layer's layout), its [rows, k] shape, its tile,
+    and where its tiles' amaxes sit in the bucket's amax vector."""
+
+    param: nn.Parameter
+    recipe: Float8
+    tile: tuple[int, int]
+    first: int  # its first tile's position in the bucket's amax vector
+    tiles: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.param.shape)
+
+    @property
+    def count(self) -> int:
+        return self.tiles[0] * self.tiles[1]
+
+
+class Float8Gathers:
+    """The FP8 copies of a bucket layout's FP8 weights (`recipes`: each one's Float8 recipe, by parameter id) on
+    data-parallel rank `rank` of `group`: per FP8 bucket the whole copy (`whole`, the bytes the matmuls read), this
+    rank's quantised slice (`shard`) and every tile's decode scale. `persistent`: the whole copy is kept between
+    steps (stages 1-2); else (ZeRO-3) it is storage gathered and freed around each use, as the parameters are."""
+
+    def __init__(self, layout: BucketLayout, group: dist.ProcessGroup | None, rank: int,
+                 recipes: dict[int, Float8], device: torch.device, persistent: bool) -> None:
+        self.layout, self.group, self.rank, self.persistent = layout, group, rank, persistent
+        self.whole: dict[int, torch.Tensor] = {}
+        self.shard: dict[int, torch.Tensor] = {}
+        self.amax: dict[int, torch.Tensor] = {}
+        self.scale: dict[int, torch.Tensor] = {}
+        self.weights: dict[int, list[_Weight]] = {}
+        for bucket in (b for b in layout.buckets if b.fp8):
+            self._add(bucket, recipes, device)
+
+    def _add(self, bucket: Bucket, recipes: dict[int, Float8], device: torch.device) -> None:
+        """The bucket's storage, and each weight's Quantized copy as views of it (GATHERED on the parameter)."""
+        weights, first = [], 0
+        for param in bucket.params:
+            recipe = recipes[id(param)]
+            tile = recipe.scalings["weight"].tile(tuple(param.shape))
+            tiles = (-(-param.shape[0] // tile[0]), -(-param.shape[1] // tile[1]))
+            weights.append(_Weight(param, recipe, tile, first, tiles))
+            first += tiles[0] * tiles[1]
+        size = bucket.end - bucket.start
+        whole = self.whole[bucket.index] = torch.zeros(size, dtype=torch.uint8, device=device)
+        a, b = bucket.shard(self.rank, self.layout.replicas)
+        self.shard[bucket.index] = whole[a - bucket.start:b - bucket.start] if self.layout.replicas == 1 else \
+            torch.zeros(b - a, dtype=torch.uint8, device=device)
+        self.amax[bucket.index] = torch.zeros(first, dtype=torch.float32, device=device)
+        scale = self.scale[bucket.index] = torch.ones(first, dtype=torch.float32, device=device)
+        self.weights[bucket.index] = weights
+        for w in weights:
+            start, end = self.layout.offsets[id(w.param)]
+            dtype = w.recipe.scalings["weight"].dtype
+            data = whole[start - bucket.start:end - bucket.start].view(dtype).view(w.shape)
+            setattr(w.param, GATHERED, Quantized(data, scale[w.first:w.first + w.count].view(w.tiles), w.tile))
+
+    def quantize(self, bucket: Bucket, owned: OwnedWeights) -> None:
+        """Quantise this rank's slice of the bucket from the weights' stored values (`owned`), with every tile's
+        scale agreed over the ranks holding parts of it (collectives: every rank of the group and of the recipes'
+        groups calls this for the same buckets in the same order)."""
+        amax, scale = self.amax[bucket.index], self.scale[bucket.index]
+        amax.zero_()
+        slices = self._owned_slices(bucket, owned)
+        for w, lo, hi, values in slices:
+            first_row, blocks, _, _ = _window(values, lo, hi, w.shape, w.tile)
+            tiles = amax[w.first:w.first + w.count].view(w.tiles)
+            tiles[first_row:first_row + blocks.shape[0]] = blocks.abs().amax(dim=(1, 3))
+        if self.layout.replicas > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        encoders = {}
+        for w in self.weights[bucket.index]:
+            scaling = w.recipe.scalings["weight"]
+            mine = amax[w.first:w.first + w.count].view(w.tiles)
+            agreed = w.recipe.amax(mine, "weight", "forward", (scaling.rows is None, scaling.cols is None))
+            encoders[id(w.param)] = amax_to_scale(agreed, scaling.dtype, w.recipe.power_of_two)
+            scale[w.first:w.first + w.count].copy_(encoders[id(w.param)].reciprocal().reshape(-1))
+        shard, (a, _) = self.shard[bucket.index], bucket.shard(self.rank, self.layout.replicas)
+        for w, lo, hi, values in slices:  # the windows again, not all of them held at once
+            first_row, blocks, width, begin = _window(values, lo, hi, w.shape, w.tile)
+            rows = encoders[id(w.param)][first_row:first_row + blocks.shape[0]]
+            encoded = encode(blocks, rows, w.recipe.scalings["weight"].dtype)
+            data = untiled(encoded, (blocks.shape[0] * blocks.shape[1], width))
+            offset = self.layout.offsets[id(w.param)][0] + lo - a
+            shard[offset:offset + hi - lo] = data.reshape(-1)[begin:begin + hi - lo].view(torch.uint8)
+
+    def _owned_slices(self, bucket: Bucket, owned: OwnedWeights) -> list[tuple[_Weight, int, int, torch.Tensor]]:
+        a, b = bucket.shard(self.rank, self.layout.replicas)
+        slices = []
+        for w in self.weights[bucket.index]:
+            start, end = self.layout.offsets[id(w.param)]
+            lo, hi = max(a, start) - start, min(b, end) - start
+            if lo < hi:
+                slices.append((w, lo, hi, owned(w.param, lo, hi)))
+        return slices
+
+    def gather(self, bucket: Bucket) -> dist.Work | None:
+        """Launch the all-gather of the bucket's FP8 bytes into its whole copy (grown first, where it is freed
+        between uses); nothing to gather on one replica (the shard is the whole)."""
+        whole = self.whole[bucket.index]
+        if not self.persistent:
+            resize_storage(whole, whole.numel())
+        if self.layout.replicas == 1:
+            return None
+        return all_gather_single(whole, self.shard[bucket.index], self.group, async_op=True)
+
+    def free(self, bucket: Bucket) -> None:
+        resize_storage(self.whole[bucket.index], 0)
+
+
+def _window(values: torch.Tensor, lo: int, hi: int, shape: tuple[int, int],
+            tile: tuple[int, int]) -> tuple[int, torch.Tensor, int, int]:
+    """Elements [lo, hi) of a [rows, k] weight (`values`, flat) in the whole tile rows they touch, zeros elsewhere
+    (a zero changes no amax), as `tiled` blocks: (the first tile row, the blocks, how many of their columns hold
+    the weight, where element lo sits among those flattened). A tile spanning the weight is the slice itself, one
+    row of one tile, not a weight-sized window."""
+    k = shape[1]
+    if tile == shape:
+        return 0, values.float().reshape(1, 1, 1, -1), values.numel(), 0
+    first = lo // k // tile[0]
+    rows = -(-((hi - 1) // k + 1) // tile[0]) * tile[0] - first * tile[0]
+    flat = torch.zeros(rows * k, dtype=torch.float32, device=values.device)
+    begin = lo - first * tile[0] * k
+    flat[begin:begin + hi - lo] = values.float()
+    return first, tiled(flat.view(rows, k), tile), k, begin
+
+
+def gathered_weights(model: nn.Module) -> dict[int, Float8]:
+    """The weights train.fp8_param_gather gathers in FP8, by id, with their recipes: every dense matmul weight
+    under a Float8 recipe whose weight tiles are the same for W and W^T (not rowwise's rows)."""
+    return {id(m.weight): m.recipe for m in model.modules()
+            if isinstance(m, RecipeSlot) and isinstance(m.recipe, Float8) and m.weight.ndim == 2
+            and not m.recipe.scalings["weight"].per_row}
