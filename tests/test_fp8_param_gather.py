@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import cpu_topology, run_ranks
+from distributed import cpu_topology, metrics, pretrain_each, run_ranks
 from parity import train_and_gather, whole_shards
 
 from megalite.config import ConfigError
@@ -148,3 +148,25 @@ def test_validator_names_what_fp8_param_gather_needs():
     assert "parallel.zero_stage is 0; set parallel.distributed_optimizer=true" in no_zero
     line = fp8_line(parse_config(_args(("blockwise", "fp32", "ZeRO-3"), True)))
     assert "weights all-gathered in FP8 (train.fp8_param_gather)" in line
+
+
+def test_checkpoints_resume_with_the_switch_flipped(tmp_path):
+    """Checkpoints hold the high-precision weights, whatever was gathered: a ZeRO-3 run saved with FP8 gathers
+    resumes without them, and one saved without resumes with them, each continuing the uninterrupted run's
+    losses bit for bit."""
+    case = ("tensorwise", "fp32", "ZeRO-3")
+    logs = ["--logging.progress_bar=false", "--logging.log_interval=1", "--data.num_workers=0",
+            "--train.train_iters=4"]
+
+    def run(name: str, gather: bool, *extra: str) -> list[str]:
+        ckpt = f"--checkpoint.save={tmp_path / name[:-1]}"  # "on1" saves where "on2" loads
+        return [*_args(case, gather), *logs, ckpt, f"--logging.metrics_file={tmp_path / name}.jsonl", *extra]
+
+    runs = [run("whole", False), run("on1", True, "--train.exit_interval=2"), run("on2", False),
+            run("off1", False, "--train.exit_interval=2"), run("off2", True)]
+    run_ranks(2, pretrain_each, runs)
+    losses = {name: [r["loss"] for r in metrics(tmp_path / f"{name}.jsonl")] for name in ("whole", "on1", "on2",
+                                                                                           "off1", "off2")}
+    assert len(losses["whole"]) == 4
+    assert losses["on1"] + losses["on2"] == losses["whole"]
+    assert losses["off1"] + losses["off2"] == losses["whole"]
