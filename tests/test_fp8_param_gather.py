@@ -16,6 +16,9 @@ from megalite.config_cli import parse_config
 from megalite.config_validation import validate
 from megalite.dryrun.nccl_rules.record import CommRecorder
 from megalite.dryrun.nccl_rules.replay import replay
+from megalite.planning.memory import gathered_bytes, grid_replicas, stage_memory
+from megalite.planning.parameters import rank_parameters
+from megalite.planning.traffic import data_parallel, fp8_gathered, gradient_buffers
 from megalite.training.run_summary import fp8_line
 
 # Two layers of a Llama; under blockwise every per-rank width tiles into 128 x 128 blocks, 128 tokens a micro
@@ -128,6 +131,36 @@ def test_fp8_buckets_gather_one_byte_per_element(runs, case):
         assert {nbytes for kind, nbytes in fp8 if kind == "torch.uint8"} == fp8_sizes
         assert {nbytes for kind, nbytes in fp8 if kind == dtype} <= other_sizes
         assert sum(nbytes for _, nbytes in fp8) < sum(nbytes for _, nbytes in plain)
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if "ZeRO-3" not in case[2]], ids=" ".join)
+def test_planner_counts_the_gathered_bytes(runs, case):
+    """The planner's data-parallel all-gather bytes of a step (planning/traffic.py) are what the distributed
+    optimizer's runs gathered in each of their two steps (after the FP8 copies of the initial weights, gathered
+    at build), with the switch on as without."""
+    for gather, (_, gathers, buckets, _) in zip((False, True), runs[case][0]):
+        cfg = parse_config(_args(case, gather))
+        world = 4 if case in FOUR_RANKS else 2
+        replicas = grid_replicas(cfg, world)
+        planned = data_parallel(cfg, gradient_buffers(cfg, world, 0), replicas, cfg.num_microbatches(world),
+                                fp8_gathered(cfg, 0, replicas))
+        [step] = [call.payload for call in planned if call.call == "all_gather"]
+        at_build = sum(size for size, is_fp8, _ in buckets if is_fp8)
+        assert sum(nbytes for _, nbytes in gathers) == 2 * step + at_build, (case, gather)
+    plain, fp8 = (parse_config(_args(case, gather)) for gather in (False, True))
+    assert stage_memory(fp8, 2, 0).weights > stage_memory(plain, 2, 0).weights  # the FP8 copies, at stages 1-2
+
+
+def test_planner_counts_zero3_units_gathered_in_fp8():
+    """Under ZeRO-3 the planner's whole units hold the FP8-gathered weights as one byte per element, and each
+    rank keeps their FP8 slice."""
+    for precision, itemsize in (("fp32", 4), ("bf16", 2)):
+        plain, fp8 = (parse_config(_args(("blockwise", precision, "ZeRO-3"), gather)) for gather in (False, True))
+        params = rank_parameters(fp8, 0)
+        assert params.fp8 == sum(params.fp8_units) > 0
+        saved = gathered_bytes(plain, rank_parameters(plain, 0), 2)[0] - gathered_bytes(fp8, params, 2)[0]
+        assert 0 < saved <= params.fp8 * (itemsize - 1)
+        assert stage_memory(fp8, 2, 0).weights == stage_memory(plain, 2, 0).weights + params.fp8 / 2
 
 
 def _problems(*args: str) -> str:
