@@ -1,8 +1,9 @@
 """FP8 parameter gathers (train.fp8_param_gather, parallel/fp8/param_gather.py): at dp 2 under the distributed
-optimizer and ZeRO-3, tensorwise and blockwise, in fp32 and in bf16, a run whose linears' weights are all-gathered
-as FP8 bytes gives the losses and the weights of the run that gathers them in their dtype, bit for bit (both
-quantise the same values with the same scales); the bytes the data-parallel all-gathers move shrink to one per
-FP8 weight element; every collective passes the NCCL-rule replay; the validator names what the switch needs."""
+optimizer and ZeRO-3, tensorwise and blockwise, in fp32 and in bf16 (and at tp 2 x dp 2, under ZeRO-2 and with
+overlapped gathers), a run whose linears' weights are all-gathered as FP8 bytes gives the losses and the weights
+of the run that gathers them in their dtype, bit for bit (both quantise the same values with the same scales);
+the data-parallel all-gathers move one byte per FP8 weight element, as the planner counts; every collective
+passes the NCCL-rule replay; checkpoints resume with the switch flipped; the validator names what it needs."""
 
 from __future__ import annotations
 
@@ -32,11 +33,15 @@ SHAPES = {"blockwise": ["--model.hidden_size=256", "--model.ffn_hidden_size=512"
           "tensorwise": ["--model.hidden_size=64", "--model.ffn_hidden_size=128", "--model.seq_length=32"]}
 LAYOUTS = {"distributed optimizer": ["--parallel.distributed_optimizer=true"],
            "ZeRO-3": ["--parallel.zero_stage=3"],
+           "ZeRO-2": ["--parallel.zero_stage=2"],
+           "distributed optimizer, overlapped gathers": ["--parallel.distributed_optimizer=true",
+                                                         "--parallel.overlap_param_gather=true"],
            "tp2 x distributed optimizer": ["--parallel.tp=2", "--parallel.distributed_optimizer=true"],
            "tp2 x ZeRO-3": ["--parallel.tp=2", "--parallel.zero_stage=3"]}
 PRECISIONS = {"fp32": ["--train.precision=fp32"], "bf16": ["--train.precision=bf16", "--train.param_dtype=bf16"]}
 TWO_RANKS = [(recipe, precision, layout) for recipe in ("tensorwise", "blockwise") for precision in PRECISIONS
              for layout in ("distributed optimizer", "ZeRO-3")]
+TWO_RANKS += [("tensorwise", "fp32", "ZeRO-2"), ("tensorwise", "fp32", "distributed optimizer, overlapped gathers")]
 FOUR_RANKS = [("tensorwise", "fp32", "tp2 x distributed optimizer"), ("blockwise", "fp32", "tp2 x ZeRO-3")]
 CASES = TWO_RANKS + FOUR_RANKS
 
