@@ -29,11 +29,16 @@ BASE = ["--model.family=llama", "--model.num_layers=2", "--model.num_attention_h
         "--model.num_query_groups=2", "--model.vocab_size=256", "--train.micro_batch_size=1",
         "--train.global_batch_size=2", "--optim.lr=1e-3", "--optim.adam_eps=1.0", "--optim.clip_grad=0",
         "--data.mock=true", "--train.device=cpu"]
-SHAPES = {"blockwise": ["--model.hidden_size=256", "--model.ffn_hidden_size=512", "--model.seq_length=128"],
-          "tensorwise": ["--model.hidden_size=64", "--model.ffn_hidden_size=128", "--model.seq_length=32"]}
+SHAPES = {"blockwise": ["--model.hidden_size=256", "--model.ffn_hidden_size=512", "--model.seq_length=128",
+                        "--model.moe_ffn_hidden_size=128"],
+          "tensorwise": ["--model.hidden_size=64", "--model.ffn_hidden_size=128", "--model.seq_length=32",
+                         "--model.moe_ffn_hidden_size=64"]}
+EXPERTS = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_first_dense_layers=1"]
 LAYOUTS = {"distributed optimizer": ["--parallel.distributed_optimizer=true"],
            "ZeRO-3": ["--parallel.zero_stage=3"],
            "ZeRO-2": ["--parallel.zero_stage=2"],
+           "experts x distributed optimizer": [*EXPERTS, "--parallel.distributed_optimizer=true"],
+           "experts x ZeRO-3": [*EXPERTS, "--parallel.zero_stage=3"],
            "distributed optimizer, overlapped gathers": ["--parallel.distributed_optimizer=true",
                                                          "--parallel.overlap_param_gather=true"],
            "tp2 x distributed optimizer": ["--parallel.tp=2", "--parallel.distributed_optimizer=true"],
@@ -41,7 +46,8 @@ LAYOUTS = {"distributed optimizer": ["--parallel.distributed_optimizer=true"],
 PRECISIONS = {"fp32": ["--train.precision=fp32"], "bf16": ["--train.precision=bf16", "--train.param_dtype=bf16"]}
 TWO_RANKS = [(recipe, precision, layout) for recipe in ("tensorwise", "blockwise") for precision in PRECISIONS
              for layout in ("distributed optimizer", "ZeRO-3")]
-TWO_RANKS += [("tensorwise", "fp32", "ZeRO-2"), ("tensorwise", "fp32", "distributed optimizer, overlapped gathers")]
+TWO_RANKS += [("tensorwise", "fp32", "ZeRO-2"), ("tensorwise", "fp32", "distributed optimizer, overlapped gathers"),
+              ("tensorwise", "fp32", "experts x ZeRO-3"), ("blockwise", "bf16", "experts x distributed optimizer")]
 FOUR_RANKS = [("tensorwise", "fp32", "tp2 x distributed optimizer"), ("blockwise", "fp32", "tp2 x ZeRO-3")]
 CASES = TWO_RANKS + FOUR_RANKS
 
@@ -65,9 +71,9 @@ def _cut_blocks(layout, bucket) -> int:
 
 
 def _data_parallel_gathers(record) -> list[tuple[str, int]]:
-    """(dtype, bytes received) of each all-gather this rank posted over the data-parallel group."""
+    """(dtype, bytes received) of each all-gather this rank posted over the (expert-)data-parallel group."""
     return [(call.dtype, call.payload) for call in record.calls
-            if "gather" in call.name and call.desc == "data-parallel"]
+            if "gather" in call.name and call.desc in ("data-parallel", "expert-data-parallel")]
 
 
 def _run(rank: int, world_size: int, cases: list[tuple[str, str, str]]) -> list:
@@ -149,7 +155,7 @@ def test_planner_counts_the_gathered_bytes(runs, case):
         replicas = grid_replicas(cfg, world)
         planned = data_parallel(cfg, gradient_buffers(cfg, world, 0), replicas, cfg.num_microbatches(world),
                                 fp8_gathered(cfg, 0, replicas))
-        [step] = [call.payload for call in planned if call.call == "all_gather"]
+        step = sum(call.payload for call in planned if call.call == "all_gather")
         at_build = sum(size for size, is_fp8, _ in buckets if is_fp8)
         assert sum(nbytes for _, nbytes in gathers) == 2 * step + at_build, (case, gather)
     plain, fp8 = (parse_config(_args(case, gather)) for gather in (False, True))
@@ -162,10 +168,10 @@ def test_planner_counts_zero3_units_gathered_in_fp8():
     for precision, itemsize in (("fp32", 4), ("bf16", 2)):
         plain, fp8 = (parse_config(_args(("blockwise", precision, "ZeRO-3"), gather)) for gather in (False, True))
         params = rank_parameters(fp8, 0)
-        assert params.fp8 == sum(params.fp8_units) > 0
+        assert params.fp8[0] == sum(params.fp8_units) > 0 == params.fp8[1]
         saved = gathered_bytes(plain, rank_parameters(plain, 0), 2)[0] - gathered_bytes(fp8, params, 2)[0]
-        assert 0 < saved <= params.fp8 * (itemsize - 1)
-        assert stage_memory(fp8, 2, 0).weights == stage_memory(plain, 2, 0).weights + params.fp8 / 2
+        assert 0 < saved <= params.fp8[0] * (itemsize - 1)
+        assert stage_memory(fp8, 2, 0).weights == stage_memory(plain, 2, 0).weights + params.fp8[0] / 2
 
 
 def _problems(*args: str) -> str:

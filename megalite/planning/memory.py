@@ -91,7 +91,7 @@ def grid_replicas(cfg: Config, world_size: int) -> dict[str, int]:
 
 def grid_state_bytes(cfg: Config, params: Parameters, shards: dict[str, int]) -> dict[str, tuple[float, ...]]:
     """`state_bytes` of each grid's parameters, sharded over that grid's replicas (`shards`)."""
-    return {grid: state_bytes(cfg, numel, shards[grid], params.muon_by_grid[grid], params.fp8 * (grid == "dense"))
+    return {grid: state_bytes(cfg, numel, shards[grid], params.muon_by_grid[grid], params.fp8_by_grid[grid])
             for grid, numel in params.by_grid.items()}
 
 

@@ -44,8 +44,8 @@ def fp8_line(cfg: Config) -> str | None:
     if t.fp8_recipe == "none":
         return None
     gathers = (f"; weights all-gathered in {t.param_dtype}" if cfg.parallel.zero >= 1 else "") if \
-        not t.fp8_param_gather else (f"; the linears' weights all-gathered in FP8 (train.fp8_param_gather), the "
-                                     f"experts' and the rest in {t.param_dtype}")
+        not t.fp8_param_gather else (f"; their weights all-gathered in FP8 (train.fp8_param_gather), the rest in "
+                                     f"{t.param_dtype}")
     return (f"FP8 on: train.fp8_recipe={t.fp8_recipe} in the transformer layers' linears and experts (forward, input "
             f"and weight gradients); embeddings, the LM head and the routers in {t.precision}{gathers}")
 

@@ -17,8 +17,9 @@ A weight's 128 x 128 blocks (and its one tensorwise scale) are the same for W an
 serves the forward and, transposed, the input gradient (quantize.Quantized.t). Rowwise cannot: its backward
 needs the weight scaled along the other axis (config_fp8.py refuses it). The weight gradient reads no weight.
 
-Grouped expert weights are gathered in their dtype (their matmuls quantise each expert's weight; config_fp8.py
-and the run's FP8 line say so). The high-precision copy of an FP8-gathered weight is current only in the slices
+A grouped weight [experts, out, in] is quantised as its experts stacked, [experts * out, in], each expert with its
+own tiles (a tensorwise scale per expert, as its matmul quantises it); the recipe reads expert e's rows. The
+high-precision copy of an FP8-gathered weight is current only in the slices
 this rank owns (what the optimizer and checkpoints read); under ZeRO-3 its whole storage is never regrown.
 """
 
@@ -54,7 +55,8 @@ class _Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.param.shape)
+        """[rows, k]: a grouped weight's experts stacked along the rows."""
+        return self.param.numel() // self.param.shape[-1], self.param.shape[-1]
 
     @property
     def count(self) -> int:
@@ -83,8 +85,9 @@ class Float8Gathers:
         weights, first = [], 0
         for param in bucket.params:
             recipe = recipes[id(param)]
-            tile = recipe.scalings["weight"].tile(tuple(param.shape))
-            tiles = (-(-param.shape[0] // tile[0]), -(-param.shape[1] // tile[1]))
+            tile = recipe.scalings["weight"].tile(tuple(param.shape[-2:]))  # an expert's own, for a grouped weight
+            rows = param.numel() // param.shape[-1]
+            tiles = (-(-rows // tile[0]), -(-param.shape[-1] // tile[1]))
             weights.append(_Weight(param, recipe, tile, first, tiles))
             first += tiles[0] * tiles[1]
         size = bucket.end - bucket.start
@@ -172,8 +175,9 @@ def _window(values: torch.Tensor, lo: int, hi: int, shape: tuple[int, int],
 
 
 def gathered_weights(model: nn.Module) -> dict[int, Float8]:
-    """The weights train.fp8_param_gather gathers in FP8, by id, with their recipes: every dense matmul weight
-    under a Float8 recipe whose weight tiles are the same for W and W^T (not rowwise's rows)."""
+    """The weights train.fp8_param_gather gathers in FP8, by id, with their recipes: every matmul weight under a
+    Float8 recipe whose weight tiles are the same for W and W^T (not rowwise's rows); a grouped weight where its
+    experts' tiles do not straddle two experts (blockwise: out features whole 128-blocks, as the validator asks)."""
     return {id(m.weight): m.recipe for m in model.modules()
-            if isinstance(m, RecipeSlot) and isinstance(m.recipe, Float8) and m.weight.ndim == 2
-            and not m.recipe.scalings["weight"].per_row}
+            if isinstance(m, RecipeSlot) and isinstance(m.recipe, Float8) and not m.recipe.scalings["weight"].per_row
+            and m.weight.shape[-2] % m.recipe.scalings["weight"].tile(tuple(m.weight.shape[-2:]))[0] == 0}

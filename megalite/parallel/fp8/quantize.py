@@ -101,6 +101,12 @@ class Quantized:
         blocks = tiled(self.data.float(), self.tile) * self.scale[:, None, :, None]
         return untiled(blocks, self.data.shape)
 
+    def rows(self, first: int, count: int) -> Quantized:
+        """Rows [first, first + count) of the operand, whose tiles they hold whole (an expert's weight in the
+        stacked [experts * out, in] copy of a grouped weight)."""
+        tiles = slice(first // self.tile[0], -(-(first + count) // self.tile[0]))
+        return Quantized(self.data[first:first + count], self.scale[tiles], self.tile)
+
     def t(self) -> Quantized:
         """The transposed operand [k, rows], its tiles transposed: what quantising the transposed values gives
         wherever a tile's amax is the same both ways (a tensor's, a 128 x 128 block's), so a weight quantised

@@ -78,25 +78,31 @@ class Float8(Recipe):
         """a b^T of a [m, k] and b [n, k], each quantised as what it is, fp32 (bf16 from CUDA's rowwise kernel)."""
         return scaled_mm(self.quantize(a, a_is, matmul), self.quantize(b, b_is, matmul))
 
-    def weight(self, weight: torch.Tensor, matmul: Matmul) -> Quantized:
-        """The weight operand of the forward (W) or the input gradient (W^T): the copy gathered in FP8 where the
-        weight has one (train.fp8_param_gather: quantised from the same values with the same scales, so the same
-        operand), else the weight quantised now."""
+    def weight(self, weight: torch.Tensor, matmul: Matmul, expert: int | None = None) -> Quantized:
+        """The weight operand (of a grouped weight, expert `expert`'s) of the forward (W) or the input gradient
+        (W^T): the copy gathered in FP8 where the weight has one (train.fp8_param_gather: quantised from the same
+        values with the same scales, so the same operand), else the weight quantised now."""
         gathered = getattr(weight, GATHERED, None)
         if gathered is not None:
+            if expert is not None:
+                gathered = gathered.rows(expert * weight.shape[1], weight.shape[1])
             return gathered if matmul == "forward" else gathered.t()
+        weight = weight if expert is None else weight[expert]
         return self.quantize(weight if matmul == "forward" else weight.t(), "weight", matmul)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = scaled_mm(self.quantize(x.reshape(-1, x.shape[-1]), "input", "forward"), self.weight(weight, "forward"))
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               expert: int | None = None) -> torch.Tensor:
+        """x W^T + b; `expert`: W is that expert's of a grouped weight."""
+        y = scaled_mm(self.quantize(x.reshape(-1, x.shape[-1]), "input", "forward"),
+                      self.weight(weight, "forward", expert))
         if bias is not None:
             y = y + bias.to(y.dtype)
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[-2])
 
-    def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        dx = scaled_mm(self.quantize(grad_2d, "grad", "input_grad"), self.weight(weight, "input_grad"))
-        return dx.to(grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
+        dx = scaled_mm(self.quantize(grad_2d, "grad", "input_grad"), self.weight(weight, "input_grad", expert))
+        return dx.to(grad.dtype).reshape(*grad.shape[:-1], weight.shape[-1])
 
     def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor,
                            out: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,11 +113,11 @@ class Float8(Recipe):
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
         parts = x.split(groups.sizes)
-        return torch.cat([self.linear(part, weight[e], None) for e, part in enumerate(parts)])
+        return torch.cat([self.linear(part, weight, None, e) for e, part in enumerate(parts)])
 
     def grouped_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
         parts = grad.split(groups.sizes)
-        return torch.cat([self.linear_input_grad(part, weight[e]) for e, part in enumerate(parts)])
+        return torch.cat([self.linear_input_grad(part, weight, e) for e, part in enumerate(parts)])
 
     def grouped_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
         sizes = groups.sizes
