@@ -1,9 +1,10 @@
 """FP8 parameter gathers (train.fp8_param_gather, parallel/fp8/param_gather.py): at dp 2 under the distributed
 optimizer and ZeRO-3, tensorwise and blockwise, in fp32 and in bf16 (and at tp 2 x dp 2, under ZeRO-2 and with
-overlapped gathers), a run whose linears' weights are all-gathered as FP8 bytes gives the losses and the weights
-of the run that gathers them in their dtype, bit for bit (both quantise the same values with the same scales);
-the data-parallel all-gathers move one byte per FP8 weight element, as the planner counts; every collective
-passes the NCCL-rule replay; checkpoints resume with the switch flipped; the validator names what it needs."""
+overlapped gathers, with experts), a run whose linears' and experts' weights are all-gathered as FP8 bytes gives
+the losses and the weights of the run that gathers them in their dtype, bit for bit (both quantise the same
+values with the same scales); the data-parallel all-gathers move one byte per FP8 weight element, as the planner
+counts; every collective passes the NCCL-rule replay; checkpoints resume with the switch flipped; the validator
+names what it needs."""
 
 from __future__ import annotations
 

@@ -73,7 +73,8 @@ def state_bytes(cfg: Config, numel: int, dp: int, muon: int = 0, fp8: int = 0) -
     t, p = cfg.train, cfg.parallel
     shards = dp if p.zero >= 1 else 1
     grads = numel * BYTES[p.grad_reduce_dtype] / (dp if p.zero >= 2 else 1)
-    weights = numel * BYTES[t.param_dtype] / (dp if p.zero >= 3 else 1) + fp8 * ((p.zero < 3) + 1 / dp)
+    fp8_copies = 1 if dp == 1 else (p.zero < 3) + 1 / dp  # one replica: its slice is the whole copy
+    weights = numel * BYTES[t.param_dtype] / (dp if p.zero >= 3 else 1) + fp8 * fp8_copies
     if cfg.optim.offload == "cpu":
         return weights, grads, 0.0, 0.0
     main = 0 if t.param_dtype == "fp32" else 4
