@@ -18,6 +18,8 @@ from megalite.config_cli import parse_config
 from megalite.config_validation import validate
 from megalite.dryrun.nccl_rules.record import CommRecorder
 from megalite.dryrun.nccl_rules.replay import replay
+from megalite.parallel.fp8.param_gather import encode_slice, slice_amax
+from megalite.parallel.fp8.quantize import E4M3, LOCAL_AMAX, Scaling, amax_to_scale, quantize
 from megalite.planning.memory import gathered_bytes, grid_replicas, stage_memory
 from megalite.planning.parameters import rank_parameters
 from megalite.planning.traffic import data_parallel, fp8_gathered, gradient_buffers
@@ -173,6 +175,25 @@ def test_planner_counts_zero3_units_gathered_in_fp8():
         saved = gathered_bytes(plain, rank_parameters(plain, 0), 2)[0] - gathered_bytes(fp8, params, 2)[0]
         assert 0 < saved <= params.fp8[0] * (itemsize - 1)
         assert stage_memory(fp8, 2, 0).weights == stage_memory(plain, 2, 0).weights + params.fp8[0] / 2
+
+
+@pytest.mark.parametrize(("shape", "tile"), [((200, 192), (128, 128)), ((96, 40), (96, 40)), ((6 * 40, 24), (40, 24))])
+def test_slices_quantise_to_the_whole_weights_bytes(shape, tile):
+    """A weight cut into ranks' flat slices anywhere (mid-row, mid-block; partial blocks; a grouped weight's
+    experts stacked, one tensorwise tile each): the MAX of the slices' tile amaxes is the whole weight's, and each
+    slice encoded with the agreed scales is the whole weight's FP8 bytes."""
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * torch.rand(shape[0], 1) * 10
+    reference = quantize(weight, Scaling(E4M3, *tile), True, LOCAL_AMAX, "weight", "forward")
+    cuts = [0, 1000, 1001, shape[0] * shape[1] * 2 // 3 + 7, shape[0] * shape[1]]
+    amax = torch.zeros_like(reference.scale)
+    for lo, hi in zip(cuts, cuts[1:]):
+        first, part = slice_amax(weight.view(-1)[lo:hi], lo, hi, shape, tile)
+        amax[first:first + part.shape[0]] = torch.maximum(amax[first:first + part.shape[0]], part)
+    scale = amax_to_scale(amax, E4M3, True)
+    assert torch.equal(scale.reciprocal(), reference.scale)
+    data = torch.cat([encode_slice(weight.view(-1)[lo:hi], lo, hi, shape, tile, scale, E4M3)
+                      for lo, hi in zip(cuts, cuts[1:])])
+    assert torch.equal(data.view(torch.uint8), reference.data.reshape(-1).view(torch.uint8))
 
 
 def _problems(*args: str) -> str:

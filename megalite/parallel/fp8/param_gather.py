@@ -112,9 +112,8 @@ class Float8Gathers:
         amax.zero_()
         slices = self._owned_slices(bucket, owned)
         for w, lo, hi, values in slices:
-            first_row, blocks, _, _ = _window(values, lo, hi, w.shape, w.tile)
-            tiles = amax[w.first:w.first + w.count].view(w.tiles)
-            tiles[first_row:first_row + blocks.shape[0]] = blocks.abs().amax(dim=(1, 3))
+            first_row, part = slice_amax(values, lo, hi, w.shape, w.tile)
+            amax[w.first:w.first + w.count].view(w.tiles)[first_row:first_row + part.shape[0]] = part
         if self.layout.replicas > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         encoders = {}
@@ -125,13 +124,11 @@ class Float8Gathers:
             encoders[id(w.param)] = amax_to_scale(agreed, scaling.dtype, w.recipe.power_of_two)
             scale[w.first:w.first + w.count].copy_(encoders[id(w.param)].reciprocal().reshape(-1))
         shard, (a, _) = self.shard[bucket.index], bucket.shard(self.rank, self.layout.replicas)
-        for w, lo, hi, values in slices:  # the windows again, not all of them held at once
-            first_row, blocks, width, begin = _window(values, lo, hi, w.shape, w.tile)
-            rows = encoders[id(w.param)][first_row:first_row + blocks.shape[0]]
-            encoded = encode(blocks, rows, w.recipe.scalings["weight"].dtype)
-            data = untiled(encoded, (blocks.shape[0] * blocks.shape[1], width))
+        for w, lo, hi, values in slices:
+            dtype = w.recipe.scalings["weight"].dtype
+            data = encode_slice(values, lo, hi, w.shape, w.tile, encoders[id(w.param)], dtype)
             offset = self.layout.offsets[id(w.param)][0] + lo - a
-            shard[offset:offset + hi - lo] = data.reshape(-1)[begin:begin + hi - lo].view(torch.uint8)
+            shard[offset:offset + hi - lo] = data.view(torch.uint8)
 
     def _owned_slices(self, bucket: Bucket, owned: OwnedWeights) -> list[tuple[_Weight, int, int, torch.Tensor]]:
         a, b = bucket.shard(self.rank, self.layout.replicas)
@@ -155,6 +152,24 @@ class Float8Gathers:
 
     def free(self, bucket: Bucket) -> None:
         resize_storage(self.whole[bucket.index], 0)
+
+
+def slice_amax(values: torch.Tensor, lo: int, hi: int, shape: tuple[int, int],
+               tile: tuple[int, int]) -> tuple[int, torch.Tensor]:
+    """The amax of each tile that elements [lo, hi) of a [rows, k] weight (`values`, flat) touch, over those
+    elements: (the first tile row they touch, the amaxes [tile rows touched, tile columns]). A tile's amax is the
+    MAX of its slices' amaxes."""
+    first_row, blocks, _, _ = _window(values, lo, hi, shape, tile)
+    return first_row, blocks.abs().amax(dim=(1, 3))
+
+
+def encode_slice(values: torch.Tensor, lo: int, hi: int, shape: tuple[int, int], tile: tuple[int, int],
+                 scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Elements [lo, hi) of a [rows, k] weight (`values`, flat) in `dtype`, each times its tile's `scale` (all the
+    weight's tiles' multipliers): the bytes quantize.quantize gives those elements of the whole weight."""
+    first_row, blocks, width, begin = _window(values, lo, hi, shape, tile)
+    encoded = encode(blocks, scale[first_row:first_row + blocks.shape[0]], dtype)
+    return untiled(encoded, (blocks.shape[0] * blocks.shape[1], width)).reshape(-1)[begin:begin + hi - lo]
 
 
 def _window(values: torch.Tensor, lo: int, hi: int, shape: tuple[int, int],
