@@ -1,10 +1,10 @@
 """FP8 parameter gathers (train.fp8_param_gather, parallel/fp8/param_gather.py): at dp 2 under the distributed
-optimizer and ZeRO-3, tensorwise and blockwise, in fp32 and in bf16 (and at tp 2 x dp 2, under ZeRO-2 and with
-overlapped gathers, with experts), a run whose linears' and experts' weights are all-gathered as FP8 bytes gives
-the losses and the weights of the run that gathers them in their dtype, bit for bit (both quantise the same
-values with the same scales); the data-parallel all-gathers move one byte per FP8 weight element, as the planner
-counts; every collective passes the NCCL-rule replay; checkpoints resume with the switch flipped; the validator
-names what it needs."""
+optimizer and ZeRO-3, tensorwise and blockwise, in fp32 and in bf16 (blockwise's bf16 under the distributed
+optimizer only), and at tp 2 x dp 2, under ZeRO-2, with overlapped gathers and with experts, a run whose linears'
+and experts' weights are all-gathered as FP8 bytes gives the losses and the weights of the run that gathers them
+in their dtype, bit for bit (both quantise the same values with the same scales); the data-parallel all-gathers
+move one byte per FP8 weight element, as the planner counts; every collective passes the NCCL-rule replay;
+checkpoints resume with the switch flipped; the validator names what it needs."""
 
 from __future__ import annotations
 
@@ -48,9 +48,10 @@ LAYOUTS = {"distributed optimizer": ["--parallel.distributed_optimizer=true"],
            "tp2 x ZeRO-3": ["--parallel.tp=2", "--parallel.zero_stage=3"]}
 PRECISIONS = {"fp32": ["--train.precision=fp32"], "bf16": ["--train.precision=bf16", "--train.param_dtype=bf16"]}
 TWO_RANKS = [(recipe, precision, layout) for recipe in ("tensorwise", "blockwise") for precision in PRECISIONS
-             for layout in ("distributed optimizer", "ZeRO-3")]
+             for layout in ("distributed optimizer", "ZeRO-3")
+             if (recipe, precision, layout) != ("blockwise", "bf16", "ZeRO-3")]  # bf16 matmuls are slow on a CPU
 TWO_RANKS += [("tensorwise", "fp32", "ZeRO-2"), ("tensorwise", "fp32", "distributed optimizer, overlapped gathers"),
-              ("tensorwise", "fp32", "experts x ZeRO-3"), ("blockwise", "bf16", "experts x distributed optimizer")]
+              ("tensorwise", "fp32", "experts x ZeRO-3"), ("blockwise", "fp32", "experts x distributed optimizer")]
 FOUR_RANKS = [("tensorwise", "fp32", "tp2 x distributed optimizer"), ("blockwise", "fp32", "tp2 x ZeRO-3")]
 CASES = TWO_RANKS + FOUR_RANKS
 
