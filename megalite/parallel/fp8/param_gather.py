@@ -116,12 +116,12 @@ class Float8Gathers:
             amax[w.first:w.first + w.count].view(w.tiles)[first_row:first_row + part.shape[0]] = part
         if self.layout.replicas > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        self._reduce_over_layout(self.weights[bucket.index], amax)
         encoders = {}
         for w in self.weights[bucket.index]:
             scaling = w.recipe.scalings["weight"]
             mine = amax[w.first:w.first + w.count].view(w.tiles)
-            agreed = w.recipe.amax(mine, "weight", "forward", (scaling.rows is None, scaling.cols is None))
-            encoders[id(w.param)] = amax_to_scale(agreed, scaling.dtype, w.recipe.power_of_two)
+            encoders[id(w.param)] = amax_to_scale(mine, scaling.dtype, w.recipe.power_of_two)
             scale[w.first:w.first + w.count].copy_(encoders[id(w.param)].reciprocal().reshape(-1))
         shard, (a, _) = self.shard[bucket.index], bucket.shard(self.rank, self.layout.replicas)
         for w, lo, hi, values in slices:
@@ -129,6 +129,23 @@ class Float8Gathers:
             data = encode_slice(values, lo, hi, w.shape, w.tile, encoders[id(w.param)], dtype)
             offset = self.layout.offsets[id(w.param)][0] + lo - a
             shard[offset:offset + hi - lo] = data.view(torch.uint8)
+
+    @staticmethod
+    def _reduce_over_layout(weights: list[_Weight], amax: torch.Tensor) -> None:
+        """Reduce each weight's tile amaxes (in `amax`, in place) over the ranks its layer splits it over, as its
+        recipe's amax reduction does in a matmul (sharded.py: a tensorwise weight over tp or etp; a 128 x 128 block
+        lies on one rank): the weights whose tiles span the same axes in one call."""
+        batches: dict[tuple[str, ...], list[_Weight]] = {}
+        for w in weights:
+            spanned = getattr(w.recipe.amax, "spanned", None)  # LOCAL_AMAX: nothing split, nothing to reduce
+            axes = spanned("weight", "forward", _whole(w)) if spanned is not None else ()
+            if axes:
+                batches.setdefault(axes, []).append(w)
+        for batch in batches.values():
+            views = [amax[w.first:w.first + w.count] for w in batch]
+            agreed = batch[0].recipe.amax(torch.cat(views).view(1, -1), "weight", "forward", _whole(batch[0]))
+            for view, part in zip(views, agreed.view(-1).split([w.count for w in batch])):
+                view.copy_(part)
 
     def _owned_slices(self, bucket: Bucket, owned: OwnedWeights) -> list[tuple[_Weight, int, int, torch.Tensor]]:
         a, b = bucket.shard(self.rank, self.layout.replicas)
@@ -152,6 +169,12 @@ class Float8Gathers:
 
     def free(self, bucket: Bucket) -> None:
         resize_storage(self.whole[bucket.index], 0)
+
+
+def _whole(w: _Weight) -> tuple[bool, bool]:
+    """Whether the weight's tile spans its rows and its columns (quantize.AmaxReduction's `whole`)."""
+    scaling = w.recipe.scalings["weight"]
+    return scaling.rows is None, scaling.cols is None
 
 
 def slice_amax(values: torch.Tensor, lo: int, hi: int, shape: tuple[int, int],
