@@ -353,6 +353,11 @@ class TrainConfig:
     fp8_output_head: bool = _f(
         False, "run the LM head's matmuls in FP8 too (default: the head stays in train.precision, as DeepSeek-V3 "
                "and torchtitan keep it)")
+    fp8_param_gather: bool = _f(
+        False, "all-gather the FP8 matmuls' weights as FP8 bytes (half of bf16's traffic), quantised once per step "
+               "by the ranks owning their slices and used as the matmuls' weight operand (Megatron-LM's "
+               "--fp8-param-gather); needs train.fp8_recipe tensorwise or blockwise and the distributed optimizer "
+               "or ZeRO-3 (parallel/fp8/param_gather.py)")
     recompute: Literal["none", "selective", "full"] = _f(
         "none", "activation recompute: selective = core attention, full = whole layers")
     eval_interval: int | None = _f(

@@ -1,4 +1,5 @@
-"""What train.fp8_recipe asks of a run's config (read by config_validation.validate with every other check).
+"""What train.fp8_recipe and train.fp8_param_gather ask of a run's config (read by config_validation.validate with
+every other check).
 
 FP8 needs a 16-bit-or-wider compute precision beside it: bf16 (production) or fp32 (FP8 matmuls, fp32 elsewhere:
 the mode in which layouts compare). fp16 is refused: its loss scaling would scale the output gradients that the
@@ -23,11 +24,11 @@ from megalite.parallel.fp8.recipes import BLOCK
 def fp8_errors(cfg: Config, world_size: int) -> list[str]:
     t = cfg.train
     if t.fp8_recipe == "none":
-        return _options_without_a_recipe(cfg)
+        return _options_without_a_recipe(cfg) + _param_gather_errors(cfg)
     if t.precision == "fp16":
         return [f"train.fp8_recipe={t.fp8_recipe} needs train.precision=bf16 (or fp32), got fp16; set "
                 "train.precision=bf16 (and train.param_dtype=fp32 or bf16)"]
-    errors = _layer_count_errors(cfg)
+    errors = _layer_count_errors(cfg) + _param_gather_errors(cfg)
     if t.fp8_recipe != "blockwise":
         return errors
     return errors + [f"train.fp8_recipe=blockwise tiles {what} into {BLOCK}-wide blocks, but {problem}"
@@ -75,6 +76,27 @@ def _layer_count_errors(cfg: Config) -> list[str]:
         errors.append(f"train.fp8_num_layers_at_start_in_bf16 + train.fp8_num_layers_at_end_in_bf16 = {kept_out} "
                       f"{problem}; lower them (together at most {most}) or set train.fp8_recipe=none")
     return errors
+
+
+def _param_gather_errors(cfg: Config) -> list[str]:
+    """train.fp8_param_gather gathers FP8 bytes that serve the forward and, transposed, the input gradient, in the
+    distributed optimizer's parameter gather (parallel/fp8/param_gather.py)."""
+    t, p = cfg.train, cfg.parallel
+    if not t.fp8_param_gather:
+        return []
+    if t.fp8_recipe == "none":
+        return ["train.fp8_param_gather=true gathers the weights of FP8 matmuls, but train.fp8_recipe=none; set "
+                "train.fp8_recipe=tensorwise (or blockwise), or train.fp8_param_gather=false"]
+    if t.fp8_recipe == "rowwise":
+        return ["train.fp8_param_gather=true cannot gather train.fp8_recipe=rowwise's weights in FP8: its input "
+                "gradient scales the weight per input feature, which bytes scaled per output feature cannot give "
+                "(they are gathered in train.param_dtype); set train.fp8_recipe=tensorwise or blockwise, or "
+                "train.fp8_param_gather=false"]
+    if p.zero < 1:
+        return ["train.fp8_param_gather=true shares FP8 weights in the distributed optimizer's parameter gather, "
+                "but parallel.zero_stage is 0; set parallel.distributed_optimizer=true (or parallel.zero_stage=1, 2 "
+                "or 3), or train.fp8_param_gather=false"]
+    return []
 
 
 def _untileable_widths(cfg: Config) -> list[tuple[str, str]]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import TORCH_DTYPES, ParallelConfig
+from megalite.parallel.fp8.recipes import Float8
 from megalite.parallel.grad_buffer import Bucket, GradBuffer
 from megalite.parallel.placement import DATA_AXES, Placement
 from megalite.parallel.timing import Mark, seconds
@@ -46,12 +47,14 @@ class DataParallelGrads:
     where each lives (by name). `tied`: the names of this rank's parameters summed with another pipeline
     stage's (the word embeddings and their tied copy, when the model ties them and pp > 1). `units`: each
     parameter's ZeRO-3 gather unit (zero/stage3.py unit_index), which buckets do not straddle. `reads`: how many
-    modules read each parameter in one forward (grad_buffer.readers), where more than one. Each chunk gets one
+    modules read each parameter in one forward (grad_buffer.readers), where more than one. `fp8`: the weights
+    gathered in FP8 (parallel/fp8/param_gather.py gathered_weights), with their recipes. Each chunk gets one
     buffer per grid its parameters live on, reduced over that grid's data axes."""
 
     def __init__(self, model: nn.Module, chunks: list[list[nn.Parameter]], topology: Topology, cfg: ParallelConfig,
                  placements: dict[str, Placement], tied: set[str] = frozenset(),
-                 units: dict[int, int] | None = None, reads: dict[int, int] | None = None) -> None:
+                 units: dict[int, int] | None = None, reads: dict[int, int] | None = None,
+                 fp8: dict[int, Float8] | None = None) -> None:
         self.topology = topology
         named = list(model.named_parameters())
         self.partial: dict[tuple[str, tuple[str, ...]], list[nn.Parameter]] = {}  # (grid, axes) -> parameters
@@ -69,7 +72,7 @@ class DataParallelGrads:
                 self.chunk_buffers[-1].append(GradBuffer(
                     [p for p in params if grid_of[id(p)] == grid], cfg.bucket_size, topology.group(*axes, grid=grid),
                     topology.size(*axes, grid=grid), topology.coord(*axes, grid=grid), cfg.zero,
-                    cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype], units, reads))
+                    cfg.overlap_grad_reduce, held, TORCH_DTYPES[cfg.grad_reduce_dtype], units, reads, fp8))
                 self.buffers.append(self.chunk_buffers[-1][-1])
         self.waits: list[tuple[Mark, Mark]] = []
 

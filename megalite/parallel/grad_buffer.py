@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.parallel.bucket_layout import Bucket, BucketLayout
+from megalite.parallel.fp8.recipes import Float8
 from megalite.parallel.timing import Mark
 from megalite.parallel.weight_grads import set_sink
 from megalite.parallel.zero import STAGES
@@ -44,16 +45,18 @@ class GradBuffer:
     but only in `finish`, after their gradients were combined with another stage's (tied embeddings, see
     ddp.py). `units` maps each parameter to its ZeRO-3 gather unit, which buckets do not straddle. `reads`:
     how many modules read a parameter per forward (`readers`), by id, where more than one.
+    `fp8`: the recipes of the weights gathered in FP8 (train.fp8_param_gather), by id.
     `on_grads_in` is told of each bucket whose gradients of one backward are all in (ZeRO-3 frees its
     parameters then)."""
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, group: dist.ProcessGroup | None,
                  replicas: int, rank: int, stage: int, overlap: bool, held: frozenset[int] = frozenset(),
                  grad_dtype: torch.dtype = torch.float32, units: dict[int, int] | None = None,
-                 reads: dict[int, int] | None = None) -> None:
-        self.layout = BucketLayout(list(reversed(params)), bucket_size, replicas, units)
+                 reads: dict[int, int] | None = None, fp8: dict[int, Float8] | None = None) -> None:
+        fp8 = {id(p): fp8[id(p)] for p in params if id(p) in fp8} if fp8 else {}
+        self.layout = BucketLayout(list(reversed(params)), bucket_size, replicas, units, frozenset(fp8))
         stage = 2 if stage == 3 and replicas == 1 else stage  # one replica: nothing to shard the parameters over
-        self.strategy = STAGES[stage](self.layout, group, rank, params, grad_dtype)
+        self.strategy = STAGES[stage](self.layout, group, rank, params, grad_dtype, fp8)
         self.rank, self.overlap = rank, overlap
         self.on_grads_in: Callable[[Bucket], None] | None = None
         self.pending = {b.index: {id(p) for p in b.params} for b in self.layout.buckets}

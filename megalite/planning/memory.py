@@ -13,7 +13,9 @@ functions. For bf16 parameters with fp32 gradients, bytes per parameter are:
   stage 2: 2 + 16/dp (gradients too);
   stage 3: 18/dp (parameters too), plus the gather units in flight, counted as transient.
 For fp32 parameters: 16, 8 + 8/dp, 4 + 12/dp, 16/dp. optim.offload=cpu takes the main weights
-and moments (12 or 8 of those bytes, before dividing) off the device.
+and moments (12 or 8 of those bytes, before dividing) off the device. Under train.fp8_param_gather each weight
+gathered in FP8 (parallel/fp8/param_gather.py) adds its FP8 slice (1/dp byte) and, at stages 1-2, its whole FP8
+copy (1 byte); ZeRO-3's gathered units hold those weights as one byte per element.
 
 Experts' weights live on the expert grid (placement.py): their gradients are reduced, and ZeRO shards
 them, over that grid's data axes, the expert-data-parallel ranks (edp = world / (ep x pp)), not over
@@ -63,14 +65,16 @@ class StageMemory:
         return self.state + self.activations + self.transient
 
 
-def state_bytes(cfg: Config, numel: int, dp: int, muon: int = 0) -> tuple[float, float, float, float]:
+def state_bytes(cfg: Config, numel: int, dp: int, muon: int = 0, fp8: int = 0) -> tuple[float, float, float, float]:
     """(weights, gradients, main weights, optimizer state) device bytes for `numel` parameters on one rank, `muon`
-    of them stepped by Muon (one fp32 momentum instead of Adam's two moments); offloaded (optim.offload=cpu)
-    main weights and optimizer state live in host memory instead."""
+    of them stepped by Muon (one fp32 momentum instead of Adam's two moments), `fp8` gathered in FP8 (their FP8
+    copies are counted with the weights); offloaded (optim.offload=cpu) main weights and optimizer state live in
+    host memory instead."""
     t, p = cfg.train, cfg.parallel
     shards = dp if p.zero >= 1 else 1
     grads = numel * BYTES[p.grad_reduce_dtype] / (dp if p.zero >= 2 else 1)
-    weights = numel * BYTES[t.param_dtype] / (dp if p.zero >= 3 else 1)
+    fp8_copies = 1 if dp == 1 else (p.zero < 3) + 1 / dp  # one replica: its slice is the whole copy
+    weights = numel * BYTES[t.param_dtype] / (dp if p.zero >= 3 else 1) + fp8 * fp8_copies
     if cfg.optim.offload == "cpu":
         return weights, grads, 0.0, 0.0
     main = 0 if t.param_dtype == "fp32" else 4
@@ -88,30 +92,33 @@ def grid_replicas(cfg: Config, world_size: int) -> dict[str, int]:
 
 def grid_state_bytes(cfg: Config, params: Parameters, shards: dict[str, int]) -> dict[str, tuple[float, ...]]:
     """`state_bytes` of each grid's parameters, sharded over that grid's replicas (`shards`)."""
-    return {grid: state_bytes(cfg, numel, shards[grid], params.muon_by_grid[grid])
+    return {grid: state_bytes(cfg, numel, shards[grid], params.muon_by_grid[grid], params.fp8_by_grid[grid])
             for grid, numel in params.by_grid.items()}
 
 
-def gathered_elements(params: Parameters) -> tuple[int, int]:
+def gathered_elements(params: Parameters, unit_sizes: tuple[float, ...] | None = None) -> tuple[float, int]:
     """ZeRO-3 (parallel/zero/stage3.py): (parameter, gradient) elements of whole gather units present at once,
-    at worst. Parameters: the unit running and the one prefetched (any two units stand in for adjacent
-    ones: an upper bound), plus the embedding unit when a later unit on this rank reads it (a tied LM head,
-    multi-token prediction: it stays gathered from that unit's backward to the embedding's). Gradients: one
-    unit's bucket buffers fill in backward until reduce-scattered (the next unit's first gradient comes after),
-    the largest."""
-    units = params.units
+    at worst (`unit_sizes`: each unit's size in other terms, its bytes, instead of its elements). Parameters: the
+    unit running and the one prefetched (any two units stand in for adjacent ones: an upper bound), plus the
+    embedding unit when a later unit on this rank reads it (a tied LM head, multi-token prediction: it stays
+    gathered from that unit's backward to the embedding's). Gradients: one unit's bucket buffers fill in backward
+    until reduce-scattered (the next unit's first gradient comes after), the largest."""
+    units = unit_sizes if unit_sizes is not None else params.units
     if params.tied_head:
         rest = sorted(units[1:], reverse=True)
-        return units[0] + sum(rest[:2]), max(units)
-    return sum(sorted(units, reverse=True)[:2]), max(units, default=0)
+        return units[0] + sum(rest[:2]), max(params.units)
+    return sum(sorted(units, reverse=True)[:2]), max(params.units, default=0)
 
 
 def gathered_bytes(cfg: Config, params: Parameters, dp: int) -> tuple[float, float]:
-    """(parameter, gradient) bytes of `gathered_elements`; none below ZeRO-3 or at dp 1 (nothing sharded)."""
+    """(parameter, gradient) bytes of `gathered_elements`, the weights gathered in FP8 one byte each; none below
+    ZeRO-3 or at dp 1 (nothing sharded)."""
     if cfg.parallel.zero < 3 or dp == 1:
         return 0.0, 0.0
-    weights, grads = gathered_elements(params)
-    return weights * BYTES[cfg.train.param_dtype], grads * BYTES[cfg.parallel.grad_reduce_dtype]
+    param = BYTES[cfg.train.param_dtype]
+    fp8 = params.fp8_units or (0,) * len(params.units)
+    weights, grads = gathered_elements(params, tuple((n - f) * param + f for n, f in zip(params.units, fp8)))
+    return weights, grads * BYTES[cfg.parallel.grad_reduce_dtype]
 
 
 def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[str, int], activations: float,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config, ModelConfig
 from megalite.model import costs
+from megalite.parallel.fp8.param_gather import gathered_weights
 from megalite.parallel.zero import unit_index
 from megalite.planning.built import one_device_model, rank_model
 
@@ -30,6 +31,8 @@ class Parameters:
     tied_head: bool = False  # a later unit (a tied LM head, multi-token prediction) reads the word embeddings of
     # this rank's embedding unit (units[0])
     muon: tuple[int, int] = (0, 0)  # (dense, expert) elements Muon steps (optim.optimizer=muon): one moment each
+    fp8: tuple[int, int] = (0, 0)  # (dense, expert) elements gathered in FP8 (train.fp8_param_gather): a copy each
+    fp8_units: tuple[int, ...] = ()  # those elements in each of `units`
 
     @property
     def total(self) -> int:
@@ -44,6 +47,10 @@ class Parameters:
     def muon_by_grid(self) -> dict[str, int]:
         return dict(zip(("dense", "expert"), self.muon))
 
+    @property
+    def fp8_by_grid(self) -> dict[str, int]:
+        return dict(zip(("dense", "expert"), self.fp8))
+
 
 def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
     """What one tensor- and expert-parallel rank of pipeline stage `pp_rank` holds (same for every such rank)."""
@@ -54,14 +61,19 @@ def rank_parameters(cfg: Config, pp_rank: int) -> Parameters:
         grids[placements[name].grid] += param.numel()
         muon[placements[name].grid] += param.numel() if name in matrices else 0
     index = unit_index(model.chunk_modules())
+    fp8 = gathered_weights(model) if cfg.train.fp8_param_gather else {}
     units: dict[int, int] = {}
-    for param in model.parameters():
+    fp8_units, fp8_grids = dict.fromkeys(index.values(), 0), {"dense": 0, "expert": 0}
+    for name, param in model.named_parameters():
         units[index[id(param)]] = units.get(index[id(param)], 0) + param.numel()
+        fp8_units[index[id(param)]] += param.numel() if id(param) in fp8 else 0
+        fp8_grids[placements[name].grid] += param.numel() if id(param) in fp8 else 0
     table = model.embedding.word_embeddings.weight if model.embedding is not None else None
     read_later = any(p is table for chunk in model.chunk_modules() for module, params in chunk
                      if module is not model.embedding for p in params)
     return Parameters(grids["dense"], grids["expert"], max(p.numel() for p in model.parameters()),
-                      tuple(units[unit] for unit in sorted(units)), read_later, (muon["dense"], muon["expert"]))
+                      tuple(units[unit] for unit in sorted(units)), read_later, (muon["dense"], muon["expert"]),
+                      (fp8_grids["dense"], fp8_grids["expert"]), tuple(fp8_units[unit] for unit in sorted(units)))
 
 
 def model_parameters(m: ModelConfig) -> int:

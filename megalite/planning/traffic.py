@@ -19,7 +19,8 @@ point-to-point sends), held to its recorded calls in tests/test_plan_search.py.
 - dp (and edp for the experts' buffers): per gradient buffer (one per model chunk and rank grid, padded as
   parallel/bucket_layout.py pads it): ZeRO 0 all-reduces it once; 1 reduce-scatters it once and all-gathers the
   updated parameters; 2 reduce-scatters after every backward, then gathers; 3 gathers the parameters in every
-  forward and backward and reduce-scatters after every backward (parallel/zero/).
+  forward and backward and reduce-scatters after every backward (parallel/zero/). Under train.fp8_param_gather
+  the FP8 weights' buckets are gathered as one byte per element (parallel/fp8/param_gather.py).
 Left out: the few small all-reduces (the loss's, the norm's, sequence-parallel norm weights', ZeRO-3 gathers of
 replicated norms).
 """
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from megalite.config import TORCH_DTYPES, Config
 from megalite.parallel.bucket_layout import BucketLayout
+from megalite.parallel.fp8.param_gather import gathered_weights
 from megalite.parallel.pipeline.registry import pipeline_stage, stage_layout
 from megalite.parallel.zero import unit_index
 from megalite.planning import context_parallel, experts
@@ -122,9 +124,10 @@ def pipeline_parallel(cfg: Config, pp_rank: int, microbatches: int) -> list[Traf
 
 
 def data_parallel(cfg: Config, buffers: dict[str, list[int]], replicas: dict[str, int],
-                  microbatches: int) -> list[Traffic]:
+                  microbatches: int, fp8: dict[str, int] | None = None) -> list[Traffic]:
     """The gradient buffers' calls: `buffers` the padded elements of each buffer by rank grid, `replicas` the
-    ranks each grid's buffers are reduced over (planning/memory.py grid_replicas)."""
+    ranks each grid's buffers are reduced over (planning/memory.py grid_replicas), `fp8` how many of each grid's
+    elements are gathered as FP8 bytes (`fp8_gathered`)."""
     p = cfg.parallel
     grad = TORCH_DTYPES[p.grad_reduce_dtype].itemsize
     param = TORCH_DTYPES[cfg.train.param_dtype].itemsize
@@ -140,26 +143,46 @@ def data_parallel(cfg: Config, buffers: dict[str, list[int]], replicas: dict[str
         reduces = microbatches if stage >= 2 else 1
         calls.append(Traffic(axis, "reduce_scatter", n * reduces, elements * grad * reduces, stage >= 2))
         gathers = 2 * microbatches if stage == 3 else 1
-        calls.append(Traffic(axis, "all_gather", n * gathers, elements * param * gathers, stage == 3))
+        in_fp8 = (fp8 or {}).get(grid, 0)
+        gathered = (elements - in_fp8) * param + in_fp8
+        calls.append(Traffic(axis, "all_gather", n * gathers, gathered * gathers, stage == 3))
     return calls
+
+
+def _bucket_layouts(cfg: Config, pp_rank: int, replicas: dict[str, int]) -> list[tuple[str, BucketLayout]]:
+    """Each gradient buffer's layout on pipeline rank `pp_rank`, by rank grid, as parallel/ddp.py lays them out
+    (one buffer per model chunk and grid), read from the rank's model built on the meta device."""
+    model = rank_model(cfg, pp_rank)
+    placements = model.placements_by_name()
+    grid_of = {id(p): placements[name].grid for name, p in model.named_parameters()}
+    units = unit_index(model.chunk_modules()) if cfg.parallel.zero >= 3 else None
+    fp8 = frozenset(gathered_weights(model)) if cfg.train.fp8_param_gather else frozenset()
+    layouts = []
+    for params in model.chunk_parameters():
+        for grid in ("dense", "expert"):
+            mine = [p for p in params if grid_of[id(p)] == grid]
+            if mine:
+                layouts.append((grid, BucketLayout(list(reversed(mine)), cfg.parallel.bucket_size, replicas[grid],
+                                                   units, fp8)))
+    return layouts
 
 
 def gradient_buffers(cfg: Config, world_size: int, pp_rank: int) -> dict[str, list[int]]:
     """Elements of each gradient buffer of pipeline rank `pp_rank` by rank grid, padded as parallel/ddp.py lays
     them out (one buffer per model chunk and grid), read from the rank's model built on the meta device."""
-    model = rank_model(cfg, pp_rank)
-    placements = model.placements_by_name()
-    grid_of = {id(p): placements[name].grid for name, p in model.named_parameters()}
-    replicas = grid_replicas(cfg, world_size)
-    units = unit_index(model.chunk_modules()) if cfg.parallel.zero >= 3 else None
     buffers: dict[str, list[int]] = {"dense": [], "expert": []}
-    for params in model.chunk_parameters():
-        for grid in buffers:
-            mine = [p for p in params if grid_of[id(p)] == grid]
-            if mine:
-                layout = BucketLayout(list(reversed(mine)), cfg.parallel.bucket_size, replicas[grid], units)
-                buffers[grid].append(layout.size)
+    for grid, layout in _bucket_layouts(cfg, pp_rank, grid_replicas(cfg, world_size)):
+        buffers[grid].append(layout.size)
     return buffers
+
+
+def fp8_gathered(cfg: Config, pp_rank: int, replicas: dict[str, int]) -> dict[str, int]:
+    """Elements of pipeline rank `pp_rank`'s buckets gathered as FP8 bytes (train.fp8_param_gather), by grid."""
+    counts = {"dense": 0, "expert": 0}
+    if cfg.train.fp8_param_gather:
+        for grid, layout in _bucket_layouts(cfg, pp_rank, replicas):
+            counts[grid] += sum(b.end - b.start for b in layout.buckets if b.fp8)
+    return counts
 
 
 def step_traffic(cfg: Config, pp_rank: int, buffers: dict[str, list[int]], replicas: dict[str, int],
@@ -167,4 +190,4 @@ def step_traffic(cfg: Config, pp_rank: int, buffers: dict[str, list[int]], repli
     """Every axis's calls of one rank of pipeline stage `pp_rank` in a step of `microbatches` micro batches."""
     return [*tensor_parallel(cfg, pp_rank, microbatches), *context_parallel_traffic(cfg, pp_rank, microbatches),
             *expert_parallel(cfg, pp_rank, microbatches), *pipeline_parallel(cfg, pp_rank, microbatches),
-            *data_parallel(cfg, buffers, replicas, microbatches)]
+            *data_parallel(cfg, buffers, replicas, microbatches, fp8_gathered(cfg, pp_rank, replicas))]

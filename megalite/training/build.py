@@ -17,6 +17,7 @@ from megalite.parallel.context import ParallelContext
 from megalite.parallel.ddp import DataParallelGrads
 from megalite.parallel.distributed_optimizer import DistributedOptimizer
 from megalite.parallel.fp8 import RECIPES
+from megalite.parallel.fp8.param_gather import gathered_weights
 from megalite.parallel.gemm import apply_recipe
 from megalite.parallel.grad_buffer import readers
 from megalite.parallel.pipeline.registry import pipeline_stage, schedule_spec, stage_layout
@@ -125,7 +126,9 @@ def build_trainer(cfg: Config, topology: Topology) -> Trainer:
     placements = model.placements_by_name()
     modules = model.chunk_modules()
     units = unit_index(modules) if p.zero >= 3 else None
-    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, placements, tied, units, readers(modules))
+    fp8 = gathered_weights(model) if cfg.train.fp8_param_gather else None
+    grads = DataParallelGrads(model, model.chunk_parameters(), topology, p, placements, tied, units, readers(modules),
+                              fp8)
     stage3 = any(isinstance(buffer.strategy, ShardedParameters) for buffer in grads.buffers)
     sharded = GatherUnits(modules, grads.buffers) if stage3 else None
     optimizer = DistributedOptimizer(model, grads.buffers, topology, cfg.optim, p.zero >= 1,

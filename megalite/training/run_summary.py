@@ -55,8 +55,11 @@ def fp8_line(cfg: Config) -> str | None:
     mtp = " and multi-token prediction's layers" if cfg.model.mtp_num_layers else ""
     head = ("the LM head in FP8 too (train.fp8_output_head); embeddings and the routers" if t.fp8_output_head
             else "embeddings, the LM head and the routers")
+    gathers = (f"; weights all-gathered in {t.param_dtype}" if cfg.parallel.zero >= 1 else "") if \
+        not t.fp8_param_gather else (f"; their weights all-gathered in FP8 (train.fp8_param_gather), the rest in "
+                                     f"{t.param_dtype}")
     return (f"FP8 on: train.fp8_recipe={t.fp8_recipe} (forward, input and weight gradients) in the linears and "
-            f"experts of {where}{mtp}; {head} in {t.precision}")
+            f"experts of {where}{mtp}; {head} in {t.precision}{gathers}")
 
 
 def memory_line(cfg: Config, world_size: int, device_name: str, device_bytes: int) -> str:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 E4M3 = torch.float8_e4m3fn  # 3 mantissa bits, max 448: inputs and weights
 E5M2 = torch.float8_e5m2  # 2 mantissa bits, max 57344: output gradients, whose range is wider
 AMAX_FLOOR = 1e-12  # an all-zero tile still gets a finite scale (its values quantise to zeros anyway)
+GATHERED = "gathered_fp8"  # where a weight gathered in FP8 keeps its Quantized copy (param_gather.py)
 
 Operand = Literal["input", "weight", "grad"]
 Matmul = Literal["forward", "input_grad", "weight_grad"]
@@ -97,8 +98,20 @@ class Quantized:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 values the FP8 data stands for: each element times its tile's scale."""
-        blocks = _blocks(self.data.float(), self.tile) * self.scale[:, None, :, None]
-        return _unblocked(blocks, self.data.shape)
+        blocks = tiled(self.data.float(), self.tile) * self.scale[:, None, :, None]
+        return untiled(blocks, self.data.shape)
+
+    def rows(self, first: int, count: int) -> Quantized:
+        """Rows [first, first + count) of the operand, whose tiles they hold whole (an expert's weight in the
+        stacked [experts * out, in] copy of a grouped weight)."""
+        tiles = slice(first // self.tile[0], -(-(first + count) // self.tile[0]))
+        return Quantized(self.data[first:first + count], self.scale[tiles], self.tile)
+
+    def t(self) -> Quantized:
+        """The transposed operand [k, rows], its tiles transposed: what quantising the transposed values gives
+        wherever a tile's amax is the same both ways (a tensor's, a 128 x 128 block's), so a weight quantised
+        once serves its forward and its input gradient."""
+        return Quantized(self.data.t().contiguous(), self.scale.t().contiguous(), (self.tile[1], self.tile[0]))
 
 
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
@@ -113,15 +126,19 @@ def quantize(t: torch.Tensor, scaling: Scaling, power_of_two: bool, amax: AmaxRe
              matmul: Matmul) -> Quantized:
     """t [rows, k] in FP8 (contiguous) with one scale per tile, the tiles' amax agreed by `amax`."""
     tile = scaling.tile(tuple(t.shape))
-    blocks = _blocks(t.float(), tile)
+    blocks = tiled(t.float(), tile)
     whole = (scaling.rows is None, scaling.cols is None)
     scale = amax_to_scale(amax(blocks.abs().amax(dim=(1, 3)), operand, matmul, whole), scaling.dtype, power_of_two)
-    limit = torch.finfo(scaling.dtype).max
-    data = (blocks * scale[:, None, :, None]).clamp(-limit, limit).to(scaling.dtype)
-    return Quantized(_unblocked(data, t.shape).contiguous(), scale.reciprocal(), tile)
+    return Quantized(untiled(encode(blocks, scale, scaling.dtype), t.shape).contiguous(), scale.reciprocal(), tile)
 
 
-def _blocks(t: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+def encode(blocks: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `blocks` (`tiled`'s) times each tile's `scale` [tile rows, tile columns], in `dtype`."""
+    limit = torch.finfo(dtype).max
+    return (blocks * scale[:, None, :, None]).clamp(-limit, limit).to(dtype)
+
+
+def tiled(t: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """t [rows, k] as [tile rows, rows per tile, tile columns, columns per tile], partial tiles padded with
     zeros; an empty dimension is one tile of zeros, so that a rank holding none of an operand (an expert no
     token of its chunk chose) still agrees that tile's amax with the ranks holding the rest."""
@@ -134,6 +151,6 @@ def _padding(size: int, tile: int) -> int:
     return -size % tile if size else tile
 
 
-def _unblocked(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def untiled(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     tiles, rows, tile_cols, cols = blocks.shape
     return blocks.reshape(tiles * rows, tile_cols * cols)[: shape[0], : shape[1]]

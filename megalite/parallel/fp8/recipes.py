@@ -58,6 +58,7 @@ from megalite.parallel.fp8.block_kernel import BLOCK
 from megalite.parallel.fp8.quantize import (
     E4M3,
     E5M2,
+    GATHERED,
     LOCAL_AMAX,
     AmaxReduction,
     Matmul,
@@ -98,26 +99,41 @@ class Float8(Recipe):
         docstring says when)."""
         return self.scalings["input"].per_tensor
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.linear_keeping(x, weight, bias)[0]
+    def weight(self, weight: torch.Tensor, matmul: Matmul, expert: int | None = None) -> Quantized:
+        """The weight operand (of a grouped weight, expert `expert`'s) of the forward (W) or the input gradient
+        (W^T): the copy gathered in FP8 where the weight has one (train.fp8_param_gather: quantised from the same
+        values with the same scales, so the same operand), else the weight quantised now."""
+        gathered = getattr(weight, GATHERED, None)
+        if gathered is not None:
+            if expert is not None:
+                gathered = gathered.rows(expert * weight.shape[1], weight.shape[1])
+            return gathered if matmul == "forward" else gathered.t()
+        weight = weight if expert is None else weight[expert]
+        return self.quantize(weight if matmul == "forward" else weight.t(), "weight", matmul)
 
-    def linear_keeping(self, x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None) -> tuple[torch.Tensor, KeptInput | None]:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               expert: int | None = None) -> torch.Tensor:
+        """x W^T + b; `expert`: W is that expert's of a grouped weight."""
+        return self.linear_keeping(x, weight, bias, expert)[0]
+
+    def linear_keeping(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       expert: int | None = None) -> tuple[torch.Tensor, KeptInput | None]:
         qx = self.quantize(x.reshape(-1, x.shape[-1]), "input", "forward")
-        y = scaled_mm(qx, self.quantize(weight, "weight", "forward"))
+        y = scaled_mm(qx, self.weight(weight, "forward", expert))
         if bias is not None:
             y = y + bias.to(y.dtype)
         kept = KeptInput(qx.data, qx.scale) if self.keeps_fp8_input else None
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0]), kept
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[-2]), kept
 
     def kept_input_bytes(self, rows: int, features: int, width: int) -> int:
         if self.keeps_fp8_input:
             return rows * features + 4  # e4m3 bytes and one fp32 scale
         return super().kept_input_bytes(rows, features, width)
 
-    def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dx = self.product(grad.reshape(-1, grad.shape[-1]), "grad", weight.t(), "weight", "input_grad")
-        return dx.to(grad.dtype).reshape(*grad.shape[:-1], weight.shape[1])
+    def linear_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        dx = scaled_mm(self.quantize(grad_2d, "grad", "input_grad"), self.weight(weight, "input_grad", expert))
+        return dx.to(grad.dtype).reshape(*grad.shape[:-1], weight.shape[-1])
 
     def linear_weight_grad(self, grad: torch.Tensor, x: torch.Tensor | KeptInput,
                            out: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,13 +151,13 @@ class Float8(Recipe):
         if grouped_kernel.kernel_takes(self.scalings, x.device, weight.shape[-1], weight.shape[-2]):
             return grouped_kernel.grouped_forward(self, x, weight, groups.offsets).to(x.dtype)
         parts = x.split(groups.sizes)
-        return torch.cat([self.linear(part, weight[e], None) for e, part in enumerate(parts)])
+        return torch.cat([self.linear(part, weight, None, e) for e, part in enumerate(parts)])
 
     def grouped_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> torch.Tensor:
         if grouped_kernel.kernel_takes(self.scalings, grad.device, weight.shape[-1], weight.shape[-2]):
             return grouped_kernel.grouped_input_grad(self, grad, weight, groups.offsets).to(grad.dtype)
         parts = grad.split(groups.sizes)
-        return torch.cat([self.linear_input_grad(part, weight[e]) for e, part in enumerate(parts)])
+        return torch.cat([self.linear_input_grad(part, weight, e) for e, part in enumerate(parts)])
 
     def grouped_weight_grad(self, grad: torch.Tensor, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
         if grouped_kernel.kernel_takes(self.scalings, x.device, x.shape[-1], grad.shape[-1]):

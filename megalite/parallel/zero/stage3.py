@@ -41,18 +41,25 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from megalite.parallel.bucket_layout import Bucket, BucketLayout
+from megalite.parallel.fp8.recipes import Float8
 from megalite.parallel.mappings import all_gather_single
 from megalite.parallel.storage import resize_storage
 from megalite.parallel.zero.stages import ShardedGradients
 
 
 class ShardedParameters(ShardedGradients):
-    """Stage 3: each rank stores its slice of the parameters; a bucket is whole only while gathered."""
+    """Stage 3: each rank stores its slice of the parameters; a bucket is whole only while gathered. An FP8
+    bucket (train.fp8_param_gather) is quantised after each step and gathered as FP8 bytes at each use; its
+    parameters' own storage is never whole again."""
+
+    keeps_whole_params = False
 
     def __init__(self, layout: BucketLayout, group: dist.ProcessGroup | None, rank: int,
-                 params: list[nn.Parameter], grad_dtype: torch.dtype) -> None:
+                 params: list[nn.Parameter], grad_dtype: torch.dtype, fp8: dict[int, Float8] | None = None) -> None:
         self.weights: dict[int, torch.Tensor] = {}  # bucket index -> its whole parameters' storage
-        super().__init__(layout, group, rank, params, grad_dtype)
+        super().__init__(layout, group, rank, params, grad_dtype, fp8)
+        for bucket in (b for b in layout.buckets if b.fp8):
+            self.float8.free(bucket)
 
     def _store_params(self, params: list[nn.Parameter]) -> None:
         """Each bucket's parameters become views of its own storage; only this rank's slices are kept
@@ -73,18 +80,25 @@ class ShardedParameters(ShardedGradients):
         return self.param_shard[first:first + hi - lo]
 
     def gather_params(self, bucket: Bucket) -> dist.Work | None:
-        """Nothing after the step: each forward gathers what it uses."""
-        return None
+        """Nothing gathered after the step: each forward gathers what it uses (an FP8 bucket's slice is
+        quantised now)."""
+        return self._gather_fp8(bucket) if bucket.fp8 else None
 
-    def gather(self, bucket: Bucket) -> dist.Work:
-        """Launch the all-gather of the bucket's whole parameters into their (re-grown) storage."""
+    def gather(self, bucket: Bucket) -> dist.Work | None:
+        """Launch the all-gather of the bucket's whole parameters into their (re-grown) storage (an FP8
+        bucket's FP8 copy)."""
+        if bucket.fp8:
+            return self.float8.gather(bucket)
         weights = self.weights[bucket.index]
         resize_storage(weights, weights.numel() * weights.element_size())
         return all_gather_single(weights, self.param_shard[self.layout.bucket_shard(bucket)], self.group,
                                  async_op=True)
 
     def free(self, bucket: Bucket) -> None:
-        resize_storage(self.weights[bucket.index], 0)
+        if bucket.fp8:
+            self.float8.free(bucket)
+        else:
+            resize_storage(self.weights[bucket.index], 0)
 
 
 @dataclass

@@ -13,6 +13,9 @@ Megatron-FSDP's words stage 1 is `optim`, 2 `optim_grads`, 3 `optim_grads_params
   previous one always lands before its next buffer is made. Leaving them in flight until the end of the
   step (as before issue 25) held one full-size buffer per micro batch, more than stage 1's one.
 
+Under train.fp8_param_gather the FP8 weights' buckets (bucket_layout.py) are gathered as FP8 bytes instead
+(parallel/fp8/param_gather.py), into a copy the matmuls read; a strategy is handed those weights' recipes.
+
 Every strategy has the same few methods; the gradient buffer (grad_buffer.py) decides when a bucket is
 complete and calls them. A reduction in flight keeps its input referenced until it lands, so what it holds
 is visible and counted (`InFlight`).
@@ -28,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.parallel.bucket_layout import Bucket, BucketLayout
+from megalite.parallel.fp8.param_gather import Float8Gathers
+from megalite.parallel.fp8.recipes import Float8
 from megalite.parallel.mappings import all_gather_single, reduce_scatter_single
 from megalite.parallel.timing import Mark, mark
 
@@ -50,9 +55,11 @@ class AllReduce:
     gathers_after_step = False  # updated parameters are all-gathered after the step (1, 2)
 
     def __init__(self, layout: BucketLayout, group: dist.ProcessGroup | None, rank: int,
-                 params: list[nn.Parameter], grad_dtype: torch.dtype) -> None:
+                 params: list[nn.Parameter], grad_dtype: torch.dtype, fp8: dict[int, Float8] | None = None) -> None:
+        """`fp8`: the recipes of the weights gathered in FP8, by parameter id (stages 1-3)."""
         self.layout, self.group, self.rank, self.replicas = layout, group, rank, layout.replicas
         self.device, self.grad_dtype = params[0].device, grad_dtype
+        self.float8: Float8Gathers | None = None
         self.in_flight: dict[int, InFlight] = {}
         self.allocation_observers: list[Callable[[torch.Tensor], None]] = []
         self.grad_data: torch.Tensor | None = None
@@ -142,11 +149,25 @@ class ReduceScatter(AllReduce):
 
     sharded_optimizer = True
     gathers_after_step = True
+    keeps_whole_params = True  # between uses (not ZeRO-3)
 
     def __init__(self, layout: BucketLayout, group: dist.ProcessGroup | None, rank: int,
-                 params: list[nn.Parameter], grad_dtype: torch.dtype) -> None:
+                 params: list[nn.Parameter], grad_dtype: torch.dtype, fp8: dict[int, Float8] | None = None) -> None:
         super().__init__(layout, group, rank, params, grad_dtype)
         self._store_params(params)
+        if fp8:
+            self.float8 = Float8Gathers(layout, group, rank, fp8, self.device, self.keeps_whole_params)
+            for bucket in (b for b in layout.buckets if b.fp8):  # the initial weights' FP8 copies
+                work = self._gather_fp8(bucket)
+                if work is not None:
+                    work.wait()
+
+    def _gather_fp8(self, bucket: Bucket) -> dist.Work | None:
+        """Quantise this rank's slice of an FP8 bucket, and share it now (stages 1-2) or at each use (3)."""
+        self.float8.quantize(bucket, self.owned_weights)
+        if not self.keeps_whole_params:
+            return None
+        return self.float8.gather(bucket)
 
     def _store_params(self, params: list[nn.Parameter]) -> None:
         """Parameters become views of one flat buffer of the layout, keeping their values."""
@@ -169,6 +190,8 @@ class ReduceScatter(AllReduce):
                                                     data, mine)
 
     def gather_params(self, bucket: Bucket) -> dist.Work | None:
+        if bucket.fp8:
+            return self._gather_fp8(bucket)
         if self.replicas == 1:
             return None
         a, b = bucket.shard(self.rank, self.replicas)
@@ -182,9 +205,9 @@ class ShardedGradients(ReduceScatter):
     every_micro_batch = True
 
     def __init__(self, layout: BucketLayout, group: dist.ProcessGroup | None, rank: int,
-                 params: list[nn.Parameter], grad_dtype: torch.dtype) -> None:
+                 params: list[nn.Parameter], grad_dtype: torch.dtype, fp8: dict[int, Float8] | None = None) -> None:
         self.filling: dict[int, torch.Tensor] = {}  # bucket index -> the buffer its gradients accumulate in
-        super().__init__(layout, group, rank, params, grad_dtype)
+        super().__init__(layout, group, rank, params, grad_dtype, fp8)
 
     def _make_grad_storage(self, params: list[nn.Parameter]) -> None:
         self.shard_data = self._zeros(self.layout.size // self.replicas)
