@@ -1,6 +1,6 @@
 """Helpers for multi-process tests: gloo ranks in fresh processes (megalite.parallel.spawn), and
-pretrain_gpt.py under torchrun with its metrics file (`tiny_run` for a test file's tiny model), or its runs
-in spawned ranks (`pretrain_each`)."""
+pretrain_gpt.py under torchrun, or its runs in spawned ranks (`pretrain_each`), with its metrics file (`tiny_run`
+for a test file's tiny model)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,16 @@ def metrics(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
-def tiny_run(tmp_path: Path, nproc: int, *extra: str, base: list[str], name: str = "") -> list[dict]:
+def tiny_run(tmp_path: Path, nproc: int, *extra: str, base: list[str], name: str = "",
+             torchrun: bool = False) -> list[dict]:
     """One short run of a test file's tiny model: its `base` arguments, a metrics file under tmp_path
-    named by nproc and `name` (or the number of extras), then `extra`, which win; returns the records."""
+    named by nproc and `name` (or the number of extras), then `extra`, which win; returns the records. It runs
+    in ranks spawned from the preloaded fork server (`pretrain_each`: the same training, without torchrun's
+    launcher and each rank's imports, seconds per run), or under torchrun when that is what a test is about."""
     path = tmp_path / f"metrics-{nproc}-{name or len(extra)}.jsonl"
-    pretrain_torchrun(nproc, [*base, f"--logging.metrics_file={path}", *extra])
+    args = [*base, f"--logging.metrics_file={path}", *extra]
+    if torchrun:
+        pretrain_torchrun(nproc, args)
+    else:
+        run_ranks(nproc, pretrain_each, [args])
     return metrics(path)

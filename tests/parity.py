@@ -1,4 +1,4 @@
-"""What parity tests compare with one device: the tiny torchrun runs of the data-parallel and ZeRO tests
+"""What parity tests compare with one device: the tiny runs (distributed.tiny_run) of the data-parallel and ZeRO tests
 (four layers, eight micro batches of one sample per step, clipping active (0.5, below every step's norm),
 small buckets so every layer spans several), and `train_and_gather`, a few steps in a spawned rank that
 also gathers the gradients every optimizer stepped with."""

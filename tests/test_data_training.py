@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 from corpus import VOCAB, write_corpus
 from distributed import metrics as read_metrics
-from distributed import pretrain_torchrun
+from distributed import pretrain_each, run_ranks
 
 from megalite.training.pretrain import pretrain
 
@@ -50,18 +50,18 @@ def test_separate_train_and_valid_paths(tmp_path):
     assert pretrain(cfg).val_loss is not None
 
 
-def _torchrun(nproc: int, metrics: Path, corpus: str, cache: Path) -> list[float]:
+def _spawned(nproc: int, metrics: Path, corpus: str, cache: Path) -> list[float]:
     args = ["--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=4", "--model.seq_length=32",
             f"--model.vocab_size={VOCAB}", "--train.micro_batch_size=1", "--train.global_batch_size=4",
             "--train.train_iters=3", "--logging.progress_bar=false", "--logging.log_interval=1",
             f"--logging.metrics_file={metrics}", f"--data.paths={corpus}", "--data.tokenizer_type=NullTokenizer",
             f"--data.cache_dir={cache}", "--data.num_workers=1"]
-    pretrain_torchrun(nproc, args)
+    run_ranks(nproc, pretrain_each, [args])
     return [r["loss"] for r in read_metrics(metrics)]
 
 
 def test_data_parallel_reads_the_same_global_batches(tmp_path):
     corpus = write_corpus(tmp_path / "d", 300, 6)
-    one = _torchrun(1, tmp_path / "one.jsonl", corpus, tmp_path / "cache")
-    two = _torchrun(2, tmp_path / "two.jsonl", corpus, tmp_path / "cache")
+    one = _spawned(1, tmp_path / "one.jsonl", corpus, tmp_path / "cache")
+    two = _spawned(2, tmp_path / "two.jsonl", corpus, tmp_path / "cache")
     assert two == pytest.approx(one, abs=1e-5)

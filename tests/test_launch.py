@@ -18,8 +18,8 @@ TINY = [
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_data_parallel_matches_one_process(tmp_path, family):
-    one = tiny_run(tmp_path, 1, f"--model.family={family}", base=TINY)
-    two = tiny_run(tmp_path, 2, f"--model.family={family}", base=TINY)
+    one = tiny_run(tmp_path, 1, f"--model.family={family}", base=TINY, torchrun=True)
+    two = tiny_run(tmp_path, 2, f"--model.family={family}", base=TINY, torchrun=True)
     assert [r["step"] for r in two] == [1, 2, 3, 4]
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)

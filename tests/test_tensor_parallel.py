@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import tiny_config
-from distributed import cpu_topology, pretrain_torchrun, run_ranks
-from distributed import metrics as read_metrics
+from distributed import cpu_topology, run_ranks, tiny_run
 
 from megalite.model.gpt import GPTModel
 from megalite.parallel.placement import unshard
@@ -76,15 +75,21 @@ def test_tensor_parallel_matches_one_device(world_size):
     assert failures == [[]] * world_size
 
 
-def _torchrun_losses(tmp_path: Path, nproc: int, family: str, extra: list[str]) -> list[float]:
-    metrics = tmp_path / f"m{nproc}{family}{len(extra)}.jsonl"
-    args = ["--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
-            "--model.vocab_size=250", f"--model.family={family}", "--train.micro_batch_size=2",
-            "--train.global_batch_size=4",
-            "--train.train_iters=5", "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true",
-            "--data.num_workers=0", f"--logging.metrics_file={metrics}", *extra]
-    pretrain_torchrun(nproc, args)
-    return [r["loss"] for r in read_metrics(metrics)]
+RUN = ["--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=8", "--model.seq_length=32",
+       "--model.vocab_size=250", "--train.micro_batch_size=2", "--train.global_batch_size=4", "--train.train_iters=5",
+       "--logging.progress_bar=false", "--logging.log_interval=1", "--data.mock=true", "--data.num_workers=0"]
+
+
+def _losses(tmp_path: Path, nproc: int, family: str, extra: list[str]) -> list[float]:
+    records = tiny_run(tmp_path, nproc, f"--model.family={family}", *extra, base=RUN, name=f"{family}{len(extra)}")
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory) -> dict[str, list[float]]:
+    """Each family's one-process losses, the reference of every case below."""
+    tmp = tmp_path_factory.mktemp("tp-reference")
+    return {family: _losses(tmp, 1, family, []) for family in ("gpt2", "llama")}
 
 
 @pytest.mark.parametrize("family, nproc, extra", [
@@ -92,16 +97,16 @@ def _torchrun_losses(tmp_path: Path, nproc: int, family: str, extra: list[str]) 
     ("llama", 2, ["--parallel.tp=2"]),
     ("llama", 4, ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
 ])
-def test_five_steps_equal_one_device(tmp_path, family, nproc, extra):
+def test_five_steps_equal_one_device(tmp_path, one_device, family, nproc, extra):
     """Five optimizer steps; the 4-process case is tp=2 x dp=2."""
-    reference = _torchrun_losses(tmp_path, 1, family, [])
-    assert _torchrun_losses(tmp_path, nproc, family, extra) == pytest.approx(reference, rel=1e-5)
+    reference = one_device[family]
+    assert _losses(tmp_path, nproc, family, extra) == pytest.approx(reference, rel=1e-5)
 
 
-def test_checkpoint_saved_at_tp2_resumes_at_tp1(tmp_path):
+def test_checkpoint_saved_at_tp2_resumes_at_tp1(tmp_path, one_device):
     ckpt = [f"--checkpoint.save={tmp_path / 'ckpt'}", f"--checkpoint.load={tmp_path / 'ckpt'}"]
-    reference = _torchrun_losses(tmp_path, 1, "llama", [])
+    reference = one_device["llama"]
     layout = ["--parallel.tp=2", "--parallel.sequence_parallel=true"]
-    first = _torchrun_losses(tmp_path, 2, "llama", [*layout, "--train.exit_interval=2", *ckpt])
-    resumed = _torchrun_losses(tmp_path, 1, "llama", ["--data.num_workers=0", *ckpt])
+    first = _losses(tmp_path, 2, "llama", [*layout, "--train.exit_interval=2", *ckpt])
+    resumed = _losses(tmp_path, 1, "llama", ["--data.num_workers=0", *ckpt])
     assert first + resumed == pytest.approx(reference, rel=1e-5)
