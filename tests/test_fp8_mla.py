@@ -8,13 +8,17 @@ latent_attention_widths) and names the fields and values that tile."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import tiny_config
-from distributed import metrics, pretrain_each, run_ranks
-from test_fp8_layouts import RUN, _file, _with_metrics
+from distributed import cpu_topology, metrics, pretrain_each, run_ranks
+from test_fp8_layouts import RUN, Recording, _file, _part, _with_metrics
 
 from megalite.config import ConfigError
 from megalite.config_validation import validate
+from megalite.parallel.context import ParallelContext
 from megalite.parallel.fp8 import RECIPES
+from megalite.parallel.gemm import apply_recipe
+from megalite.parallel.layers import DuplicatedLinear
 
 MLA = ["--model.multi_latent_attention=true", "--model.num_query_groups=null"]
 # Under blockwise each rank's share of every contracted width is whole 128-tiles: 4 heads, 2 a rank at tp 2, of
@@ -33,21 +37,82 @@ LAYOUTS = {"tp2 SP": (["--parallel.tp=2", "--parallel.sequence_parallel=true"], 
            "pp2": (["--parallel.pp=2"], False)}
 
 
+# A down-projection alone: 256 tokens of hidden 256 into a 128 + 64 wide latent and rotary key (1.5 tiles)
+TOKENS, HIDDEN, DOWN = 256, 256, 192
+SPLITS = {"tp2 SP": ({"tp": 2}, True), "cp2": ({"cp": 2}, False)}  # layout: (axis sizes, sequence parallel)
+
+
+def _down_projection(name: str, ctx: ParallelContext, x: torch.Tensor, weight: torch.Tensor,
+                     grad: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
+    """One forward and backward of a DuplicatedLinear under recipe `name` at `ctx`'s layout on this rank's rows
+    of x and grad: its recorded amaxes and [y, dx, dw]."""
+    layer = DuplicatedLinear(HIDDEN, DOWN, ctx)
+    layer.weight.data.copy_(weight)
+    apply_recipe(layer, RECIPES[name]())
+    layer.recipe.amax = recording = Recording(layer.recipe.amax)
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad)
+    return recording.seen, [y.detach(), x.grad, layer.weight.grad]
+
+
+def _operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return (torch.randn(TOKENS, 1, HIDDEN, generator=g) * 3, torch.randn(DOWN, HIDDEN, generator=g) * 0.05,
+            torch.randn(TOKENS, 1, DOWN, generator=g) * 1e-3)
+
+
+def _two_ranks(rank: int, world_size: int, runs: list[list[str]]) -> dict:
+    """The down-projection at each of SPLITS under each recipe ({(layout, recipe): (amaxes, results)}), then the
+    model runs, in one group of two."""
+    layers = {}
+    for layout, (sizes, sp) in SPLITS.items():
+        ctx = ParallelContext.from_topology(cpu_topology(rank, world_size, **sizes), sp, seed=0)
+        x, weight, grad = _operands()
+        mine = (x.chunk(2)[rank], weight, grad.chunk(2)[rank])  # either way this rank's half of the tokens
+        layers |= {(layout, name): _down_projection(name, ctx, *mine) for name in sorted(RECIPES)}
+    pretrain_each(rank, world_size, runs)
+    return layers
+
+
 def _args(recipe: str, *extra: str) -> list[str]:
     return [*RUN, *MLA, *SHAPES[recipe], *extra, f"--train.fp8_recipe={recipe}"]
 
 
 @pytest.fixture(scope="module")
-def mla_runs(tmp_path_factory) -> dict[str, list[float]]:
-    """Every recipe's one-device MLA run on one spawned rank, then each layout of each recipe on one group of
-    two: {run name: its step losses}."""
+def mla_runs(tmp_path_factory) -> tuple[dict[str, list[float]], list[dict]]:
+    """Every recipe's one-device MLA run on one spawned rank, then in one group of two the down-projection alone
+    at SPLITS and each layout of each recipe: ({run name: its step losses}, each rank's down-projections)."""
     root = tmp_path_factory.mktemp("fp8_mla")
     references = {f"{recipe} one device": _args(recipe) for recipe in RECIPES}
     layouts = {f"{recipe} {layout}": _args(recipe, *extra)
                for recipe in RECIPES for layout, (extra, _) in LAYOUTS.items()}
     run_ranks(1, pretrain_each, _with_metrics(root, references))
-    run_ranks(2, pretrain_each, _with_metrics(root, layouts))
-    return {name: [r["loss"] for r in metrics(root / f"{_file(name)}.jsonl")] for name in [*references, *layouts]}
+    down_projections = run_ranks(2, _two_ranks, _with_metrics(root, layouts))
+    losses = {name: [r["loss"] for r in metrics(root / f"{_file(name)}.jsonl")] for name in [*references, *layouts]}
+    return losses, down_projections
+
+
+@pytest.mark.parametrize("layout", SPLITS)
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_down_projection_scales_are_the_one_devices(mla_runs, layout, recipe):
+    """A down-projection on its rank's half of the tokens (sequence parallel over tp, or context parallel) agrees
+    every amax its scales come from with the one device's bit for bit (reduced over the sequence ranks where a
+    tile spans the tokens); its outputs and input gradients are the one device's rows, and its weight gradients,
+    partial, sum to the one device's."""
+    one_device, (y, dx, dw) = _down_projection(recipe, ParallelContext(), *_operands())
+    summed = 0
+    for rank, layers in enumerate(mla_runs[1]):
+        seen, (my_y, my_dx, my_dw) = layers[(layout, recipe)]
+        assert [key[:2] for key in seen] == [key[:2] for key in one_device]
+        axes = {"forward": ("sequence", None), "input_grad": ("sequence", None), "weight_grad": (None, "sequence")}
+        for (operand, matmul, amax), (_, _, reference) in zip(seen, one_device):
+            rows_and_k = axes[matmul] if operand != "weight" else (None, None)
+            assert torch.equal(amax, _part(reference, amax, rows_and_k, {"sequence": (rank, 2)})), (operand, matmul)
+        torch.testing.assert_close(my_y, y.chunk(2)[rank], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(my_dx, dx.chunk(2)[rank], rtol=1e-5, atol=1e-9)
+        summed = summed + my_dw
+    torch.testing.assert_close(summed, dw, rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.parametrize(("recipe", "layout"), [(recipe, layout) for recipe in sorted(RECIPES) for layout in LAYOUTS])
@@ -56,7 +121,7 @@ def test_mla_fp8_at_each_layout_reproduces_the_one_device_run(mla_runs, recipe, 
     down-projections' weight gradients summed over the sequence ranks, and cp's attention, reorder fp32 sums, which
     can move a value across an FP8 rounding boundary: step 1 within 1e-5, step 2 within 2e-4."""
     _, reorders = LAYOUTS[layout]
-    reference, losses = mla_runs[f"{recipe} one device"], mla_runs[f"{recipe} {layout}"]
+    reference, losses = mla_runs[0][f"{recipe} one device"], mla_runs[0][f"{recipe} {layout}"]
     assert len(reference) == len(losses) == 2
     assert losses[0] == pytest.approx(reference[0], rel=1e-5 if reorders else 1e-6)
     assert losses[1] == pytest.approx(reference[1], rel=2e-4 if reorders else 1e-6)
