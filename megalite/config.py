@@ -343,7 +343,8 @@ class TrainConfig:
                 "train.precision): tensorwise (a scale per tensor), rowwise (per row), blockwise (DeepSeek-V3's "
                 "1x128 / 128x128 tiles); needs train.precision bf16 or fp32 (parallel/fp8/recipes.py)")
     recompute: Literal["none", "selective", "full"] = _f(
-        "none", "activation recompute: selective = core attention, full = whole layers")
+        "none", "activation recompute: selective = core attention (with latent attention's up-projections) and "
+                "the experts' activation, full = whole layers")
     eval_interval: int | None = _f(
         None, "evaluate on the validation set every this many steps (and at the end); none disables")
     eval_iters: int = _f(10, "global batches per evaluation")

@@ -25,6 +25,13 @@ this layer's softmax scale. A generation cache (model/kv_cache.py) keeps per tok
 rotary key (kv_lora_rank + qk_pos_emb_head_dim numbers per layer), and each step expands every cached token's keys
 and values again through W_UKV.
 
+Selective recompute (model/recompute.py) reruns the up-projections, the queries' RoPE and the core in backward
+(`_attend`, Megatron-Core's mla_up_proj with core_attn): of them autograd keeps only the latents and the rotated
+shared key, not q, k and v (heads x (2 (nope + rope) + nope + v) numbers per token). Under the FP8 recipes every
+projection runs through parallel/gemm.py with the recipe; the down-projections' tokens are split over the sequence
+ranks, over which their scales agree (DuplicatedLinear's operand splits); config_mla.py names the widths blockwise
+tiles.
+
 Under MuonClip's QK-clip (training/qk_clip.py) training forwards also track each head's largest logit, at this
 layer's softmax scale, against the whole sequence's keys (model/attention.py tracked_max_logits).
 """
