@@ -359,7 +359,8 @@ class TrainConfig:
                "--fp8-param-gather); needs train.fp8_recipe tensorwise or blockwise and the distributed optimizer "
                "or ZeRO-3 (parallel/fp8/param_gather.py)")
     recompute: Literal["none", "selective", "full"] = _f(
-        "none", "activation recompute: selective = core attention, full = whole layers")
+        "none", "activation recompute: selective = core attention (with latent attention's up-projections) and "
+                "the experts' activation, full = whole layers")
     eval_interval: int | None = _f(
         None, "evaluate on the validation set every this many steps (and at the end); none disables")
     eval_iters: int = _f(10, "global batches per evaluation")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from megalite.config import Config
+from megalite.config_mla import latent_attention_widths
 from megalite.parallel.fp8.recipes import BLOCK
 
 
@@ -104,12 +105,14 @@ def _untileable_widths(cfg: Config) -> list[tuple[str, str]]:
     train.fp8_output_head) that is not whole tiles, with the field that sets it and a value that tiles."""
     m, p = cfg.model, cfg.parallel
     dense_mlp = len(m.moe_layers) < m.num_layers
-    widths = [  # (width per rank, ranks it is split over, field, field's value)
-        (m.hidden_size, 1, "model.hidden_size", m.hidden_size),
-        (m.num_attention_heads * m.head_size, p.tp, "model.num_attention_heads * head dim", None),
-        ((m.num_attention_heads + 2 * m.kv_heads) * m.head_size, p.tp,
-         "(model.num_attention_heads + 2 * model.num_query_groups) * head dim", None),
-    ]
+    # (width, the ranks it is split over, the field that sets it, the field's value)
+    widths = [(m.hidden_size, 1, "model.hidden_size", m.hidden_size)]
+    if m.multi_latent_attention:
+        widths += latent_attention_widths(m, p.tp)
+    else:
+        widths += [(m.num_attention_heads * m.head_size, p.tp, "model.num_attention_heads * head dim", None),
+                   ((m.num_attention_heads + 2 * m.kv_heads) * m.head_size, p.tp,
+                    "(model.num_attention_heads + 2 * model.num_query_groups) * head dim", None)]
     if dense_mlp:
         widths.append((m.ffn_size, p.tp, "model.ffn_hidden_size", m.ffn_size))
     if m.num_experts:

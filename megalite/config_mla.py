@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from megalite.config_sections import documented as _f
 
 if TYPE_CHECKING:
-    from megalite.config import Config
+    from megalite.config import Config, ModelConfig
 
 
 @dataclass
@@ -96,7 +96,25 @@ def latent_attention_errors(cfg: Config, world_size: int) -> list[str]:
     }
     errors += [f"model.{name} is not available with model.multi_latent_attention: {why}"
                for name, (bad, why) in refused.items() if bad]
-    if cfg.train.fp8_recipe != "none":
-        errors.append(f"train.fp8_recipe={cfg.train.fp8_recipe} is not available with model.multi_latent_attention "
-                      "yet (its projections' widths are not tiled); set train.fp8_recipe=none")
     return errors
+
+
+def latent_attention_widths(m: ModelConfig, tp: int) -> list[tuple[int, int, str, int | None]]:
+    """The widths MLA's matmuls contract over (config_fp8.py tiles them under blockwise FP8), as (width, the
+    tensor-parallel ranks it is split over, the fields that set it, the field's value where one field does):
+    the up-projections' inputs, the latents (whole on every rank), and the heads' widths, split over tp: the
+    query (up-)projection's output (its input gradient's contraction), the key/value up-projection's (k nope and
+    v per head) and the output projection's input (v per head). The key/value down-projection's output,
+    kv_lora_rank + qk_pos_emb_head_dim (576 in DeepSeek-V3, 4.5 tiles), is contracted only by its input gradient
+    and is whole on every rank: its last tile is padded alike on every layout, as DeepSeek-V3's released block
+    scales pad it."""
+    heads, qk = "model.num_attention_heads", "(model.qk_head_dim + model.qk_pos_emb_head_dim)"
+    widths = [(m.kv_lora_rank, 1, "model.kv_lora_rank", m.kv_lora_rank)]
+    if m.q_lora_rank is not None:
+        widths.append((m.q_lora_rank, 1, "model.q_lora_rank", m.q_lora_rank))
+    n = m.num_attention_heads
+    return widths + [
+        (n * (m.qk_head_dim + m.qk_pos_emb_head_dim), tp, f"{heads} * {qk}", None),
+        (n * (m.qk_head_dim + m.v_head_dim), tp, f"{heads} * (model.qk_head_dim + model.v_head_dim)", None),
+        (n * m.v_head_dim, tp, f"{heads} * model.v_head_dim", None),
+    ]

@@ -125,6 +125,18 @@ def test_recomputed_flops_of_a_tiny_moe_by_hand():
         recomputed_flops_per_token(tiny_moe(), "partial")
 
 
+@pytest.mark.parametrize(("q_lora_rank", "query_weights"), [(16, 16 * 4 * 12), (None, 64 * 4 * 12)])
+def test_selective_recompute_of_latent_attention_reruns_its_up_projections(q_lora_rank, query_weights):
+    """Latent attention (4 heads of qk 8 + 4 and v 6, seq 32): per layer the core's 2 x 32 x 4 x (12 + 6) and
+    the up-projections' weights twice: the query's (from a 16-wide latent, or from hidden 64 without query
+    compression) and the key/value one's (an 8-wide latent into 4 x (8 + 6))."""
+    cfg = ModelConfig(family="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=None,
+                      ffn_hidden_size=96, seq_length=32, vocab_size=300, multi_latent_attention=True,
+                      q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
+    per_layer = 2 * 32 * 4 * (12 + 6) + 2 * (query_weights + 8 * 4 * 14)
+    assert recomputed_flops_per_token(cfg, "selective") == 2 * per_layer
+
+
 def test_throughput_reports_model_and_hardware_flops_side_by_side():
     cfg = tiny_moe()
     figures = throughput(1e6, cfg, "full", peak=2.0)

@@ -7,9 +7,10 @@
 - Generation through the cache (the compressed latent and the rotary key per token) gives the logits of a full
   forward, and the cache holds kv_lora_rank + qk_pos_emb_head_dim numbers per token.
 - In one spawned group of two gloo ranks, a tiny MLA model (query compression, YaRN, v narrower than q/k) trained at
-  tp 2, tp 2 with SP, cp 2 ring, cp 2 all-gather (selective recompute) and ZB-V over pp 2, and with DeepSeek-V3's
+  tp 2, tp 2 with SP, cp 2 ring, cp 2 all-gather and tp 2 with SP under selective recompute (the up-projections,
+  the queries' RoPE and the core rerun from the kept latents) and ZB-V over pp 2, and with DeepSeek-V3's
   routing (DEEPSEEK_MOE) at tp 2 with SP and ep 2, equals one device: losses and every gradient (fp32, three
-  steps).
+  steps); so does one device's selective recompute.
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ LAYOUTS = [  # (name, with DEEPSEEK_MOE, parallel fields)
     ("tp 2, SP", False, {"tp": 2, "sequence_parallel": True}),
     ("cp 2 ring", False, {"cp": 2}),
     ("cp 2 all-gather, selective recompute", False, {"cp": 2, "cp_comm": "allgather", "recompute": "selective"}),
+    ("tp 2, SP, selective recompute (the up-projections rerun, their latents gathered again)", False,
+     {"tp": 2, "sequence_parallel": True, "recompute": "selective"}),
     ("ZB-V pp 2 (the down-projections' weight gradients deferred to W)", False,
      {"pp": 2, "vp": 2, "pipeline_schedule": "zb-v"}),
     ("DeepSeek-V3-shaped MoE, tp 2, SP", True, {"tp": 2, "sequence_parallel": True}),
@@ -171,6 +174,14 @@ def test_latent_attention_trains_at_every_layout_as_on_one_device(one_device):
     for index, (name, moe, _) in enumerate(LAYOUTS):
         losses = next(r[index][0] for r in per_rank if r[index][0] is not None)
         assert_equals_one_device(name, losses, per_rank, index, one_device[moe])
+
+
+def test_selective_recompute_of_the_up_projections_equals_keeping_them(one_device):
+    """train.recompute=selective reruns the up-projections, the queries' RoPE and the core from the kept latents
+    (Megatron-Core's mla_up_proj with core_attn): the losses and every gradient are those of a run keeping them."""
+    cfg = _mla(recompute="selective")
+    recomputed = on_one_device(cfg)
+    assert_equals_one_device("selective recompute", recomputed[0], [[recomputed]], 0, one_device[False])
 
 
 def test_compiled_latent_attention_equals_eager():

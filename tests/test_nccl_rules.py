@@ -205,6 +205,13 @@ RUNS = {
         "--model.moe_topk=2", "--model.moe_ffn_hidden_size=16", "--parallel.ep=4", "--parallel.pp=2",
         "--parallel.vp=2", "--parallel.pipeline_schedule=dualpipev", "--train.recompute=full",
         "--train.global_batch_size=16"],
+    "latent attention cp2 x tp2 x pp2, SP, tensorwise FP8 (the down-projections' amax over the sequence ranks), "
+    "selective recompute (rerunning the up-projections' gathers)": [
+        "--model.family=llama", "--model.num_layers=2", "--model.multi_latent_attention=true",
+        "--model.num_query_groups=null", "--model.q_lora_rank=16", "--model.kv_lora_rank=16",
+        "--model.qk_head_dim=8", "--model.qk_pos_emb_head_dim=8", "--model.v_head_dim=8", "--parallel.cp=2",
+        "--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true", "--train.recompute=selective",
+        "--train.fp8_recipe=tensorwise", "--train.global_batch_size=2"],
     "gpt2 cp4 x pp2, ring attention, distributed optimizer over dp x cp": [
         "--model.family=gpt2", "--model.num_layers=2", "--parallel.cp=4", "--parallel.pp=2",
         "--parallel.distributed_optimizer=true", "--train.global_batch_size=4"],

@@ -26,7 +26,7 @@ from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.weight_grads import WeightGradients, deferred
 from megalite.parallel.zero import unit_index
-from megalite.planning.built import rank_model
+from megalite.planning.built import micro_batch, rank_model
 from megalite.planning.context_parallel import comm_bytes
 from megalite.planning.measure import held_for_w, rank_memory, saved_storages
 from megalite.planning.memory import (
@@ -221,16 +221,40 @@ def test_activations_match_saved_tensors(family, precision, param_dtype, recompu
 
 @pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_latent_attention_activations_match_saved_tensors(precision, param_dtype, recompute):
-    """Multi-head latent attention (query compression, v as wide as q/k's rotary part). Without recompute the CPU's
-    attention kernel for a v narrower than q/k (the math one) keeps the s x s probabilities, which CUDA's
-    memory-efficient kernel, as the planner counts, does not: the core is recomputed here."""
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_latent_attention_activations_match_saved_tensors(precision, param_dtype, recompute, q_lora_rank):
+    """Multi-head latent attention (with and without query compression, v as wide as q/k's rotary part). Without
+    recompute the CPU's attention kernel for a v narrower than q/k (the math one) keeps the s x s probabilities,
+    which CUDA's memory-efficient kernel, as the planner counts, does not: the core is recomputed here, under
+    selective with the up-projections (their outputs not kept: only the latents and the rotated shared key)."""
     cfg = _model_config("llama", train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute})
     cfg.model.seq_length, cfg.model.num_query_groups, cfg.model.multi_latent_attention = 64, None, True
-    cfg.model.q_lora_rank, cfg.model.kv_lora_rank, cfg.model.qk_head_dim = 32, 16, 8
+    cfg.model.q_lora_rank, cfg.model.kv_lora_rank, cfg.model.qk_head_dim = q_lora_rank, 16, 8
     cfg.model.qk_pos_emb_head_dim, cfg.model.v_head_dim = 12, 12
     measured = saved_bytes(one_device_model(cfg), cfg)
     assert measured == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.1)
+
+
+@pytest.mark.parametrize("precision,param_dtype", PRECISIONS[:2])
+def test_latent_attention_up_projection_recompute_saves_what_the_planner_counts(precision, param_dtype):
+    """Selective recompute with and without MLA's up-projections rerunning (model/recompute.py sets both): the
+    bytes the planner's declarations say the up-projections' recompute saves are the bytes autograd stops
+    keeping, within 1%."""
+    cfg = _model_config("llama", train={"precision": precision, "param_dtype": param_dtype,
+                                        "recompute": "selective"})
+    cfg.model.seq_length, cfg.model.num_query_groups, cfg.model.multi_latent_attention = 64, None, True
+    cfg.model.q_lora_rank, cfg.model.kv_lora_rank, cfg.model.qk_head_dim = 32, 16, 8
+    cfg.model.qk_pos_emb_head_dim, cfg.model.v_head_dim = 12, 12
+    model, batch = one_device_model(cfg), micro_batch(cfg, "cpu")
+    attentions = [layer.attention for layer in model.transformer_layers()]
+    measured, planned = [], []
+    for up_proj in (False, True):
+        for attention in attentions:
+            attention.recompute_up_proj = up_proj
+        measured.append(saved_bytes(model, cfg))
+        planned.append(sum(attention.saved_bytes(batch) for attention in attentions))
+    assert planned[0] > planned[1]
+    assert measured[0] - measured[1] == pytest.approx(planned[0] - planned[1], rel=0.01)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

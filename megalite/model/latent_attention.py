@@ -25,6 +25,13 @@ this layer's softmax scale. A generation cache (model/kv_cache.py) keeps per tok
 rotary key (kv_lora_rank + qk_pos_emb_head_dim numbers per layer), and each step expands every cached token's keys
 and values again through W_UKV.
 
+Selective recompute (model/recompute.py) reruns the up-projections, the queries' RoPE and the core in backward
+(`_attend`, Megatron-Core's mla_up_proj with core_attn): of them autograd keeps only the latents and the rotated
+shared key, not q, k and v (heads x (2 (nope + rope) + nope + v) numbers per token). Under the FP8 recipes every
+projection runs through parallel/gemm.py with the recipe; the down-projections' tokens are split over the sequence
+ranks, over which their scales agree (DuplicatedLinear's operand splits); config_mla.py names the widths blockwise
+tiles.
+
 Under MuonClip's QK-clip (training/qk_clip.py) training forwards also track each head's largest logit, at this
 layer's softmax scale, against the whole sequence's keys (model/attention.py tracked_max_logits).
 """
@@ -78,6 +85,7 @@ class LatentAttention(nn.Module):
         self.linear_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, ctx, False)
         self.scale, self.dropout, self.ctx = softmax_scale(cfg), cfg.attention_dropout, ctx
         self.recompute_core = False
+        self.recompute_up_proj = False  # selective recompute (model/recompute.py): `_attend` whole, core included
         # MuonClip's QK-clip (training/qk_clip.py) sets a tensor here: each head's largest logit since it was reset
         self.max_logits: torch.Tensor | None = None
         self.fused = True  # train.fusions: RoPE as model/fused.py's one kernel each way
@@ -86,15 +94,29 @@ class LatentAttention(nn.Module):
                 cache: LayerCache | None = None) -> torch.Tensor:
         """x: [seq (/tp under SP), batch, hidden] -> the same shape; `cache` holds (and receives) earlier tokens'
         normalised latents and rotated keys."""
-        q = self._queries(x)
-        s, b = q.shape[:2]
-        q_nope, q_rope = q.view(s, b, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
+        queries = self._query_source(x)
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_layernorm(latent).to(latent.dtype), self._enter_heads(k_rope)
-        q_rope, k_rope = (apply_rope(t, *rope, fused=self.fused) for t in (q_rope, k_rope.unsqueeze(2)))
+        k_rope = apply_rope(k_rope.unsqueeze(2), *rope, fused=self.fused)
         if cache is not None:  # cached as [batch, 1, tokens, width]
             latent, k_rope = cache.append(latent.unsqueeze(2).permute(1, 2, 0, 3), k_rope.permute(1, 2, 0, 3))
             latent, k_rope = latent[:, 0].transpose(0, 1), k_rope.permute(2, 0, 1, 3)
+        if self.recompute_up_proj and self.training:
+            out = checkpoint_with_rng(self._attend, queries, latent, k_rope, *rope, False, tracker=self.ctx.rng)
+        else:
+            out = self._attend(queries, latent, k_rope, *rope, self.recompute_core and self.training)
+        return self.linear_proj(out)
+
+    def _attend(self, queries: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, recompute_core: bool) -> torch.Tensor:
+        """The up-projections, the queries' RoPE and the core, from the query source (the normalised query latent,
+        or x without query compression), the normalised key/value latent and the rotated shared key: [seq,
+        batch, heads/tp * v head dim]. Selective recompute (`recompute_up_proj`) reruns all of it in backward,
+        keeping only these inputs (Megatron-Core's mla_up_proj with core_attn)."""
+        q = self.linear_q_proj(queries) if hasattr(self, "linear_q_proj") else self.linear_q_up_proj(queries)
+        s, b = q.shape[:2]
+        q_nope, q_rope = q.view(s, b, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin, fused=self.fused)
         kv = self.linear_kv_up_proj(latent)
         k_nope, v = kv.view(*kv.shape[:2], self.heads, -1).split([self.nope, self.v_dim], dim=-1)
         # [batch, heads, seq, width], q and k concatenated straight into that order (contiguous: inductor's
@@ -102,24 +124,25 @@ class LatentAttention(nn.Module):
         q_nope, q_rope, k_nope, k_rope, v = (t.permute(1, 2, 0, 3) for t in (q_nope, q_rope, k_nope, k_rope, v))
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, self.heads, -1, -1)), dim=-1)
-        if self.max_logits is not None and self.training:
+        if self.max_logits is not None and self.training:  # rerun by a recompute too: the same maximum
             self.max_logits = torch.maximum(self.max_logits, tracked_max_logits(q, k, self.ctx.cp, self.scale))
-        if self.recompute_core and self.training:
+        if recompute_core:
             out = checkpoint_with_rng(self._core, q, k, v, tracker=self.ctx.rng)
         else:
             out = self._core(q, k, v)
-        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim))
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim)
 
     def query_projection(self) -> str:
         """The name of the projection whose rows are the heads' queries, [q_nope; q_rope] per head."""
         return "linear_q_proj" if hasattr(self, "linear_q_proj") else "linear_q_up_proj"
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        """[seq, batch, heads/tp * qk head dim], the whole sequence (column-parallel layers gather it under SP)."""
+    def _query_source(self, x: torch.Tensor) -> torch.Tensor:
+        """What the query (up-)projection takes: x without query compression, else the normalised query latent
+        of this rank's rows (the column-parallel up-projection gathers it under SP)."""
         if hasattr(self, "linear_q_proj"):
-            return self.linear_q_proj(x)
+            return x
         c_q = self.linear_q_down_proj(x)
-        return self.linear_q_up_proj(self.q_layernorm(c_q).to(c_q.dtype))
+        return self.q_layernorm(c_q).to(c_q.dtype)
 
     def _enter_heads(self, k_rope: torch.Tensor) -> torch.Tensor:
         """The shared rotary key of this rank's rows, for every row's heads: gathered along the sequence under SP,
@@ -144,14 +167,17 @@ class LatentAttention(nn.Module):
 
     def saved_bytes(self, batch: MicroBatch) -> int:
         """Each projection's input (the down-projections' on this rank's rows, the others' on every token), the
-        norms' fp32 input and statistics, q and k after the concatenation, the up-projection's output of which v is
-        a view, and the core's logsumexp (unless the core is recomputed: then q, k, v are its kept inputs all the
-        same); under all-gather context parallelism `_allgather_change`."""
+        norms' fp32 input and statistics; then, with the up-projections recomputed (`_attend` checkpointed), only
+        the rotated shared key beside them; else q and k after the concatenation, the up-projection's output of
+        which v is a view, and the core's logsumexp (unless the core is recomputed: then q, k, v are its kept
+        inputs all the same); under all-gather context parallelism `_allgather_change`."""
         tokens, c, heads, qk = batch.tokens, batch.compute, self.heads, self.nope + self.rope_dim
         size = sum((batch.rows if isinstance(lin, DuplicatedLinear) else tokens) * lin.weight.shape[1] * c
                    for lin in self._linears())
         norms = [self.kv_rank] + ([self.linear_q_down_proj.weight.shape[0]] if hasattr(self, "q_layernorm") else [])
         size += sum(batch.rows * (width * 4 + 4) for width in norms)
+        if self.recompute_up_proj:
+            return size + tokens * self.rope_dim * c
         size += tokens * heads * (2 * qk + self.nope + self.v_dim) * c
         return size + (tokens * heads * 4 if not self.recompute_core else 0) + self._allgather_change(batch)
 
@@ -177,4 +203,8 @@ class LatentAttention(nn.Module):
         return 2 * seq * self.heads * (self.nope + self.rope_dim + self.v_dim)
 
     def recomputed_flops(self, seq: int) -> float:
+        """The core's FLOPs under selective recompute, and the up-projections' with it when they rerun."""
+        if self.recompute_up_proj:
+            up = (getattr(self, self.query_projection()), self.linear_kv_up_proj)
+            return self.attention_flops(seq) + 2 * weights_multiplied(*up)
         return self.attention_flops(seq) if self.recompute_core else 0

@@ -12,18 +12,22 @@ from __future__ import annotations
 from typing import Literal
 
 from megalite.model.gpt import GPTModel
+from megalite.model.latent_attention import LatentAttention
 from megalite.model.moe.layer import MoELayer
 
 
 def apply_recompute(model: GPTModel, mode: Literal["none", "selective", "full"]) -> None:
     """full: each transformer layer keeps only its input and reruns whole in backward; selective: only the
-    core attention (softmax(QK^T)V) reruns, from its kept q, k, v, and the experts' activation with their second
-    projection, from the first's output; none: autograd keeps everything.
+    core attention (softmax(QK^T)V) reruns, from its kept q, k, v (under latent attention with the
+    up-projections and the queries' RoPE before it, from the kept latents: Megatron-Core's mla_up_proj), and the
+    experts' activation with their second projection, from the first's output; none: autograd keeps everything.
     Only training forwards recompute (eval and generation never do)."""
     if mode not in ("none", "selective", "full"):
         raise ValueError(f"recompute mode {mode!r} is not one of none, selective, full")
     for layer in model.transformer_layers():
         layer.recompute = mode == "full"
         layer.attention.recompute_core = mode == "selective"
+        if isinstance(layer.attention, LatentAttention):
+            layer.attention.recompute_up_proj = mode == "selective"
         if isinstance(layer.mlp, MoELayer):
             layer.mlp.experts.recompute_activation = mode == "selective"

@@ -68,10 +68,13 @@ class ParallelContext:
         """Tensor parallelism alone (tests and benchmarks of single layers)."""
         return cls(AxisView(group, rank, size), sequence_parallel=sequence_parallel)
 
-    def operand_splits(self, out: str | None = None, in_: str | None = None, experts: bool = False) -> OperandSplits:
+    def operand_splits(self, out: str | None = None, in_: str | None = None, experts: bool = False,
+                       tokens: str = "cp") -> OperandSplits:
         """Where a matmul layer's operands lie (gemm.OperandSplits): its weight split along its output (`out`) or
-        input features (`in_`) over that axis ("tp" or "etp"); a dense layer's tokens over cp (sequence
-        parallelism gathers them whole over tp before its matmuls), an expert's over the sequence ranks when
+        input features (`in_`) over that axis ("tp" or "etp"); a dense layer's tokens over the `tokens` axis: cp
+        for a tensor-parallel layer (sequence parallelism gathers them whole over tp before its matmuls), the
+        sequence ranks ("sequence") for a layer whole on every rank that runs on the rank's own rows (latent
+        attention's down-projections, parallel/layers.py DuplicatedLinear); an expert's over the sequence ranks when
         each rank runs every expert on its own tokens (ep = etp = 1). Where the expert ranks gather every part
         of a sequence the tokens are whole; where they gather some parts and not others (ep over part of the
         sequence ranks) an expert's scales follow the tokens its rank holds, not one device's. Axes of one
@@ -80,7 +83,6 @@ class ParallelContext:
         groups = {(axis,): view.group for axis, view in views.items() if view.size > 1}
         if self.tp.size > 1 and self.cp.size > 1:
             groups[("tp", "cp")] = self.tp_cp.group
-        tokens = "cp"
         if experts:
             tokens = "sequence" if self.ep_etp.size == 1 and not self.experts_see_whole_sequences else None
         live = [axis if axis is not None and views[axis].size > 1 else None for axis in (out, in_, tokens)]

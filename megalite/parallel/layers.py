@@ -91,13 +91,15 @@ class DuplicatedLinear(nn.Module):
     SP, else every row, as every rank has them): the small down-projections of latent attention, whose outputs
     then enter column-parallel layers. No communication; the column-parallel layer after it brings the output
     gradient whole (all-reduced), or under SP reduce-scatters it to this rank's rows, whose weight gradient is then
-    partial over tp, as its placement says (Megatron-Core's "duplicated" linear)."""
+    partial over tp, as its placement says (Megatron-Core's "duplicated" linear). Its tokens are split over the
+    sequence ranks (tp under SP, and cp), so an FP8 scale spanning them is agreed over those ranks."""
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.placements = {"weight": default_placement(ctx.sequence_parallel)}
         self.recipe = gemm.HIGH_PRECISION
+        self.operand_splits = ctx.operand_splits(tokens="sequence")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemm.linear(x, self.weight, recipe=self.recipe)

@@ -110,9 +110,13 @@ def checkpoint_with_rng(function: Callable[..., Any], *args: Any, tracker: RNGTr
                         replay: Callable[[], contextlib.AbstractContextManager] | None = None) -> Any:
     """torch's non-reentrant activation checkpoint of function(*args) whose recompute also sees the
     tracker as it was at the forward (streams and open forks), so dropout draws the same masks, and runs
-    inside `replay()` when given (what the forward reports is then not counted twice)."""
+    inside `replay()` when given (what the forward reports is then not counted twice). Inside a compiled layer
+    (selective recompute's core) it runs eager, outside the graph: torch.compile traces no checkpoint with a
+    context_fn."""
     if tracker is None and replay is None:
         return checkpoint(function, *args, use_reentrant=False)
+    if torch.compiler.is_compiling():
+        return _eager_checkpoint(function, *args, tracker=tracker, replay=replay)
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         snapshot = tracker.snapshot() if tracker is not None else None  # the streams as the forward found them
@@ -126,6 +130,12 @@ def checkpoint_with_rng(function: Callable[..., Any], *args: Any, tracker: RNGTr
         return contextlib.nullcontext(), recompute()
 
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
+
+
+@torch.compiler.disable
+def _eager_checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGTracker | None,
+                      replay: Callable[[], contextlib.AbstractContextManager] | None) -> Any:
+    return checkpoint_with_rng(function, *args, tracker=tracker, replay=replay)
 
 
 def model_parallel_tracker(seed: int, tp_rank: int, device: torch.device) -> RNGTracker:

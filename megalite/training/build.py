@@ -101,14 +101,15 @@ def _apply_fp8(model: GPTModel, cfg: Config) -> None:
 
 
 def build_rank_model(cfg: Config, topology: Topology) -> GPTModel:
-    """This rank's model in its parallel context, compiled layer by layer when train.compile asks: what
-    build_trainer trains, and what a benchmark's bare loop runs without the trainer around it."""
+    """This rank's model in its parallel context, compiled layer by layer (multi-token prediction's layers too)
+    when train.compile asks: what build_trainer trains, and what a benchmark's bare loop runs without the trainer
+    around it."""
     p = cfg.parallel
     ctx = ParallelContext.from_topology(topology, p.sequence_parallel_active, cfg.train.seed, p.cp_comm,
                                         p.moe_dispatcher)
     model = build_model(cfg, topology.device, ctx, topology.pp_rank)
     if cfg.train.compile:
-        for layer in model.layers.values():
+        for layer in model.transformer_layers():
             layer.compile()
     return model
 
