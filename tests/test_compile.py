@@ -2,7 +2,8 @@
 tensor and sequence parallelism, pipeline parallelism (ZB-V too: its split backward runs through an opaque
 op, parallel/weight_grads.py; DualPipeV's F&B pairs and whole backwards beside split ones), activation
 recompute (selective's checkpoint runs eager inside the compiled layer, with latent attention's up-projections),
-multi-token prediction's layers (compiled as the main ones are) and the data-parallel hooks
+multi-token prediction's layers (compiled as the main ones are), FP8 matmuls (tensorwise, its scales agreed
+over tp) and the data-parallel hooks
 (the distributed optimizer's overlapped gathers wait in module pre-hooks; ZeRO-3 gathers and frees each
 layer around its forward). Inductor runs on the CPU, so the compiled losses are compared with eager ones."""
 
@@ -46,7 +47,7 @@ def _eager_and_compiled(rank: int, world_size: int, layout: list[str]) -> tuple[
     ["--model.family=llama", "--model.num_query_groups=null", "--model.mtp_num_layers=1", "--parallel.tp=2",
      "--parallel.sequence_parallel=true", "--model.multi_latent_attention=true", "--model.q_lora_rank=16",
      "--model.kv_lora_rank=16", "--model.qk_head_dim=8", "--model.qk_pos_emb_head_dim=8", "--model.v_head_dim=8",
-     "--train.recompute=selective"],
+     "--train.recompute=selective", "--train.fp8_recipe=tensorwise"],
 ])
 def test_compiled_layers_train_like_eager(layout):
     """Inductor fuses the layers' elementwise work and may reorder float sums, so compiled and eager steps
