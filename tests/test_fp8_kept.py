@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from distributed import cpu_topology, run_ranks
-from test_plan import PRECISIONS, _model_config, one_device_model, saved_bytes
+from test_plan import PRECISIONS, _model_config, assert_zero_bubble_bytes_as_planned, one_device_model, saved_bytes
 from test_plan_experts import FEATURES, block_config, block_saved_bytes, planned_block_bytes
 
 from megalite.config import Config
@@ -18,12 +18,9 @@ from megalite.config_validation import validate
 from megalite.parallel import gemm
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.fp8 import RECIPES
-from megalite.parallel.weight_grads import WeightGradients, deferred
-from megalite.planning.measure import held_for_w
 from megalite.planning.memory import chunk_activation_bytes, chunk_held_bytes, peak_activations
 from megalite.planning.plan import format_plan, make_plan
 from megalite.training.build import build_model, build_trainer
-from megalite.training.step import precision_context
 
 DTYPES = {torch.float32: 4, torch.bfloat16: 2}
 
@@ -112,17 +109,7 @@ def test_planned_fp8_weight_gradient_inputs_under_a_zero_bubble_schedule(family)
     (test_plan's zero-bubble measurement, within its 1% and 2%)."""
     cfg = _config(family, "tensorwise", "bf16", "fp32", "none")
     cfg.parallel.pipeline_schedule = "zb-h1"
-    model = build_model(cfg, torch.device("cpu"), ParallelContext(), 0).train()
-    assert saved_bytes(model, cfg) == pytest.approx(chunk_activation_bytes(cfg, 0, "cpu")[0], rel=0.01)
-    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),
-                           generator=torch.Generator().manual_seed(0))
-    with precision_context(cfg.train.precision, torch.device("cpu")):
-        loss = model(tokens, tokens).sum()
-    queue = WeightGradients()
-    with deferred(queue):
-        loss.backward()
-    held = sum(held_for_w(queue, model.parameters()).values())
-    assert held == pytest.approx(chunk_held_bytes(cfg, 0, "cpu")[0], rel=0.02)
+    assert_zero_bubble_bytes_as_planned(cfg)
     unquantised = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8_recipe="none"))
     assert chunk_held_bytes(cfg, 0, "cpu")[0] < chunk_held_bytes(unquantised, 0, "cpu")[0]
 

@@ -50,6 +50,13 @@ def _run_layer(kind: str, name: str, ctx: ParallelContext, pieces) -> tuple[list
     layer_type = ColumnParallelLinear if kind == "column" else RowParallelLinear
     layer = layer_type(x.shape[-1] * (ctx.tp.size if kind == "row" else 1), grad.shape[-1] * (
         ctx.tp.size if kind == "column" else 1), ctx, bias=False)
+    return recorded_step(layer, name, x, weight, grad)
+
+
+def recorded_step(layer: torch.nn.Module, name: str, x: torch.Tensor, weight: torch.Tensor,
+                  grad: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
+    """One forward and backward of `layer` (weight set to `weight`) under recipe `name` on x with output gradient
+    grad: its recorded amaxes and [y, dx, dw]."""
     layer.weight.data.copy_(weight)
     apply_recipe(layer, RECIPES[name]())
     layer.recipe.amax = recording = Recording(layer.recipe.amax)

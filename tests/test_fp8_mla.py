@@ -11,13 +11,12 @@ import pytest
 import torch
 from conftest import tiny_config
 from distributed import cpu_topology, metrics, pretrain_each, run_ranks
-from test_fp8_layouts import RUN, Recording, _file, _part, _with_metrics
+from test_fp8_layouts import RUN, _file, _part, _with_metrics, recorded_step
 
 from megalite.config import ConfigError
 from megalite.config_validation import validate
 from megalite.parallel.context import ParallelContext
 from megalite.parallel.fp8 import RECIPES
-from megalite.parallel.gemm import apply_recipe
 from megalite.parallel.layers import DuplicatedLinear
 
 MLA = ["--model.multi_latent_attention=true", "--model.num_query_groups=null"]
@@ -46,14 +45,7 @@ def _down_projection(name: str, ctx: ParallelContext, x: torch.Tensor, weight: t
                      grad: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
     """One forward and backward of a DuplicatedLinear under recipe `name` at `ctx`'s layout on this rank's rows
     of x and grad: its recorded amaxes and [y, dx, dw]."""
-    layer = DuplicatedLinear(HIDDEN, DOWN, ctx)
-    layer.weight.data.copy_(weight)
-    apply_recipe(layer, RECIPES[name]())
-    layer.recipe.amax = recording = Recording(layer.recipe.amax)
-    x = x.clone().requires_grad_()
-    y = layer(x)
-    y.backward(grad)
-    return recording.seen, [y.detach(), x.grad, layer.weight.grad]
+    return recorded_step(DuplicatedLinear(HIDDEN, DOWN, ctx), name, x, weight, grad)
 
 
 def _operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
