@@ -45,18 +45,18 @@ class GroupCall:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor among the arguments, lists flattened, in order."""
-        found: list[torch.Tensor] = []
+        return _tensors_in((self.arguments, tuple(self.keywords.values())))
 
-        def collect(value: Any) -> None:
-            if isinstance(value, torch.Tensor):
-                found.append(value)
-            elif isinstance(value, (list, tuple)):
-                for item in value:
-                    collect(item)
 
-        collect(self.arguments)
-        collect(tuple(self.keywords.values()))
-        return found
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in `value`, lists and tuples flattened, in order. A module-level function, not a closure
+    that calls itself: such a closure is a reference cycle (function -> cell -> function) holding its list of
+    tensors, which only the cyclic garbage collector frees: every communicated buffer would outlive its call."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors_in(item)]
+    return []
 
 
 class CommObserver:
