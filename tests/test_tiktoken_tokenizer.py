@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import regex
 import tiktoken
+import torch
+import transformers
+from test_hf_convert import convert
 from test_preprocess_data import documents, run_tool, write_jsonl
 
 from megalite.checkpoint.hf_tokenizer import hf_tokenizer, keep_tokenizer, save_tokenizer
@@ -24,6 +27,7 @@ from megalite.config import DataConfig
 from megalite.data.tiktoken_dir import KIMI_PATTERN, load_pretrained_tokenizer
 from megalite.data.tokenizers import HuggingFaceTokenizer
 from megalite.errors import InvalidInput, MissingInput
+from megalite.inference.generate import load_model
 
 CORPUS = ("The quick brown fox's den; THE QUICK FOXES'LL jump 1234567 times!\n\n"
           "我们在北京学习机器学习。机器学习很有趣，我们学习。\n  indented  code: x = 42; y=3.14\r\n"
@@ -135,6 +139,35 @@ def test_the_directory_travels_with_a_checkpoint_byte_for_byte(reference, kimi_d
     names = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py")
     assert sorted(p.name for p in (tmp_path / "hf_out").iterdir()) == sorted(names)
     assert all((tmp_path / "hf_out" / n).read_bytes() == (kimi_dir / n).read_bytes() for n in names)
+
+
+def test_a_kimi_k2_directory_converts_with_its_tokenizer_both_ways(ranks, reference, kimi_dir, tmp_path):
+    """A tiny `model_type: kimi_k2` model directory (its config and tokenizer read without remote code) converts in
+    with the tokenizer kept and read from the checkpoint, and out with the tokenizer files unchanged and its bos /
+    eos ids in config.json."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=reference.n_vocab, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf_in")
+    written = json.loads((tmp_path / "hf_in" / "config.json").read_text())
+    kimi = written | {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+                      "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+    (tmp_path / "hf_in" / "config.json").write_text(json.dumps(kimi))
+    for name in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"):
+        (tmp_path / "hf_in" / name).write_bytes((kimi_dir / name).read_bytes())
+    convert("--from-hf", "--load", str(tmp_path / "hf_in"), "--save", str(tmp_path / "megalite"))
+    _, cfg, tokenizer = load_model(tmp_path / "megalite", torch.device("cpu"))
+    assert cfg.data.tokenizer_type == "HuggingFaceTokenizer" and cfg.model.multi_latent_attention
+    assert tokenizer.encode(MIXED) == reference.encode(MIXED, allowed_special="all")
+    assert tokenizer.eod == reference.encode_single_token("[EOS]")
+    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "hf_out"))
+    for name in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"):
+        assert (tmp_path / "hf_out" / name).read_bytes() == (kimi_dir / name).read_bytes()
+    exported = json.loads((tmp_path / "hf_out" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (len(ranks), len(ranks) + 1)
 
 
 def test_bad_tiktoken_directories_are_named_with_the_fix(ranks, tmp_path):
