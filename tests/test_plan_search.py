@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from released_configs import RELEASED
 
 from megalite.config_validation import validate
 from megalite.dryrun.run import dry_run
@@ -198,6 +199,9 @@ def test_the_tool_reads_a_hugging_face_config(tmp_path):
     args = argparse.Namespace(config=None, hf_config=str(tmp_path))
     assert plan_tool.load_config(args, []).train.precision == "bf16"  # as released models train, unless asked
     assert plan_tool.load_config(args, ["--train.precision=fp32"]).train.precision == "fp32"
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED["Kimi-K2-Instruct"][0]))  # kimi_k2: no remote code
+    kimi = plan_tool.load_config(args, []).model
+    assert kimi.multi_latent_attention and kimi.num_experts == 384 and kimi.rope_scaling == "yarn"
 
 
 def test_a_layout_search_needs_a_global_batch():

@@ -76,13 +76,17 @@ def load_config(args: argparse.Namespace, overrides: list[str]):
     from transformers import AutoConfig
 
     from megalite.checkpoint.hf_config_read import model_config_from_hf
+    from megalite.checkpoint.hf_deepseek import kimi_k2_config
 
     path = Path(args.hf_config)
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise ConfigError(f"--hf-config {path}: no such file; give a Hugging Face config.json")
     data = json.loads(path.read_text())
-    hf = AutoConfig.for_model(data.pop("model_type"), **data)
+    if data.get("model_type") == "kimi_k2":  # transformers knows it only through remote code
+        hf = kimi_k2_config(data)
+    else:
+        hf = AutoConfig.for_model(data.pop("model_type"), **data)
     cfg = parse_config(["--train.precision=bf16", *(arg for arg in overrides if not arg.startswith("--model."))])
     try:
         cfg.model = model_config_from_hf(hf, str(path))

@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     g.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    g.add_argument("--tokenizer-model", help="SentencePiece .model, or Hugging Face tokenizer folder / tokenizer.json")
+    g.add_argument("--tokenizer-model", help="SentencePiece .model, or Hugging Face tokenizer folder (Kimi's tiktoken "
+                   "folder too) / tokenizer.json")
     g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are < VOCAB_SIZE, eod = VOCAB_SIZE")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
     g = p.add_argument_group("output data")

@@ -32,6 +32,7 @@ from megalite.checkpoint.hf_mtp import hub_mtp_depths, mtp_from_hub, mtp_to_hub,
 from megalite.checkpoint.hf_tokenizer import has_tokenizer, hf_tokenizer, keep_tokenizer, save_tokenizer
 from megalite.checkpoint.model_io import fresh_target, read_model_tensors, write_model_checkpoint
 from megalite.config import Config, DataConfig
+from megalite.data.tiktoken_dir import load_pretrained_tokenizer
 
 
 def megalite_to_hf(load: str | Path, save: str | Path, max_shard_size: str = "2GB", drop_mtp: bool = False) -> Path:
@@ -95,8 +96,10 @@ def load_hf(source: str | Path):
     kimi = {} if gguf or hub_config(directory) is None else {"config": hub_config(directory)}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True, **gguf,
                                                  **quantized, **kimi)
-    tokenizer = (AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
-                 if gguf or has_tokenizer(directory) else None)
+    if gguf:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
+    else:  # a tiktoken tokenizer (Kimi K2, Moonlight) without its remote code
+        tokenizer = load_pretrained_tokenizer(directory) if has_tokenizer(directory) else None
     return model, tokenizer
 
 

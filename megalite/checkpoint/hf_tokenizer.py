@@ -21,6 +21,7 @@ from tokenizers import Regex, models, normalizers
 
 from megalite.config import DataConfig
 from megalite.data.build import tokenizer_from_config
+from megalite.data.tiktoken_dir import load_pretrained_tokenizer, tokenizer_config
 from megalite.data.tokenizers import SentencePieceTokenizer
 
 TOKENIZER_DIR = "tokenizer"
@@ -45,7 +46,7 @@ def hf_tokenizer(data: DataConfig, vocab_size: int, source: str):
         return None
     _check_paths(data, source)
     if data.tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(data.tokenizer_model):
-        return transformers.AutoTokenizer.from_pretrained(data.tokenizer_model, local_files_only=True)
+        return load_pretrained_tokenizer(data.tokenizer_model)
     ours = tokenizer_from_config(data, vocab_size)
     if isinstance(ours, SentencePieceTokenizer):
         return _sentencepiece_as_llama(data.tokenizer_model)
@@ -95,11 +96,11 @@ def _sentencepiece_as_llama(model_file: str):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **special)
 
 
-# The files an HF tokenizer may consist of (transformers v5 writes some of them, older versions others), and the
-# folder v5 keeps named chat templates in.
+# The files an HF tokenizer may consist of (transformers v5 writes some of them, older versions others, Kimi K2
+# and Moonlight publish tiktoken.model), and the folder v5 keeps named chat templates in.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "vocab.txt")
+                   "vocab.txt", "tiktoken.model")
 CHAT_TEMPLATES_DIR = "additional_chat_templates"
 
 
@@ -111,11 +112,19 @@ def has_tokenizer(directory: Path) -> bool:
 def copy_tokenizer_files(source: Path, target: Path) -> None:
     """Copy the tokenizer files of HF directory `source` into `target` unchanged."""
     target.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + _remote_code(source):
         if (source / name).is_file():
             shutil.copyfile(source / name, target / name)
     if (source / CHAT_TEMPLATES_DIR).is_dir():
         shutil.copytree(source / CHAT_TEMPLATES_DIR, target / CHAT_TEMPLATES_DIR, dirs_exist_ok=True)
+
+
+def _remote_code(source: Path) -> tuple[str, ...]:
+    """The modules of HF directory `source` that its tokenizer_config.json's auto_map names (Kimi's
+    tokenization_kimi.py): copied, never run, so that the directory still loads where its users trust remote code."""
+    classes = tokenizer_config(source).get("auto_map", {}).get("AutoTokenizer", [])
+    names = classes if isinstance(classes, list) else [classes]
+    return tuple(sorted({f"{name.split('.')[0]}.py" for name in names if isinstance(name, str) and "--" not in name}))
 
 
 def save_tokenizer(tokenizer, data: DataConfig, target: Path) -> None:

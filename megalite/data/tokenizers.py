@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from megalite.data.tiktoken_dir import CONFIG_FILE, RANKS_FILE, load_pretrained_tokenizer
 from megalite.errors import InvalidInput, MissingInput
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
@@ -131,9 +132,9 @@ def _bpe(vocab_file: str, merge_file: str) -> models.BPE:
 
 
 class HuggingFaceTokenizer(_RustTokenizer):
-    """A local Hugging Face tokenizer: a directory (what `save_pretrained` writes; its
-    tokenizer_config.json names the eos token, the end-of-document id) or a bare
-    tokenizer.json file, whose one special token is taken as eos.
+    """A local Hugging Face tokenizer: a directory (what `save_pretrained` writes, or a tiktoken one as Kimi K2
+    and Moonlight publish theirs: tiktoken_dir.py; its tokenizer_config.json names the eos token, the
+    end-of-document id) or a bare tokenizer.json file, whose one special token is taken as eos.
     """
 
     def __init__(self, path: str | None) -> None:
@@ -156,13 +157,11 @@ class HuggingFaceTokenizer(_RustTokenizer):
 
     @staticmethod
     def _from_directory(path: str) -> tuple[tokenizers.Tokenizer, int]:
-        import transformers  # slow to import, and only this case needs it
-
-        expected = ("tokenizer.json", "tokenizer_config.json")
+        expected = ("tokenizer.json", CONFIG_FILE, RANKS_FILE)
         if not any(os.path.isfile(os.path.join(path, name)) for name in expected):
             raise InvalidInput(f"{_SOURCES['tokenizer_model']}: {path} has no {' or '.join(expected)}, so it is not a "
                                "Hugging Face tokenizer directory; give the directory save_pretrained wrote")
-        loaded = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        loaded = load_pretrained_tokenizer(path)
         if loaded.eos_token_id is None:
             raise InvalidInput(f"{_SOURCES['tokenizer_model']}: the tokenizer in {path} has no eos token to end "
                                "documents with; set eos_token in its tokenizer_config.json")
