@@ -6,7 +6,8 @@
 - A tiny random DeepseekV3ForCausalLM (YaRN, interleaved rotary rows, group-limited routing, a dense first layer,
   a shared expert, expert biases), with and without query compression, converts in (tools/convert_checkpoint.py)
   with transformers' logits, and out to the very tensors it came from (experts one by one, as the hub stores
-  them), which transformers loads with no missing or unexpected weights and megalite's logits.
+  them), which transformers loads with no missing or unexpected weights and megalite's logits; experts fused as
+  transformers v5 holds them convert as the hub's one by one do.
 - The hub's MTP layer (layer num_hidden_layers: experts one by one, `shared_head.norm`, copies of the embedding
   and head), which transformers skips, converts into megalite's MTP with the depth's loss computed by hand with
   transformers' modules on the hub tensors, and back out with every tensor bit for bit and num_nextn_predict_layers;
@@ -109,6 +110,24 @@ def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q
     assert type(hf_back).__name__ == "DeepseekV3ForCausalLM" and hf_back.config.rope_interleave
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     _same_logits("deepseek_v3 back", model, hf_back.eval(), tokens)
+
+
+def test_experts_fused_as_transformers_holds_them_convert_as_the_hubs_one_by_one(tmp_path):
+    """A directory holding transformers v5's fused experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`) as
+    written from its state dict converts to exactly the checkpoint of the hub's layout (experts one by one)."""
+    hf = _tiny_deepseek(12)
+    hf.save_pretrained(tmp_path / "hub")
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "hub" / "config.json").read_text())
+    state = {name: t.contiguous() for name, t in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state and "mlp.experts.0." not in "".join(state)
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in hf_tensors(tmp_path / "hub")
+    save_file(state, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
+    for name in ("hub", "fused"):
+        convert("--from-hf", "--load", str(tmp_path / name), "--save", str(tmp_path / f"{name}_in"))
+    got, expected = (load_model(tmp_path / f"{name}_in", torch.device("cpu"))[0].state_dict()
+                     for name in ("fused", "hub"))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
 
 
 def _block_fp8(directory: Path) -> dict[str, torch.Tensor]:
