@@ -7,7 +7,8 @@
   a shared expert, expert biases), with and without query compression, converts in (tools/convert_checkpoint.py)
   with transformers' logits, and out to the very tensors it came from (experts one by one, as the hub stores
   them), which transformers loads with no missing or unexpected weights and megalite's logits; experts fused as
-  transformers v5 holds them convert as the hub's one by one do.
+  transformers v5 holds them convert as the hub's one by one do; so does Kimi K2's `model_type: kimi_k2` directory,
+  read without its remote code.
 - The hub's MTP layer (layer num_hidden_layers: experts one by one, `shared_head.norm`, copies of the embedding
   and head), which transformers skips, converts into megalite's MTP with the depth's loss computed by hand with
   transformers' modules on the hub tensors, and back out with every tensor bit for bit and num_nextn_predict_layers;
@@ -110,6 +111,26 @@ def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q
     assert type(hf_back).__name__ == "DeepseekV3ForCausalLM" and hf_back.config.rope_interleave
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     _same_logits("deepseek_v3 back", model, hf_back.eval(), tokens)
+
+
+def test_a_kimi_k2_directory_converts_in_without_remote_code(tmp_path):
+    """Kimi K2's config.json (`model_type: kimi_k2`, its `auto_map` naming code megalite never runs, which is not
+    even there) over DeepseekV3's tensors converts in with transformers' logits and back as DeepseekV3ForCausalLM."""
+    hf = _tiny_deepseek(12)
+    hf.save_pretrained(tmp_path / "kimi")
+    config = json.loads((tmp_path / "kimi" / "config.json").read_text())
+    config |= {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+               "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(config))
+    convert("--from-hf", "--load", str(tmp_path / "kimi"), "--save", str(tmp_path / "megalite"))
+    model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
+    assert cfg.model.multi_latent_attention and cfg.model.moe_router == "sigmoid"
+    _same_logits("kimi_k2", model, hf, torch.randint(0, 250, (2, 24), generator=torch.Generator().manual_seed(0)))
+    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "back"))
+    before, after = hf_tensors(tmp_path / "kimi"), hf_tensors(tmp_path / "back")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "deepseek_v3"
 
 
 def test_experts_fused_as_transformers_holds_them_convert_as_the_hubs_one_by_one(tmp_path):
