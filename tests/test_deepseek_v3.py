@@ -12,6 +12,7 @@
 - The hub's MTP layer (layer num_hidden_layers: experts one by one, `shared_head.norm`, copies of the embedding
   and head), which transformers skips, converts into megalite's MTP with the depth's loss computed by hand with
   transformers' modules on the hub tensors, and back out with every tensor bit for bit and num_nextn_predict_layers;
+  the converted model decodes greedily through the latent cache as transformers does;
   published in FP8, it comes in dequantised; an incomplete one, one whose embedding or head copy differs from the
   shared one, or a layer past num_nextn_predict_layers is refused by name.
 - Its published FP8 layout (E4M3 weights, an fp32 `weight_scale_inv` per 128 x 128 block) converts to exactly the
@@ -41,7 +42,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from megalite.checkpoint.hf_convert import hf_model_to_megalite
 from megalite.config import ModelConfig
 from megalite.data.mtp_targets import mtp_targets
-from megalite.inference.generate import load_model
+from megalite.inference.generate import Sampling, generate, load_model
 from megalite.model.moe.router import route
 
 
@@ -274,6 +275,24 @@ def test_hub_mtp_layer_converts_in_with_its_loss_and_back_bit_for_bit(tmp_path):
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub_back", output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"]  # transformers skips the MTP layer alone
     assert all(name.startswith("model.layers.2.") for name in info["unexpected_keys"])
+
+
+def test_greedy_generation_through_the_latent_cache_equals_transformers(tmp_path):
+    """A converted DeepSeek-V3 with its hub MTP layer (which generation leaves out) decodes greedily through the
+    latent cache, 42 positions past YaRN's original 16, as it does without the cache and as transformers does."""
+    hf = _tiny_deepseek(12)
+    hf.save_pretrained(tmp_path / "hub")
+    (weights,) = (tmp_path / "hub").glob("*.safetensors")
+    save_file(load_file(weights) | _hub_mtp_layer(hf)[1], weights, metadata={"format": "pt"})
+    convert("--from-hf", "--load", str(tmp_path / "hub"), "--save", str(tmp_path / "megalite"))
+    model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
+    assert cfg.model.mtp_num_layers == 1
+    prompt = torch.randint(0, 250, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    cached = generate(model, prompt, Sampling(max_new_tokens=30, temperature=0, stop_tokens=()))
+    assert cached == generate(model, prompt, Sampling(max_new_tokens=30, temperature=0, stop_tokens=(),
+                                                      use_cache=False))
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+    assert cached == theirs[0, len(prompt):].tolist() and len(set(cached)) > 5
 
 
 def test_hub_mtp_layer_in_block_fp8_dequantises_at_import(tmp_path):
