@@ -2,8 +2,8 @@
 like every other linear (the down-projections whole on every rank on its own rows, their tokens split over the
 sequence ranks: parallel/layers.py DuplicatedLinear's operand splits), so an MLA model's FP8 run (each recipe,
 fp32 mode) at tp 2 + SP, cp 2 and pp 2 reproduces the one device's FP8 run within tests/test_fp8_layouts.py's
-tolerances; so does a DeepSeek-V3-shaped one (MLA and experts routed as released) with experts at ep 2, in fp32 and
-in bf16 mode; under blockwise the validator checks MLA's per-rank contraction widths (config_mla.py
+tolerances; so does a DeepSeek-V3-shaped one (MLA, experts routed as released, an MTP depth) with experts at ep 2,
+in fp32 and in bf16 mode; under blockwise the validator checks MLA's per-rank contraction widths (config_mla.py
 latent_attention_widths) and names the fields and values that tile."""
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ LAYOUTS = {"tp2 SP": (["--parallel.tp=2", "--parallel.sequence_parallel=true"], 
            "pp2": (["--parallel.pp=2"], False)}
 
 
-# DeepSeek-V3's MoE in miniature (sigmoid scores, groups scored by their two best, the expert bias,
-# routed_scaling_factor, a shared expert, a dense first layer), its experts' and shared expert's widths whole
-# 128-tiles under blockwise (the shared expert's per tp rank too).
-DEEPSEEK_MOE = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_first_dense_layers=1",
+# DeepSeek-V3 in miniature beside MLA: its MoE (sigmoid scores, groups scored by their two best, the expert bias,
+# routed_scaling_factor, a shared expert, a dense first layer) and a multi-token prediction depth (an MLA + MoE layer
+# whose matmuls take the recipe too); its experts' and shared expert's widths whole 128-tiles under blockwise (the
+# shared expert's per tp rank too).
+DEEPSEEK_V3 = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_first_dense_layers=1",
                 "--model.moe_router=sigmoid", "--model.moe_router_groups=2", "--model.moe_router_group_topk=1",
                 "--model.moe_router_group_experts=2", "--model.moe_expert_bias=true", "--model.moe_scaling_factor=2.5",
-                "--model.moe_norm_topk_prob=true"]
+                "--model.moe_norm_topk_prob=true", "--model.mtp_num_layers=1"]
 EXPERT_WIDTHS = {"blockwise": ["--model.moe_ffn_hidden_size=128", "--model.moe_shared_expert_size=256"],
                  "tensorwise": ["--model.moe_ffn_hidden_size=64", "--model.moe_shared_expert_size=64"]}
 EXPERT_WIDTHS["rowwise"] = EXPERT_WIDTHS["tensorwise"]
@@ -97,7 +98,7 @@ def _args(recipe: str, *extra: str) -> list[str]:
 def _deepseek_args(recipe: str, precision: str, *extra: str, widths: str | None = None) -> list[str]:
     """The DeepSeek-V3-shaped model's run under `recipe` at the shapes of recipe `widths` (default: its own)."""
     widths = widths or recipe
-    return [*RUN, *MLA, *SHAPES[widths], *DEEPSEEK_MOE, *EXPERT_WIDTHS[widths], *PRECISIONS[precision], *extra,
+    return [*RUN, *MLA, *SHAPES[widths], *DEEPSEEK_V3, *EXPERT_WIDTHS[widths], *PRECISIONS[precision], *extra,
             f"--train.fp8_recipe={recipe}"]
 
 
@@ -119,6 +120,8 @@ def mla_runs(tmp_path_factory) -> tuple[dict[str, list[float]], list[dict]]:
     run_ranks(1, pretrain_each, _with_metrics(root, references))
     down_projections = run_ranks(2, _two_ranks, _with_metrics(root, layouts))
     losses = {name: [r["loss"] for r in metrics(root / f"{_file(name)}.jsonl")] for name in [*references, *layouts]}
+    losses |= {f"{name} MTP": [r["mtp_1_loss"] for r in metrics(root / f"{_file(name)}.jsonl")]
+               for name in [*references, *layouts] if name.startswith("deepseek")}
     return losses, down_projections
 
 
@@ -158,32 +161,35 @@ def test_mla_fp8_at_each_layout_reproduces_the_one_device_run(mla_runs, recipe, 
 
 @pytest.mark.parametrize(("recipe", "precision", "layout"), DEEPSEEK_CASES, ids=" ".join)
 def test_deepseek_v3_shaped_fp8_with_experts_reproduces_the_one_device_run(mla_runs, recipe, precision, layout):
-    """MLA with DeepSeek-V3's experts under each recipe, at tp 2 + SP x ep 2 and (not blockwise) cp 2: in fp32 mode
-    within test_mla_fp8_at_each_layout's tolerances. In bf16 mode the reordered sums (tp's row-parallel layers, the
-    all-to-all's partial expert outputs summed on the token's rank, cp's attention merges) are rounded to bf16 where
-    the one device rounds its own once (2^-8 relative on a value); two steps moved the losses by up to 9e-5 here:
-    1e-3 leaves 10x margin, while a token routed to another expert, a lost block or an unreduced scale in bf16
-    changes the computation outright."""
-    reference = mla_runs[0][f"deepseek {recipe} {precision} one device"]
-    losses = mla_runs[0][f"deepseek {recipe} {precision} {layout}"]
-    assert len(reference) == len(losses) == 2
-    if precision == "fp32":
-        assert losses[0] == pytest.approx(reference[0], rel=1e-5)
-        assert losses[1] == pytest.approx(reference[1], rel=2e-4)
-    else:
-        assert losses == pytest.approx(reference, rel=1e-3)
+    """MLA with DeepSeek-V3's experts and an MTP depth under each recipe, at tp 2 + SP x ep 2 and (not blockwise)
+    cp 2, the main and the MTP losses: in fp32 mode within test_mla_fp8_at_each_layout's tolerances. In bf16 mode
+    the reordered sums (tp's row-parallel layers, the all-to-all's partial expert outputs summed on the token's
+    rank, cp's attention merges) are rounded to bf16 where the one device rounds its own once (2^-8 relative on a
+    value); two steps moved the losses by up to 2e-4 here: 1e-3 leaves 5x margin, while a token routed to another
+    expert, a lost block or an unreduced scale in bf16 changes the computation outright."""
+    for series in ("", " MTP"):
+        reference = mla_runs[0][f"deepseek {recipe} {precision} one device{series}"]
+        losses = mla_runs[0][f"deepseek {recipe} {precision} {layout}{series}"]
+        assert len(reference) == len(losses) == 2
+        if precision == "fp32":
+            assert losses[0] == pytest.approx(reference[0], rel=1e-5), series
+            assert losses[1] == pytest.approx(reference[1], rel=2e-4), series
+        else:
+            assert losses == pytest.approx(reference, rel=1e-3), series
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_deepseek_v3_shaped_fp8_in_bf16_mode_trains_like_bf16(mla_runs, recipe):
     """On one device, each recipe's bf16-mode run of the DeepSeek-V3-shaped model is within 1% of the same run
-    without FP8 (FP8's error is far below that), and FP8 ran (its losses are not the run without it's)."""
+    without FP8 (FP8's error is far below that), main and MTP losses, and FP8 ran (its losses are not the run
+    without it's)."""
     widths = "blockwise" if recipe == "blockwise" else "tensorwise"
-    reference = mla_runs[0][f"deepseek none bf16 at {widths}'s shapes"]
-    losses = mla_runs[0][f"deepseek {recipe} bf16 one device"]
-    assert len(losses) == len(reference) == 2
-    assert losses != pytest.approx(reference, rel=1e-6, abs=0)
-    assert losses == pytest.approx(reference, rel=1e-2)
+    for series in ("", " MTP"):
+        reference = mla_runs[0][f"deepseek none bf16 at {widths}'s shapes{series}"]
+        losses = mla_runs[0][f"deepseek {recipe} bf16 one device{series}"]
+        assert len(losses) == len(reference) == 2
+        assert losses != pytest.approx(reference, rel=1e-6, abs=0), series
+        assert losses == pytest.approx(reference, rel=1e-2), series
 
 
 def _blockwise_problems(tp: int, **model) -> list[str]:
