@@ -116,17 +116,25 @@ def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q
 
 def test_a_kimi_k2_directory_converts_in_without_remote_code(tmp_path):
     """Kimi K2's config.json (`model_type: kimi_k2`, its `auto_map` naming code megalite never runs, which is not
-    even there) over DeepseekV3's tensors converts in with transformers' logits and back as DeepseekV3ForCausalLM."""
-    hf = _tiny_deepseek(12)
-    hf.save_pretrained(tmp_path / "kimi")
+    even there; YaRN as `rope_scaling` with beta_fast = beta_slow = 1 over an original context of 4,096, where
+    beta_fast = 32 would interpolate another rotary channel) over DeepseekV3's tensors converts in with the logits
+    of transformers' DeepseekV3 of those fields, and back as DeepseekV3ForCausalLM."""
+    _tiny_deepseek(12).save_pretrained(tmp_path / "kimi")
     config = json.loads((tmp_path / "kimi" / "config.json").read_text())
-    config |= {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+    config.pop("rope_parameters")
+    config |= {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "rope_theta": 10000.0,
+               "rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                                "mscale_all_dim": 0.8, "original_max_position_embeddings": 4096},
                "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
                             "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
     (tmp_path / "kimi" / "config.json").write_text(json.dumps(config))
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "kimi",
+                                                           config=DeepseekV3Config.from_dict(fields)).eval()
+    assert hf.config.rope_parameters["beta_fast"] == hf.config.rope_parameters["beta_slow"] == 1.0
     convert("--from-hf", "--load", str(tmp_path / "kimi"), "--save", str(tmp_path / "megalite"))
     model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
-    assert cfg.model.multi_latent_attention and cfg.model.moe_router == "sigmoid"
+    assert cfg.model.multi_latent_attention and (cfg.model.rope_beta_fast, cfg.model.rope_beta_slow) == (1.0, 1.0)
     _same_logits("kimi_k2", model, hf, torch.randint(0, 250, (2, 24), generator=torch.Generator().manual_seed(0)))
     convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "back"))
     before, after = hf_tensors(tmp_path / "kimi"), hf_tensors(tmp_path / "back")
