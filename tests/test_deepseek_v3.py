@@ -73,16 +73,17 @@ def test_released_group_routing_equals_transformers_router():
 
 # ------------------------------------------------------------------------------ Hugging Face both ways
 
-def _tiny_deepseek(q_lora: int | None) -> transformers.PreTrainedModel:
+def _tiny_deepseek(q_lora: int | None, rms_norm_eps: float = 1e-6) -> transformers.PreTrainedModel:
     """A tiny random DeepseekV3ForCausalLM: YaRN, interleaved rotary rows, group-limited routing (3 of 8 experts
     in the best 2 of 4 groups: Megatron's group score would differ), a dense first layer, a shared expert, random
-    expert biases."""
+    expert biases. `rms_norm_eps`: the layers' and final norms' (the latents' are 1e-6 whatever it is, as
+    DeepSeek's code has them)."""
     config = transformers.DeepseekV3Config(
         vocab_size=250, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
         n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=q_lora,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64,
-        rope_interleave=True, initializer_range=0.1, bos_token_id=None, eos_token_id=248,
+        rope_interleave=True, initializer_range=0.1, bos_token_id=None, eos_token_id=248, rms_norm_eps=rms_norm_eps,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
                          "original_max_position_embeddings": 16})
@@ -96,9 +97,10 @@ def _tiny_deepseek(q_lora: int | None) -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.mark.parametrize("q_lora", [12, None])
-def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q_lora, tmp_path):
-    hf_in = _tiny_deepseek(q_lora)
+@pytest.mark.parametrize(("q_lora", "rms_norm_eps"), [(12, 1e-6), (None, 1e-6), (None, 1e-2)],
+                         ids=["query compression", "none", "none, Moonlight's two epsilons (exaggerated)"])
+def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q_lora, rms_norm_eps, tmp_path):
+    hf_in = _tiny_deepseek(q_lora, rms_norm_eps)
     hf_in.save_pretrained(tmp_path / "hf_in")  # the hub's layout: experts one by one
     convert("--from-hf", "--load", str(tmp_path / "hf_in"), "--save", str(tmp_path / "megalite"))
     model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
