@@ -6,10 +6,13 @@
 - A tiny random DeepseekV3ForCausalLM (YaRN, interleaved rotary rows, group-limited routing, a dense first layer,
   a shared expert, expert biases), with and without query compression, converts in (tools/convert_checkpoint.py)
   with transformers' logits, and out to the very tensors it came from (experts one by one, as the hub stores
-  them), which transformers loads with no missing or unexpected weights and megalite's logits.
+  them), which transformers loads with no missing or unexpected weights and megalite's logits; experts fused as
+  transformers v5 holds them convert as the hub's one by one do; so does Kimi K2's `model_type: kimi_k2` directory,
+  read without its remote code.
 - The hub's MTP layer (layer num_hidden_layers: experts one by one, `shared_head.norm`, copies of the embedding
   and head), which transformers skips, converts into megalite's MTP with the depth's loss computed by hand with
   transformers' modules on the hub tensors, and back out with every tensor bit for bit and num_nextn_predict_layers;
+  the converted model decodes greedily through the latent cache as transformers does;
   published in FP8, it comes in dequantised; an incomplete one, one whose embedding or head copy differs from the
   shared one, or a layer past num_nextn_predict_layers is refused by name.
 - Its published FP8 layout (E4M3 weights, an fp32 `weight_scale_inv` per 128 x 128 block) converts to exactly the
@@ -39,7 +42,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from megalite.checkpoint.hf_convert import hf_model_to_megalite
 from megalite.config import ModelConfig
 from megalite.data.mtp_targets import mtp_targets
-from megalite.inference.generate import load_model
+from megalite.inference.generate import Sampling, generate, load_model
 from megalite.model.moe.router import route
 
 
@@ -70,16 +73,17 @@ def test_released_group_routing_equals_transformers_router():
 
 # ------------------------------------------------------------------------------ Hugging Face both ways
 
-def _tiny_deepseek(q_lora: int | None) -> transformers.PreTrainedModel:
+def _tiny_deepseek(q_lora: int | None, rms_norm_eps: float = 1e-6) -> transformers.PreTrainedModel:
     """A tiny random DeepseekV3ForCausalLM: YaRN, interleaved rotary rows, group-limited routing (3 of 8 experts
     in the best 2 of 4 groups: Megatron's group score would differ), a dense first layer, a shared expert, random
-    expert biases."""
+    expert biases. `rms_norm_eps`: the layers' and final norms' (the latents' are 1e-6 whatever it is, as
+    DeepSeek's code has them)."""
     config = transformers.DeepseekV3Config(
         vocab_size=250, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
         n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=q_lora,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64,
-        rope_interleave=True, initializer_range=0.1, bos_token_id=None, eos_token_id=248,
+        rope_interleave=True, initializer_range=0.1, bos_token_id=None, eos_token_id=248, rms_norm_eps=rms_norm_eps,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
                          "original_max_position_embeddings": 16})
@@ -93,9 +97,10 @@ def _tiny_deepseek(q_lora: int | None) -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.mark.parametrize("q_lora", [12, None])
-def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q_lora, tmp_path):
-    hf_in = _tiny_deepseek(q_lora)
+@pytest.mark.parametrize(("q_lora", "rms_norm_eps"), [(12, 1e-6), (None, 1e-6), (None, 1e-2)],
+                         ids=["query compression", "none", "none, Moonlight's two epsilons (exaggerated)"])
+def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q_lora, rms_norm_eps, tmp_path):
+    hf_in = _tiny_deepseek(q_lora, rms_norm_eps)
     hf_in.save_pretrained(tmp_path / "hf_in")  # the hub's layout: experts one by one
     convert("--from-hf", "--load", str(tmp_path / "hf_in"), "--save", str(tmp_path / "megalite"))
     model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
@@ -109,6 +114,52 @@ def test_deepseek_v3_converts_in_with_transformers_logits_and_back_bit_for_bit(q
     assert type(hf_back).__name__ == "DeepseekV3ForCausalLM" and hf_back.config.rope_interleave
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     _same_logits("deepseek_v3 back", model, hf_back.eval(), tokens)
+
+
+def test_a_kimi_k2_directory_converts_in_without_remote_code(tmp_path):
+    """Kimi K2's config.json (`model_type: kimi_k2`, its `auto_map` naming code megalite never runs, which is not
+    even there; YaRN as `rope_scaling` with beta_fast = beta_slow = 1 over an original context of 4,096, where
+    beta_fast = 32 would interpolate another rotary channel) over DeepseekV3's tensors converts in with the logits
+    of transformers' DeepseekV3 of those fields, and back as DeepseekV3ForCausalLM."""
+    _tiny_deepseek(12).save_pretrained(tmp_path / "kimi")
+    config = json.loads((tmp_path / "kimi" / "config.json").read_text())
+    config.pop("rope_parameters")
+    config |= {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "rope_theta": 10000.0,
+               "rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                                "mscale_all_dim": 0.8, "original_max_position_embeddings": 4096},
+               "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(config))
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "kimi",
+                                                           config=DeepseekV3Config.from_dict(fields)).eval()
+    assert hf.config.rope_parameters["beta_fast"] == hf.config.rope_parameters["beta_slow"] == 1.0
+    convert("--from-hf", "--load", str(tmp_path / "kimi"), "--save", str(tmp_path / "megalite"))
+    model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
+    assert cfg.model.multi_latent_attention and (cfg.model.rope_beta_fast, cfg.model.rope_beta_slow) == (1.0, 1.0)
+    _same_logits("kimi_k2", model, hf, torch.randint(0, 250, (2, 24), generator=torch.Generator().manual_seed(0)))
+    convert("--to-hf", "--load", str(tmp_path / "megalite"), "--save", str(tmp_path / "back"))
+    before, after = hf_tensors(tmp_path / "kimi"), hf_tensors(tmp_path / "back")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
+def test_experts_fused_as_transformers_holds_them_convert_as_the_hubs_one_by_one(tmp_path):
+    """A directory holding transformers v5's fused experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`) as
+    written from its state dict converts to exactly the checkpoint of the hub's layout (experts one by one)."""
+    hf = _tiny_deepseek(12)
+    hf.save_pretrained(tmp_path / "hub")
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "hub" / "config.json").read_text())
+    state = {name: t.contiguous() for name, t in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state and "mlp.experts.0." not in "".join(state)
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in hf_tensors(tmp_path / "hub")
+    save_file(state, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
+    for name in ("hub", "fused"):
+        convert("--from-hf", "--load", str(tmp_path / name), "--save", str(tmp_path / f"{name}_in"))
+    got, expected = (load_model(tmp_path / f"{name}_in", torch.device("cpu"))[0].state_dict()
+                     for name in ("fused", "hub"))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
 
 
 def _block_fp8(directory: Path) -> dict[str, torch.Tensor]:
@@ -234,6 +285,24 @@ def test_hub_mtp_layer_converts_in_with_its_loss_and_back_bit_for_bit(tmp_path):
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub_back", output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"]  # transformers skips the MTP layer alone
     assert all(name.startswith("model.layers.2.") for name in info["unexpected_keys"])
+
+
+def test_greedy_generation_through_the_latent_cache_equals_transformers(tmp_path):
+    """A converted DeepSeek-V3 with its hub MTP layer (which generation leaves out) decodes greedily through the
+    latent cache, 42 positions past YaRN's original 16, as it does without the cache and as transformers does."""
+    hf = _tiny_deepseek(12)
+    hf.save_pretrained(tmp_path / "hub")
+    (weights,) = (tmp_path / "hub").glob("*.safetensors")
+    save_file(load_file(weights) | _hub_mtp_layer(hf)[1], weights, metadata={"format": "pt"})
+    convert("--from-hf", "--load", str(tmp_path / "hub"), "--save", str(tmp_path / "megalite"))
+    model, cfg, _ = load_model(tmp_path / "megalite", torch.device("cpu"))
+    assert cfg.model.mtp_num_layers == 1
+    prompt = torch.randint(0, 250, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    cached = generate(model, prompt, Sampling(max_new_tokens=30, temperature=0, stop_tokens=()))
+    assert cached == generate(model, prompt, Sampling(max_new_tokens=30, temperature=0, stop_tokens=(),
+                                                      use_cache=False))
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+    assert cached == theirs[0, len(prompt):].tolist() and len(set(cached)) > 5
 
 
 def test_hub_mtp_layer_in_block_fp8_dequantises_at_import(tmp_path):

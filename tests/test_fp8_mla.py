@@ -2,7 +2,8 @@
 like every other linear (the down-projections whole on every rank on its own rows, their tokens split over the
 sequence ranks: parallel/layers.py DuplicatedLinear's operand splits), so an MLA model's FP8 run (each recipe,
 fp32 mode) at tp 2 + SP, cp 2 and pp 2 reproduces the one device's FP8 run within tests/test_fp8_layouts.py's
-tolerances; under blockwise the validator checks MLA's per-rank contraction widths (config_mla.py
+tolerances; so does a DeepSeek-V3-shaped one (MLA, experts routed as released, an MTP depth) with experts at ep 2,
+in fp32 and in bf16 mode; under blockwise the validator checks MLA's per-rank contraction widths (config_mla.py
 latent_attention_widths) and names the fields and values that tile."""
 
 from __future__ import annotations
@@ -34,6 +35,29 @@ SHAPES["rowwise"] = SHAPES["tensorwise"]
 LAYOUTS = {"tp2 SP": (["--parallel.tp=2", "--parallel.sequence_parallel=true"], True),
            "cp2": (["--parallel.cp=2"], True),
            "pp2": (["--parallel.pp=2"], False)}
+
+
+# DeepSeek-V3 in miniature beside MLA: its MoE (sigmoid scores, groups scored by their two best, the expert bias,
+# routed_scaling_factor, a shared expert, a dense first layer) and a multi-token prediction depth (an MLA + MoE layer
+# whose matmuls take the recipe too); its experts' and shared expert's widths whole 128-tiles under blockwise (the
+# shared expert's per tp rank too).
+DEEPSEEK_V3 = ["--model.num_experts=4", "--model.moe_topk=2", "--model.moe_first_dense_layers=1",
+                "--model.moe_router=sigmoid", "--model.moe_router_groups=2", "--model.moe_router_group_topk=1",
+                "--model.moe_router_group_experts=2", "--model.moe_expert_bias=true", "--model.moe_scaling_factor=2.5",
+                "--model.moe_norm_topk_prob=true", "--model.mtp_num_layers=1"]
+EXPERT_WIDTHS = {"blockwise": ["--model.moe_ffn_hidden_size=128", "--model.moe_shared_expert_size=256"],
+                 "tensorwise": ["--model.moe_ffn_hidden_size=64", "--model.moe_shared_expert_size=64"]}
+EXPERT_WIDTHS["rowwise"] = EXPERT_WIDTHS["tensorwise"]
+# bf16 mode: Megatron-LM's --bf16 (bf16 parameters and autocast, fp32 main weights) around the FP8 matmuls.
+PRECISIONS = {"fp32": [], "bf16": ["--train.precision=bf16", "--train.param_dtype=bf16"]}
+# The DeepSeek-V3-shaped model's layouts: (precision, layout) -> its arguments. Experts at ep 2 folded over tp (as
+# tests/test_fp8_layouts.py's experts: each expert runs on all of a micro batch's tokens, as on one device; ep
+# folded over dp would quantise two micro batches' tokens together under tensorwise and rowwise). cp 2 keeps every
+# expert on every rank, their tokens split over the cp ranks: not under blockwise (test_fp8_layouts' SPLIT_EXPERTS).
+EP2 = ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2"]
+DEEPSEEK_LAYOUTS = {("fp32", "tp2 SP x ep2"): EP2, ("bf16", "tp2 SP x ep2"): EP2, ("bf16", "cp2"): ["--parallel.cp=2"]}
+DEEPSEEK_CASES = [(recipe, precision, layout) for recipe in sorted(RECIPES) for precision, layout in DEEPSEEK_LAYOUTS
+                  if not (recipe == "blockwise" and layout == "cp2")]
 
 
 # A down-projection alone: 256 tokens of hidden 256 into a 128 + 64 wide latent and rotary key (1.5 tiles)
@@ -71,17 +95,33 @@ def _args(recipe: str, *extra: str) -> list[str]:
     return [*RUN, *MLA, *SHAPES[recipe], *extra, f"--train.fp8_recipe={recipe}"]
 
 
+def _deepseek_args(recipe: str, precision: str, *extra: str, widths: str | None = None) -> list[str]:
+    """The DeepSeek-V3-shaped model's run under `recipe` at the shapes of recipe `widths` (default: its own)."""
+    widths = widths or recipe
+    return [*RUN, *MLA, *SHAPES[widths], *DEEPSEEK_V3, *EXPERT_WIDTHS[widths], *PRECISIONS[precision], *extra,
+            f"--train.fp8_recipe={recipe}"]
+
+
 @pytest.fixture(scope="module")
 def mla_runs(tmp_path_factory) -> tuple[dict[str, list[float]], list[dict]]:
     """Every recipe's one-device MLA run on one spawned rank, then in one group of two the down-projection alone
     at SPLITS and each layout of each recipe: ({run name: its step losses}, each rank's down-projections)."""
     root = tmp_path_factory.mktemp("fp8_mla")
     references = {f"{recipe} one device": _args(recipe) for recipe in RECIPES}
+    references |= {f"deepseek {recipe} {precision} one device": _deepseek_args(recipe, precision)
+                   for recipe in RECIPES for precision in PRECISIONS}
+    references |= {f"deepseek none bf16 at {widths}'s shapes": _deepseek_args("none", "bf16", widths=widths)
+                   for widths in ("tensorwise", "blockwise")}
     layouts = {f"{recipe} {layout}": _args(recipe, *extra)
                for recipe in RECIPES for layout, (extra, _) in LAYOUTS.items()}
+    layouts |= {f"deepseek {recipe} {precision} {layout}": _deepseek_args(recipe, precision,
+                                                                          *DEEPSEEK_LAYOUTS[precision, layout])
+                for recipe, precision, layout in DEEPSEEK_CASES}
     run_ranks(1, pretrain_each, _with_metrics(root, references))
     down_projections = run_ranks(2, _two_ranks, _with_metrics(root, layouts))
     losses = {name: [r["loss"] for r in metrics(root / f"{_file(name)}.jsonl")] for name in [*references, *layouts]}
+    losses |= {f"{name} MTP": [r["mtp_1_loss"] for r in metrics(root / f"{_file(name)}.jsonl")]
+               for name in [*references, *layouts] if name.startswith("deepseek")}
     return losses, down_projections
 
 
@@ -117,6 +157,39 @@ def test_mla_fp8_at_each_layout_reproduces_the_one_device_run(mla_runs, recipe, 
     assert len(reference) == len(losses) == 2
     assert losses[0] == pytest.approx(reference[0], rel=1e-5 if reorders else 1e-6)
     assert losses[1] == pytest.approx(reference[1], rel=2e-4 if reorders else 1e-6)
+
+
+@pytest.mark.parametrize(("recipe", "precision", "layout"), DEEPSEEK_CASES, ids=" ".join)
+def test_deepseek_v3_shaped_fp8_with_experts_reproduces_the_one_device_run(mla_runs, recipe, precision, layout):
+    """MLA with DeepSeek-V3's experts and an MTP depth under each recipe, at tp 2 + SP x ep 2 and (not blockwise)
+    cp 2, the main and the MTP losses: in fp32 mode within test_mla_fp8_at_each_layout's tolerances. In bf16 mode
+    the reordered sums (tp's row-parallel layers, the all-to-all's partial expert outputs summed on the token's
+    rank, cp's attention merges) are rounded to bf16 where the one device rounds its own once (2^-8 relative on a
+    value); two steps moved the losses by up to 2e-4 here: 1e-3 leaves 5x margin, while a token routed to another
+    expert, a lost block or an unreduced scale in bf16 changes the computation outright."""
+    for series in ("", " MTP"):
+        reference = mla_runs[0][f"deepseek {recipe} {precision} one device{series}"]
+        losses = mla_runs[0][f"deepseek {recipe} {precision} {layout}{series}"]
+        assert len(reference) == len(losses) == 2
+        if precision == "fp32":
+            assert losses[0] == pytest.approx(reference[0], rel=1e-5), series
+            assert losses[1] == pytest.approx(reference[1], rel=2e-4), series
+        else:
+            assert losses == pytest.approx(reference, rel=1e-3), series
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_deepseek_v3_shaped_fp8_in_bf16_mode_trains_like_bf16(mla_runs, recipe):
+    """On one device, each recipe's bf16-mode run of the DeepSeek-V3-shaped model is within 1% of the same run
+    without FP8 (FP8's error is far below that), main and MTP losses, and FP8 ran (its losses are not the run
+    without it's)."""
+    widths = "blockwise" if recipe == "blockwise" else "tensorwise"
+    for series in ("", " MTP"):
+        reference = mla_runs[0][f"deepseek none bf16 at {widths}'s shapes{series}"]
+        losses = mla_runs[0][f"deepseek {recipe} bf16 one device{series}"]
+        assert len(losses) == len(reference) == 2
+        assert losses != pytest.approx(reference, rel=1e-6, abs=0), series
+        assert losses == pytest.approx(reference, rel=1e-2), series
 
 
 def _blockwise_problems(tp: int, **model) -> list[str]:

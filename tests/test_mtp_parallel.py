@@ -59,6 +59,9 @@ LAYOUTS = [  # (name, parallel fields, train fields, tied embeddings)
      {}, False),
     ("pp 2 x dp 2, tied embeddings (MTP reads the head's copy), distributed optimizer, overlapped gathers", {
         "pp": 2, "distributed_optimizer": True, "overlap_param_gather": True}, {}, True),
+    ("ZB-V pp 2 x cp 2 x ep 2 (pipeline, context and expert parallel together: MTP on the first rank, targets from "
+     "the neighbouring chunk, experts over the cp ranks)", {"pp": 2, "vp": 2, "pipeline_schedule": "zb-v", "cp": 2,
+                                                            "ep": 2}, {}, False),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from conftest import tiny_config
 
 from megalite.config import Config
@@ -16,7 +17,7 @@ from megalite.planning.activations import chunk_costs
 from megalite.planning.built import micro_batch, one_device_model
 from megalite.planning.measure import MEASUREMENT, measurement_config
 from megalite.planning.parameters import rank_parameters
-from megalite.training.flops import training_flops_per_token
+from megalite.training.flops import hardware_flops_per_token, recomputed_flops_per_token, training_flops_per_token
 
 
 def _with_mtp(cfg: Config, depths: int) -> Config:
@@ -31,6 +32,19 @@ def test_mtp_flops_count_each_depth_as_a_layer_a_projection_and_a_head():
     per_depth = 6 * (costs.matmul_parameters(layer) + 2 * m.hidden_size**2 + m.hidden_size * m.vocab) \
         + 3 * costs.attention_flops(layer, m.seq_length)
     assert training_flops_per_token(_with_mtp(cfg, 2).model) == training_flops_per_token(m) + 2 * per_depth
+
+
+def test_recompute_reruns_each_depths_layer_in_the_hardware_flops():
+    """Hardware FLOPs (HFU) count the forward that recompute reruns in each depth's transformer layer as in a main
+    layer of its kind: the whole layer under full recompute, the core attention under selective."""
+    cfg = tiny_config("llama")
+    m, depths = cfg.model, _with_mtp(cfg, 2).model
+    for mode in ("full", "selective"):
+        per_layer = recomputed_flops_per_token(m, mode) / m.num_layers
+        assert per_layer > 0
+        assert recomputed_flops_per_token(depths, mode) == pytest.approx(per_layer * (m.num_layers + 2))
+        assert hardware_flops_per_token(depths, mode) == pytest.approx(
+            training_flops_per_token(depths) + per_layer * (m.num_layers + 2))
 
 
 def test_the_planner_counts_mtp_on_the_head_stage_with_its_copy_of_the_embeddings():

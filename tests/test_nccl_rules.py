@@ -193,18 +193,20 @@ RUNS = {
         "--parallel.pp=2", "--parallel.vp=2", "--parallel.sequence_parallel=true", "--parallel.zero_stage=3",
         "--train.recompute=full", "--train.precision=bf16", "--train.param_dtype=bf16",
         "--train.global_batch_size=8", "--parallel.bucket_size=2000"],
-    "gpt2 pp2 x dp4, ZeRO-3, tied embeddings across stages, CPU offload, Muon": [
+    "gpt2 pp2 x dp4, ZeRO-3, tied embeddings across stages (multi-token prediction reading the head's copy), CPU "
+    "offload, Muon": [
         "--model.family=gpt2", "--model.num_layers=2", "--parallel.pp=2", "--parallel.zero_stage=3",
-        "--optim.offload=cpu", "--train.global_batch_size=8", "--optim.optimizer=muon"],
+        "--optim.offload=cpu", "--train.global_batch_size=8", "--optim.optimizer=muon", "--model.mtp_num_layers=1"],
     "llama cp2 x tp2 x pp2, SP, ring attention (selective recompute reruns the ring), bf16 parameters": [
         "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--parallel.cp=2",
         "--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true", "--train.recompute=selective",
         "--train.precision=bf16", "--train.param_dtype=bf16", "--train.global_batch_size=4"],
-    "llama MoE pp2 (DualPipeV) x dp4, ep4 (all-to-alls of F&B pairs interleaved), full recompute": [
+    "llama MoE pp2 (DualPipeV) x dp4, ep4 (all-to-alls of F&B pairs interleaved), full recompute, multi-token "
+    "prediction (its MoE layer on the first rank, its copy of the embeddings)": [
         "--model.family=llama", "--model.num_query_groups=2", "--model.num_layers=4", "--model.num_experts=8",
         "--model.moe_topk=2", "--model.moe_ffn_hidden_size=16", "--parallel.ep=4", "--parallel.pp=2",
         "--parallel.vp=2", "--parallel.pipeline_schedule=dualpipev", "--train.recompute=full",
-        "--train.global_batch_size=16"],
+        "--train.global_batch_size=16", "--model.mtp_num_layers=1"],
     "latent attention cp2 x tp2 x pp2, SP, tensorwise FP8 (the down-projections' amax over the sequence ranks), "
     "selective recompute (rerunning the up-projections' gathers)": [
         "--model.family=llama", "--model.num_layers=2", "--model.multi_latent_attention=true",

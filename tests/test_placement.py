@@ -7,7 +7,8 @@ are built by hand), and the checkpoint pieces it describes, split along several 
 - Each element is counted once over all ranks (the gradient norm, checkpoint writes), with and without the
   distributed optimizer; a tied copy never.
 - Under sequence parallelism exactly the tensor-parallel-replicated parameters are partial over tp; the per-head
-  q/k norm weights (qwen3) are at any tp > 1, every rank's heads adding to them.
+  q/k norm weights (qwen3) are at any tp > 1, every rank's heads adding to them. Latent attention's down-projections
+  and their norms are tensor-parallel-replicated (whole on every rank), its up-projections split by heads.
 - A tensor split along two axes at one layout is read back at another (and whole) exactly.
 """
 
@@ -30,11 +31,21 @@ from megalite.parallel.placement import DATA_AXES, Placement, ShardSpec, unshard
 LAYOUTS = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"tp": 2, "pp": 2}, {"cp": 2},
            {"tp": 2, "cp": 2, "sequence_parallel": True}]
 DENSE = ("tp", "cp", "dp", "pp")
+# Multi-head latent attention with query compression, as a llama (model.multi_latent_attention)
+LATENT = {"multi_latent_attention": True, "num_query_groups": None, "q_lora_rank": 12, "kv_lora_rank": 16,
+          "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 6}
+
+
+def _config(family: str, **sections):
+    """tiny_config of `family`, or ("latent attention") of a llama with LATENT; four layers."""
+    latent = family == "latent attention"
+    model = {"num_layers": 4, **(LATENT if latent else {})}
+    return tiny_config("llama" if latent else family, model=model, **sections)
 
 
 def _models(family: str, parallel: dict) -> dict[tuple[int, int], GPTModel]:
     """(tp rank, pp rank) -> that rank's model, initialised (cp ranks hold the same model)."""
-    cfg = tiny_config(family, parallel=parallel, model={"num_layers": 4})
+    cfg = _config(family, parallel=parallel)
     tp, pp, sp = parallel.get("tp", 1), parallel.get("pp", 1), parallel.get("sequence_parallel", False)
     return {(t, s): GPTModel(cfg.model, torch.device("cpu"), ParallelContext(AxisView(None, t, tp),
                                                                              sequence_parallel=sp and tp > 1),
@@ -42,10 +53,10 @@ def _models(family: str, parallel: dict) -> dict[tuple[int, int], GPTModel]:
             for t in range(tp) for s in range(pp)}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "latent attention"])
 @pytest.mark.parametrize("parallel", LAYOUTS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 def test_every_parameter_is_its_placements_slice_of_the_one_device_model(family, parallel):
-    whole = GPTModel(tiny_config(family, model={"num_layers": 4}).model, torch.device("cpu"), seed=1234)
+    whole = GPTModel(_config(family).model, torch.device("cpu"), seed=1234)
     full = dict(whole.named_parameters())
     models = _models(family, parallel)
     tp = parallel.get("tp", 1)
@@ -59,6 +70,10 @@ def test_every_parameter_is_its_placements_slice_of_the_one_device_model(family,
             coord = {"tp": (tp_rank, tp)}.get
             assert torch.equal(param.detach(), placement.local(full[original].detach(),
                                                                lambda a, coord=coord: coord(a, (0, 1))))
+            if family == "latent attention" and tp > 1 and ".attention." in name:  # down: whole; up: by heads
+                replicated = name.endswith(("down_proj.weight", "layernorm.weight"))
+                assert dict(placement.shards).get("tp") == (None if replicated else ShardSpec(
+                    1 if name.endswith("linear_proj.weight") else 0)), name
             qk_norm = name.endswith(("q_norm.weight", "k_norm.weight")) and tp > 1
             assert placement.partial == (("tp",) if (sp or qk_norm) and not placement.shards else ())
             seen.add(original)
@@ -71,7 +86,7 @@ def test_every_parameter_is_its_placements_slice_of_the_one_device_model(family,
             assert torch.equal(unshard(parts, spec) if spec else parts[0], full[name].detach()), name
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "latent attention"])
 @pytest.mark.parametrize("parallel", LAYOUTS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 @pytest.mark.parametrize("sharded_data", [False, True])
 def test_each_element_is_counted_once_over_all_ranks(family, parallel, sharded_data):
@@ -89,8 +104,7 @@ def test_each_element_is_counted_once_over_all_ranks(family, parallel, sharded_d
             counted = placements[name].counted(DENSE, sharded_data, lambda a, at=at: (at[a], sizes[a]))
             share = 1 / (sizes["dp"] * sizes["cp"]) if sharded_data else 1
             total += counted * param.numel() * share
-    one = sum(p.numel() for p in GPTModel(tiny_config(family, model={"num_layers": 4}).model, torch.device("meta"),
-                                          seed=0).parameters())
+    one = sum(p.numel() for p in GPTModel(_config(family).model, torch.device("meta"), seed=0).parameters())
     assert total == pytest.approx(one)
 
 
