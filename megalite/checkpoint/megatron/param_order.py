@@ -13,8 +13,9 @@ shared experts). Multi-token prediction's depths follow the decoder's final norm
 before the output layer: per depth enorm, hnorm, eh_proj, its transformer layer, its final_layernorm. The input
 norm is its own module before the attention with the local spec (`--transformer-impl local`) and under
 multi-latent attention, and fused into linear_qkv with Transformer Engine's (after linear_proj, before
-linear_qkv's weight: LayerNormLinear registers its norm first); the pre-MLP norm sits before fc1 either way. Experts: the local SequentialMLP registers expert by expert (fc1 then fc2 of each),
-Transformer Engine's TEGroupedMLP all fc1 weights, then all fc2 weights.
+linear_qkv's weight: LayerNormLinear registers its norm first); the pre-MLP norm sits before fc1 either way.
+Experts: the local SequentialMLP registers expert by expert (fc1 then fc2 of each), Transformer Engine's
+TEGroupedMLP all fc1 weights, then all fc2 weights.
 
 A rank's experts: ep rank r holds experts [r * E / ep, (r + 1) * E / ep). With ep > 1 or an expert tensor
 parallelism other than tp, the experts' parameters sit in buffers (and an optimizer) of their own, sharded over
