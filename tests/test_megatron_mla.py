@@ -2,7 +2,7 @@
 converted by tools/convert_checkpoint.py --from-megatron (megalite/checkpoint/megatron/mla.py).
 
 The fixtures are Megatron-LM's own (tests/fixtures/megatron/make_fixtures.py, megatron-core 0.19.2, the local
-spec): mla_torch, dense MLA without query compression and with YaRN at tp 2 x pp 2 (legacy format, distributed
+spec): mla_torch, dense MLA with YaRN at tp 2 x pp 2 (legacy format, distributed
 optimizer), and mla_moe_torch_dist, MLA with query compression, a first dense layer, then experts with a shared
 expert, sigmoid scores with an expert bias and group-limited routing over ep 2, and one multi-token-prediction
 depth (torch_dist, flat-bucket optimizer state). test_megatron_convert.py checks their logits against
@@ -53,7 +53,7 @@ def converted(megatron, tmp_path_factory):
 def test_mla_mtp_and_routing_config_come_from_megatrons_args(converted):
     m = load_model(converted["mla_torch"], torch.device("meta"))[1].model
     assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
-            m.v_head_dim, m.head_dim, m.features.qk_norm) == (True, None, 8, 4, 4, 6, None, False)
+            m.v_head_dim, m.head_dim, m.features.qk_norm) == (True, 10, 8, 4, 4, 6, None, False)
     assert (m.rope_scaling, m.rope_factor, m.rope_original_positions, m.rope_beta_fast, m.rope_beta_slow,
             m.rope_mscale, m.rope_mscale_all_dim, m.rope_truncate) == ("yarn", 4.0, 4096, 32.0, 1.0, 1.0, 0.8, True)
     m = load_model(converted["mla_moe_torch_dist"], torch.device("meta"))[1].model
