@@ -80,7 +80,7 @@ def test_megatrons_mtp_loss_is_megalites(megatron, converted):
 
 def test_interleaved_rotary_rows_and_yarn_are_what_makes_the_logits_megatrons(megatron, converted):
     """Megatron's MLA rotates the interleaved rotary channels (module docstring of mla.py): left in Megatron's
-    order, or without YaRN, the converted model's logits are far from Megatron's."""
+    order, or without YaRN, the converted model's logits are more than 10 times the tolerance from Megatron's."""
     want = expected(megatron, "mla_torch")
     model, cfg, _ = load_model(converted["mla_torch"], torch.device("cpu"))
     with torch.no_grad():
@@ -94,7 +94,7 @@ def test_interleaved_rotary_rows_and_yarn_are_what_makes_the_logits_megatrons(me
         other = GPTModel(variant, torch.device("cpu"), seed=0)
         other.load_state_dict(tensors)
         with torch.no_grad():
-            assert (other.eval()(want["tokens"])[..., :64] - want["logits"]).abs().max() > 1e-4
+            assert (other.eval()(want["tokens"])[..., :64] - want["logits"]).abs().max() > 10 * 2e-6
 
 
 def _args(megatron) -> argparse.Namespace:
