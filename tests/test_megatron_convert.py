@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/megatron"
 NAMES = ["gpt_torch", "gpt_torch_dist", "llama_torch", "llama_torch_dist", "qwen_torch", "qwen_torch_dist",
          "llama_dp1_torch_dist", "gpt_vp_dp2_torch_dist", "moe_vp_torch", "moe_torch_dist", "mla_torch",
-         "mla_moe_torch_dist"]
+         "mla_pp2_torch", "mla_moe_torch_dist"]
 DENSE = NAMES[:6]  # tp 2 x pp 2, 2 samples a step
 CLUSTER = "/lustre/megatron/data"  # where the Qwen fixtures' args say their corpora lie
 # The data section each fixture's args give (the others keep DataConfig's defaults); the Llama and GPT fixtures'
@@ -199,7 +199,7 @@ LAYOUTS = [("gpt_torch", {"tp": 2}), ("gpt_torch_dist", {"distributed_optimizer"
            ("llama_torch", {"distributed_optimizer": True}), ("llama_torch_dist", {"tp": 2}), ("qwen_torch", {"tp": 2}),
            ("llama_dp1_torch_dist", {"tp": 2}), ("gpt_vp_dp2_torch_dist", {"distributed_optimizer": True}),
            ("moe_vp_torch", {"ep": 2}), ("moe_torch_dist", {"ep": 2, "distributed_optimizer": True}),
-           ("mla_torch", {"tp": 2})]
+           ("mla_pp2_torch", {"tp": 2})]
 
 
 @pytest.mark.parametrize(("name", "parallel"), LAYOUTS)

@@ -5,7 +5,9 @@ One layout difference, handled here only: the released checkpoints store each he
 shared rotary key's in interleaved pairs (x0 x1)(x2 x3)... (`rope_interleave: true`), which transformers rotates
 pairwise; megalite rotates halves everywhere (model/rope.py). Reading, those rows are permuted to halves (the even
 channels, then the odd ones), which gives the very scores transformers computes; writing, they are permuted back
-and `rope_interleave: true` is written, so a released checkpoint's tensors round-trip bit for bit.
+and `rope_interleave: true` is written, so a released checkpoint's tensors round-trip bit for bit. Megatron-Core's
+MLA takes its projections' rotary rows in the same interleaved order: its import (checkpoint/megatron/mla.py)
+applies the same permutation.
 """
 
 from __future__ import annotations
