@@ -2,14 +2,15 @@
 converted by tools/convert_checkpoint.py --from-megatron (megalite/checkpoint/megatron/mla.py).
 
 The fixtures are Megatron-LM's own (tests/fixtures/megatron/make_fixtures.py, megatron-core 0.19.2, the local
-spec): mla_torch, dense MLA with YaRN at tp 2 x pp 2 (legacy format, distributed
-optimizer; mla_pp2_torch the same at pp 2 x dp 2, whose next step test_megatron_convert.py takes: Megatron's own
-steps at tp > 1 miss part of the rotary key's gradient, see make_fixtures.py), and mla_moe_torch_dist, MLA with query compression, a first dense layer, then experts with a shared
-expert, sigmoid scores with an expert bias and group-limited routing over ep 2, and one multi-token-prediction
-depth (torch_dist, flat-bucket optimizer state). test_megatron_convert.py checks their logits against
-Megatron's forward and mla_pp2_torch's next training step (mla_moe_torch_dist's is not Megatron's: megalite's
-multi-token-prediction loss divides by the main loss's token count, Megatron's by the depth's own); this file their config, Megatron's logged multi-token
-prediction loss, that the rotary reordering and YaRN are what make the logits equal, and what is refused.
+spec): mla_torch, dense MLA with query compression and YaRN at tp 2 x pp 2 (legacy format, distributed
+optimizer); mla_pp2_torch, the same at pp 2 x dp 2, whose next step test_megatron_convert.py takes (Megatron's own
+steps at tp > 1 miss part of the rotary key's gradient, see make_fixtures.py); and mla_moe_torch_dist, MLA with a
+first dense layer, then experts with a shared expert, sigmoid scores with an expert bias and group-limited routing
+over ep 2, and one multi-token-prediction depth (torch_dist, flat-bucket optimizer state). test_megatron_convert.py
+checks their logits against Megatron's forward and their flat optimizer state (mla_moe_torch_dist's next step is
+not Megatron's: megalite's multi-token-prediction loss divides by the main loss's token count, Megatron's by the
+depth's own predictions); this file their config, Megatron's logged multi-token-prediction loss, that the rotary
+reordering and YaRN are what make the logits equal, and what is refused.
 """
 
 from __future__ import annotations
