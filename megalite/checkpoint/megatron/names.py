@@ -14,7 +14,7 @@ into the up-projections with Transformer Engine's (`linear_q_up_proj.layer_norm_
 are column-parallel with the local spec (split over tp like the up-projections) and duplicated with
 Transformer Engine's (whole on every rank): `Sharding` says which. Multi-token prediction's depths are
 `mtp.layers.<k>.{enorm,hnorm,eh_proj,final_layernorm}` around one transformer layer
-(`mtp.layers.<k>.mtp_model_layer.*`, `transformer_layer.*` before megatron-core 0.17) named as a decoder layer's;
+(`mtp.layers.<k>.transformer_layer.*`, `mtp_model_layer.*` as newer modules name it) named as a decoder layer's;
 eh_proj is column-parallel and multiplies [embedding; hidden] as megalite's (and DeepSeek's released weights).
 The rotary channels' order differs: mla.py.
 """
@@ -136,10 +136,21 @@ def known(name: str, where: str) -> str:
     return inner
 
 
+# Tensors of Megatron-LM features megalite does not compute, and what they are.
+REFUSED = {
+    "self_attention.linear_q_proj.layer_norm_weight": "megatron-core 0.19 under --qk-layernorm without "
+    "--q-lora-rank normalises the hidden state once more before linear_q_proj; megalite's MLA, as DeepSeek's, "
+    "does not",
+    "self_attention.linear_qkv_down_proj.weight": "--mla-down-proj-fusion's fused down-projection",
+}
+
+
 def unknown(name: str, where: str) -> ValueError:
-    return ValueError(f"{where}: tensor {name!r} has no place in megalite's model (a Megatron-LM feature megalite "
-                      "does not compute or does not read from Megatron-LM yet, e.g. the fused linear_qkv_down_proj "
-                      "of --mla-down-proj-fusion); this checkpoint cannot be converted")
+    part = layer_part(name)
+    why = REFUSED.get(part[1] if part else name, "a Megatron-LM feature megalite does not compute or does not "
+                      "read from Megatron-LM yet")
+    return ValueError(f"{where}: tensor {name!r} has no place in megalite's model ({why}); this checkpoint cannot "
+                      "be converted")
 
 
 def megalite_name(name: str, tied: bool, where: str, mla: bool = False) -> str | None:

@@ -134,21 +134,22 @@ def chunk_parameters(names: list[str], args: argparse.Namespace, pp_rank: int, c
     pp, last_chunk = args.pipeline_model_parallel_size, chunks(args) - 1
     first, last = pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == last_chunk
     tied = not args.untie_embeddings_and_output_weights and pp > 1
-    te = arg(args, "transformer_impl", "local") == "transformer_engine" and not arg(args, "multi_latent_attention")
+    te = arg(args, "transformer_impl", "local") == "transformer_engine"
+    fused_input_norm = te and not arg(args, "multi_latent_attention")
     per_rank = (arg(args, "num_experts") or 0) // arg(args, "expert_model_parallel_size", 1)
     local_experts = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
     layers = chunk_layers(args, pp_rank, chunk)
     out = [RankParam(n, shared=tied and n in TIED_COPIES) for n in BEFORE if first and n in names] \
         if experts is not True else []
     for layer in layers:
-        out += _layer_parameters(names, f"decoder.layers.{layer}.", te, local_experts, experts)
+        out += _layer_parameters(names, f"decoder.layers.{layer}.", fused_input_norm, local_experts, experts)
     if last and pp > 1 and any(n.startswith("mtp.") for n in names):
         raise ValueError("the distributed optimizer's state of a multi-token-prediction run at pipeline parallel "
                          f"{pp} is not read (Megatron's last stage then holds a copy of the embedding for it); "
                          "convert with --no-optimizer to carry the weights only")
     if last:
         out += [RankParam(n) for n in FINAL_NORM if n in names and experts is not True]
-        out += _mtp_parameters(names, te, local_experts, experts)
+        out += _mtp_parameters(names, fused_input_norm, local_experts, experts)
         out += [RankParam("output_layer.weight", shared=tied)] if experts is not True and (
             tied or "output_layer.weight" in names) else []
     return _expert_order(out, te)
