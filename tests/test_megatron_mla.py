@@ -25,7 +25,8 @@ from test_megatron_convert import FIXTURES, convert, expected
 
 from megalite.checkpoint.megatron.args import model_config
 from megalite.checkpoint.megatron.mla import to_megalite_layout
-from megalite.checkpoint.megatron.names import Sharding, merge_tensor_parallel, split_tensor_parallel
+from megalite.checkpoint.megatron.names import Sharding, megalite_name, merge_tensor_parallel, split_tensor_parallel
+from megalite.checkpoint.megatron.param_order import chunk_parameters
 from megalite.checkpoint.megatron.safe_pickle import load_megatron_pickle
 from megalite.data.batches import BatchMaker
 from megalite.data.mtp_targets import mtp_targets
@@ -135,3 +136,27 @@ def test_down_projections_are_split_by_the_local_spec_and_whole_in_transformer_e
     copies = split_tensor_parallel(down, whole, 2, Sharding(True, False))
     assert all(torch.equal(c, whole) for c in copies)
     assert torch.equal(merge_tensor_parallel(down, copies, Sharding(True, False), "ckpt"), whole)
+
+
+def test_transformer_engines_names_and_order_under_mla():
+    """Transformer Engine's spec fuses the latent norms into the up-projections (`layer_norm_weight`, registered
+    before the weight) and keeps MLA's input norm a module of its own, first in the layer; a prediction depth's
+    layer is `transformer_layer` or `mtp_model_layer`, between eh_proj and its final norm."""
+    inner = ["input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_q_down_proj.weight",
+             "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+             "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
+             "self_attention.linear_kv_up_proj.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
+             "mlp.linear_fc2.weight"]
+    mtp = ["mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+           *(f"mtp.layers.0.mtp_model_layer.{n}" for n in inner), "mtp.layers.0.final_layernorm.weight"]
+    names = ["embedding.word_embeddings.weight", *(f"decoder.layers.0.{n}" for n in inner),
+             "decoder.final_layernorm.weight", *mtp, "output_layer.weight"]
+    args = argparse.Namespace(num_layers=1, pipeline_model_parallel_size=1, untie_embeddings_and_output_weights=True,
+                              transformer_impl="transformer_engine", multi_latent_attention=True)
+    assert [p.name for p in chunk_parameters(sorted(names), args, 0, 0, 0, None)] == names
+    assert megalite_name(names[4], False, "ckpt", mla=True) == "layers.0.attention.q_layernorm.weight"
+    kv_norm = "mtp.layers.0.transformer_layer.attention.kv_layernorm.weight"
+    assert megalite_name(mtp[3 + 6], False, "ckpt", mla=True) == kv_norm
+    with pytest.raises(ValueError, match="multi-token-prediction run at pipeline parallel 2 is not read"):
+        chunk_parameters(names, argparse.Namespace(**vars(args) | {"pipeline_model_parallel_size": 2,
+                                                                   "num_layers": 2}), 1, 0, 0, None)
