@@ -14,7 +14,7 @@ mscale(factor, `--mscale`) / mscale(factor, `--mscale-all-dim`) and the softmax 
 
 Rotary channels: Megatron's MLA takes each head's rotary query channels and the shared rotary key, as the
 projections produce them, in interleaved pairs (x0 x1)(x2 x3)... and splits them into halves before rotating
-halves (rope_utils.py `mla_rotary_interleaved`; its fused kernel alike): the released DeepSeek-V3 layout.
+halves (rope_utils.py `mla_rotary_interleaved`): the released DeepSeek-V3 layout.
 megalite rotates halves of channels stored as halves, so `to_megalite_layout` permutes those rows (of the query
 projection per head and of kv_down_proj's rotary part [c_kv; k_rope]) with hf_mla.py's permutation, the weights
 and every optimizer state alike: the same scores, bit for bit.
