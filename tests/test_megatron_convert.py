@@ -10,7 +10,9 @@ RoPE scaling), each trained 3 steps at tensor parallel 2 x pipeline parallel 2 a
 per-parameter Adam state, Llama with the distributed optimizer's fully reshardable state). Beside each,
 Megatron's forward gave the logits of fixed tokens, and one more Megatron training step on a fixed batch gave
 its loss and the logits after it: megalite must compute the same at other layouts. The Qwen fixtures' args
-name a blend on Megatron's cluster, which the converted config carries over.
+name a blend on Megatron's cluster, which the converted config carries over. The mixture-of-experts and
+multi-latent-attention fixtures (make_fixtures.py says how each is laid out) join the logits, flat-state and
+next-step tests; test_megatron_mla.py tests what is particular to MLA and multi-token prediction.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from megalite.training.step import train_step
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/megatron"
 NAMES = ["gpt_torch", "gpt_torch_dist", "llama_torch", "llama_torch_dist", "qwen_torch", "qwen_torch_dist",
-         "llama_dp1_torch_dist", "gpt_vp_dp2_torch_dist", "moe_vp_torch", "moe_torch_dist"]
+         "llama_dp1_torch_dist", "gpt_vp_dp2_torch_dist", "moe_vp_torch", "moe_torch_dist", "mla_torch",
+         "mla_pp2_torch", "mla_moe_torch_dist"]
 DENSE = NAMES[:6]  # tp 2 x pp 2, 2 samples a step
 CLUSTER = "/lustre/megatron/data"  # where the Qwen fixtures' args say their corpora lie
 # The data section each fixture's args give (the others keep DataConfig's defaults); the Llama and GPT fixtures'
@@ -195,7 +198,8 @@ def _next_step(rank: int, world_size: int, checkpoint: Path, parallel: dict, bat
 LAYOUTS = [("gpt_torch", {"tp": 2}), ("gpt_torch_dist", {"distributed_optimizer": True}),
            ("llama_torch", {"distributed_optimizer": True}), ("llama_torch_dist", {"tp": 2}), ("qwen_torch", {"tp": 2}),
            ("llama_dp1_torch_dist", {"tp": 2}), ("gpt_vp_dp2_torch_dist", {"distributed_optimizer": True}),
-           ("moe_vp_torch", {"ep": 2}), ("moe_torch_dist", {"ep": 2, "distributed_optimizer": True})]
+           ("moe_vp_torch", {"ep": 2}), ("moe_torch_dist", {"ep": 2, "distributed_optimizer": True}),
+           ("mla_pp2_torch", {"tp": 2})]
 
 
 @pytest.mark.parametrize(("name", "parallel"), LAYOUTS)
@@ -222,7 +226,8 @@ def test_the_next_step_is_megatrons(name, parallel, megatron, converted):
             assert torch.equal(biases[f"layers.{layer}{BUFFER}"], bias), layer
 
 
-@pytest.mark.parametrize("name", ["llama_dp1_torch_dist", "gpt_vp_dp2_torch_dist", "moe_vp_torch", "moe_torch_dist"])
+@pytest.mark.parametrize("name", ["llama_dp1_torch_dist", "gpt_vp_dp2_torch_dist", "moe_vp_torch", "moe_torch_dist",
+                                  "mla_torch", "mla_moe_torch_dist"])
 def test_flat_state_main_weights_are_the_weights(name, megatron):
     """The distributed optimizer's fp32 main weights, cut out of its flat buckets at the places megalite's
     reading of Megatron's buffer layout gives, equal the saved weights (fp32 training) for every parameter: each
@@ -265,7 +270,7 @@ def test_unknown_keys_and_options_are_named(megatron, tmp_path, capsys):
     work = tmp_path / "gpt"
     shutil.copytree(megatron["gpt_torch"], work)
     rank_file = work / "iter_0000003/mp_rank_00_000/model_optim_rng.pt"
-    mla = "decoder.layers.1.self_attention.linear_q_down_proj.weight"
+    mla = "decoder.layers.1.self_attention.linear_qkv_down_proj.weight"  # --mla-down-proj-fusion's
     _rewrite_rank_file(rank_file, lambda s: s["model"].update({mla: torch.ones(2)}))
     assert f"tensor '{mla}' has no place in megalite's model" in _fails(work, tmp_path / "a", capsys)
     _rewrite_rank_file(rank_file, lambda s: setattr(s["args"], "num_experts", 8))

@@ -5,7 +5,9 @@ One layout difference, handled here only: the released checkpoints store each he
 shared rotary key's in interleaved pairs (x0 x1)(x2 x3)... (`rope_interleave: true`), which transformers rotates
 pairwise; megalite rotates halves everywhere (model/rope.py). Reading, those rows are permuted to halves (the even
 channels, then the odd ones), which gives the very scores transformers computes; writing, they are permuted back
-and `rope_interleave: true` is written, so a released checkpoint's tensors round-trip bit for bit.
+and `rope_interleave: true` is written, so a released checkpoint's tensors round-trip bit for bit. Megatron-Core's
+MLA takes its projections' rotary rows in the same interleaved order: its import (checkpoint/megatron/mla.py)
+applies the same permutation.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ def _present(cfg: ModelConfig) -> list[str]:
     return query + ["linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj", "linear_proj"]
 
 
-def _halves(rope: int) -> torch.Tensor:
+def halves_order(rope: int) -> torch.Tensor:
     """The order that takes interleaved rotary channels to halves: the even ones, then the odd ones."""
     return torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
 
 
-def _permute_rope_rows(w: torch.Tensor, cfg: ModelConfig, name: str, order: torch.Tensor) -> torch.Tensor:
+def permute_rope_rows(w: torch.Tensor, cfg: ModelConfig, name: str, order: torch.Tensor) -> torch.Tensor:
     """`w` with the rotary rows of each head (queries) or of the shared key reordered by `order`."""
     rope = cfg.qk_pos_emb_head_dim
     if name in ("linear_q_proj", "linear_q_up_proj"):
@@ -47,17 +49,17 @@ def _permute_rope_rows(w: torch.Tensor, cfg: ModelConfig, name: str, order: torc
 
 def mla_from_hf(hf: StateDict, cfg: ModelConfig, i: int, interleaved: bool) -> StateDict:
     """Layer i's attention tensors in megalite's names; `interleaved`: the HF config's rope_interleave."""
-    order = _halves(cfg.qk_pos_emb_head_dim)
+    order = halves_order(cfg.qk_pos_emb_head_dim)
     out = {}
     for name in _present(cfg):
         w = hf[f"model.layers.{i}.self_attn.{_NAMES[name]}.weight"]
-        out[f"layers.{i}.attention.{name}.weight"] = _permute_rope_rows(w, cfg, name, order) if interleaved else w
+        out[f"layers.{i}.attention.{name}.weight"] = permute_rope_rows(w, cfg, name, order) if interleaved else w
     return out
 
 
 def mla_to_hf(state: StateDict, cfg: ModelConfig, i: int) -> StateDict:
     """Layer i's attention tensors in HF's names, the rotary rows interleaved (write rope_interleave: true)."""
-    order = torch.argsort(_halves(cfg.qk_pos_emb_head_dim))
+    order = torch.argsort(halves_order(cfg.qk_pos_emb_head_dim))
     return {f"model.layers.{i}.self_attn.{_NAMES[name]}.weight":
-            _permute_rope_rows(state[f"layers.{i}.attention.{name}.weight"], cfg, name, order)
+            permute_rope_rows(state[f"layers.{i}.attention.{name}.weight"], cfg, name, order)
             for name in _present(cfg)}

@@ -9,7 +9,8 @@ default, to be overridden at launch
 `make_vocab_size_divisible_by * tp` and, unlike megalite, scores the padded entries too; the converted
 config keeps the same padded size (megalite's divisor is Megatron's times its tp) and the real vocabulary size
 where the args know it (`--vocab-size`), else the padded size (then, as in Megatron, every row is scored).
-The data section (what the run reads next) is data_args.py's; the mixture-of-experts fields moe_args.py's.
+The data section (what the run reads next) is data_args.py's; the mixture-of-experts fields moe_args.py's;
+multi-latent attention's and multi-token prediction's mla.py's.
 
 Megatron-Core's q/k norms (`--qk-layernorm`) are built with the model's normalization over each head's
 `kv_channels` channels, one weight shared by the heads, as megalite's qk_norm, which is RMSNorm only; their
@@ -25,6 +26,7 @@ import argparse
 from typing import Any
 
 from megalite.checkpoint.megatron.data_args import DataCarry, data_from_args
+from megalite.checkpoint.megatron.mla import mla_fields, mtp_fields
 from megalite.checkpoint.megatron.moe_args import moe_fields, moe_parallel
 from megalite.checkpoint.megatron.state import arg
 from megalite.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -32,9 +34,6 @@ from megalite.config import Config, ModelConfig, OptimConfig, ParallelConfig, Tr
 # args that change the network (or its optimizer) in ways megalite does not compute: the value that means
 # "off", and why megalite cannot continue the run otherwise.
 UNSUPPORTED = {
-    "multi_latent_attention": (False, "megalite has no multi-latent attention"),
-    "mtp_num_layers": (None, "megalite does not read Megatron-LM's multi-token prediction weights yet "
-                              "(megalite's own, model.mtp_num_layers, start from scratch)"),
     "squared_relu": (False, "megalite's activations are gelu, gelu_tanh and silu"),
     "quick_geglu": (False, "megalite's activations are gelu, gelu_tanh and silu"),
     "apply_layernorm_1p": (False, "megalite's norms are not zero-centred"),
@@ -106,7 +105,12 @@ def _rope_scaling(args: argparse.Namespace) -> dict[str, Any]:
 def model_config(args: argparse.Namespace, where: str = "args") -> ModelConfig:
     rope = args.position_embedding_type == "rope"
     tp = args.tensor_model_parallel_size
-    return ModelConfig(
+    moe, problems = moe_fields(args, where), []
+    latent = mla_fields(args, problems) | mtp_fields(args, moe, problems)
+    if problems:
+        raise ValueError(f"{where}: Megatron-LM model options megalite does not compute: {', '.join(problems)}; "
+                         "this checkpoint cannot be converted")
+    return ModelConfig(**(dict(
         family="llama" if args.swiglu or rope else "gpt2", num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None, head_dim=_head_dim(args),
@@ -120,7 +124,7 @@ def model_config(args: argparse.Namespace, where: str = "args") -> ModelConfig:
         activation=activation(args), rope_theta=float(arg(args, "rotary_base", 10000)), **_rope_scaling(args),
         norm_epsilon=arg(args, "norm_epsilon") or arg(args, "layernorm_epsilon", 1e-5),  # renamed in 2025
         init_std=args.init_method_std, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        **moe_fields(args, where))
+        **moe) | latent))
 
 
 def config_from_args(args: argparse.Namespace, where: str) -> tuple[Config, DataCarry]:

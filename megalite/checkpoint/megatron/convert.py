@@ -19,6 +19,7 @@ import torch
 from megalite.checkpoint.megatron.args import config_from_args
 from megalite.checkpoint.megatron.data_args import DataCarry
 from megalite.checkpoint.megatron.formats import read_megatron
+from megalite.checkpoint.megatron.mla import to_megalite_layout
 from megalite.checkpoint.megatron.names import BUFFER, megalite_name
 from megalite.checkpoint.megatron.state import MAIN, MOMENTS, MegatronState
 from megalite.checkpoint.model_io import fresh_target, write_model_checkpoint
@@ -39,12 +40,12 @@ def _weights(state: MegatronState, cfg: Config) -> tuple[Tensors, dict[str, str]
     """megalite's tensors (fp32; the main weights where saved), and which Megatron name each came from."""
     tensors, source = {}, {}
     for name, tensor in state.weights.items():
-        ours = megalite_name(name, cfg.model.tied, str(state.path))
+        ours = megalite_name(name, cfg.model.tied, str(state.path), cfg.model.multi_latent_attention)
         if ours is None:
             continue
         if ours in tensors:
             raise ValueError(f"{state.path}: {name} and {source[ours]} both map to megalite's {ours}")
-        tensors[ours] = state.optimizer.get(name, {}).get(MAIN, tensor).float()
+        tensors[ours] = to_megalite_layout(ours, state.optimizer.get(name, {}).get(MAIN, tensor).float(), cfg.model)
         source[ours] = name
     expected = megalite_shapes(cfg.model)
     missing = sorted(expected.keys() - tensors.keys())
@@ -56,7 +57,7 @@ def _weights(state: MegatronState, cfg: Config) -> tuple[Tensors, dict[str, str]
     return tensors, source
 
 
-def _adam_state(state: MegatronState, source: dict[str, str]) -> dict[str, Tensors]:
+def _adam_state(state: MegatronState, source: dict[str, str], cfg: ModelConfig) -> dict[str, Tensors]:
     """Adam's moments and step per megalite parameter; empty where the checkpoint has no optimizer state."""
     if not state.optimizer:
         return {}
@@ -71,7 +72,7 @@ def _adam_state(state: MegatronState, source: dict[str, str]) -> dict[str, Tenso
         if missing:
             raise ValueError(f"{state.path}: no optimizer {', '.join(missing)} for {theirs}; convert with "
                              "--no-optimizer to carry the weights only")
-        out[ours] = {kind: kinds[kind].float() for kind in MOMENTS}
+        out[ours] = {kind: to_megalite_layout(ours, kinds[kind].float(), cfg) for kind in MOMENTS}
         out[ours]["step"] = torch.tensor([float(state.adam_step)])
     return out
 
@@ -93,7 +94,7 @@ def megatron_to_megalite(load: str | Path, save: str | Path, with_optimizer: boo
     state = read_megatron(load, lambda args: configs.append(config_from_args(args, str(load))), with_optimizer)
     cfg, carry = configs[0]
     tensors, source = _weights(state, cfg)
-    optimizer = _adam_state(state, source)
+    optimizer = _adam_state(state, source, cfg.model)
     consumed = int(getattr(state.args, "consumed_train_samples", 0) or 0)
     path = write_model_checkpoint(save, cfg, tensors, state.iteration, consumed, optimizer)
     return Converted(path, carry.lines(consumed), carry.flags)

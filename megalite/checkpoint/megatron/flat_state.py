@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.checkpoint.megatron.buffer_layout import Param, Slot, bucket_slots
-from megalite.checkpoint.megatron.names import merge_tensor_parallel, split_tensor_parallel
+from megalite.checkpoint.megatron.names import Sharding, merge_tensor_parallel, split_tensor_parallel
 from megalite.checkpoint.megatron.param_order import RankParam, chunk_parameters, chunks, experts_separate
 from megalite.checkpoint.megatron.state import MAIN, arg
 
@@ -63,8 +63,8 @@ def rank_of(args: argparse.Namespace, experts: bool, index: int) -> Rank:
 class Pieces:
     """Each rank's piece of every parameter's optimizer state, merged into whole tensors at the end."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], swiglu: bool) -> None:
-        self.weights, self.swiglu = weights, swiglu
+    def __init__(self, weights: dict[str, torch.Tensor], sharding: Sharding) -> None:
+        self.weights, self.sharding = weights, sharding
         self.parts: dict[str, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
 
     def shape(self, param: RankParam, rank: Rank) -> torch.Size:
@@ -72,7 +72,7 @@ class Pieces:
         name = "embedding.word_embeddings.weight" if param.shared and param.name == "output_layer.weight" \
             else param.name
         whole = self.weights[name] if param.expert is None else self.weights[name][param.expert:param.expert + 1]
-        shape = split_tensor_parallel(name, whole, rank.tp_size, self.swiglu)[rank.tp].shape
+        shape = split_tensor_parallel(name, whole, rank.tp_size, self.sharding)[rank.tp].shape
         return shape if param.expert is None else shape[1:]
 
     def add(self, param: RankParam, rank: Rank, kind: str, piece: torch.Tensor) -> None:
@@ -86,7 +86,7 @@ class Pieces:
             name, _, expert = key.partition("[")
             for kind, ranks in kinds.items():
                 merged = merge_tensor_parallel(name, [ranks[r].unsqueeze(0) if expert else ranks[r]
-                                                      for r in sorted(ranks)], self.swiglu, where)
+                                                      for r in sorted(ranks)], self.sharding, where)
                 if expert:
                     experts[name][kind][int(expert[:-1])] = merged[0]
                 else:
@@ -123,7 +123,7 @@ def read_dp_reshardable(entries: dict[str, object], read_object: Callable[[str],
     for name in entries:
         match = FLAT.fullmatch(name)
         groups[(int(match.group(1) or 0), int(match.group(2)))][match.group(3)] = name
-    pieces, names, steps = Pieces(weights, args.swiglu), list(weights), set()
+    pieces, names, steps = Pieces(weights, Sharding.of(args)), list(weights), set()
     for (k, index), items in sorted(groups.items()):
         if k >= len(plan):
             raise ValueError(f"{where}: optimizer entries chained_{k}.* but Megatron's args give {len(plan)} "

@@ -22,7 +22,16 @@ import torch
 
 from megalite.checkpoint.megatron.buffer_layout import Param, bucket_size, bucket_slots, coalesced
 from megalite.checkpoint.megatron.flat_state import Pieces, Rank, optimizers
-from megalite.checkpoint.megatron.names import GROUPED_EXPERT, IGNORED_SUFFIX, LAYER, LOCAL_EXPERT, known, layer_numbers
+from megalite.checkpoint.megatron.names import (
+    GROUPED_EXPERT,
+    IGNORED_SUFFIX,
+    LAYER,
+    LOCAL_EXPERT,
+    Sharding,
+    known,
+    layer_numbers,
+    layer_part,
+)
 from megalite.checkpoint.megatron.param_order import TIED_COPIES, RankParam, chunk_layers, chunks, experts_separate
 from megalite.checkpoint.megatron.safe_pickle import load_megatron_pickle
 from megalite.checkpoint.megatron.state import MAIN, MOMENTS, MegatronState, arg
@@ -43,16 +52,19 @@ def _rank_file(found: Path, tp_rank: int, pp_rank: int, ep_rank: int, args: argp
 
 
 def _canonical(name: str, layers: list[int], ep_rank: int, per_rank: int) -> RankParam:
-    """The rank's tensor `name` under its whole-model name: global layer; experts stacked, global expert index."""
-    match = LAYER.fullmatch(name)
-    if not match:
+    """The rank's tensor `name` under its whole-model name: global layer (a multi-token-prediction layer's number
+    is the same on every rank); experts stacked, global expert index."""
+    part = layer_part(name)
+    if not part:
         return RankParam(name)
-    inner, layer = match.group(2), layers[int(match.group(1))]
+    match, (prefix, inner) = LAYER.fullmatch(name), part
+    if match:
+        prefix = f"decoder.layers.{layers[int(match.group(1))]}."
     expert = LOCAL_EXPERT.fullmatch(inner) or GROUPED_EXPERT.fullmatch(inner)
     if expert is None:
-        return RankParam(f"decoder.layers.{layer}.{inner}")
+        return RankParam(prefix + inner)
     local, projection = (expert.group(1), expert.group(2)) if expert.re is LOCAL_EXPERT else expert.group(2, 1)
-    return RankParam(f"decoder.layers.{layer}.mlp.experts.{projection}", ep_rank * per_rank + int(local))
+    return RankParam(f"{prefix}mlp.experts.{projection}", ep_rank * per_rank + int(local))
 
 
 def _chunks(saved: dict, path: Path, args: argparse.Namespace, pp_rank: int, ep_rank: int) -> list[Chunk]:
@@ -171,12 +183,12 @@ def read_legacy(found: Path, check: Callable[[argparse.Namespace], None], with_o
     head = load_megatron_pickle(rank_dirs[0] / "model_optim_rng.pt", str(rank_dirs[0] / "model_optim_rng.pt"))
     args = head["args"]
     check(args)
-    tp, pp, swiglu = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.swiglu
+    tp, pp, sharding = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, Sharding.of(args)
     ep = arg(args, "expert_model_parallel_size", 1)
     if ep > 1 and (arg(args, "expert_tensor_parallel_size") or tp) != tp:
         raise ValueError(f"{found}: args.expert_tensor_parallel_size={args.expert_tensor_parallel_size} differs from "
                          f"tp={tp}: the legacy format's files then name other ranks than megalite reads")
-    weights, states, steps = Pieces({}, swiglu), Pieces({}, swiglu), set()
+    weights, states, steps = Pieces({}, sharding), Pieces({}, sharding), set()
     for p in range(pp):
         for e in range(ep):
             for t in range(tp):

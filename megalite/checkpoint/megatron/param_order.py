@@ -7,11 +7,15 @@ the embeddings before its layers, the last stage's last chunk the final norm and
 tied embedding's copy too, under pipeline parallelism: Megatron's `shared_embedding`, in a bucket of its own).
 
 Within a layer, the order of registration (module construction: attention's linear_proj before linear_qkv,
-the router before the experts before the shared experts). The input norm is its own module before the attention
-with the local spec (`--transformer-impl local`), and fused into linear_qkv with Transformer Engine's (after
-linear_proj, before linear_qkv's weight: LayerNormLinear registers its norm first); the pre-MLP norm sits
-before fc1 either way. Experts: the local SequentialMLP registers expert by expert (fc1 then fc2 of each),
-Transformer Engine's TEGroupedMLP all fc1 weights, then all fc2 weights.
+or multi-latent attention's linear_proj before its projections, query's first, and its latent norms last, or
+Transformer Engine's fused into each up-projection before its weight; the router before the experts before the
+shared experts). Multi-token prediction's depths follow the decoder's final norm on the last stage's last chunk,
+before the output layer: per depth enorm, hnorm, eh_proj, its transformer layer, its final_layernorm. The input
+norm is its own module before the attention with the local spec (`--transformer-impl local`) and under
+multi-latent attention, and fused into linear_qkv with Transformer Engine's (after linear_proj, before
+linear_qkv's weight: LayerNormLinear registers its norm first); the pre-MLP norm sits before fc1 either way.
+Experts: the local SequentialMLP registers expert by expert (fc1 then fc2 of each), Transformer Engine's
+TEGroupedMLP all fc1 weights, then all fc2 weights.
 
 A rank's experts: ep rank r holds experts [r * E / ep, (r + 1) * E / ep). With ep > 1 or an expert tensor
 parallelism other than tp, the experts' parameters sit in buffers (and an optimizer) of their own, sharded over
@@ -23,7 +27,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from megalite.checkpoint.megatron.names import BUFFER, EXPERT, LAYER
+from megalite.checkpoint.megatron.names import BUFFER, EXPERT, layer_part
 from megalite.checkpoint.megatron.state import arg
 
 # A layer's tensors in the order Megatron registers them (local spec; see te_order for Transformer Engine's).
@@ -32,7 +36,11 @@ LAYER_ORDER = (
     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
     "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-    "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
+    "self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.linear_kv_up_proj.weight",
+    "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight", "self_attention.kv_layernorm.weight",
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
@@ -44,7 +52,8 @@ LAYER_ORDER = (
 INPUT_NORM = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
               "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias"}
 BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
-AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+FINAL_NORM = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")
+MTP_OWN_ORDER = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # then the layer, then final_layernorm
 TIED_COPIES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -81,11 +90,40 @@ def experts_separate(args: argparse.Namespace) -> bool:
 
 
 def _layer_key(inner: str, te: bool) -> int:
+    """`te`: Transformer Engine's fused input norm (dense attention; multi-latent attention's is its own module
+    under either spec)."""
     if not te:
         inner = INPUT_NORM.get(inner, inner)
     elif inner.startswith("input_layernorm."):
         inner = "self_attention.linear_qkv.layer_norm_" + inner.rsplit(".", 1)[1]
     return LAYER_ORDER.index(inner)
+
+
+def _layer_parameters(names: list[str], prefix: str, te: bool, local_experts: range,
+                      experts: bool | None) -> list[RankParam]:
+    """One layer's parameters (its tensors `prefix` + name in `names`) in registration order."""
+    inner = sorted((part[1] for part in map(layer_part, names)
+                    if part and part[0] == prefix and not part[1].endswith(BUFFER[1:])),
+                   key=lambda n: _layer_key(n, te))
+    out = []
+    for name in inner:
+        if not EXPERT.fullmatch(name):
+            out += [RankParam(prefix + name)] if experts is not True else []
+        elif experts is not False:
+            out += [RankParam(prefix + name, e) for e in local_experts]
+    return out
+
+
+def _mtp_parameters(names: list[str], te: bool, local_experts: range, experts: bool | None) -> list[RankParam]:
+    """The multi-token-prediction depths' parameters in registration order."""
+    depths = sorted({int(name.split(".")[2]) for name in names if name.startswith("mtp.layers.")})
+    out = []
+    for k in depths:
+        own = [RankParam(f"mtp.layers.{k}.{n}") for n in MTP_OWN_ORDER] if experts is not True else []
+        layer = next(part[0] for part in map(layer_part, names) if part and part[0].startswith(f"mtp.layers.{k}."))
+        last = [RankParam(f"mtp.layers.{k}.final_layernorm.weight")] if experts is not True else []
+        out += own + _layer_parameters(names, layer, te, local_experts, experts) + last
+    return out
 
 
 def chunk_parameters(names: list[str], args: argparse.Namespace, pp_rank: int, chunk: int, ep_rank: int,
@@ -97,24 +135,23 @@ def chunk_parameters(names: list[str], args: argparse.Namespace, pp_rank: int, c
     first, last = pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == last_chunk
     tied = not args.untie_embeddings_and_output_weights and pp > 1
     te = arg(args, "transformer_impl", "local") == "transformer_engine"
+    fused_input_norm = te and not arg(args, "multi_latent_attention")
     per_rank = (arg(args, "num_experts") or 0) // arg(args, "expert_model_parallel_size", 1)
     local_experts = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
     layers = chunk_layers(args, pp_rank, chunk)
     out = [RankParam(n, shared=tied and n in TIED_COPIES) for n in BEFORE if first and n in names] \
         if experts is not True else []
     for layer in layers:
-        inner = sorted((m.group(2) for m in map(LAYER.fullmatch, names)
-                        if m and int(m.group(1)) == layer and not m.group(0).endswith(BUFFER)),
-                       key=lambda n: _layer_key(n, te))
-        for name in inner:
-            full = f"decoder.layers.{layer}.{name}"
-            if not EXPERT.fullmatch(name):
-                out += [RankParam(full)] if experts is not True else []
-            elif experts is not False:
-                out += [RankParam(full, e) for e in local_experts]
-    if last and experts is not True:
-        out += [RankParam(n, shared=tied and n in TIED_COPIES) for n in AFTER
-                if n in names or (tied and n == "output_layer.weight")]
+        out += _layer_parameters(names, f"decoder.layers.{layer}.", fused_input_norm, local_experts, experts)
+    if last and pp > 1 and any(n.startswith("mtp.") for n in names):
+        raise ValueError("the distributed optimizer's state of a multi-token-prediction run at pipeline parallel "
+                         f"{pp} is not read (Megatron's last stage then holds a copy of the embedding for it); "
+                         "convert with --no-optimizer to carry the weights only")
+    if last:
+        out += [RankParam(n) for n in FINAL_NORM if n in names and experts is not True]
+        out += _mtp_parameters(names, fused_input_norm, local_experts, experts)
+        out += [RankParam("output_layer.weight", shared=tied)] if experts is not True and (
+            tied or "output_layer.weight" in names) else []
     return _expert_order(out, te)
 
 
@@ -129,10 +166,10 @@ def _expert_order(params: list[RankParam], te: bool) -> list[RankParam]:
             out.append(params[i])
             i += 1
             continue
-        run = [p for p in params[i:] if p.expert is not None and LAYER.fullmatch(p.name).group(1)
-               == LAYER.fullmatch(params[i].name).group(1)]
+        run = [p for p in params[i:] if p.expert is not None and layer_part(p.name)[0]
+               == layer_part(params[i].name)[0]]
         out += sorted(run, key=lambda p: (p.expert, EXPERT_ORDER.index(EXPERT.fullmatch(
-            LAYER.fullmatch(p.name).group(2)).group(1))))
+            layer_part(p.name)[1]).group(1))))
         i += len(run)
     return out
 
