@@ -38,6 +38,7 @@ def test_an_operation_starts_after_the_device_its_input_and_its_launch_whichever
     assert clock.posted() == 105.0  # an exchange posted now follows the compute queued before it
     assert clock.run(2.0, ready=104.0) == 107.0  # the device was busy longer than its input took to land
     assert clock.run(2.0, ready=110.0) == 112.0  # waits for its input
+    assert clock.run(0.0) == 112.0 and host.slept_to[-1] == 110.0  # no time, no operation: the host goes on
     host.time = 120.0  # a host that falls behind its device delays it: its time counts
     assert clock.posted() == 120.0 and clock.run(1.0) == 121.0
     clock.synchronize()

@@ -103,7 +103,11 @@ class DeviceClock:
         self.free = self.now()
 
     def run(self, seconds: float, ready: float = 0.0) -> float:
-        """Queue `seconds` of compute whose input lands at `ready`; the host sleeps until it starts. Its end."""
+        """Queue `seconds` of compute whose input lands at `ready`; the host sleeps until it starts. Its end. No
+        time is no operation (the W of a schedule that does not split the backward): nothing to queue or wait
+        for; sleeping until it "starts" would hold the host until the device is idle."""
+        if not seconds:
+            return max(self.free, ready)
         start = max(self.free, ready, self.now())
         self.free = start + seconds
         self.sleep(start)
