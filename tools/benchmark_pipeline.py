@@ -12,6 +12,13 @@
    communication plan's exchanges (planning/bubble.py); also against the same rank's operations run back to
    back without a pipeline, which pay the same late wake-ups and autograd, so that only the pipeline's costs
    remain. `--ratios` sleeps given ratios instead of measuring the stage, so that repeated runs compare alike.
+   Each case runs on two clocks (`--clock`). "host": an operation's sleep holds the host thread from when the
+   host reaches it to its end, so the host's time between operations (posting exchanges, autograd) adds to the
+   step, as on a CPU rank. "device": an emulated device's timeline (DeviceClock): an operation starts when the
+   device is done with the previous one, its input landed (at its sender's post) and the host launched it; the
+   host sleeps only until it starts, so it posts the next exchanges while the device "computes", as a GPU's host
+   does (one operation ahead; a GPU's host runs further). The host's time counts there only where the host
+   falls behind its device; a transfer takes no device time in either clock (small messages).
 3. Memory: the benchmark model itself trains one step per schedule on pp gloo ranks; each rank's activation
    memory at the schedule's peak (what autograd saves, plus what B leaves for W: planning/measure_pipeline.py)
    next to the planner's (planning/memory.py peak_activations).
