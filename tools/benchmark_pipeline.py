@@ -78,10 +78,9 @@ class HostClock:
     def restart(self) -> None:
         """A step starts now."""
 
-    def run(self, seconds: float, ready: float = 0.0) -> float:
-        """Compute for `seconds` (its input is there: the host waited for its message); returns its end."""
+    def run(self, seconds: float) -> None:
+        """Compute for `seconds`."""
         time.sleep(seconds)
-        return time.perf_counter()
 
     def synchronize(self) -> None:
         """Wait for the compute queued so far (here: done)."""
@@ -90,16 +89,17 @@ class HostClock:
 @dataclass
 class DeviceClock:
     """The timeline of an emulated device beside its host, as a GPU's stream runs beside the host thread that
-    queues it: an operation starts when the device finished what was queued before it, when its input landed and
-    when the host launched it, whichever is last, and lasts its time. The host sleeps until the operation starts,
-    not until it ends, then goes on (posting the next exchanges, reaching the next operation) while the device
-    "computes": one operation ahead, where a GPU's host runs further ahead (so this charges more, never less, of
-    the host's time than a GPU would). A message lands at the device time of its sender's post: NCCL's send
-    follows the compute queued before it, and the receive the compute queued before the receiver's post, which
-    the receiver's own timeline already orders before the operation that uses it. So a transfer costs no device
-    time (these are [8, 1, 16] messages), gloo's real latency counts only where it delays a host past the device,
-    and the host's time counts only where the host falls behind its device. Messages carry the sender's time in
-    their first 8 bytes (`stamp`); `now` and `sleep` are the host's, replaced by a test's."""
+    queues it: an operation starts when the device finished what was queued before it and when the host launched
+    it, whichever is last, and lasts its time. The host sleeps until the operation starts, not until it ends, then
+    goes on (posting the next exchanges, reaching the next operation) while the device "computes": one operation
+    ahead, where a GPU's host runs further ahead (so this charges more, never less, of the host's time than a GPU
+    would). Messages travel as NCCL's do: a send runs after the compute queued before its post, so a message lands
+    at its sender's device time at the post (carried in its first 8 bytes: `stamp`); a wait on an exchange makes
+    the device wait for what it received (`landed`), as `work.wait()` orders NCCL's compute stream. A receive
+    runs after the compute queued before the receiver's post, which the receiver's timeline already orders. So
+    a transfer costs no device time (these are [8, 1, 16] messages), gloo's real latency counts only where it
+    delays a host past its device, and the host's time counts only where the host falls behind its device.
+    `now` and `sleep` are the host's, replaced by a test's."""
 
     now: Callable[[], float] = time.perf_counter
     sleep: Callable[[float], None] = sleep_until
@@ -109,16 +109,19 @@ class DeviceClock:
     def restart(self) -> None:
         self.free = self.now()
 
-    def run(self, seconds: float, ready: float = 0.0) -> float:
-        """Queue `seconds` of compute whose input lands at `ready`; the host sleeps until it starts. Its end. No
-        time is no operation (the W of a schedule that does not split the backward): nothing to queue or wait
-        for; sleeping until it "starts" would hold the host until the device is idle."""
+    def run(self, seconds: float) -> None:
+        """Queue `seconds` of compute; the host sleeps until it starts. No time is no operation (the W of a schedule
+        that does not split the backward): nothing to queue; sleeping until it "starts" would hold the host until
+        the device is idle."""
         if not seconds:
-            return max(self.free, ready)
-        start = max(self.free, ready, self.now())
+            return
+        start = max(self.free, self.now())
         self.free = start + seconds
         self.sleep(start)
-        return self.free
+
+    def landed(self, moment: float) -> None:
+        """The device waits for a message that lands at `moment` before what is queued next."""
+        self.free = max(self.free, moment)
 
     def posted(self) -> float:
         """The device time after which an exchange posted now runs: after the compute queued so far, or now if
@@ -135,13 +138,26 @@ def stamp(tensor: torch.Tensor, moment: float) -> None:
 
 
 def stamp_of(tensor: torch.Tensor) -> float:
-    """The device time a message landed: what `stamp` wrote (0 in a tensor of zeros, a first chunk's input)."""
+    """The device time a message landed: what `stamp` wrote."""
     return float(tensor.detach().reshape(-1)[:2].view(torch.float64))
 
 
 @dataclass
+class LandingExchange(Exchange):
+    """An exchange whose wait makes its rank's device wait for what it received."""
+
+    clock: DeviceClock = field(default_factory=DeviceClock)
+
+    def wait(self) -> None:
+        super().wait()
+        for buffer in self.received.values():
+            self.clock.landed(stamp_of(buffer))
+
+
+@dataclass
 class StampingComm(PipelineComm):
-    """PipelineComm whose sends carry the device time of their post (DeviceClock)."""
+    """PipelineComm whose sends carry the device time of their post and whose waits order the device after what
+    they received (DeviceClock)."""
 
     clock: DeviceClock = field(default_factory=DeviceClock)
 
@@ -150,35 +166,27 @@ class StampingComm(PipelineComm):
         for message in messages:
             if message in outbox:
                 stamp(outbox[message], posted)
-        return super().exchange(messages, outbox)
+        posting = super().exchange(messages, outbox)
+        return LandingExchange(posting.works, posting.sent, posting.received, self.clock)
 
 
 class Sleep(torch.autograd.Function):
     """Identity whose forward sleeps `forward_s`, whose backward sleeps `backward_s` and hands a weight gradient
     that sleeps `weight_s` to weight_grads (at once, or in W under a zero-bubble schedule), on `clock`: a stage with
-    known costs that leaves the cores free for the other ranks. Under a DeviceClock each output carries its end
-    and each input's landing time orders its operation (`last`: the backward's gradient is the loss's, not a
-    message)."""
+    known costs that leaves the cores free for the other ranks."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, times: tuple[float, float, float],
-                clock: HostClock | DeviceClock, last: bool) -> torch.Tensor:
-        end = clock.run(times[0], stamp_of(x) if clock.stamps else 0.0)
-        ctx.times, ctx.anchor, ctx.clock, ctx.last = times, anchor, clock, last
-        out = x.clone()  # a new tensor: the executor frees a sent activation's storage
-        if clock.stamps:
-            stamp(out, end)
-        return out
+                clock: HostClock | DeviceClock) -> torch.Tensor:
+        clock.run(times[0])
+        ctx.times, ctx.anchor, ctx.clock = times, anchor, clock
+        return x.clone()  # a new tensor: the executor frees a sent activation's storage
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        clock = ctx.clock
-        end = clock.run(ctx.times[1], stamp_of(grad) if clock.stamps and not ctx.last else 0.0)
-        deliver(ctx.anchor, functools.partial(_weight_gradient, clock, ctx.times[2]))
-        if clock.stamps:
-            grad = grad.clone()
-            stamp(grad, end)
-        return grad, None, None, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        ctx.clock.run(ctx.times[1])
+        deliver(ctx.anchor, functools.partial(_weight_gradient, ctx.clock, ctx.times[2]))
+        return grad, None, None, None
 
 
 def _weight_gradient(clock: HostClock | DeviceClock, seconds: float) -> None:
@@ -216,7 +224,7 @@ def no_pipeline_step(case: Case, times: tuple[float, float, float]) -> float:
     clock.restart()
     for _ in range(case.m * case.vp):
         x = torch.zeros(SHAPE, requires_grad=True)
-        Sleep.apply(x, anchor, chunk_times(case, times), clock, True).sum().backward()
+        Sleep.apply(x, anchor, chunk_times(case, times), clock).sum().backward()
     clock.synchronize()
     return time.perf_counter() - start
 
@@ -235,9 +243,8 @@ def time_case(rank: int, world_size: int, case: Case, times: tuple[float, float,
 
     def forward_step(chunk: int, microbatch: int, hidden: torch.Tensor | None) -> torch.Tensor:
         x = torch.zeros(SHAPE, requires_grad=True) if hidden is None else hidden
-        last = stage.is_last_chunk(chunk)
-        out = Sleep.apply(x, anchors[chunk], chunk_times(case, times), clock, last)
-        return out.sum() if last else out
+        out = Sleep.apply(x, anchors[chunk], chunk_times(case, times), clock)
+        return out.sum() if stage.is_last_chunk(chunk) else out
 
     steps, no_pipeline, trace = [], [], Trace()
     for i in range(iters + 1):
