@@ -80,7 +80,9 @@ def pair_groups(topology: Topology) -> dict[tuple[int, int], dist.ProcessGroup]:
 
 @dataclass
 class PipelineComm:
-    """The channel between this rank and its neighbouring pipeline ranks of its (dp, tp) position."""
+    """The channel between this rank and its neighbouring pipeline ranks of its (dp, tp) position. What an
+    exchange needs of the topology (this rank's pipeline rank, each pair's group and peer ranks in it) is looked
+    up once here: an exchange is posted between operations, where its host time delays the next one."""
 
     topology: Topology
     shape: tuple[int, ...]
@@ -89,29 +91,25 @@ class PipelineComm:
 
     def __post_init__(self) -> None:
         self.groups = pair_groups(self.topology)
+        self._pp_rank = self.topology.pp_rank
+        self._device = self.topology.device
 
     def exchange(self, messages: list[Message], outbox: dict[Message, torch.Tensor]) -> Exchange:
         """Post one round with one neighbour: send what `outbox` holds for the messages this rank sends,
         receive the others into new buffers. Both sides list a round's messages in the same order."""
-        t, ops, result = self.topology, [], Exchange([])
-        pairs = {message.pair for message in messages}
-        if len(pairs) != 1 or next(iter(pairs)) not in self.groups:
-            raise ValueError(f"an exchange travels between pipeline rank {t.pp_rank} and one neighbour, not "
-                             f"{sorted(pairs)}: the schedule's chunk order must put consecutive chunks on "
-                             "neighbouring ranks")
-        group = self.groups[next(iter(pairs))]
+        pair = messages[0].pair
+        group = self.groups.get(pair)
+        if group is None or any(message.pair != pair for message in messages[1:]):
+            raise ValueError(f"an exchange travels between pipeline rank {self._pp_rank} and one neighbour, not "
+                             f"{sorted({message.pair for message in messages})}: the schedule's chunk order must "
+                             "put consecutive chunks on neighbouring ranks")
+        ops, result = [], Exchange([])
         for message in messages:
-            if message.src == t.pp_rank:
+            if message.src == self._pp_rank:
                 result.sent[message] = tensor = outbox.pop(message).detach().contiguous()
-                ops.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=_peer(message.pair, message.dst)))
+                ops.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=pair.index(message.dst)))
             else:
-                buffer = torch.empty(self.shape, dtype=self.dtype, device=t.device)
-                result.received[message] = buffer
-                ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=_peer(message.pair, message.src)))
+                result.received[message] = buffer = torch.empty(self.shape, dtype=self.dtype, device=self._device)
+                ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=pair.index(message.src)))
         result.works = dist.batch_isend_irecv(ops)
         return result
-
-
-def _peer(pair: tuple[int, int], pp_rank: int) -> int:
-    """`pp_rank`'s rank in the two-rank group of `pair`."""
-    return pair.index(pp_rank)
