@@ -140,7 +140,9 @@ def waiting_gradient_bytes(model: nn.Module, param_dtype: str) -> int:
 def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[str, int], activations: float,
                     device: str = "cuda", muon_peak: int = 0) -> float:
     """Memory above state + activations at the worst moment on pipeline stage `pp_rank`: in backward, the largest
-    parameter's gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
+    parameter's gradient before its hook adds it into the buffer or, at another moment, a layer's own backward
+    temporaries (`costs.backward_transient_bytes`: the MoE combine's), whichever is more, plus a gradient waiting
+    for a later read of its parameter (`waiting_gradient_bytes`), plus under full recompute the one layer whose
     activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`), plus
     context-parallel attention's buffers (planning/context_parallel.py), less on the stage with the head what the
     head saved (its backward runs first and frees it, before any layer is recomputed); there, as the loss's forward
@@ -152,8 +154,11 @@ def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[
     gathered_weights, gathered_grads = gathered_bytes(cfg, params, shards["dense"])
     head = model.lm_head is not None
     loss = costs.transient_bytes(model.lm_head, batch) + gathered_weights if head else 0
-    backward = (params.largest * BYTES[cfg.train.param_dtype] + gathered_weights + gathered_grads
-                + attention_transient_bytes(cfg, batch.compute) + waiting_gradient_bytes(model, cfg.train.param_dtype))
+    layer_temporaries = max((costs.backward_transient_bytes(layer, batch) for layer in model.transformer_layers()),
+                            default=0)
+    backward = (max(params.largest * BYTES[cfg.train.param_dtype], layer_temporaries) + gathered_weights
+                + gathered_grads + attention_transient_bytes(cfg, batch.compute)
+                + waiting_gradient_bytes(model, cfg.train.param_dtype))
     if cfg.train.recompute == "full":
         kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
         layers = rank_model(kept, pp_rank).transformer_layers()
