@@ -8,6 +8,7 @@ matches the planner within 5% on every simulated rank.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 import subprocess
@@ -165,3 +166,16 @@ def test_a_step_leaves_no_tensors_to_the_cyclic_collector():
         gc.garbage.clear()
         gc.enable()
     assert in_cycles == []
+
+
+def test_ranks_simulated_side_by_side_report_what_one_process_does():
+    """The simulated ranks and the pipeline replay run in processes of their own (one per core): every number of
+    the report is the one a single process gets, each rank's recorded calls included."""
+    cfg = measurement_config(8, **TINY)
+    alone, side_by_side = dry_run(cfg, 8, 2, workers=1), dry_run(cfg, 8, 2, workers=2)
+    assert side_by_side.ok and len(side_by_side.ranks) == 2
+    for one, other in zip(alone.ranks, side_by_side.ranks, strict=True):
+        assert (one.role, one.coords, one.memory, one.host, one.build) == (other.role, other.coords, other.memory,
+                                                                          other.host, other.build)
+        assert [dataclasses.astuple(c) for c in one.calls] == [dataclasses.astuple(c) for c in other.calls]
+    assert dataclasses.astuple(alone.pipeline) == dataclasses.astuple(side_by_side.pipeline)

@@ -31,7 +31,7 @@ CONTINUED = {"llama_8b_continue": "Llama-3.1-8B", "qwen3_8b_continue": "Qwen3-8B
 
 def test_every_size_has_an_example():
     assert {"gpt2_125m", "gpt2_350m", "gpt2_1.3b", "llama_1b", "llama_8b", "llama_70b", "mixtral_8x7b",
-            "qwen3_30b_a3b", *CONTINUED} <= {p.stem for p in PLANNED}
+            "qwen3_30b_a3b", "deepseek_v3_671b", "moonlight_16b_a3b", *CONTINUED} <= {p.stem for p in PLANNED}
 
 
 def test_tiny_cpu_example_validates_for_two_processes():
@@ -60,10 +60,12 @@ def build_on_meta(path: Path) -> GPTModel:
 
 # Published sizes: GPT-2 small 124,439,808 (Hugging Face's count, vocabulary 50257 unpadded), Llama-3.2-1B
 # 1.24B, Llama-3.1-8B 8.03B, Mixtral-8x7B 46.7B and Qwen3-30B-A3B 30.5B (model cards; Hugging Face's counts
-# 46,702,792,704 and 30,532,122,624); the rest are the planner's own count.
+# 46,702,792,704 and 30,532,122,624), Moonlight-16B-A3B's released config (tests/released_configs.py); the rest are the
+# planner's own count (DeepSeek-V3's: the released 671,026,404,352 and its MTP depth).
 PUBLISHED = {"gpt2_125m": 124_439_808, "llama_1b": 1_235_814_400, "llama_8b": 8_030_261_248,
              "llama_8b_zero3": 8_030_261_248, "llama_8b_128k": 8_030_261_248, "mixtral_8x7b": 46_702_792_704,
-             "qwen3_30b_a3b": 30_532_122_624} | {stem: RELEASED[name][1] for stem, name in CONTINUED.items()}
+             "qwen3_30b_a3b": 30_532_122_624, "moonlight_16b_a3b": RELEASED["Moonlight-16B-A3B"][1]} | {
+                 stem: RELEASED[name][1] for stem, name in CONTINUED.items()}
 # Parameters one token uses: Mixtral's 12.9B "active" (its two experts of eight, embeddings included); gpt-oss-20b's
 # 4.19B (four experts of 32 with their biases; the model card's 3.6B leaves out the embedding table).
 ACTIVE = {"mixtral_8x7b": 12_879_925_248, "gpt_oss_20b_continue": 4_187_440_704}

@@ -78,3 +78,21 @@ def test_a_pipeline_with_mtp_dry_runs_within_the_planner():
     plan = report.plan(head)  # without MTP too: its transients are the CPU's, not what MTP adds
     assert abs(head.memory["activations"] - plan.activations) / plan.activations <= TOLERANCE, text
     assert abs(difference(head, plan)) <= TOLERANCE, text
+
+
+def test_the_heads_gradient_waiting_for_the_mtp_depths_read_is_planned():
+    """The head's weight is read by the main head and again by the MTP depth: in backward its first read's
+    gradient waits in a tensor of its size (parallel/grad_buffer.py deposit) while the depth's is made, two
+    head-sized gradients at once, which with a large vocabulary is the head stage's transient peak."""
+    tiny = {"model": {"family": "llama", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+                      "num_query_groups": 2, "seq_length": 32, "vocab_size": 16384, "mtp_num_layers": 1},
+            "parallel": {"pp": 2, "distributed_optimizer": True},
+            "train": {"micro_batch_size": 1, "global_batch_size": 2, "precision": "bf16", "param_dtype": "bf16"}}
+    cfg = measurement_config(2, **tiny)
+    apply_mapping(cfg, MEASUREMENT, "dry run")
+    report = dry_run(cfg, 2, 1)
+    head = next(run for run in report.ranks if run.role.pp_rank == 1)
+    plan = report.plan(head)
+    assert head.memory["transient"] >= 2 * 16384 * 128 * 2  # two bf16 head-sized gradients
+    assert head.memory["transient"] == pytest.approx(plan.transient, rel=0.01)
+    assert abs(difference(head, plan)) <= TOLERANCE

@@ -220,13 +220,14 @@ def test_activations_match_saved_tensors(family, precision, param_dtype, recompu
 
 
 @pytest.mark.parametrize("precision,param_dtype", PRECISIONS)
-@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("q_lora_rank", [32, None])
 def test_latent_attention_activations_match_saved_tensors(precision, param_dtype, recompute, q_lora_rank):
-    """Multi-head latent attention (with and without query compression, v as wide as q/k's rotary part). Without
-    recompute the CPU's attention kernel for a v narrower than q/k (the math one) keeps the s x s probabilities,
-    which CUDA's memory-efficient kernel, as the planner counts, does not: the core is recomputed here, under
-    selective with the up-projections (their outputs not kept: only the latents and the rotated shared key)."""
+    """Multi-head latent attention (with and without query compression, v as wide as q/k's rotary part, narrower
+    than q/k). Without recompute the CPU's core gets v padded to the qk width (its flash kernel needs equal widths;
+    its math kernel would keep the s x s probabilities) and keeps the padded v and output, which the planner's CPU
+    figure counts; under selective the core is recomputed with the up-projections (their outputs not kept: only
+    the latents and the rotated shared key)."""
     cfg = _model_config("llama", train={"precision": precision, "param_dtype": param_dtype, "recompute": recompute})
     cfg.model.seq_length, cfg.model.num_query_groups, cfg.model.multi_latent_attention = 64, None, True
     cfg.model.q_lora_rank, cfg.model.kv_lora_rank, cfg.model.qk_head_dim = q_lora_rank, 16, 8

@@ -11,14 +11,17 @@ from conftest import tiny_config
 from distributed import cpu_topology, run_ranks
 
 from megalite.config import TORCH_DTYPES, Config
+from megalite.config_cli import apply_mapping
 from megalite.config_validation import validate
+from megalite.dryrun.report import TOLERANCE, difference, format_dry_run
+from megalite.dryrun.run import dry_run
 from megalite.model.gpt import GPTModel
 from megalite.parallel.context import AxisView, ParallelContext
 from megalite.parallel.pipeline.registry import stage_layout
 from megalite.parallel.zero import unit_index
 from megalite.planning.activations import Widths, moe_block_bytes, token_rows
 from megalite.planning.experts import comm_bytes, fp8_padding_rows
-from megalite.planning.measure import rank_memory, saved_storages
+from megalite.planning.measure import MEASUREMENT, measurement_config, rank_memory, saved_storages
 from megalite.planning.memory import chunk_activation_bytes, gathered_bytes, grid_replicas, stage_memory
 from megalite.planning.parameters import active_parameters, model_parameters, rank_parameters
 from megalite.planning.plan import format_plan, make_plan
@@ -250,3 +253,25 @@ def test_fp8_expert_padding_in_the_plan():
     validate(cfg, 8)
     text = format_plan(make_plan(cfg, 8))
     assert "FP8 (rowwise) pads each expert's rows to 16: up to 32 more rows per GPU per layer" in text
+
+
+def test_the_moe_combines_backward_gradients_are_planned():
+    """In an MoE layer's backward the combine's weighting (model/moe/dispatch.py) holds three fp32 [routed rows,
+    hidden] gradients at once, the index_add having freed the weighted copy it kept: with wide rows and top 4 of 4
+    they are a stage's transient peak, with and without recompute, and the planner counts them."""
+    for recompute in ("none", "full"):
+        tiny = {"model": {"family": "llama", "num_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+                          "num_query_groups": 2, "seq_length": 64, "vocab_size": 256, "num_experts": 4,
+                          "moe_topk": 4, "moe_ffn_hidden_size": 32},
+                "parallel": {"pp": 2, "distributed_optimizer": True},
+                "train": {"micro_batch_size": 2, "global_batch_size": 4, "precision": "bf16", "param_dtype": "bf16",
+                          "recompute": recompute}}
+        cfg = measurement_config(2, **tiny)
+        apply_mapping(cfg, MEASUREMENT, "dry run")
+        report = dry_run(cfg, 2, 1)
+        gradient = 2 * 64 * 4 * 256 * 4  # [tokens x top-k, hidden] in fp32
+        for run in report.ranks:
+            plan = report.plan(run)
+            assert run.memory["transient"] >= 3 * gradient, recompute
+            assert plan.transient >= 2 * gradient, recompute
+            assert abs(difference(run, plan)) <= TOLERANCE, (recompute, format_dry_run(report, "h100"))

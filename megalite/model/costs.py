@@ -11,7 +11,9 @@ add up to, parameters of its own aside):
 - `attention_flops(seq)`: other forward FLOPs per token (attention's s x s square, or what a window keeps of it);
 - `recomputed_flops(seq)`: the forward FLOPs per token its backward runs again (activation recompute);
 - `active_parameters()`: the parameters one token uses (experts it is not routed to aside);
-- `transient_bytes(batch)`: what it holds for a moment beyond what it saves (the loss's temporaries).
+- `transient_bytes(batch)`: what it holds for a moment beyond what it saves (the loss's temporaries);
+- `backward_transient_bytes(batch)`: what its backward holds at its worst moment beyond what its forward saved
+  (the MoE combine's fp32 gradients of the routed rows).
 Sizes are those of the module as built (its weights' shapes are this rank's shards), its recompute flags as
 model/recompute.py set them, and the batch's: tokens, dtype widths, the device kind whose kernels run (CUDA's
 fused RMSNorm keeps other tensors than a CPU's). What depends on the data, how many rows each expert runs, is
@@ -60,6 +62,10 @@ def held_bytes(module: nn.Module, batch: MicroBatch) -> int:
 
 def transient_bytes(module: nn.Module, batch: MicroBatch) -> int:
     return _walk(module, "transient_bytes", batch)
+
+
+def backward_transient_bytes(module: nn.Module, batch: MicroBatch) -> int:
+    return _walk(module, "backward_transient_bytes", batch)
 
 
 def matmul_parameters(module: nn.Module) -> int:

@@ -64,6 +64,16 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+def _padded_to_qk(v: torch.Tensor, qk: int) -> torch.Tensor:
+    """v with zero channels up to the query/key width on CPUs, else v itself. The CPU's flash kernel needs v as
+    wide as q and k; without it SDPA falls back to the math kernel, which keeps the s x s probabilities (9 GiB per
+    layer of DeepSeek-V3 at 4096 tokens). The zero channels add nothing to the weighted sum; the caller drops them.
+    CUDA's memory-efficient kernel takes the narrower v as it is (HF's flash-attention path pads alike)."""
+    if v.device.type != "cpu" or v.shape[-1] >= qk:
+        return v
+    return F.pad(v, (0, qk - v.shape[-1]))
+
+
 class LatentAttention(nn.Module):
     """Each tensor-parallel rank computes heads/tp whole heads."""
 
@@ -157,9 +167,11 @@ class LatentAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         past = k.shape[2] - q.shape[2]
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past) if past else None
+        narrow = _padded_to_qk(v, q.shape[-1])
         with self.ctx.region_rng():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
-                                                  scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, narrow, attn_mask=mask, dropout_p=dropout,
+                                                 is_causal=mask is None, scale=self.scale)
+        return out[..., :v.shape[-1]] if narrow is not v else out
 
     def _linears(self) -> list[nn.Module]:
         return [m for m in self.children() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
@@ -179,7 +191,17 @@ class LatentAttention(nn.Module):
         if self.recompute_up_proj:
             return size + tokens * self.rope_dim * c
         size += tokens * heads * (2 * qk + self.nope + self.v_dim) * c
-        return size + (tokens * heads * 4 if not self.recompute_core else 0) + self._allgather_change(batch)
+        if self.recompute_core:
+            return size + self._allgather_change(batch)
+        return size + tokens * heads * 4 + self._cpu_padding(batch) + self._allgather_change(batch)
+
+    def _cpu_padding(self, batch: MicroBatch) -> int:
+        """On CPUs (`_padded_to_qk`) the core also keeps v padded to the qk width and its output as wide, apart
+        from the output projection's input (the narrow part, copied out of it)."""
+        qk = self.nope + self.rope_dim
+        if batch.device != "cpu" or self.v_dim >= qk or self.ctx.cp.size > 1:
+            return 0
+        return 2 * batch.tokens * self.heads * qk * batch.compute
 
     def _allgather_change(self, batch: MicroBatch) -> int:
         """All-gather context parallelism with the core not recomputed keeps the whole sequence's packed K/V

@@ -10,7 +10,8 @@ The processes start from a fork server that imported torch and megalite's traini
 (`PRELOADED`), not as new interpreters each importing them again: a spawn cost each rank two to four
 seconds of imports on a 2-core machine, most of a tiny test's time. The server never runs torch, so
 it forks without threads; each rank then gets the caller's environment as it is now (a fork server's
-children would otherwise keep the environment it started with).
+children would otherwise keep the environment it started with). Independent work without a process group (the
+dry run's simulated ranks) runs on the same server's processes, one per core (`map_in_processes`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import os
 import pickle
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +74,20 @@ def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, threads: i
         mp.start_processes(_worker, args=(world_size, free_port(), threads, fn, args, out, dict(os.environ), backend),
                            nprocs=world_size, join=True, start_method="forkserver")
         return pickle.loads(Path(out).read_bytes())
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def map_in_processes(calls: Sequence[tuple[Callable[..., Any], tuple]], workers: int) -> list[Any]:
+    """[fn(*args) for fn, args in calls], on up to `workers` processes of the fork server at once (in this
+    process when one worker, or one call, is all there is): for independent, single-threaded work that takes
+    seconds each. Each fn must be importable, its arguments and result must pickle."""
+    if min(workers, len(calls)) <= 1:
+        return [fn(*args) for fn, args in calls]
+    mp.set_forkserver_preload(PRELOADED)
+    with ProcessPoolExecutor(min(workers, len(calls)), mp.get_context("forkserver")) as pool:
+        futures = [pool.submit(fn, *args) for fn, args in calls]
+        return [future.result() for future in futures]

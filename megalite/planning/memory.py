@@ -28,6 +28,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from torch import nn
+
 from megalite.config import Config
 from megalite.model import costs
 from megalite.parallel.pipeline.registry import schedule_spec, stage_layout
@@ -121,10 +123,26 @@ def gathered_bytes(cfg: Config, params: Parameters, dp: int) -> tuple[float, flo
     return weights, grads * BYTES[cfg.parallel.grad_reduce_dtype]
 
 
+def waiting_gradient_bytes(model: nn.Module, param_dtype: str) -> int:
+    """A parameter that several units of one backward read keeps its earlier reads' gradients in a tensor of its
+    own size until the last read adds into the buffer (parallel/grad_buffer.py `deposit`), alive beside the next
+    read's gradient as it is made: with multi-token prediction the head's weight (each depth reads it again) and,
+    with several depths, their shared word-embedding copy."""
+    if getattr(model, "mtp", None) is None:
+        return 0
+    head = model.lm_head.weight if model.lm_head.weight is not None else model.mtp.word_embeddings.weight
+    tables = {id(head): head}
+    if len(model.mtp.layers) > 1 and model.mtp.word_embeddings.weight is not None:
+        tables[id(model.mtp.word_embeddings.weight)] = model.mtp.word_embeddings.weight
+    return sum(t.numel() for t in tables.values()) * BYTES[param_dtype]
+
+
 def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[str, int], activations: float,
                     device: str = "cuda", muon_peak: int = 0) -> float:
     """Memory above state + activations at the worst moment on pipeline stage `pp_rank`: in backward, the largest
-    parameter's gradient before its hook adds it into the buffer, plus under full recompute the one layer whose
+    parameter's gradient before its hook adds it into the buffer or, at another moment, a layer's own backward
+    temporaries (`costs.backward_transient_bytes`: the MoE combine's), whichever is more, plus a gradient waiting
+    for a later read of its parameter (`waiting_gradient_bytes`), plus under full recompute the one layer whose
     activations are being recomputed, plus under ZeRO-3 the whole units gathered (`gathered_bytes`), plus
     context-parallel attention's buffers (planning/context_parallel.py), less on the stage with the head what the
     head saved (its backward runs first and frees it, before any layer is recomputed); there, as the loss's forward
@@ -136,8 +154,11 @@ def transient_bytes(cfg: Config, pp_rank: int, params: Parameters, shards: dict[
     gathered_weights, gathered_grads = gathered_bytes(cfg, params, shards["dense"])
     head = model.lm_head is not None
     loss = costs.transient_bytes(model.lm_head, batch) + gathered_weights if head else 0
-    backward = (params.largest * BYTES[cfg.train.param_dtype] + gathered_weights + gathered_grads
-                + attention_transient_bytes(cfg, batch.compute))
+    layer_temporaries = max((costs.backward_transient_bytes(layer, batch) for layer in model.transformer_layers()),
+                            default=0)
+    backward = (max(params.largest * BYTES[cfg.train.param_dtype], layer_temporaries) + gathered_weights
+                + gathered_grads + attention_transient_bytes(cfg, batch.compute)
+                + waiting_gradient_bytes(model, cfg.train.param_dtype))
     if cfg.train.recompute == "full":
         kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
         layers = rank_model(kept, pp_rank).transformer_layers()

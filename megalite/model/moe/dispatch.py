@@ -67,6 +67,14 @@ class Sorted:
         weighted copy (index_add keeps its source) and the rows' fp32 weights."""
         return 2 * rows * 8 + 2 * rows * hidden * 4 + rows * 4
 
+    @staticmethod
+    def backward_transient_bytes(rows: int, hidden: int) -> int:
+        """The combine's backward beyond what it saved, for `rows` rows: the weighting's backward holds three fp32
+        [rows, hidden] tensors at once (the output gradient gathered per row, the rows' gradient and their product
+        with the rows before it is summed into the weights' gradient), the index_add having freed the weighted copy
+        it kept."""
+        return 3 * rows * hidden * 4 - rows * hidden * 4
+
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens.index_select(0, self.token)
 

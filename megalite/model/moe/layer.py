@@ -18,7 +18,7 @@ from megalite.config import ModelConfig
 from megalite.model.aux_losses import AuxLosses
 from megalite.model.costs import MicroBatch, kept_input_bytes, matmul_held, row_bias_held
 from megalite.model.mlp import MLP
-from megalite.model.moe.dispatch import DISPATCHERS, AllToAll
+from megalite.model.moe.dispatch import DISPATCHERS, AllToAll, Sorted
 from megalite.model.moe.experts import GroupedExperts
 from megalite.model.moe.router import Router
 from megalite.parallel import gemm
@@ -69,6 +69,11 @@ class MoELayer(nn.Module):
             inputs = (own if c != 4 and (gated or not quantised) else 0) + (fc1 if quantised else 0)
         gate = batch.rows * (hidden + 1) * c if gated else 0
         return size + inputs + self.shared_expert.activation_bytes(batch) + gate
+
+    def backward_transient_bytes(self, batch: MicroBatch) -> int:
+        """The combine's, over the rows balanced routing brings (model/moe/dispatch.py): the routed part's backward
+        starts with it, before any expert's gradient is made."""
+        return Sorted.backward_transient_bytes(self.dispatcher.routed_rows(batch.rows), self.router.weight.shape[1])
 
     def held_bytes(self, batch: MicroBatch) -> int:
         """The router's, the experts' over their routed rows, the shared expert's and its gate's."""
