@@ -70,24 +70,32 @@ def convert(*argv: str) -> None:
     module.main(list(argv))
 
 
-@pytest.fixture(scope="module")
-def megatron(tmp_path_factory):
+def unpack(names: list[str], tmp_path_factory) -> dict[str, Path]:
     """name -> the unpacked Megatron-LM checkpoint directory."""
     root = tmp_path_factory.mktemp("megatron")
-    for name in NAMES:
+    for name in names:
         with tarfile.open(FIXTURES / f"{name}.tar.xz") as tar:
             tar.extractall(root, filter="data")
-    return {name: root / name for name in NAMES}
+    return {name: root / name for name in names}
+
+
+def convert_each(megatron: dict[str, Path], tmp_path_factory) -> dict[str, Path]:
+    """name -> the megalite checkpoint converted from it."""
+    out = {}
+    for name, directory in megatron.items():
+        out[name] = tmp_path_factory.mktemp("converted") / name
+        convert("--from-megatron", "--load", str(directory), "--save", str(out[name]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    return unpack(NAMES, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def converted(megatron, tmp_path_factory):
-    """name -> the megalite checkpoint converted from it."""
-    out = {}
-    for name in NAMES:
-        out[name] = tmp_path_factory.mktemp("converted") / name
-        convert("--from-megatron", "--load", str(megatron[name]), "--save", str(out[name]))
-    return out
+    return convert_each(megatron, tmp_path_factory)
 
 
 def expected(megatron, name: str) -> dict[str, torch.Tensor]:

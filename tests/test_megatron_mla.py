@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tarfile
 
 import pytest
 import torch
-from test_megatron_convert import FIXTURES, convert, expected
+from test_megatron_convert import convert_each, expected, unpack
 
 from megalite.checkpoint.megatron.args import model_config
 from megalite.checkpoint.megatron.mla import to_megalite_layout
@@ -38,20 +37,12 @@ NAMES = ["mla_torch", "mla_moe_torch_dist"]
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron")
-    for name in NAMES:
-        with tarfile.open(FIXTURES / f"{name}.tar.xz") as tar:
-            tar.extractall(root, filter="data")
-    return {name: root / name for name in NAMES}
+    return unpack(NAMES, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def converted(megatron, tmp_path_factory):
-    out = {}
-    for name in NAMES:
-        out[name] = tmp_path_factory.mktemp("converted") / name
-        convert("--from-megatron", "--load", str(megatron[name]), "--save", str(out[name]))
-    return out
+    return convert_each(megatron, tmp_path_factory)
 
 
 def test_mla_mtp_and_routing_config_come_from_megatrons_args(converted):
