@@ -21,7 +21,8 @@ from megalite.config_cli import parse_config
 from megalite.dryrun.nccl_rules.record import Call, CommRecorder, Message, RankRecord
 from megalite.dryrun.nccl_rules.replay import STREAMS, replay
 from megalite.dryrun.pipeline_plan import SHAPE, record_schedule
-from megalite.parallel.p2p import PipelineComm
+from megalite.parallel.p2p import Message as PipelineMessage
+from megalite.parallel.p2p import PipelineComm, coalescing_device, post_batch
 from megalite.parallel.pipeline.registry import schedule_spec
 from megalite.training.pretrain import pretrain
 
@@ -78,6 +79,65 @@ def test_replay_accepts_a_batched_exchange_and_counts_what_it_saw():
     report = replay(run_ranks(3, _batched_exchange, observed_groups=True))
     assert report.ok, report.text()
     assert report.calls == 6 and report.messages == 3
+
+
+def _pipeline_exchange(rank: int, world_size: int) -> tuple[RankRecord, list[float], bool]:
+    """One exchange of a pipeline pair: rank 0 sends an activation and receives a gradient, rank 1 the reverse,
+    posted by PipelineComm (post_batch, not torch's batch_isend_irecv)."""
+    comm = PipelineComm(cpu_topology(rank, world_size, pp=world_size), (4,), torch.float32)
+    messages = [PipelineMessage("F", 0, 0, 0, 1), PipelineMessage("B", 0, 0, 1, 0)]
+    outbox = {messages[rank]: torch.full((4,), float(rank + 1))}
+    with CommRecorder(rank) as recorder:
+        exchange = comm.exchange(messages, outbox)
+        exchange.wait()
+    (received,) = exchange.received.values()
+    return recorder.record, received.tolist(), coalescing_device(comm.groups[(0, 1)], torch.device("cpu")) is None
+
+
+def test_a_pipeline_exchange_is_recorded_as_one_batch_and_its_data_travels():
+    """megalite posts an exchange's sends and receives on the pair's group itself (post_batch): the recorder takes
+    them as one batched call, as it takes torch's batch_isend_irecv, so the replay runs them as NCCL runs a batch."""
+    per_rank = run_ranks(2, _pipeline_exchange, observed_groups=True)
+    for rank, (record, received, uncoalesced) in enumerate(per_rank):
+        (call,) = record.calls
+        assert call.name == "batch_isend_irecv" and not call.single and len(call.messages) == 2
+        assert [message.send for message in call.messages] == [rank == 0, rank == 1]
+        assert received == [float(2 - rank)] * 4 and uncoalesced  # gloo does not coalesce: a work per message
+    report = replay([record for record, _, _ in per_rank], streams=STREAMS)
+    assert report.ok and report.calls == 2 and report.messages == 2, report.text()
+
+
+class _CoalescingGroup:
+    """Stands in for an NCCL process group: records the calls made on it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        self.calls.append(("start", device))
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> str:
+        self.calls.append(("send", tensors[0], peer, tag))
+        return "send work"
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> str:
+        self.calls.append(("recv", tensors[0], peer, tag))
+        return "recv work"
+
+    def _end_coalescing(self, device: torch.device) -> str:
+        self.calls.append(("end", device))
+        return "batch work"
+
+
+def test_a_batch_on_a_coalescing_backend_is_one_group_of_calls_with_one_work():
+    """Where the backend coalesces (NCCL), post_batch makes the calls torch's batch_isend_irecv makes: the sends and
+    receives in the given order between the group's start and end of coalescing, one work for the batch."""
+    group, device, out, inbox = _CoalescingGroup(), torch.device("cpu"), torch.ones(2), torch.empty(2)
+    assert post_batch(group, device, [(True, out, 1), (False, inbox, 0)]) == ["batch work"]
+    assert group.calls == [("start", device), ("send", out, 1, 0), ("recv", inbox, 0, 0), ("end", device)]
+    plain = _CoalescingGroup()
+    assert post_batch(plain, None, [(True, out, 1), (False, inbox, 0)]) == ["send work", "recv work"]
+    assert [call[0] for call in plain.calls] == ["send", "recv"]
 
 
 def _pairs_in_order(rank: int, world_size: int, global_order: bool) -> RankRecord:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from megalite.config import ParallelConfig
 from megalite.parallel.p2p import Exchange, Message, PipelineComm
-from megalite.parallel.pipeline.executor import Trace, run_schedule
+from megalite.parallel.pipeline.executor import PeakInFlight, run_schedule
 from megalite.parallel.pipeline.registry import SCHEDULES, schedule_spec, training_schedules
 from megalite.parallel.spawn import run_on_ranks
 from megalite.parallel.topology import Topology
@@ -246,7 +246,7 @@ def time_case(rank: int, world_size: int, case: Case, times: tuple[float, float,
         out = Sleep.apply(x, anchors[chunk], chunk_times(case, times), clock)
         return out.sum() if stage.is_last_chunk(chunk) else out
 
-    steps, no_pipeline, trace = [], [], Trace()
+    steps, no_pipeline, trace = [], [], PeakInFlight()  # a trace's marks would add host time to the step
     for i in range(iters + 1):
         dist.barrier()
         start = time.perf_counter()

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from megalite.parallel.attention_masks import CAUSAL, FULL, Band, add_sinks, additive_mask, sink_gradient, visible
 from megalite.parallel.mappings import gather_from_cp
+from megalite.parallel.p2p import coalescing_device, post_batch
 from megalite.parallel.weight_grads import deliver
 
 Group = dist.ProcessGroup
@@ -122,20 +123,20 @@ class _Ring:
 
     def __init__(self, group: Group) -> None:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size  # ranks in the group
 
     def source(self, step: int) -> int:
         """The cp rank whose K/V block this rank holds at `step`."""
         return (self.rank - step) % self.size
 
     def shift(self, *tensors: torch.Tensor) -> _Pending:
-        """One batch_isend_irecv: send each tensor to the next rank, receive its like from the previous one.
-        Every rank posts the same list in the same order, so NCCL matches them (also when next == prev)."""
+        """One batch: send each tensor to the next rank, receive its like from the previous one. Every rank posts
+        the same list in the same order, so NCCL matches them (also when next == prev)."""
+        if not tensors:
+            return _Pending([], [])
         received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
-        return _Pending(dist.batch_isend_irecv(ops) if ops else [], received)
+        messages = [(True, t, self.next) for t in tensors] + [(False, r, self.prev) for r in received]
+        return _Pending(post_batch(self.group, coalescing_device(self.group, tensors[0].device), messages), received)
 
 
 def _block(rank: int, source: int, c: int) -> tuple[slice, slice, bool]:

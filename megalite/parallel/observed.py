@@ -14,10 +14,11 @@ hands a process group: what torch's functions built from theirs (group ranks, li
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from types import CodeType
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,16 @@ class CommObserver:
 
 
 _observers: list[CommObserver] = []
+BATCHES: set[CodeType] = set()  # megalite's functions that post one batch (one_batch)
+Function = TypeVar("Function", bound=Callable)
+
+
+def one_batch(function: Function) -> Function:
+    """Marks `function` as posting one batch of sends and receives, as torch's `batch_isend_irecv` does (under
+    NCCL: one ncclGroupStart/End): an observer that groups a group's operations into calls (the NCCL-rule
+    recorder) takes what it posts as one call."""
+    BATCHES.add(function.__code__)
+    return function
 
 
 @contextlib.contextmanager

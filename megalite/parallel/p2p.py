@@ -11,6 +11,10 @@ pipeline group's one communicator, a batch to the next rank would queue behind a
 one, so a rank waiting for its input would wait for the other neighbour too. The plan posts the exchanges in
 one global order, so they cannot deadlock even where NCCL runs different communicators' calls one after
 another (the NCCL-rule replay checks both). Shapes come from the config (no handshake).
+
+An exchange is posted between two operations, where its host time delays the next one, so it is posted by
+`post_batch`, not through torch's `batch_isend_irecv`: the same calls of the process group in the same order,
+without the checks torch's function repeats for every message.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megalite.parallel import observed
 from megalite.parallel.topology import Topology
 
 
@@ -58,6 +63,29 @@ class Exchange:
         return all(work.is_completed() for work in self.works)
 
 
+@observed.one_batch
+def post_batch(group: dist.ProcessGroup, coalescing: torch.device | None,
+               messages: list[tuple[bool, torch.Tensor, int]]) -> list[dist.Work]:
+    """Post `messages` (send or not, tensor, peer's rank in `group`) as one batch, with the process group's calls
+    that torch's `batch_isend_irecv` makes: where the group's backend coalesces on `coalescing` (NCCL: one
+    ncclGroupStart/End, so the batch progresses together), its sends and receives inside the group's coalescing,
+    one work for all; elsewhere (gloo) each in turn, a work each. The NCCL-rule recorder takes the batch as one
+    call, as it takes torch's function: it finds this function's frame above the group's calls (so a loop here,
+    not a comprehension, which has a frame of its own before Python 3.12)."""
+    if coalescing is not None:
+        group._start_coalescing(coalescing)
+    works = []
+    for send, tensor, peer in messages:
+        works.append(group.send([tensor], peer, 0) if send else group.recv([tensor], peer, 0))
+    return [group._end_coalescing(coalescing)] if coalescing is not None else works
+
+
+def coalescing_device(group: dist.ProcessGroup, device: torch.device) -> torch.device | None:
+    """`device` where `group`'s backend on it batches calls (NCCL), else None: what post_batch needs, decided as
+    torch's `batch_isend_irecv` decides it."""
+    return device if type(group) is dist.ProcessGroup and group._get_backend(device).supports_coalescing else None
+
+
 def neighbour_pairs(pp: int) -> list[tuple[int, int]]:
     """The pipeline-rank pairs that exchange messages: each rank and the next, the last and the first (the
     interleaved loop's turn), lower rank first, in ascending order."""
@@ -93,6 +121,7 @@ class PipelineComm:
         self.groups = pair_groups(self.topology)
         self._pp_rank = self.topology.pp_rank
         self._device = self.topology.device
+        self._coalescing = {pair: coalescing_device(group, self._device) for pair, group in self.groups.items()}
 
     def exchange(self, messages: list[Message], outbox: dict[Message, torch.Tensor]) -> Exchange:
         """Post one round with one neighbour: send what `outbox` holds for the messages this rank sends,
@@ -103,13 +132,13 @@ class PipelineComm:
             raise ValueError(f"an exchange travels between pipeline rank {self._pp_rank} and one neighbour, not "
                              f"{sorted({message.pair for message in messages})}: the schedule's chunk order must "
                              "put consecutive chunks on neighbouring ranks")
-        ops, result = [], Exchange([])
+        posts, result = [], Exchange([])
         for message in messages:
             if message.src == self._pp_rank:
                 result.sent[message] = tensor = outbox.pop(message).detach().contiguous()
-                ops.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=pair.index(message.dst)))
+                posts.append((True, tensor, pair.index(message.dst)))
             else:
                 result.received[message] = buffer = torch.empty(self.shape, dtype=self.dtype, device=self._device)
-                ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=pair.index(message.src)))
-        result.works = dist.batch_isend_irecv(ops)
+                posts.append((False, buffer, pair.index(message.src)))
+        result.works = post_batch(group, self._coalescing[pair], posts)
         return result

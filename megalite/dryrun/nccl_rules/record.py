@@ -131,7 +131,7 @@ class CommRecorder(CommObserver):
         if frame is not None and self._open is not None and self._open[0] is frame:
             call = self._open[1]  # one more operation of the same call of torch's
         else:
-            call = self._new_call(operation, frame.f_code.co_name if frame is not None else operation.operation)
+            call = self._new_call(operation, _call_name(frame, operation))
             self._open = (frame, call)
         received = self._messages(call, operation)
         call.payload = _payload(call, operation)
@@ -181,7 +181,8 @@ class CommRecorder(CommObserver):
 
 def _torch_function() -> Any:
     """The frame of the outermost torch.distributed function in the calls that led here (`batch_isend_irecv` for
-    each of its sends), or None where no Python function of torch's posted the operation."""
+    each of its sends), or of megalite's function that posted them as one batch (observed.one_batch: it calls
+    the group itself), or None where neither posted the operation."""
     frame, found = sys._getframe(1), None
     while frame is not None and frame.f_code.co_filename in _OURS:
         frame = frame.f_back
@@ -189,7 +190,17 @@ def _torch_function() -> Any:
         if frame.f_code.co_filename == c10d.__file__:
             found = frame
         frame = frame.f_back
+    if found is None and frame is not None and frame.f_code in observed.BATCHES:
+        return frame
     return found
+
+
+def _call_name(frame: Any, operation: GroupCall) -> str:
+    """torch's function's name; megalite's batch is named as torch's, `batch_isend_irecv` (what NCCL runs is the
+    same); an operation no function of either posted, by its own name."""
+    if frame is None:
+        return operation.operation
+    return "batch_isend_irecv" if frame.f_code in observed.BATCHES else frame.f_code.co_name
 
 
 def _agreed_tensor(operation: GroupCall) -> torch.Tensor | None:

@@ -49,15 +49,25 @@ class ScheduleObserver:
 
 
 @dataclass
-class Trace(ScheduleObserver):
+class PeakInFlight(ScheduleObserver):
+    """The peak number of micro batches in flight on this rank (forward run, gradients not all computed: stored
+    activations, and under a zero-bubble schedule weight-gradient inputs held for W), and nothing else: what a
+    timed step can watch without adding the host time of a trace between its operations."""
+
+    peak_in_flight: int = field(default=0, kw_only=True)  # after the fields of a subclass, e.g. Trace(device)
+
+    def after(self, op: ScheduleOp, in_flight: InFlight) -> None:
+        self.peak_in_flight = max(self.peak_in_flight, in_flight.count)
+
+
+@dataclass
+class Trace(PeakInFlight):
     """Per-rank record of every operation (its start and end as marks on the device's timeline,
     timing.py; a paired operation's two parts each with the pair's), and the peak number of micro batches in
-    flight (forward run, gradients not all computed: stored activations, and under a zero-bubble schedule
-    weight-gradient inputs held for W)."""
+    flight."""
 
     device: torch.device = torch.device("cpu")
     events: list[tuple[str, int, int, Mark, Mark, bool]] = field(default_factory=list)
-    peak_in_flight: int = 0
     anchor: float | None = None  # the host clock at the first mark: where device time 0 sits among ranks
     started: Mark | None = field(default=None, repr=False)  # the running operation's start
 
@@ -68,7 +78,7 @@ class Trace(ScheduleObserver):
         end = self.mark()
         self.events += [(part.kind, part.chunk, part.microbatch, self.started, end, len(op.parts) > 1)
                         for part in op.parts]
-        self.peak_in_flight = max(self.peak_in_flight, in_flight.count)
+        super().after(op, in_flight)
 
     def mark(self) -> Mark:
         if self.anchor is None:
@@ -154,7 +164,7 @@ class InFlight:
     that has a W (`deferring`: its chunk and micro batch) its weight-gradient work until that W."""
 
     forward_step: ForwardStep
-    deferring: set[tuple[int, int]]
+    deferring: frozenset[tuple[int, int]]
     after_backward: Callable[[], None] | None
     stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
     weights: dict[tuple[int, int], WeightGradients] = field(default_factory=dict)
@@ -190,6 +200,34 @@ class InFlight:
         return list(self.weights.values())
 
 
+@dataclass(frozen=True)
+class _Program:
+    """A rank's part of a schedule, the same every step: its operations, what each part of each consumes and
+    produces (plan.py's needs and sends), the chunks whose last weight gradients each operation computes, and the
+    (chunk, micro batch) whose backward leaves its weight gradients to a W. Worked out once (`_program`), not at
+    each step's start or between operations, where its host time would delay the next one."""
+
+    ops: list[ScheduleOp]
+    consumes: list[list[Message | None]]
+    produces: list[list[Message | None]]
+    last_grads: dict[int, list[int]]
+    deferring: frozenset[tuple[int, int]]
+
+
+@functools.lru_cache(maxsize=64)
+def _program(spec: ScheduleSpec, me: PipelineStage, microbatches: int) -> _Program:
+    ops = spec.rank_ops(me.pp, me.vp, me.rank, microbatches)
+    last: dict[int, int] = {}
+    for (chunk, _), index in weight_gradient_ops(ops).items():
+        last[chunk] = max(last.get(chunk, index), index)
+    last_grads: dict[int, list[int]] = defaultdict(list)
+    for chunk in sorted(last):
+        last_grads[last[chunk]].append(chunk)
+    return _Program(ops, [[needs(me, part) for part in op.parts] for op in ops],
+                    [[sends(me, part) for part in op.parts] for op in ops], dict(last_grads),
+                    frozenset((op.chunk, op.microbatch) for op in ops if op.kind == W))
+
+
 def run_schedule(schedule: str | ScheduleSpec, microbatches: int, forward_step: ForwardStep, me: PipelineStage,
                  comm: PipelineComm | None, observers: Sequence[ScheduleObserver] = (),
                  before_last_grads: Callable[[int], None] | None = None,
@@ -203,33 +241,30 @@ def run_schedule(schedule: str | ScheduleSpec, microbatches: int, forward_step: 
     if me.order != spec.chunk_order:
         raise ValueError(f"schedule {spec.name} runs on stages in the {spec.chunk_order.name} chunk order, not "
                          f"{me.order.name}: build them with its spec (ScheduleSpec.stage)")
-    ops = spec.rank_ops(me.pp, me.vp, me.rank, microbatches)
+    program = _program(spec, me, microbatches)
     mailbox = _Mailbox(comm, communication_plan(spec, me.pp, me.vp, microbatches)[me.rank] if comm else None)
-    last_grads: dict[int, int] = {}
-    for (chunk, _), index in weight_gradient_ops(ops).items():
-        last_grads[chunk] = max(last_grads.get(chunk, index), index)
-    in_flight = InFlight(forward_step, {(op.chunk, op.microbatch) for op in ops if op.kind == W}, after_backward)
-    for index, op in enumerate(ops):
+    in_flight = InFlight(forward_step, program.deferring, after_backward)
+    for index, op in enumerate(program.ops):
         mailbox.post(index)
         if before_last_grads is not None:
-            for chunk in sorted(c for c, last in last_grads.items() if last == index):
+            for chunk in program.last_grads.get(index, ()):
                 before_last_grads(chunk)
         for observer in observers:
             observer.before(op)
-        _run(op, me, mailbox, in_flight, pairs, observers)
+        _run(op, program.consumes[index], program.produces[index], mailbox, in_flight, pairs, observers)
         for observer in observers:
             observer.after(op, in_flight)
-    mailbox.post(len(ops))
+    mailbox.post(len(program.ops))
     mailbox.finish()
     if in_flight.count:
         raise RuntimeError(f"schedule {spec.name} left forwards without backward or weight gradients: "
                            f"{[*in_flight.stored, *in_flight.weights]}")
 
 
-def _run(op: ScheduleOp, me: PipelineStage, mailbox: _Mailbox, in_flight: InFlight, pairs: PairRunner,
-         observers: Sequence[ScheduleObserver]) -> None:
+def _run(op: ScheduleOp, consumes: list[Message | None], produces: list[Message | None], mailbox: _Mailbox,
+         in_flight: InFlight, pairs: PairRunner, observers: Sequence[ScheduleObserver]) -> None:
     """Take what `op`'s parts consume, run them (a pair through `pairs`), send what they produce."""
-    received = [mailbox.take(need) if (need := needs(me, part)) is not None else None for part in op.parts]
+    received = [None if need is None else mailbox.take(need) for need in consumes]
 
     def run_part(part: Op, x: torch.Tensor | None) -> torch.Tensor | None:
         result = in_flight.run(part, x)
@@ -241,7 +276,6 @@ def _run(op: ScheduleOp, me: PipelineStage, mailbox: _Mailbox, in_flight: InFlig
         results = [in_flight.run(op, received[0])]
     else:
         results = pairs.run([functools.partial(run_part, part, x) for part, x in zip(op.parts, received)])
-    for part, result in zip(op.parts, results):
-        message = sends(me, part)
+    for message, result in zip(produces, results):
         if message is not None:
             mailbox.send(message, result)
