@@ -8,11 +8,13 @@ matches the planner within 5% on every simulated rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,8 +35,23 @@ from megalite.planning.measure import MEASUREMENT, measurement_config, rank_memo
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_live_bytes_follow_storages_until_they_die_or_shrink():
-    with fake_tensors(), LiveBytes().counting() as live:
+@contextlib.contextmanager
+def _counted(how: str) -> Iterator[LiveBytes]:
+    """Fake tensors whose storages a LiveBytes counts: as a mode of its own above the fake mode, or from inside
+    the fake mode (how the dry run counts, one dispatch per call)."""
+    live = LiveBytes()
+    with contextlib.ExitStack() as stack:
+        for context in (fake_tensors(), live.counting()) if how == "own mode" else (fake_tensors(live),):
+            stack.enter_context(context)
+        yield live
+
+
+COUNTINGS = ["own mode", "inside the fake mode"]
+
+
+@pytest.mark.parametrize("how", COUNTINGS)
+def test_live_bytes_follow_storages_until_they_die_or_shrink(how):
+    with _counted(how) as live:
         a = torch.empty(1000)  # 4000 bytes
         view = a[10:20]
         with live.making("weights"):
@@ -50,8 +67,9 @@ def test_live_bytes_follow_storages_until_they_die_or_shrink():
         assert live.live == 0 and live.at_peak == {"transient": 4000, "weights": 1000}
 
 
-def test_what_autograd_saves_counts_as_activations():
-    with fake_tensors(), LiveBytes().counting() as live:
+@pytest.mark.parametrize("how", COUNTINGS)
+def test_what_autograd_saves_counts_as_activations(how):
+    with _counted(how) as live:
         w = torch.empty(64, 64, requires_grad=True)
         live.label([w], "weights")
         x = torch.empty(8, 64)
