@@ -2,7 +2,8 @@
 
 torch ships a fake process group for testing (FakeProcessGroup): every collective and point-to-point call
 returns at once and moves no data, so one process can stand for rank r of 16,384 and build every group that
-rank joins; its groups are observed ones (parallel/observed.py), whose calls the NCCL-rule recorder records.
+rank joins; its groups are observed ones (parallel/observed.py), whose calls the NCCL-rule recorder records, and
+they skip the copies torch's fake group makes to fill a collective's output (nothing to fill in a fake tensor).
 Fake tensors (torch._subclasses.FakeTensorMode) carry shapes, dtypes and storage sizes but allocate nothing,
 so the real model, buffers and optimizer of a 405B-parameter layout fit here. The device stays the CPU: the
 CPU code paths run (autocast, attention kernels), which CUDA cannot be made to on a machine without one. Where
