@@ -31,6 +31,7 @@ from megalite.dryrun.rank_step import simulate_rank
 from megalite.dryrun.report import TOLERANCE, difference, exit_status, fits, format_dry_run
 from megalite.dryrun.roles import Role, roles
 from megalite.dryrun.run import dry_run
+from megalite.parallel.mappings import all_gather_single, reduce_scatter_single
 from megalite.parallel.storage import resize_storage
 from megalite.planning.measure import MEASUREMENT, measurement_config, rank_memory
 
@@ -111,9 +112,12 @@ COLLECTIVES = [("all_gather", (16, 4), (2, 4)), ("all_gather", (16, 4), (1, 4)),
                ("all_to_all", (0, 4), (12, 5), [0] * 8, [2] * 6 + [0, 0])]
 
 
-# How the dry run's group is called (torch.distributed's functions) and torch's fake group's method for each
-POSTS = {"all_gather": (lambda out, given, _: dist.all_gather_into_tensor(out, given), "_allgather_base"),
-         "reduce_scatter": (lambda out, given, _: dist.reduce_scatter_tensor(out, given), "_reduce_scatter_base"),
+# How the dry run's group is called (megalite's and torch.distributed's functions), and torch's fake group's
+# method for each
+POSTS = {"all_gather": (lambda out, given, _: all_gather_single(out, given, dist.group.WORLD),
+                        "_allgather_base"),
+         "reduce_scatter": (lambda out, given, _: reduce_scatter_single(out, given, dist.group.WORLD),
+                            "_reduce_scatter_base"),
          "all_to_all": (lambda out, given, splits: dist.all_to_all_single(out, given, *splits), "alltoall_base")}
 
 
