@@ -8,33 +8,53 @@ matches the planner within 5% on every simulated rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_ranks
 from test_examples import PLAN_LINE, PLANNED
+from torch._C._distributed_c10d import FakeProcessGroup
 
 from megalite.config_cli import apply_mapping, parse_config
-from megalite.dryrun.fake_world import fake_tensors
+from megalite.dryrun.fake_world import fake_rank, fake_tensors
 from megalite.dryrun.live_bytes import LiveBytes
 from megalite.dryrun.rank_step import simulate_rank
 from megalite.dryrun.report import TOLERANCE, difference, exit_status, fits, format_dry_run
 from megalite.dryrun.roles import Role, roles
 from megalite.dryrun.run import dry_run
+from megalite.parallel.mappings import all_gather_single, reduce_scatter_single
 from megalite.parallel.storage import resize_storage
 from megalite.planning.measure import MEASUREMENT, measurement_config, rank_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_live_bytes_follow_storages_until_they_die_or_shrink():
-    with fake_tensors(), LiveBytes().counting() as live:
+@contextlib.contextmanager
+def _counted(how: str) -> Iterator[LiveBytes]:
+    """Fake tensors whose storages a LiveBytes counts: as a mode of its own above the fake mode, or from inside
+    the fake mode (how the dry run counts, one dispatch per call)."""
+    live = LiveBytes()
+    with contextlib.ExitStack() as stack:
+        for context in (fake_tensors(), live.counting()) if how == "own mode" else (fake_tensors(live),):
+            stack.enter_context(context)
+        yield live
+
+
+COUNTINGS = ["own mode", "inside the fake mode"]
+
+
+@pytest.mark.parametrize("how", COUNTINGS)
+def test_live_bytes_follow_storages_until_they_die_or_shrink(how):
+    with _counted(how) as live:
         a = torch.empty(1000)  # 4000 bytes
         view = a[10:20]
         with live.making("weights"):
@@ -50,8 +70,9 @@ def test_live_bytes_follow_storages_until_they_die_or_shrink():
         assert live.live == 0 and live.at_peak == {"transient": 4000, "weights": 1000}
 
 
-def test_what_autograd_saves_counts_as_activations():
-    with fake_tensors(), LiveBytes().counting() as live:
+@pytest.mark.parametrize("how", COUNTINGS)
+def test_what_autograd_saves_counts_as_activations(how):
+    with _counted(how) as live:
         w = torch.empty(64, 64, requires_grad=True)
         live.label([w], "weights")
         x = torch.empty(8, 64)
@@ -76,6 +97,51 @@ def test_a_simulated_rank_holds_the_model_state_real_ranks_hold():
         held = real[role.rank]
         assert (run.memory["weights"], run.memory["gradients"], run.memory["main_weights"],
                 run.memory["optimizer"]) == (held["params"], held["grads"], held["main"], held["state"]), role
+
+
+# (collective, output shape, input shape, output splits, input splits) on 8 ranks: tensors that fit and that do not
+COLLECTIVES = [("all_gather", (16, 4), (2, 4)), ("all_gather", (16, 4), (1, 4)), ("all_gather", (16, 4), (3, 4)),
+               ("all_gather", (15, 4), (2, 4)), ("all_gather", (64, 2), (8,)),
+               ("reduce_scatter", (2, 4), (16, 4)), ("reduce_scatter", (2, 4), (15, 4)),
+               ("reduce_scatter", (3, 4), (16, 4)), ("reduce_scatter", (8, 1), (64,)),
+               ("all_to_all", (16, 4), (16, 4), [], []), ("all_to_all", (16, 4), (12, 4), [], []),
+               ("all_to_all", (10, 4), (12, 4), [1] * 7 + [3], [2] * 6 + [0, 0]),
+               ("all_to_all", (10, 4), (12, 4), [1] * 7 + [2], [2] * 6 + [0, 0]),
+               ("all_to_all", (10, 4), (0, 4), [1] * 7 + [3], [0] * 8),
+               ("all_to_all", (10, 4), (12, 5), [1] * 7 + [3], [2] * 6 + [0, 0]),
+               ("all_to_all", (0, 4), (12, 5), [0] * 8, [2] * 6 + [0, 0])]
+
+
+# How the dry run's group is called (megalite's and torch.distributed's functions), and torch's fake group's
+# method for each
+POSTS = {"all_gather": (lambda out, given, _: all_gather_single(out, given, dist.group.WORLD),
+                        "_allgather_base"),
+         "reduce_scatter": (lambda out, given, _: reduce_scatter_single(out, given, dist.group.WORLD),
+                            "_reduce_scatter_base"),
+         "all_to_all": (lambda out, given, splits: dist.all_to_all_single(out, given, *splits), "alltoall_base")}
+
+
+def _refused(post: Callable[..., object], *args: object) -> bool:
+    try:
+        post(*args)
+    except (RuntimeError, IndexError, ValueError):
+        return True
+    return False
+
+
+def test_the_fake_worlds_collectives_refuse_what_torchs_fake_group_refuses():
+    """The dry run's groups skip the copies torch's fake group makes to fill a collective's output from its input
+    (there is nothing to fill in a fake tensor); tensors that would not fit those copies, or torch's split rules,
+    are refused all the same."""
+    for rank in (0, 3, 7):
+        torch_group = FakeProcessGroup._create_internal(rank, 8)
+        with fake_rank(rank, 8), fake_tensors():
+            for name, out_shape, in_shape, *splits in COLLECTIVES:
+                ours, theirs = POSTS[name]
+                out, given = torch.empty(out_shape), torch.empty(in_shape)
+                refused = _refused(ours, out, given, splits)
+                assert refused == _refused(getattr(torch_group, theirs), out, given, *splits), (rank, name, splits,
+                                                                                                 out_shape, in_shape)
 
 
 def _example(path: Path) -> tuple[int, str]:

@@ -2,7 +2,8 @@
 
 torch ships a fake process group for testing (FakeProcessGroup): every collective and point-to-point call
 returns at once and moves no data, so one process can stand for rank r of 16,384 and build every group that
-rank joins; its groups are observed ones (parallel/observed.py), whose calls the NCCL-rule recorder records.
+rank joins; its groups are observed ones (parallel/observed.py), whose calls the NCCL-rule recorder records, and
+they skip the copies torch's fake group makes to fill a collective's output (nothing to fill in a fake tensor).
 Fake tensors (torch._subclasses.FakeTensorMode) carry shapes, dtypes and storage sizes but allocate nothing,
 so the real model, buffers and optimizer of a 405B-parameter layout fit here. The device stays the CPU: the
 CPU code paths run (autocast, attention kernels), which CUDA cannot be made to on a machine without one. Where
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from megalite.dryrun.live_bytes import LiveBytes
 from megalite.model.cross_entropy import ACCELERATOR_CHUNK_BYTES
 from megalite.model.head import LMHead
 from megalite.parallel import observed
@@ -39,10 +42,37 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+class _CountingFakeTensorMode(FakeTensorMode):
+    """Fake tensors whose every operation's outputs are counted by a LiveBytes (`live.observe`), in the fake mode's
+    own dispatch: a LiveBytes mode stacked above it would cost every call a second Python dispatch, and more than
+    half the calls of a step are the device queries torch makes of fake tensors (a fifth of a step's time, with
+    nothing to count). Only the calls a mode above would see are counted, not those the fake mode makes through
+    itself to run one (decompositions), hence the depth."""
+
+    def __init__(self, live: LiveBytes) -> None:
+        super().__init__()
+        self.live, self.depth = live, 0
+
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.depth += 1
+        try:
+            out = super().dispatch(func, types, args, kwargs or {})
+        finally:
+            self.depth -= 1
+        if self.depth == 0:
+            self.live.observe(func, args, out)
+        return out
+
+
 @contextlib.contextmanager
-def fake_tensors() -> Iterator[FakeTensorMode]:
-    """Every tensor made inside the block is fake: shapes and sizes, no memory, no values to read."""
-    with FakeTensorMode() as mode:
+def fake_tensors(live: LiveBytes | None = None) -> Iterator[FakeTensorMode]:
+    """Every tensor made inside the block is fake: shapes and sizes, no memory, no values to read. With `live`,
+    every storage is counted there as `live.counting()` counts it (what autograd saves as activations)."""
+    if live is None:
+        with FakeTensorMode() as mode:
+            yield mode
+        return
+    with _CountingFakeTensorMode(live) as mode, live.counting_saved():
         yield mode
 
 

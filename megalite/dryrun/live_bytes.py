@@ -70,15 +70,22 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.observe(func, args, out)
+        return out
+
+    def observe(self, func: Any, args: tuple, out: Any) -> None:
+        """Count what operation `func` on `args` made (`out`) or resized: this mode's own dispatch calls it, and so
+        does a fake-tensor mode that counts into this object itself (fake_world.py `fake_tensors`)."""
         if func is RESIZE:  # ZeRO-3 frees or re-grows a gathered bucket, the pipeline frees a sent activation
             key = id(args[0].untyped_storage())
             if key in self.entries:
                 self._resize(key, args[0].untyped_storage().nbytes())
-            return out
-        for value in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                self._track(value.untyped_storage())
-        return out
+        elif isinstance(out, torch.Tensor):
+            self._track(out.untyped_storage())
+        elif isinstance(out, (tuple, list)):  # not the devices, sizes and flags most calls return
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, torch.Tensor):
+                    self._track(value.untyped_storage())
 
     def _track(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
@@ -151,11 +158,18 @@ class LiveBytes(TorchDispatchMode):
     def counting(self) -> Iterator[LiveBytes]:
         """Activate the mode (which follows storage resizes, parallel/storage.py) and mark what autograd saves as
         activations."""
+        with self, self.counting_saved():
+            yield self
+
+    @contextlib.contextmanager
+    def counting_saved(self) -> Iterator[LiveBytes]:
+        """Mark what autograd saves as activations (inside a mode that calls `observe`, `counting` without the
+        mode)."""
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             if self.kind_of(tensor) == "transient":
                 self.relabel(tensor.untyped_storage(), "activations")
             return tensor
 
-        with self, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield self

@@ -112,7 +112,7 @@ def simulate_rank(cfg: Config, world_size: int, role: Role, microbatches: int, s
                                         cfg.model.num_experts > 0)
         seconds["groups"] = time.perf_counter() - start
         live = LiveBytes(sites)
-        with fake_tensors(), live.counting():
+        with fake_tensors(live):
             start = time.perf_counter()
             with init.draws_inside(lambda: live.making("host")):
                 trainer = build_trainer(cfg, topology)

@@ -6,8 +6,11 @@ which a 1F1B-style schedule reaches after its warm-up, so a long step repeats it
 peak. Tests use the short step; tools/dry_run.py runs the whole one by default.
 
 The simulated ranks and the pipeline's replay share nothing (each builds its own fake world), so they run side
-by side, one process per core (parallel/spawn.py map_in_processes): the same results, in a half or a third of
-the time on a machine with two or more cores.
+by side (parallel/spawn.py map_in_processes): the same results, in a half or a third of the time on a machine
+with two or more cores. One process per task, not per core: three ranks of about equal cost on two cores finish
+in about 1.5 ranks' time when the cores are shared between the three, where two processes finish in 2 (the
+third rank waits for a free process). Each extra process pays the fake-tensor cache's warm-up (a few seconds)
+and holds one rank's fake world (a few hundred MB).
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def dry_run(cfg: Config, world_size: int, microbatches: int | str = "all", sites
             workers: int | None = None) -> DryRun:
     """Dry-run `cfg` at `world_size` ranks, simulating `microbatches` per step: a number, "all" (the config's)
     or "peak" (`shortest_same_peak`); `sites`: name the code that made the largest tensors at each peak;
-    `workers`: processes that simulate ranks at once (default: one per core; 1 runs everything in this process).
+    `workers`: processes that simulate ranks at once (default: one per task where there is more than one core, see
+    the module docstring; 1 runs everything in this process).
     Raises ConfigError for an invalid config, ValueError for a layout the dry run cannot simulate."""
     start = time.perf_counter()
     validate(cfg, world_size)
@@ -109,7 +113,7 @@ def dry_run(cfg: Config, world_size: int, microbatches: int | str = "all", sites
     p = cfg.parallel
     pipeline = [(_replay, (p.pipeline_schedule, p.pp, p.vp, full))] if p.pp > 1 else []
     tasks = [(_simulate, (simulated, world_size, role, count, sites)) for role in chosen] + pipeline
-    results = map_in_processes(tasks, workers or available_cores())
+    results = map_in_processes(tasks, workers or (len(tasks) if available_cores() > 1 else 1))
     for role, result in zip(chosen, results, strict=False):
         if isinstance(result, RankRun):
             report.ranks.append(result)

@@ -1,7 +1,8 @@
 """Observed process groups: the seam through which a verifier or a meter sees every communication call.
 
 torch.distributed lets a package register a backend of its own (`Backend.register_backend`). The backends here
-run every call on gloo (`observed_gloo`) or on torch's fake process group (`observed_fake`, the dry run) and
+run every call on gloo (`observed_gloo`) or on torch's fake process group (`observed_fake`, the dry run; minus
+the copies it makes to fill outputs, `_DataFree`) and
 tell the observers registered in this process (`observing`) about each call a group posts, before and after
 it runs, and about each wait on it. With none registered a call costs one list check. The NCCL-rule recorder
 (dryrun/nccl_rules/record.py) and the tensor-parallel benchmark's communication meter are observers; the tools
@@ -136,7 +137,7 @@ class ObservedGroup(dist.ProcessGroup):
 
     def __init__(self, backend: Any, rank: int, size: int, devices: list[str]) -> None:
         super().__init__(rank, size)
-        self.backend = backend
+        self.backend = self.runner = backend  # the runner runs the calls (the dry run's: _DataFree)
         for device in devices:  # what torch reads a group's device types and default device from
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
 
@@ -144,7 +145,7 @@ class ObservedGroup(dist.ProcessGroup):
         return self.backend.name()
 
     def _run(self, operation: str, *arguments: Any, **keywords: Any) -> dist.Work:
-        run = getattr(self.backend, OPERATIONS[operation])
+        run = getattr(self.runner, OPERATIONS[operation])
         if not _observers:
             return run(*arguments, **keywords)
         call, observers = GroupCall(self, operation, arguments, keywords), list(_observers)
@@ -211,11 +212,81 @@ def _gloo_group(options: Any, backend_options: Any) -> ObservedGroup:
     return ObservedGroup(gloo, options.group_rank, options.group_size, ["cpu"])
 
 
+class _Done(dist.Work):
+    """A call complete when posted, as torch's fake group's are."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def _pieces(shape: torch.Size, count: int) -> list[torch.Size]:
+    """The shapes of torch.chunk(tensor of `shape`, count) along dim 0."""
+    step = -(-shape[0] // count)
+    return [torch.Size((min(step, shape[0] - start), *shape[1:])) for start in range(0, shape[0], step)]
+
+
+def _copyable(source: torch.Size, targets: list[torch.Size], call: str) -> None:
+    """What `target.copy_(source)` checks of the shapes, for each target (the source broadcasts to it)."""
+    for target in targets:
+        if torch.broadcast_shapes(source, target) != target:
+            raise RuntimeError(f"{call}: a tensor of shape {list(source)} does not fit {list(target)}")
+
+
+class _DataFree:
+    """torch's fake process group (FakeProcessGroup.hpp) without the copies its all-gather, reduce-scatter and
+    all-to-all make to fill their output from their input. On fake tensors there is nothing to fill, and each
+    copy is a fake-tensor dispatch: an all-gather over 8 ranks is a chunk and 8 copies, a seventh of the calls
+    a llama_70b rank's step dispatches. What those copies would check is checked here (the input fits every
+    piece of the output it would be copied into, torch's split-size rules); every other call is the fake group's."""
+
+    def __init__(self, fake: Any, rank: int, size: int) -> None:
+        self.fake, self.rank, self.size = fake, rank, size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fake, name)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, *_options: Any) -> dist.Work:
+        _copyable(input.shape, _pieces(output.shape, self.size), "all_gather_into_tensor")
+        return _Done()
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, *_options: Any) -> dist.Work:
+        if input.numel() != output.numel() * self.size:
+            raise RuntimeError("reduce_scatter_tensor: input tensor must be the same size as output size times world "
+                               "size")
+        _copyable(_pieces(input.shape, self.size)[self.rank], [output.shape], "reduce_scatter_tensor")
+        return _Done()
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                      input_splits: list[int], *_options: Any) -> dist.Work:
+        for splits, tensor in ((input_splits, input), (output_splits, output)):
+            if not splits and tensor.shape[0] % self.size:
+                raise RuntimeError("all_to_all_single: Tensor's dim 0 does not divide equally across group size")
+            if splits and (len(splits) != self.size or sum(splits) != tensor.shape[0]):
+                raise RuntimeError("all_to_all_single: split sizes do not match the group size or dim 0's size")
+        if not output_splits and not input_splits:
+            _copyable(input.shape, [output.shape], "all_to_all_single")
+        elif any(output_splits):  # each output slot is filled from the input's first rows
+            if input.shape[0] == 0:
+                raise RuntimeError("all_to_all_single: the input is empty but the output expects rows")
+            _copyable(torch.Size((1, *input.shape[1:])), [torch.Size((1, *output.shape[1:]))], "all_to_all_single")
+        return _Done()
+
+
 def _fake_group(options: Any, backend_options: Any) -> ObservedGroup:
     from torch._C._distributed_c10d import FakeProcessGroup
 
     fake = FakeProcessGroup._create_internal(options.group_rank, options.group_size, backend_options)
-    return ObservedGroup(fake, options.group_rank, options.group_size, ["cpu", "meta"])
+    group = ObservedGroup(fake, options.group_rank, options.group_size, ["cpu", "meta"])
+    group.runner = _DataFree(fake, options.group_rank, options.group_size)
+    return group
 
 
 dist.Backend.register_backend(GLOO, _gloo_group, extended_api=True, devices=["cpu"])
